@@ -1,0 +1,333 @@
+"""Reading release checkpoints: sharded safetensors in DeepSeek-V4.1's storage format.
+
+Storage (names are the reference's state_dict names, no `model.` prefix):
+  FP8 linear  `X.weight` F8_E4M3 [out, in] + `X.scale` F8_E8M0 [ceil(out/32), ceil(in/32)]
+  FP4 expert  `X.weight` I8 [out, in/2] (E2M1 pairs, low nibble first) + `X.scale` F8_E8M0 [out, in/32]
+  engram table `embed.weight` F8_E4M3 [rows, d] + `embed.scale` F8_E8M0 [rows, d/32] (memory-mapped)
+  everything else BF16 or F32.
+
+Loading is strict: every tensor the config implies must be present with the
+right dtype and shape, and every tensor present must be used (vision tensors
+of a release with a vision tower are listed and skipped). Weights stay in
+release precision: FP8 and FP4 bits are repacked, never dequantised.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+from collections import defaultdict
+from pathlib import Path
+
+import mlx.core as mx
+
+from .config import ModelArgs
+from .quant import fp4_rows_to_mx, fp8_tiles_to_mx
+
+log = logging.getLogger("dsv41_mlx")
+
+INDEX_FILE = "model.safetensors.index.json"
+_DTYPE_BYTES = {"F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "U8": 1, "BF16": 2, "F16": 2, "F32": 4, "I32": 4, "I64": 8}
+_VISION_PREFIXES = ("vision.", "aligner.", "image_start", "image_end", "image_newline")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match its config or is damaged."""
+
+
+# ---------------------------------------------------------------- the contract
+
+def _ceil32(n: int) -> int:
+    return -(-n // 32)
+
+
+def expected_tensors(args: ModelArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every tensor a release checkpoint of this config holds: name -> (dtype, shape)."""
+    spec: dict[str, tuple[str, tuple[int, ...]]] = {}
+    dim, hc = args.hidden_size, args.hc_mult
+
+    def fp8(name, out_dim, in_dim):
+        spec[f"{name}.weight"] = ("F8_E4M3", (out_dim, in_dim))
+        spec[f"{name}.scale"] = ("F8_E8M0", (_ceil32(out_dim), _ceil32(in_dim)))
+
+    def fp4(name, out_dim, in_dim):
+        spec[f"{name}.weight"] = ("I8", (out_dim, in_dim // 2))
+        spec[f"{name}.scale"] = ("F8_E8M0", (out_dim, in_dim // 32))
+
+    def bf16(name, *shape):
+        spec[name] = ("BF16", tuple(shape))
+
+    def f32(name, *shape):
+        spec[name] = ("F32", tuple(shape))
+
+    def block(p, layer_id):
+        heads, hd = args.num_attention_heads, args.head_dim
+        f32(f"{p}.attn.attn_sink", heads)
+        fp8(f"{p}.attn.wq_a", args.q_lora_rank, dim)
+        bf16(f"{p}.attn.q_norm.weight", args.q_lora_rank)
+        fp8(f"{p}.attn.wq_b", heads * hd, args.q_lora_rank)
+        fp8(f"{p}.attn.wkv", hd, dim)
+        bf16(f"{p}.attn.kv_norm.weight", hd)
+        fp8(f"{p}.attn.wo_a", args.o_groups * args.o_lora_rank, heads * hd // args.o_groups)
+        fp8(f"{p}.attn.wo_b", dim, args.o_groups * args.o_lora_rank)
+        backbone = layer_id < args.num_hidden_layers
+        if backbone and layer_id in args.kv_source_layer_ids:
+            bf16(f"{p}.attn.compressor.wkv.weight", hd, dim)
+            if args.compress_ratios[layer_id] > 1:
+                bf16(f"{p}.attn.compressor.wgate.weight", hd, dim)
+            bf16(f"{p}.attn.compressor.norm.weight", hd)
+            bf16(f"{p}.attn.indexer.wk.weight", args.index_head_dim, hd)
+            bf16(f"{p}.attn.indexer.k_norm.weight", args.index_head_dim)
+        if backbone and layer_id in args.index_source_layer_ids:
+            fp8(f"{p}.attn.indexer.wq_b", args.index_n_heads * args.index_head_dim, args.q_lora_rank)
+            bf16(f"{p}.attn.indexer.weights_proj.weight", args.index_n_heads, dim)
+        bf16(f"{p}.attn_norm.weight", dim)
+        bf16(f"{p}.ffn_norm.weight", dim)
+        for part in ("attn", "ffn"):
+            f32(f"{p}.hc_{part}_fn", (2 + hc) * hc, hc * dim)
+            f32(f"{p}.hc_{part}_base", (2 + hc) * hc)
+            f32(f"{p}.hc_{part}_scale", 3)
+        n_experts, _ = args.moe_shape(layer_id)
+        inter = args.moe_intermediate_size
+        bf16(f"{p}.ffn.gate.weight", n_experts, dim)
+        f32(f"{p}.ffn.gate.bias", n_experts)
+        for e in range(n_experts):
+            fp4(f"{p}.ffn.experts.{e}.w1", inter, dim)
+            fp4(f"{p}.ffn.experts.{e}.w2", dim, inter)
+            fp4(f"{p}.ffn.experts.{e}.w3", inter, dim)
+        fp8(f"{p}.ffn.shared_experts.w1", inter, dim)
+        fp8(f"{p}.ffn.shared_experts.w2", dim, inter)
+        fp8(f"{p}.ffn.shared_experts.w3", inter, dim)
+
+    bf16("embed.weight", args.vocab_size, dim)
+    bf16("head.weight", args.vocab_size, dim)
+    bf16("norm.weight", dim)
+    for i in range(args.num_hidden_layers):
+        block(f"layers.{i}", i)
+        if i in args.engram_layer_ids:
+            rows = args.engram_num_embeddings[args.engram_layer_ids.index(i)]
+            d = args.engram_head_dim
+            n_cols = (args.engram_max_ngram_size - 1) * args.engram_n_heads
+            spec[f"layers.{i}.engram.embed.weight"] = ("F8_E4M3", (rows, d))
+            spec[f"layers.{i}.engram.embed.scale"] = ("F8_E8M0", (rows, d // 32))
+            fp8(f"layers.{i}.engram.wkv", dim * (hc + 1), n_cols * d)
+            bf16(f"layers.{i}.engram.q_weight", hc, dim)
+            bf16(f"layers.{i}.engram.k_weight", hc, dim)
+    if args.has_dspark:
+        last = args.num_nextn_predict_layers - 1
+        for k in range(args.num_nextn_predict_layers):
+            p = f"mtp.{k}"
+            block(p, args.num_hidden_layers + k)
+            if k == 0:
+                fp8(f"{p}.main_proj", dim, dim * len(args.dspark_target_layer_ids))
+                bf16(f"{p}.main_norm.weight", dim)
+            if k == last:
+                bf16(f"{p}.norm.weight", dim)
+                bf16(f"{p}.markov_head.embed.weight", args.vocab_size, args.dspark_markov_rank)
+                bf16(f"{p}.markov_head.head.weight", args.vocab_size, args.dspark_markov_rank)
+                bf16(f"{p}.confidence_head.proj.weight", 1, dim + args.dspark_markov_rank)
+    return spec
+
+
+def is_ignored(name: str, args: ModelArgs) -> bool:
+    """Tensors of parts this package does not build (the vision tower and its routing bias)."""
+    return args.has_vision and (name.startswith(_VISION_PREFIXES) or name.endswith(".gate.bias_vl"))
+
+
+# ------------------------------------------------------------- reading shards
+
+def read_header(path: Path) -> dict[str, dict]:
+    """Parse and check one safetensors header against the file's size.
+
+    Returns name -> {"dtype", "shape", "data_offsets"}. A short, truncated or
+    garbled file raises CheckpointError naming it.
+    """
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: not a safetensors file ({size} bytes)")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8 or n > 100 << 20:
+            raise CheckpointError(f"{path}: corrupt safetensors header (claims {n} header bytes, file has {size})")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
+    header.pop("__metadata__", None)
+    data_size = size - 8 - n
+    for name, entry in header.items():
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: corrupt safetensors header entry for {name}") from None
+        if dtype not in _DTYPE_BYTES:
+            raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {dtype}")
+        count = 1
+        for d in shape:
+            count *= d
+        if end - begin != count * _DTYPE_BYTES[dtype] or begin < 0:
+            raise CheckpointError(f"{path}: tensor {name} {dtype}{list(shape)} has {end - begin} bytes of data")
+        if end > data_size:
+            raise CheckpointError(f"{path}: truncated: tensor {name} ends at byte {end} "
+                                  f"of the data section but the file holds only {data_size}")
+    return header
+
+
+def resolve_model_dir(path_or_repo: str | os.PathLike) -> Path:
+    """A local checkpoint directory, or a Hugging Face repo id downloaded with snapshot_download."""
+    path = Path(path_or_repo).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise CheckpointError(f"{path}: expected a checkpoint directory")
+        return path
+    text = str(path_or_repo)
+    if text.startswith((".", "/", "~")) or text.count("/") != 1:
+        raise CheckpointError(f"{text}: no such directory, and not a Hugging Face repo id (owner/name)")
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(text, allow_patterns=["*.json", "*.safetensors", "tokenizer*"]))
+
+
+def shard_headers(model_dir: Path) -> dict[Path, dict[str, dict]]:
+    """Headers of every shard the index names (or of model.safetensors alone)."""
+    index_path = model_dir / INDEX_FILE
+    if index_path.exists():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index_path}: not a valid safetensors index ({e})") from None
+        files = sorted(set(weight_map.values()))
+    elif (model_dir / "model.safetensors").exists():
+        weight_map, files = None, ["model.safetensors"]
+    else:
+        raise CheckpointError(f"{model_dir}: no {INDEX_FILE} and no model.safetensors")
+    headers = {}
+    for name in files:
+        path = model_dir / name
+        if not path.exists():
+            raise CheckpointError(f"{path}: shard listed in {INDEX_FILE} is missing")
+        headers[path] = read_header(path)
+    if weight_map is not None:
+        for tensor, shard in weight_map.items():
+            if tensor not in headers[model_dir / shard]:
+                raise CheckpointError(f"{model_dir / shard}: does not hold {tensor}, which {INDEX_FILE} places there")
+    return headers
+
+
+def check_tensors(args: ModelArgs, headers: dict[Path, dict[str, dict]]) -> dict[str, Path]:
+    """Match the shards against `expected_tensors`; return name -> file for the tensors to load."""
+    expected = expected_tensors(args)
+    where: dict[str, Path] = {}
+    ignored = 0
+    for path, header in headers.items():
+        for name, entry in header.items():
+            if name in where:
+                raise CheckpointError(f"{path}: tensor {name} also appears in {where[name]}")
+            if name not in expected:
+                if is_ignored(name, args):
+                    ignored += 1
+                    continue
+                raise CheckpointError(f"{path}: unexpected tensor {name} {entry['dtype']}{entry['shape']} "
+                                      "(not part of this config's model)")
+            dtype, shape = expected[name]
+            if entry["dtype"] != dtype or tuple(entry["shape"]) != shape:
+                raise CheckpointError(f"{path}: tensor {name} is {entry['dtype']}{list(entry['shape'])}, "
+                                      f"expected {dtype}{list(shape)}")
+            where[name] = path
+    missing = [n for n in expected if n not in where]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"checkpoint is missing tensor {missing[0]}{more}")
+    if ignored:
+        log.info("skipping %d vision tensors (no vision tower is built)", ignored)
+    return where
+
+
+# ------------------------------------------------------------ into the model
+
+def sanitize(name: str) -> str:
+    """Release name -> this package's parameter name (same module tree, MLX-layout fields)."""
+    for part in ("attn", "ffn"):
+        for field in ("fn", "base", "scale"):
+            if name.endswith(f".hc_{part}_{field}"):
+                return name[: -len(f"hc_{part}_{field}")] + f"hc_{part}.{field}"
+    if name.endswith(".scale"):
+        return name[: -len(".scale")] + ".scales"
+    return name
+
+
+def load_weights(model, model_dir: Path, where: dict[str, Path]) -> None:
+    """Load every checked tensor into `model`, repacking FP8/FP4 into MLX layouts, and
+    attach the engram tables as memory maps."""
+    from .engram import EngramTable
+
+    shards = {}
+    for path in sorted(set(where.values())):
+        try:
+            shards[path] = mx.load(str(path))  # lazy: tensors are read when evaluated
+        except Exception as e:  # MLX raises bare RuntimeError/ValueError on damaged files
+            raise CheckpointError(f"{path}: cannot be read ({e})") from None
+
+    def tensor(name):
+        return shards[where[name]][name]
+
+    params: dict[str, mx.array] = {}
+    experts: dict[str, dict[int, mx.array]] = defaultdict(dict)
+    for name in where:
+        if ".engram.embed." in name or name.endswith(".scale"):
+            continue  # tables are memory-mapped below; scales travel with their weights
+        t = tensor(name)
+        if ".ffn.experts." in name:
+            prefix, rest = name.split(".ffn.experts.")
+            e, proj, _ = rest.split(".")
+            stem = f"{prefix}.ffn.experts.{proj}"
+            experts[f"{stem}.weight"][int(e)] = fp4_rows_to_mx(t)
+            experts[f"{stem}.scales"][int(e)] = tensor(name[: -len("weight")] + "scale")
+        elif t.dtype == mx.uint8:  # FP8 linear
+            scale_name = name[: -len("weight")] + "scale"
+            params[sanitize(name)], params[sanitize(scale_name)] = fp8_tiles_to_mx(t, tensor(scale_name))
+        else:
+            params[sanitize(name)] = t
+    for name, per_expert in experts.items():
+        params[name] = mx.stack([per_expert[e] for e in range(len(per_expert))])
+    model.load_weights(list(params.items()), strict=True)
+    mx.eval(model.parameters())
+
+    for i, layer in enumerate(model.layers):
+        if hasattr(layer, "engram"):
+            w, s = f"layers.{i}.engram.embed.weight", f"layers.{i}.engram.embed.scale"
+            layer.engram.table = EngramTable.from_safetensors(where[w], w, s)
+
+
+def load(path_or_repo: str | os.PathLike | None = None):
+    """(model, tokenizer) from a checkpoint directory or Hugging Face repo id.
+
+    With no argument, the embedded default: a small checkpoint in the release
+    format, generated once into the cache directory (see dsv41_mlx.tiny).
+    """
+    from .model import Model
+    from .tokenizer import cached_compressed_token_map, load_tokenizer
+
+    if path_or_repo is None:
+        from .tiny import default_checkpoint
+
+        model_dir = default_checkpoint()
+    else:
+        model_dir = resolve_model_dir(path_or_repo)
+    args = ModelArgs.from_file(model_dir / "config.json")
+    where = check_tensors(args, shard_headers(model_dir))
+    model = Model(args)
+    load_weights(model, model_dir, where)
+    tokenizer = load_tokenizer(model_dir)
+    if model.hasher is not None:
+        token_map, n = cached_compressed_token_map(tokenizer.path)
+        if n != args.engram_compressed_vocab_size:
+            raise CheckpointError(f"{tokenizer.path}: its compressed vocabulary has {n} ids but config.json "
+                                  f"says engram_compressed_vocab_size = {args.engram_compressed_vocab_size}")
+        model.hasher.token_map = token_map
+    return model, tokenizer

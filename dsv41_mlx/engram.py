@@ -1,0 +1,183 @@
+"""Engram: hashed n-gram lookups written into the residual stream.
+
+Each position is hashed with the n-grams (2 .. max_ngram_size tokens) that end
+there, over a compressed token vocabulary (tokens that normalise alike share an
+id; see tokenizer.build_compressed_token_map). Every (n-gram size, head) pair
+owns a prime-sized range of the layer's FP8 table. The release tables are
+~200 GB, so they are memory-mapped from the safetensors file and only the rows
+a position needs are read.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .config import ModelArgs
+from .quant import Fp8Linear
+
+F32, BF16 = mx.float32, mx.bfloat16
+
+
+def _is_prime(n: int) -> bool:
+    if n < 2:
+        return False
+    if n % 2 == 0:
+        return n == 2
+    f = 3
+    while f * f <= n:
+        if n % f == 0:
+            return False
+        f += 2
+    return True
+
+
+def bucket_primes(args: ModelArgs) -> list[list[list[int]]]:
+    """[layer][n-gram size - 2][head] bucket moduli.
+
+    For each (layer, n-gram size) the search restarts just below
+    `engram_vocab_size`, and each head takes the next prime not handed out yet.
+    """
+    seen: set[int] = set()
+    layers = []
+    for _ in args.engram_layer_ids:
+        per_size = []
+        for _ in range(args.engram_max_ngram_size - 1):
+            current, heads = args.engram_vocab_size - 1, []
+            for _ in range(args.engram_n_heads):
+                current += 1
+                while not _is_prime(current) or current in seen:
+                    current += 1
+                seen.add(current)
+                heads.append(current)
+            per_size.append(heads)
+        layers.append(per_size)
+    return layers
+
+
+def hash_multipliers(args: ModelArgs) -> np.ndarray:
+    """[layers, max_ngram_size] odd int64 multipliers from a per-layer numpy RNG (seed 10007*layer).
+
+    Bounded so that compressed_id * multiplier cannot overflow int64.
+    """
+    bound = max(1, (np.iinfo(np.int64).max // args.engram_compressed_vocab_size) // 2)
+    rows = [np.random.default_rng(10007 * layer).integers(0, bound, size=(args.engram_max_ngram_size,),
+                                                           dtype=np.int64) * 2 + 1
+            for layer in args.engram_layer_ids]
+    return np.stack(rows)
+
+
+class NgramHasher:
+    """Token ids -> table rows of every engram layer, for the positions of one forward."""
+
+    def __init__(self, args: ModelArgs, token_map: np.ndarray | None = None):
+        self.layer_ids = list(args.engram_layer_ids)
+        self.max_n = args.engram_max_ngram_size
+        self.pad_token_id = args.engram_pad_token_id
+        primes = bucket_primes(args)
+        self.primes = np.array(primes, dtype=np.int64)  # [layers, n-1, heads]
+        flat = self.primes.reshape(len(self.layer_ids), -1)
+        self.offsets = np.concatenate([np.zeros((flat.shape[0], 1), np.int64), np.cumsum(flat, axis=1)[:, :-1]], axis=1)
+        self.multipliers = hash_multipliers(args)  # [layers, max_n]
+        self.token_map = token_map
+
+    def layer_index(self, layer_id: int) -> int:
+        return self.layer_ids.index(layer_id)
+
+    def __call__(self, history: list[int], new: list[int]) -> np.ndarray:
+        """Row ids [S, layers, (max_n-1)*heads] for the positions of `new`, given earlier tokens.
+
+        Look-back stops at the start of the sequence: missing tokens are the
+        pad token's compressed id.
+        """
+        if self.token_map is None:
+            raise RuntimeError("engram needs the compressed token map; load the model with dsv41_mlx.load")
+        lookback = self.max_n - 1
+        context = history[-lookback:] if lookback else []
+        seq = self.token_map[np.asarray(context + list(new), dtype=np.int64)].astype(np.int64)
+        pad = np.int64(self.token_map[self.pad_token_id])
+        S, n_ctx = len(new), len(context)
+        # tokens[s, shift] = compressed id `shift` positions back, pad before the sequence start
+        idx = n_ctx + np.arange(S)[:, None] - np.arange(self.max_n)[None, :]
+        absolute = len(history) + np.arange(S)[:, None] - np.arange(self.max_n)[None, :]
+        tokens = np.where(absolute >= 0, seq[np.clip(idx, 0, None)], pad)  # [S, max_n]
+        products = tokens[:, None, :] * self.multipliers[None]  # [S, layers, max_n]
+        rolling = products[..., 0]
+        hashes = []
+        for n in range(1, self.max_n):
+            rolling = np.bitwise_xor(rolling, products[..., n])
+            hashes.append(rolling[..., None] % self.primes[None, :, n - 1])  # [S, layers, heads]
+        return np.concatenate(hashes, axis=-1) + self.offsets[None]
+
+
+class EngramTable:
+    """Read-only view of one layer's FP8 table (E4M3 codes + an E8M0 scale per 32 columns),
+    memory-mapped from its safetensors file so that only looked-up rows are read."""
+
+    def __init__(self, codes: np.ndarray, scales: np.ndarray):
+        self.codes, self.scales = codes, scales  # [rows, dim] uint8, [rows, dim/32] uint8
+
+    @classmethod
+    def from_safetensors(cls, path: str | Path, weight_name: str, scale_name: str) -> "EngramTable":
+        path = Path(path)
+        with open(path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+        base = 8 + header_len
+
+        def view(name):
+            entry = header[name]
+            begin, end = entry["data_offsets"]
+            return np.memmap(path, dtype=np.uint8, mode="r", offset=base + begin,
+                             shape=tuple(entry["shape"]))
+
+        return cls(view(weight_name), view(scale_name))
+
+    @property
+    def rows(self) -> int:
+        return self.codes.shape[0]
+
+    def lookup(self, ids: np.ndarray) -> mx.array:
+        """Dequantised rows for ids [...] -> bf16 [..., dim]."""
+        flat = ids.reshape(-1)
+        codes = mx.array(np.asarray(self.codes[flat]))
+        scales = mx.array(np.asarray(self.scales[flat]))
+        values = mx.from_fp8(codes, dtype=F32).reshape(flat.shape[0], scales.shape[1], -1)
+        exps = scales.astype(mx.int32) - 127
+        values = values * mx.power(mx.array(2.0, dtype=F32), exps.astype(F32))[..., None]
+        return values.reshape(*ids.shape, -1).astype(BF16)
+
+
+class Engram(nn.Module):
+    """Gated n-gram memory: the looked-up rows give one key per hc copy and a shared value;
+    each copy adds the value scaled by a gate from its normalised dot product with its key."""
+
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__()
+        self.dim, self.hc = args.hidden_size, args.hc_mult
+        n_cols = (args.engram_max_ngram_size - 1) * args.engram_n_heads
+        self.wkv = Fp8Linear(n_cols * args.engram_head_dim, args.hidden_size * (args.hc_mult + 1))
+        self.q_weight = mx.ones((args.hc_mult, args.hidden_size), dtype=BF16)
+        self.k_weight = mx.ones((args.hc_mult, args.hidden_size), dtype=BF16)
+        self.eps = args.rms_norm_eps
+        self.table: EngramTable | None = None  # attached by the checkpoint loader
+
+    def __call__(self, h: mx.array, row_ids: np.ndarray) -> mx.array:
+        """h [S, hc, dim] bf16, row_ids [S, n_cols] -> h with the gated value added (bf16)."""
+        S = h.shape[0]
+        kv = self.wkv(self.table.lookup(row_ids).reshape(S, -1))  # [S, (hc+1)*dim]
+        key = kv[:, : self.hc * self.dim].astype(F32).reshape(S, self.hc, self.dim)
+        value = kv[:, self.hc * self.dim:].astype(F32)
+        weight = self.q_weight.astype(F32) * self.k_weight.astype(F32)
+        hf = h.astype(F32)
+        rstd = (mx.rsqrt(mx.mean(hf * hf, axis=-1) + self.eps)
+                * mx.rsqrt(mx.mean(key * key, axis=-1) + self.eps))
+        dot = (hf * weight * key).sum(axis=-1) * rstd * self.dim ** -0.5  # [S, hc]
+        root = mx.sqrt(mx.maximum(mx.abs(dot), 1e-6))
+        gate = mx.sigmoid(mx.where(dot < 0, -root, root))  # signed square root, as in training
+        return (hf + gate[..., None] * value[:, None, :]).astype(BF16)

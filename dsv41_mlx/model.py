@@ -1,0 +1,605 @@
+"""The DeepSeek-V4.1 target model.
+
+Semantics follow DeepSeek's reference `inference/model.py` (rev dba1be0a),
+including where it rounds to bf16, so that on the CPU this file reproduces the
+reference's outputs (tests/test_parity.py). Shapes in comments use S for the
+rows of this forward, hc for the hyper-connection copies, D for head_dim.
+
+Residual stream: `hc_mult` copies. Each sub-layer collapses them with a
+pre-mix (computed by the previous sub-layer), runs, and expands back through
+post and Sinkhorn-normalised comb mixes of its own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .cache import LayerCache, ModelCache
+from .config import ModelArgs
+from .engram import Engram, NgramHasher
+from .quant import Fp8Linear, fp4_fake_quant, fp8_fake_quant
+
+F32, BF16 = mx.float32, mx.bfloat16
+
+
+# ------------------------------------------------------------------ primitives
+
+def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    """fp32 RMSNorm scaled by `weight`, returned in x's dtype (reference RMSNorm)."""
+    xf = x.astype(F32)
+    y = xf * mx.rsqrt(mx.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (weight.astype(F32) * y).astype(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dims: int, eps: float):
+        super().__init__()
+        self.weight = mx.ones((dims,), dtype=BF16)
+        self.eps = eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Linear(nn.Module):
+    """BF16 weight [out, in], no bias; bf16 in and out (fp32 accumulation)."""
+
+    def __init__(self, in_dims: int, out_dims: int):
+        super().__init__()
+        self.weight = mx.zeros((out_dims, in_dims), dtype=BF16)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return x.astype(BF16) @ self.weight.T
+
+
+class Rope:
+    """Interleaved-pair rotary embedding on the last `dims` features, YaRN optional.
+
+    Matches the reference `precompute_freqs_cis` (fp32 frequencies, YaRN ramp
+    between beta_fast and beta_slow) and `apply_rotary_emb` (pairs (x0, x1)
+    rotated as complex numbers in fp32, result cast back to x's dtype).
+    """
+
+    def __init__(self, dims: int, base: float, original_len: int = 0, factor: float = 1.0,
+                 beta_fast: float = 32, beta_slow: float = 1):
+        self.dims = dims
+        freqs = 1.0 / (np.float32(base) ** (np.arange(0, dims, 2, dtype=np.float32) / np.float32(dims)))
+        if original_len > 0:
+            def corrected_dim(rotations):
+                return dims * math.log(original_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+            low = max(math.floor(corrected_dim(beta_fast)), 0)
+            high = min(math.ceil(corrected_dim(beta_slow)), dims - 1)
+            ramp = np.clip((np.arange(dims // 2, dtype=np.float32) - low) / max(high - low, 1e-3), 0, 1)
+            smooth = (1 - ramp).astype(np.float32)
+            freqs = freqs / np.float32(factor) * (1 - smooth) + freqs * smooth
+        self.freqs = mx.array(freqs.astype(np.float32))
+
+    def __call__(self, x: mx.array, positions: mx.array, inverse: bool = False) -> mx.array:
+        """x [S, ..., F] with positions [S]; rotates x[..., -dims:]."""
+        angles = positions.astype(F32)[:, None] * self.freqs[None, :]  # [S, dims/2]
+        shape = (angles.shape[0],) + (1,) * (x.ndim - 2) + (angles.shape[1],)
+        cos, sin = mx.cos(angles).reshape(shape), mx.sin(angles).reshape(shape)
+        if inverse:
+            sin = -sin
+        head, tail = x[..., : -self.dims], x[..., -self.dims:]
+        pairs = tail.astype(F32).reshape(*tail.shape[:-1], self.dims // 2, 2)
+        x0, x1 = pairs[..., 0], pairs[..., 1]
+        rotated = mx.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1)
+        tail = rotated.reshape(tail.shape).astype(x.dtype)
+        return mx.concatenate([head, tail], axis=-1)
+
+
+def sparse_attention(q: mx.array, window_keys: mx.array, window_mask: mx.array,
+                     picked_keys: mx.array | None, picked_mask: mx.array | None,
+                     sink: mx.array, scale: float) -> mx.array:
+    """Single-latent attention with a per-head sink logit (reference `sparse_attn`).
+
+    q [S, H, D] bf16; window_keys [N, D] shared by every row, window_mask
+    [S, N]; picked_keys [S, K, D] per-row compressed keys, picked_mask [S, K].
+    Keys are also the values. Scores and the softmax denominator are fp32; the
+    probabilities are rounded to bf16 before they weight the values, relative
+    to the row max (the reference does this per 64-key block; one block covers
+    every row at the fixture's sizes). Rows with no visible key give zeros.
+    """
+    qf = q.astype(F32)
+    wk = window_keys.astype(F32)
+    scores = mx.where(window_mask[:, None, :], (qf @ wk.T) * scale, -mx.inf)  # [S, H, N]
+    if picked_keys is not None:
+        pk = picked_keys.astype(F32)
+        picked = mx.where(picked_mask[:, None, :], (qf @ pk.swapaxes(1, 2)) * scale, -mx.inf)
+        scores = mx.concatenate([scores, picked], axis=-1)
+    row_max = mx.maximum(scores.max(axis=-1, keepdims=True), -1e30)
+    p = mx.exp(scores - row_max)
+    denom = p.sum(axis=-1, keepdims=True) + mx.exp(sink.astype(F32)[:, None] - row_max)
+    pb = p.astype(BF16).astype(F32)
+    n = wk.shape[0]
+    out = pb[..., :n] @ wk
+    if picked_keys is not None:
+        out = out + pb[..., n:] @ pk
+    return (out / denom).astype(BF16)
+
+
+# ------------------------------------------------------------ hyper-connections
+
+@dataclass
+class HcMixes:
+    pre: mx.array  # [S, hc]      collapse weights for the NEXT sub-layer
+    post: mx.array  # [S, hc]     expansion of this sub-layer's output
+    comb: mx.array  # [S, hc, hc] residual mixing, doubly stochastic
+
+
+def hc_mixes(x: mx.array, fn: mx.array, scale: mx.array, base: mx.array,
+             hc: int, iters: int, norm_eps: float, eps: float) -> HcMixes:
+    """x [S, hc, dim] -> pre/post/comb mixes (reference hc_mixes + hc_split_sinkhorn, fp32)."""
+    xf = x.reshape(x.shape[0], -1).astype(F32)
+    mixes = (xf @ fn.T) * mx.rsqrt(mx.mean(xf * xf, axis=-1, keepdims=True) + norm_eps)
+    pre = mx.sigmoid(mixes[:, :hc] * scale[0] + base[:hc]) + eps
+    post = 2 * mx.sigmoid(mixes[:, hc: 2 * hc] * scale[1] + base[hc: 2 * hc])
+    comb = (mixes[:, 2 * hc:] * scale[2] + base[2 * hc:]).reshape(-1, hc, hc)
+    comb = mx.exp(comb - comb.max(axis=-1, keepdims=True))
+    comb = comb / comb.sum(axis=-1, keepdims=True) + eps
+    comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(axis=-1, keepdims=True) + eps)
+        comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
+    return HcMixes(pre, post, comb)
+
+
+def sum_copies(terms: mx.array) -> mx.array:
+    """Sum over the hc axis (axis -2), adding the copies one by one in fp32.
+
+    The reference's torch reduction accumulates a short outer axis in order;
+    doing the same keeps every bf16 rounding that follows identical.
+    """
+    total = terms[..., 0, :]
+    for i in range(1, terms.shape[-2]):
+        total = total + terms[..., i, :]
+    return total
+
+
+def hc_pre(x: mx.array, pre: mx.array) -> mx.array:
+    """Collapse copies: [S, hc, dim] x [S, hc] -> [S, dim] (fp32 sum, x's dtype out)."""
+    return sum_copies(pre[..., None] * x.astype(F32)).astype(x.dtype)
+
+
+def hc_post(y: mx.array, residual: mx.array, mixes: HcMixes) -> mx.array:
+    """Expand: copy j = post_j * y + sum_i comb[i, j] * residual_i; [S, dim] -> [S, hc, dim]."""
+    terms = mixes.comb[..., None] * residual.astype(F32)[:, :, None, :]  # [S, i, j, dim]
+    mixed = sum_copies(terms.swapaxes(1, 2))  # sum over i
+    return (mixes.post[..., None] * y.astype(F32)[:, None, :] + mixed).astype(y.dtype)
+
+
+class HyperConnection(nn.Module):
+    """The learned mix parameters of one sub-layer (checkpoint: hc_{attn,ffn}_{fn,base,scale})."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        hc = args.hc_mult
+        self.fn = mx.zeros(((2 + hc) * hc, hc * args.hidden_size), dtype=F32)
+        self.base = mx.zeros(((2 + hc) * hc,), dtype=F32)
+        self.scale = mx.zeros((3,), dtype=F32)
+        self._hc, self._iters = hc, args.hc_sinkhorn_iters
+        self._norm_eps, self._eps = args.rms_norm_eps, args.hc_eps
+
+    def __call__(self, x: mx.array) -> HcMixes:
+        return hc_mixes(x, self.fn, self.scale, self.base, self._hc, self._iters, self._norm_eps, self._eps)
+
+
+# ------------------------------------------------------------------- attention
+
+class Compressor(nn.Module):
+    """Pools each full group of `ratio` positions into one latent (softmax gate over the group).
+
+    Ratio 1 is a plain bf16 projection. Ratio > 1 projects in fp32 and keeps the
+    rows of an unfinished group in the cache until the group completes.
+    Returns the new latents (bf16, normed, before RoPE) and their group ids.
+    """
+
+    def __init__(self, args: ModelArgs, ratio: int):
+        super().__init__()
+        self.ratio = ratio
+        self.wkv = Linear(args.hidden_size, args.head_dim)
+        if ratio > 1:
+            self.wgate = Linear(args.hidden_size, args.head_dim)
+        self.norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, state) -> tuple[mx.array | None, int]:
+        first_group = state.n_groups
+        if self.ratio == 1:
+            state.end += x.shape[0]
+            return self.norm(self.wkv(x)), first_group
+        xf = x.astype(F32)
+        kv = xf @ self.wkv.weight.astype(F32).T
+        score = xf @ self.wgate.weight.astype(F32).T
+        pending_kv, pending_score = state.pending()
+        state.append_raw(kv, score)
+        if pending_kv is not None and pending_kv.shape[0]:
+            kv = mx.concatenate([pending_kv, kv])
+            score = mx.concatenate([pending_score, score])
+        n_full = kv.shape[0] // self.ratio
+        if n_full == 0:
+            return None, first_group
+        kv = kv[: n_full * self.ratio].reshape(n_full, self.ratio, -1)
+        score = score[: n_full * self.ratio].reshape(n_full, self.ratio, -1)
+        pooled = (kv * mx.softmax(score, axis=1, precise=True)).sum(axis=1)
+        return self.norm(pooled.astype(BF16)), first_group
+
+
+class Indexer(nn.Module):
+    """Scores compressed positions per query and keeps the best `index_topk`.
+
+    score[s, t] = sum_h relu(q_sh . k_t) * w_sh with FP4 fake-quantised q and k,
+    rounded to bf16 after the dot, after the weighting and after the head sum,
+    as in the reference. Index-key owners (KV sources) also build the keys.
+    """
+
+    def __init__(self, args: ModelArgs, layer_id: int, owns_keys: bool):
+        super().__init__()
+        self.n_heads, self.head_dim = args.index_n_heads, args.index_head_dim
+        self.topk = args.index_topk
+        self.weight_scale = self.head_dim ** -0.5 * self.n_heads ** -0.5
+        self.is_candidate_source = layer_id == args.candidate_source_layer_id
+        self.uses_candidates = 0 <= args.candidate_source_layer_id < layer_id
+        self.candidate_blocks = args.candidate_topk_blocks
+        self.candidate_block_size = args.candidate_block_size
+        self.wq_b = Fp8Linear(args.q_lora_rank, self.n_heads * self.head_dim)
+        self.weights_proj = Linear(args.hidden_size, self.n_heads)
+        if owns_keys:
+            self.wk = Linear(args.head_dim, self.head_dim)
+            self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+
+    def keys(self, latent: mx.array, positions: mx.array, rope: Rope) -> mx.array:
+        """Index keys of new compressed latents [G, D] at their group positions."""
+        k = rope(self.k_norm(self.wk(latent)), positions)
+        return fp4_fake_quant(k, 32, "e8m0")
+
+    def __call__(self, x, qr, positions, index_keys, visible, rope, shared) -> tuple[mx.array, mx.array]:
+        """Top-k compressed ids per row [S, k] and their validity mask.
+
+        visible [S]: how many groups each row may see (groups finished at or
+        before its position).
+        """
+        S = x.shape[0]
+        q = self.wq_b(qr).reshape(S, self.n_heads, self.head_dim)
+        q = fp4_fake_quant(rope(q, positions), 32, "e8m0")
+        w = (self.weights_proj(x).astype(F32) * self.weight_scale).astype(BF16)  # [S, Hi]
+        dots = mx.maximum(q.astype(BF16) @ index_keys.astype(BF16).T, 0)  # [S, Hi, T] bf16
+        scores = (dots * w[:, :, None]).astype(F32).sum(axis=1).astype(BF16).astype(F32)  # [S, T]
+        n = index_keys.shape[0]
+        scores = mx.where(mx.arange(n)[None, :] < visible[:, None], scores, -mx.inf)
+        if self.is_candidate_source:
+            shared.candidates = self._candidate_mask(scores, visible)
+        elif self.uses_candidates:
+            scores = mx.where(shared.candidates, scores, -mx.inf)
+        k = min(self.topk, n)
+        ids = mx.argpartition(-scores, kth=k - 1, axis=-1)[:, :k]
+        valid = mx.take_along_axis(scores, ids, axis=-1) > -mx.inf
+        return ids, valid
+
+    def _candidate_mask(self, scores: mx.array, visible: mx.array) -> mx.array:
+        """Level one of the two-level top-k: each row keeps its best blocks of positions,
+        the block holding its newest position always included. [S, T] bool."""
+        S, n = scores.shape
+        bs = self.candidate_block_size
+        n_blocks = -(-n // bs)
+        padded = mx.concatenate([scores, mx.full((S, n_blocks * bs - n), -mx.inf)], axis=1)
+        block_scores = padded.reshape(S, n_blocks, bs).max(axis=-1)
+        newest = (visible - 1) // bs
+        block_scores = mx.where(mx.arange(n_blocks)[None, :] == newest[:, None], mx.inf, block_scores)
+        k = min(self.candidate_blocks, n_blocks)
+        top = mx.argpartition(-block_scores, kth=k - 1, axis=-1)[:, :k]
+        keep_top = mx.take_along_axis(block_scores, top, axis=-1) > -mx.inf
+        keep = mx.zeros((S, n_blocks), dtype=mx.bool_)
+        keep = mx.put_along_axis(keep, top, keep_top, axis=-1)
+        return mx.repeat(keep, bs, axis=1)[:, :n]
+
+
+class SharedAttention:
+    """What one forward hands down the layer stack (the reference's module-global
+    `shared_attn`, made explicit): the index sources' top-k and the candidate mask."""
+
+    def __init__(self):
+        self.topk: tuple[mx.array, mx.array] | None = None  # ids [S, k], valid [S, k]
+        self.candidates: mx.array | None = None  # [S, T] bool
+
+
+class Attention(nn.Module):
+    """Sliding-window attention plus, on compressed layers, the indexer's top-k compressed keys.
+
+    One shared 512-d latent serves as key and value for all heads (MQA). The
+    output loses the query RoPE again (inverse rotation) before the grouped
+    low-rank output projection.
+    """
+
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.n_heads, self.head_dim = args.num_attention_heads, args.head_dim
+        self.window = args.sliding_window
+        self.ratio = args.compress_ratios[layer_id]
+        self.n_groups, self.o_lora_rank = args.o_groups, args.o_lora_rank
+        self.scale = self.head_dim ** -0.5
+        self.eps = args.rms_norm_eps
+        dim = args.hidden_size
+
+        self.attn_sink = mx.zeros((self.n_heads,), dtype=F32)
+        self.wq_a = Fp8Linear(dim, args.q_lora_rank)
+        self.q_norm = RMSNorm(args.q_lora_rank, self.eps)
+        self.wq_b = Fp8Linear(args.q_lora_rank, self.n_heads * self.head_dim)
+        self.wkv = Fp8Linear(dim, self.head_dim)
+        self.kv_norm = RMSNorm(self.head_dim, self.eps)
+        self.wo_a = Fp8Linear(self.n_heads * self.head_dim // self.n_groups, self.n_groups * self.o_lora_rank)
+        self.wo_b = Fp8Linear(self.n_groups * self.o_lora_rank, dim)
+
+        is_backbone = layer_id < args.num_hidden_layers
+        self.is_kv_source = is_backbone and layer_id in args.kv_source_layer_ids
+        self.is_index_source = is_backbone and layer_id in args.index_source_layer_ids
+        self.kv_source = args.kv_source_of(layer_id) if self.ratio and is_backbone else None
+        if self.is_kv_source:
+            self.compressor = Compressor(args, self.ratio)
+        if self.is_index_source:
+            self.indexer = Indexer(args, layer_id, owns_keys=self.is_kv_source)
+
+        rd = args.qk_rope_head_dim
+        if self.ratio:
+            self.rope = Rope(rd, args.compress_rope_theta, args.original_max_position_embeddings,
+                             args.rope_factor, args.beta_fast, args.beta_slow)
+        else:  # window-only layers and DSpark stages: plain RoPE, no YaRN
+            self.rope = Rope(rd, args.rope_theta)
+
+    def queries(self, x: mx.array, positions: mx.array) -> tuple[mx.array, mx.array]:
+        """q [S, H, D] with RoPE, and the normed low-rank qr [S, q_lora] the indexer reuses."""
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).reshape(x.shape[0], self.n_heads, self.head_dim)
+        return self.rope(q, positions), qr
+
+    def latent_kv(self, x: mx.array, positions: mx.array) -> mx.array:
+        """Window keys [S, D]: normed, RoPE'd, FP8 fake-quantised over the whole latent."""
+        return fp8_fake_quant(self.rope(self.kv_norm(self.wkv(x)), positions))
+
+    def output(self, o: mx.array, positions: mx.array) -> mx.array:
+        """Undo the query RoPE, then the grouped wo_a (block-diagonal) and wo_b."""
+        S = o.shape[0]
+        o = self.rope(o, positions, inverse=True).reshape(S, self.n_groups, 1, -1)
+        w = self.wo_a.weight.reshape(self.n_groups, self.o_lora_rank, -1)
+        s = self.wo_a.scales.reshape(self.n_groups, self.o_lora_rank, -1)
+        # wo_a is applied to bf16 activations as stored (the reference dequantises it, no act-quant)
+        o = mx.gather_qmm(o.astype(F32), w, s, rhs_indices=mx.arange(self.n_groups), transpose=True, mode="mxfp8")
+        return self.wo_b(o.astype(BF16).reshape(S, -1))
+
+    def __call__(self, x: mx.array, positions: mx.array, cache: LayerCache,
+                 caches: list[LayerCache], shared: SharedAttention) -> mx.array:
+        S = x.shape[0]
+        q, qr = self.queries(x, positions)
+        keys, first = cache.window.update(self.latent_kv(x, positions))
+        key_pos = first + mx.arange(keys.shape[0])
+        window_mask = (key_pos[None, :] <= positions[:, None]) & (key_pos[None, :] > positions[:, None] - self.window)
+
+        picked = picked_mask = None
+        if self.ratio:
+            if self.is_kv_source:
+                self._compress(x, cache)
+            source = caches[self.kv_source].compressor
+            if self.is_index_source:
+                shared.topk = None
+                visible = (positions + 1) // self.ratio
+                if source.n_groups:
+                    shared.topk = self.indexer(x, qr, positions, source.index_keys, visible, self.rope, shared)
+            if shared.topk is not None:
+                ids, picked_mask = shared.topk
+                picked = source.kv[ids]  # [S, k, D]
+        o = sparse_attention(q, keys, window_mask, picked, picked_mask, self.attn_sink, self.scale)
+        return self.output(o, positions)
+
+    def _compress(self, x: mx.array, cache: LayerCache) -> None:
+        """Pool finished groups; store their index keys and RoPE'd FP4 compressed KV."""
+        state = cache.compressor
+        latent, first_group = self.compressor(x, state)
+        if latent is None:
+            return
+        group_pos = (first_group + mx.arange(latent.shape[0])) * self.ratio  # a group sits at its first token
+        index_keys = self.indexer.keys(latent, group_pos, self.rope)
+        kv = fp4_fake_quant(self.rope(latent, group_pos), 16, "e4m3")
+        state.append_groups(kv, index_keys)
+
+
+# ------------------------------------------------------------------------- MoE
+
+def swiglu(gate: mx.array, up: mx.array, limit: float) -> mx.array:
+    """SiLU(gate) * up in fp32, up clamped to +-limit and gate from above (limit > 0)."""
+    if limit > 0:
+        up = mx.clip(up, -limit, limit)
+        gate = mx.minimum(gate, limit)
+    return gate * mx.sigmoid(gate) * up
+
+
+class Fp4Stack(nn.Module):
+    """One projection of every routed expert: release FP4 bits in MLX `mxfp4` layout.
+
+    weight [E, out, in/8] uint32 (eight E2M1 codes, first in the low nibble),
+    scales [E, out, in/32] E8M0 bytes.
+    """
+
+    def __init__(self, n_experts: int, in_dims: int, out_dims: int):
+        super().__init__()
+        self.weight = mx.zeros((n_experts, out_dims, in_dims // 8), dtype=mx.uint32)
+        self.scales = mx.zeros((n_experts, out_dims, in_dims // 32), dtype=mx.uint8)
+
+    def __call__(self, x: mx.array, ids: mx.array) -> mx.array:
+        """x [N, 1|k, 1, in] fp32 through experts ids [N, k] -> bf16 [N, k, 1, out] (fp32 accumulation)."""
+        y = mx.gather_qmm(x, self.weight, self.scales, rhs_indices=ids, transpose=True, mode="mxfp4")
+        return y.astype(BF16)
+
+
+class Fp4Experts(nn.Module):
+    def __init__(self, n_experts: int, dim: int, inter: int):
+        super().__init__()
+        self.w1 = Fp4Stack(n_experts, dim, inter)
+        self.w2 = Fp4Stack(n_experts, inter, dim)
+        self.w3 = Fp4Stack(n_experts, dim, inter)
+
+
+class Expert(nn.Module):
+    """The shared expert: FP8 SwiGLU."""
+
+    def __init__(self, dim: int, inter: int, limit: float):
+        super().__init__()
+        self.w1, self.w2, self.w3 = Fp8Linear(dim, inter), Fp8Linear(inter, dim), Fp8Linear(dim, inter)
+        self.limit = limit
+
+    def __call__(self, x: mx.array) -> mx.array:
+        h = swiglu(self.w1(x).astype(F32), self.w3(x).astype(F32), self.limit)
+        return self.w2(h.astype(BF16))
+
+
+class Gate(nn.Module):
+    """sqrt-softplus router: the bias picks experts, the unbiased scores weight them."""
+
+    def __init__(self, args: ModelArgs, n_experts: int, top_k: int):
+        super().__init__()
+        self.weight = mx.zeros((n_experts, args.hidden_size), dtype=BF16)
+        self.bias = mx.zeros((n_experts,), dtype=F32)
+        self.top_k, self.temp = top_k, args.gate_temp
+        self.normalize, self.route_scale = args.norm_topk_prob, args.routed_scaling_factor
+        if args.scoring_func != "sqrtsoftplus":
+            raise ValueError(f"scoring_func {args.scoring_func!r} is not supported (release: sqrtsoftplus)")
+
+    def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """x [N, dim] -> (weights [N, k] fp32, expert ids [N, k] in ascending order)."""
+        logits = (x.astype(F32) @ self.weight.astype(F32).T) / self.temp
+        scores = mx.sqrt(mx.where(logits > 20, logits, mx.log1p(mx.exp(mx.minimum(logits, 20)))))
+        ids = mx.argpartition(-(scores + self.bias), kth=self.top_k - 1, axis=-1)[:, : self.top_k]
+        ids = mx.sort(ids, axis=-1)  # the reference adds expert outputs in id order
+        weights = mx.take_along_axis(scores, ids, axis=-1)
+        if self.normalize and self.top_k > 1:
+            weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+        return weights * self.route_scale, ids
+
+
+class MoE(nn.Module):
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__()
+        n_experts, top_k = args.moe_shape(layer_id)
+        self.gate = Gate(args, n_experts, top_k)
+        self.experts = Fp4Experts(n_experts, args.hidden_size, args.moe_intermediate_size)
+        self.shared_experts = Expert(args.hidden_size, args.moe_intermediate_size, args.swiglu_limit)
+        self.limit = args.swiglu_limit
+
+    def __call__(self, x: mx.array) -> mx.array:
+        """x [N, dim] bf16 -> [N, dim] bf16."""
+        weights, ids = self.gate(x)
+        xq = fp8_fake_quant(x).astype(F32)[:, None, None, :]
+        gate = self.experts.w1(xq, ids).astype(F32)
+        up = self.experts.w3(xq, ids).astype(F32)
+        h = (swiglu(gate, up, self.limit) * weights[:, :, None, None]).astype(BF16)
+        h = fp8_fake_quant(h).astype(F32)
+        y = self.experts.w2(h, ids).astype(F32)[:, :, 0, :]  # [N, k, dim]
+        out = y[:, 0]
+        for j in range(1, y.shape[1]):
+            out = out + y[:, j]
+        return (out + self.shared_experts(x).astype(F32)).astype(BF16)
+
+
+# ----------------------------------------------------------------------- block
+
+class Block(nn.Module):
+    """Engram (some layers) -> hc attention -> hc MoE. Returns the stream and the next pre-mix."""
+
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attn = Attention(args, layer_id)
+        self.ffn = MoE(args, layer_id)
+        self.attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.hc_attn = HyperConnection(args)
+        self.hc_ffn = HyperConnection(args)
+        if layer_id in args.engram_layer_ids:
+            self.engram = Engram(args, layer_id)
+
+    def __call__(self, h: mx.array, pre: mx.array, positions: mx.array, *attn_args) -> tuple[mx.array, mx.array]:
+        """h [S, hc, dim] bf16, pre [S, hc] -> (h, pre for the next block)."""
+        attn_mix = self.hc_attn(h)
+        x = self.attn(self.attn_norm(hc_pre(h, pre)), positions, *attn_args)
+        h = hc_post(x, h, attn_mix)
+        ffn_mix = self.hc_ffn(h)
+        x = self.ffn(self.ffn_norm(hc_pre(h, attn_mix.pre)))
+        h = hc_post(x, h, ffn_mix)
+        return h, ffn_mix.pre
+
+
+class Head(nn.Module):
+    """Vocabulary projection: bf16 weight, fp32 logits."""
+
+    def __init__(self, vocab: int, dim: int):
+        super().__init__()
+        self.weight = mx.zeros((vocab, dim), dtype=BF16)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return x.astype(F32) @ self.weight.astype(F32).T
+
+
+class Model(nn.Module):
+    """DeepSeek-V4.1: embed -> hc copies -> blocks -> collapse -> norm -> head.
+
+    `model(ids, cache)` runs any number of new positions (prefill chunk, one
+    decode step, or a verify block) and returns fp32 logits [1, S, vocab] and
+    the DSpark features [1, S, len(dspark_target_layer_ids) * dim]: the mean
+    over hc copies of the stream entering each target layer.
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.embed.weight = self.embed.weight.astype(BF16)
+        self.layers = [Block(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.head = Head(args.vocab_size, args.hidden_size)
+        self.hasher = NgramHasher(args) if args.engram_layer_ids else None
+        self.mtp = []
+        if args.has_dspark:
+            from .dspark import DSparkStage
+
+            self.mtp = [DSparkStage(args, k) for k in range(args.num_nextn_predict_layers)]
+
+    def make_cache(self) -> ModelCache:
+        return ModelCache([LayerCache(self.args.sliding_window,
+                                      self.args.compress_ratios[i] if layer.attn.is_kv_source else 0)
+                           for i, layer in enumerate(self.layers)])
+
+    def __call__(self, ids: mx.array, cache: ModelCache | None = None,
+                 last_logits_only: bool = False) -> tuple[mx.array, mx.array]:
+        if ids.ndim != 2 or ids.shape[0] != 1:
+            raise ValueError(f"ids must have shape [1, n]; got {ids.shape}")
+        cache = cache if cache is not None else self.make_cache()
+        tokens = ids[0].tolist()
+        start = cache.offset
+        S = len(tokens)
+        positions = mx.arange(start, start + S)
+        hashes = self.hasher(cache.tokens, tokens) if self.hasher is not None else None
+        cache.tokens.extend(tokens)
+
+        h = mx.repeat(self.embed(ids[0])[:, None, :], self.args.hc_mult, axis=1)  # [S, hc, dim]
+        pre = mx.zeros((S, self.args.hc_mult), dtype=F32).at[:, 0].add(1.0)
+        shared = SharedAttention()
+        features = []
+        targets = self.args.dspark_target_layer_ids
+        for i, layer in enumerate(self.layers):
+            if hasattr(layer, "engram"):
+                h = layer.engram(h, hashes[:, self.hasher.layer_index(i)])
+            if i in targets:
+                features.append((sum_copies(h.astype(F32)) / h.shape[1]).astype(BF16))
+            h, pre = layer(h, pre, positions, cache.layers[i], cache.layers, shared)
+        x = self.norm(hc_pre(h, pre))
+        if last_logits_only:
+            x = x[-1:]
+        logits = self.head(x)[None]
+        feats = mx.concatenate(features, axis=-1)[None] if features else mx.zeros((1, S, 0), dtype=BF16)
+        return logits, feats

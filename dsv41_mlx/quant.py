@@ -1,0 +1,204 @@
+"""FP8 / FP4 / E8M0 codecs.
+
+Two families live here:
+
+* activation fake-quantisation in MLX (`fp8_fake_quant`, `fp4_fake_quant`):
+  quantise then dequantise, exactly as DeepSeek's reference kernels do before
+  every FP8/FP4 GEMM and on cached KV / index keys;
+* weight codecs in numpy, used to build checkpoints in the release format
+  (`quantize_fp8_tiles`, `quantize_fp4_rows`) and to repack release tensors
+  into MLX's `mxfp8` / `mxfp4` layouts (`fp8_tiles_to_mx`, `fp4_rows_to_mx`).
+
+Release storage: FP8 E4M3 codes with one E8M0 scale (byte = exponent + 127)
+per 32x32 tile; FP4 E2M1 two per byte (low nibble = even input) with one E8M0
+scale per 32 inputs of a row.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
+# Round-to-nearest-even boundaries between consecutive E2M1 magnitudes; an exact
+# tie rounds up only where the upper code is even (0.75, 1.75, 3.5).
+_E2M1_MIDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_E2M1_TIE_UP = (False, True, False, True, False, True, False)
+
+
+# ---------------------------------------------------------------- MLX (runtime)
+
+def pow2_ceil_scale(amax: mx.array, max_value: float) -> mx.array:
+    """2**ceil(log2(amax / max_value)) in float32, read off the IEEE bits.
+
+    `amax * fp32(1/max_value)` is rounded first, as the reference kernels do; a
+    zero mantissa means the product is already a power of two.
+    """
+    x = amax.astype(mx.float32) * mx.array(1.0 / max_value, dtype=mx.float32)
+    bits = x.view(mx.int32)
+    exponent = (bits >> 23) & 0xFF
+    ceil_log2 = exponent - 127 + ((bits & 0x7FFFFF) != 0).astype(mx.int32)
+    return ((ceil_log2 + 127) << 23).view(mx.float32)
+
+
+def _e4m3_round(x: mx.array) -> mx.array:
+    """float32 -> nearest E4M3 value (RNE, saturating at +-448), as float32."""
+    return mx.from_fp8(mx.to_fp8(x), dtype=mx.float32)
+
+
+def fp8_fake_quant(x: mx.array, block: int = 32) -> mx.array:
+    """E4M3 quantise-dequantise over blocks of `block` along the last axis.
+
+    Scale per block: power of two 2**ceil(log2(amax/448)), amax floored at 1e-4
+    (the reference `act_quant` with scale_fmt ue8m0). Returns x's dtype.
+    """
+    shape = x.shape
+    g = x.astype(mx.float32).reshape(*shape[:-1], shape[-1] // block, block)
+    amax = mx.maximum(mx.abs(g).max(axis=-1, keepdims=True), 1e-4)
+    s = pow2_ceil_scale(amax, FP8_MAX)
+    y = _e4m3_round(g / s) * s
+    return y.reshape(shape).astype(x.dtype)
+
+
+def e2m1_round(v: mx.array) -> mx.array:
+    """float32 in [-6, 6] -> nearest E2M1 value (RNE), sign of zero kept."""
+    mag = mx.abs(v)[..., None]
+    mids = mx.array(_E2M1_MIDS, dtype=mx.float32)
+    code = (mag > mids).sum(axis=-1) + ((mag == mids) & mx.array(_E2M1_TIE_UP)).sum(axis=-1)
+    values = mx.array(E2M1_VALUES)[code]
+    return mx.where(v < 0, -values, values)
+
+
+def fp4_fake_quant(x: mx.array, block: int = 32, scale_format: str = "e8m0") -> mx.array:
+    """E2M1 quantise-dequantise over blocks of `block` along the last axis.
+
+    scale_format "e8m0": power-of-two scale 2**ceil(log2(amax/6)) (index keys
+    and queries, block 32). "e4m3": scale = E4M3(amax/6), amax floored at
+    6*2**-9 (compressed KV, block 16). Matches the reference `fp4_act_quant`.
+    """
+    shape = x.shape
+    g = x.astype(mx.float32).reshape(*shape[:-1], shape[-1] // block, block)
+    amax = mx.abs(g).max(axis=-1, keepdims=True)
+    if scale_format == "e4m3":
+        s = _e4m3_round(mx.maximum(amax, 6 * 2.0**-9) / FP4_MAX)
+    elif scale_format == "e8m0":
+        s = pow2_ceil_scale(mx.maximum(amax, 6 * 2.0**-126), FP4_MAX)
+    else:
+        raise ValueError(f"unknown FP4 scale format {scale_format!r}")
+    v = mx.clip(g / s, -FP4_MAX, FP4_MAX)
+    return (e2m1_round(v) * s).reshape(shape).astype(x.dtype)
+
+
+class Fp8Linear(nn.Module):
+    """Release FP8 weight (E4M3, E8M0 scale per 32x32 tile) held in MLX `mxfp8` layout.
+
+    The input is FP8 fake-quantised per 32 values first, as the reference
+    quantises every activation that enters an FP8 GEMM; the product is
+    accumulated in fp32 and returned as bf16.
+    """
+
+    def __init__(self, in_dims: int, out_dims: int):
+        super().__init__()
+        self.weight = mx.zeros((out_dims, in_dims // 4), dtype=mx.uint32)
+        self.scales = mx.zeros((out_dims, in_dims // 32), dtype=mx.uint8)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        xq = fp8_fake_quant(x).astype(mx.float32)
+        y = mx.quantized_matmul(xq, self.weight, self.scales, transpose=True, mode="mxfp8")
+        return y.astype(mx.bfloat16)
+
+
+# ------------------------------------------------------------- numpy (weights)
+
+def e8m0_decode(codes: np.ndarray) -> np.ndarray:
+    """E8M0 bytes -> float32 powers of two (byte 255 is NaN in the format)."""
+    out = np.ldexp(np.float32(1.0), codes.astype(np.int32) - 127).astype(np.float32)
+    out[codes == 255] = np.nan
+    return out
+
+
+def e4m3_decode(codes: np.ndarray) -> np.ndarray:
+    """E4M3 (fn) bytes -> float32."""
+    return np.array(mx.from_fp8(mx.array(codes.astype(np.uint8)), dtype=mx.float32))
+
+
+def e4m3_encode(x: np.ndarray) -> np.ndarray:
+    """float32 -> E4M3 bytes, round-to-nearest-even, saturating at +-448."""
+    return np.array(mx.to_fp8(mx.array(x.astype(np.float32))))
+
+
+def _pow2_scale_np(amax: np.ndarray, max_value: float) -> np.ndarray:
+    x = (amax.astype(np.float32) * np.float32(1.0 / max_value)).astype(np.float32)
+    bits = x.view(np.int32)
+    ceil_log2 = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0)
+    return ceil_log2.astype(np.int32)  # exponent of the scale
+
+
+def quantize_fp8_tiles(w: np.ndarray, tile: int = 32) -> tuple[np.ndarray, np.ndarray]:
+    """[out, in] float -> (E4M3 codes uint8 [out, in], E8M0 scales uint8 [ceil(out/t), ceil(in/t)]).
+
+    One power-of-two scale per tile (2**ceil(log2(amax/448))), codes rounded
+    to nearest even: the release weight format.
+    """
+    out_dim, in_dim = w.shape
+    to, ti = -(-out_dim // tile), -(-in_dim // tile)
+    padded = np.zeros((to * tile, ti * tile), np.float32)
+    padded[:out_dim, :in_dim] = w
+    tiles = padded.reshape(to, tile, ti, tile)
+    amax = np.maximum(np.abs(tiles).max(axis=(1, 3)), 1e-30)
+    exponent = _pow2_scale_np(amax, FP8_MAX)
+    scale = np.ldexp(np.float32(1.0), exponent)[:, None, :, None]
+    codes = e4m3_encode(tiles / scale).reshape(to * tile, ti * tile)[:out_dim, :in_dim]
+    return codes, (exponent + 127).astype(np.uint8)
+
+
+def _e2m1_codes_np(v: np.ndarray) -> np.ndarray:
+    mag = np.abs(v)[..., None]
+    mids = np.array(_E2M1_MIDS, np.float32)
+    code = (mag > mids).sum(-1) + ((mag == mids) & np.array(_E2M1_TIE_UP)).sum(-1)
+    return (code | (np.signbit(v) << 3)).astype(np.uint8)
+
+
+def quantize_fp4_rows(w: np.ndarray, group: int = 32) -> tuple[np.ndarray, np.ndarray]:
+    """[out, in] float -> (packed E2M1 int8 [out, in/2], E8M0 scales uint8 [out, in/32]).
+
+    Scale per 32 inputs of a row: 2**ceil(log2(amax/6)); input 2j goes in the
+    low nibble of byte j, input 2j+1 in the high nibble.
+    """
+    out_dim, in_dim = w.shape
+    g = w.astype(np.float32).reshape(out_dim, in_dim // group, group)
+    amax = np.maximum(np.abs(g).max(-1, keepdims=True), 1e-30)
+    exponent = _pow2_scale_np(amax, FP4_MAX)
+    v = np.clip(g / np.ldexp(np.float32(1.0), exponent), -FP4_MAX, FP4_MAX)
+    codes = _e2m1_codes_np(v).reshape(out_dim, in_dim)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return packed.astype(np.uint8).view(np.int8), (exponent[..., 0] + 127).astype(np.uint8)
+
+
+def fp4_decode(packed: np.ndarray) -> np.ndarray:
+    """Packed E2M1 [.., in/2] (int8 or uint8) -> float32 [.., in]."""
+    b = packed.view(np.uint8)
+    table = np.concatenate([E2M1_VALUES, -E2M1_VALUES])
+    return np.stack([table[b & 0xF], table[b >> 4]], axis=-1).reshape(*b.shape[:-1], -1)
+
+
+def fp8_tiles_to_mx(codes: mx.array, tile_scales: mx.array, tile: int = 32) -> tuple[mx.array, mx.array]:
+    """Release FP8 weight -> MLX `mxfp8` layout (exact).
+
+    codes uint8 [out, in] -> uint32 [out, in/4] (four codes per word, first in
+    the low byte); tile scales [ceil(out/32), in/32] -> per-row group scales
+    [out, in/32], each tile scale repeated over its 32 rows.
+    """
+    out_dim, in_dim = codes.shape
+    packed = codes.reshape(out_dim, in_dim // 4, 4).view(mx.uint32).reshape(out_dim, in_dim // 4)
+    scales = mx.repeat(tile_scales, tile, axis=0)[:out_dim]
+    return packed, scales
+
+
+def fp4_rows_to_mx(packed: mx.array) -> mx.array:
+    """Release FP4 weight int8 [.., out, in/2] -> MLX `mxfp4` words uint32 [.., out, in/8] (exact)."""
+    *lead, half_in = packed.shape
+    return packed.view(mx.uint8).reshape(*lead, half_in // 4, 4).view(mx.uint32).reshape(*lead, half_in // 4)
