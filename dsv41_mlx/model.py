@@ -121,7 +121,9 @@ def sparse_attention(q: mx.array, window_keys: mx.array, window_mask: mx.array,
     n = wk.shape[0]
     out = pb[..., :n] @ wk
     if picked_keys is not None:
-        out = out + pb[..., n:] @ pk
+        # one key at a time, in position order, as the reference accumulates them
+        for j in range(pk.shape[1]):
+            out = out + pb[..., n + j: n + j + 1] * pk[:, None, j, :]
     return (out / denom).astype(BF16)
 
 
@@ -278,7 +280,7 @@ class Indexer(nn.Module):
         elif self.uses_candidates:
             scores = mx.where(shared.candidates, scores, -mx.inf)
         k = min(self.topk, n)
-        ids = mx.argpartition(-scores, kth=k - 1, axis=-1)[:, :k]
+        ids = mx.sort(mx.argpartition(-scores, kth=k - 1, axis=-1)[:, :k], axis=-1)
         valid = mx.take_along_axis(scores, ids, axis=-1) > -mx.inf
         return ids, valid
 
@@ -416,7 +418,7 @@ def swiglu(gate: mx.array, up: mx.array, limit: float) -> mx.array:
     if limit > 0:
         up = mx.clip(up, -limit, limit)
         gate = mx.minimum(gate, limit)
-    return gate * mx.sigmoid(gate) * up
+    return gate / (1 + mx.exp(-gate)) * up  # torch's SiLU: x / (1 + e^-x)
 
 
 class Fp4Stack(nn.Module):

@@ -1,0 +1,142 @@
+"""Text generation: `generate_step` (token ids), `stream_generate` (text + stats), `generate`, and the CLI.
+
+    python -m dsv41_mlx.generate --prompt "Hello"                    # embedded default
+    python -m dsv41_mlx.generate --model deepseek-ai/DeepSeek-V4.1-Flash --prompt "Hello"
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import mlx.core as mx
+
+from .cache import ModelCache
+from .sampling import SamplingParams, sample
+from .tokenizer import StreamingDetokenizer
+
+log = logging.getLogger("dsv41_mlx")
+
+DEFAULT_PREFILL_CHUNK = 256
+
+
+@dataclass
+class GenerationResponse:
+    text: str  # new text since the previous response
+    token: int | None
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory_gb: float
+    finish_reason: str | None = None  # "stop" (EOS), "length", or None while running
+
+
+def prefill(model, prompt: list[int], cache: ModelCache, chunk: int = DEFAULT_PREFILL_CHUNK) -> mx.array:
+    """Run the prompt through the model in chunks; return the last position's logits [vocab]."""
+    if chunk < 1:
+        raise ValueError(f"prefill chunk must be >= 1, got {chunk}")
+    logits = None
+    for start in range(0, len(prompt), chunk):
+        ids = mx.array(prompt[start: start + chunk], dtype=mx.int32)[None]
+        logits, _ = model(ids, cache, last_logits_only=True)
+        mx.eval(logits, cache.state())
+    return logits[0, -1]
+
+
+def generate_step(model, prompt: list[int], params: SamplingParams, max_tokens: int,
+                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> Iterator[int]:
+    """Yield up to max_tokens new token ids (plain decoding, one target forward per token)."""
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    cache = model.make_cache()
+    logits = prefill(model, prompt, cache, prefill_chunk)
+    for _ in range(max_tokens):
+        position = cache.offset  # the new token's absolute position
+        token = sample(logits[None], mx.array([position]), params).item()
+        yield token
+        out, _ = model(mx.array([[token]], dtype=mx.int32), cache, last_logits_only=True)
+        logits = out[0, -1]
+
+
+def stream_generate(model, tokenizer, prompt: str | list[int], max_tokens: int = 256,
+                    temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+                    prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> Iterator[GenerationResponse]:
+    """Generate from a prompt (text, or token ids), yielding text pieces with running stats."""
+    if not isinstance(max_tokens, int) or max_tokens < 0:
+        raise ValueError(f"max_tokens must be a non-negative integer, got {max_tokens!r}")
+    params = SamplingParams(temperature, top_p, top_k, seed)
+    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    detok = StreamingDetokenizer(tokenizer)
+    mx.reset_peak_memory()
+    tic = time.perf_counter()
+    prompt_tps = 0.0
+    n = 0
+    steps = generate_step(model, ids, params, max_tokens, prefill_chunk)
+    for n, token in enumerate(steps, start=1):
+        if n == 1:
+            prompt_tps = len(ids) / (time.perf_counter() - tic)
+            tic = time.perf_counter()
+        done = token in tokenizer.eos_token_ids
+        text = "" if done else detok.add_token(token)
+        finish = "stop" if done else "length" if n == max_tokens else None
+        if finish:
+            text += detok.finalize()
+        elapsed = time.perf_counter() - tic
+        yield GenerationResponse(text, token, len(ids), prompt_tps, n, n / elapsed if elapsed > 0 else 0.0,
+                                 mx.get_peak_memory() / 1e9, finish)
+        if done:
+            return
+
+
+def generate(model, tokenizer, prompt: str | list[int], verbose: bool = False, **kwargs) -> str:
+    """The whole reply as one string; with verbose, stream it to stdout and print one stats line."""
+    text, last = [], None
+    for last in stream_generate(model, tokenizer, prompt, **kwargs):
+        text.append(last.text)
+        if verbose:
+            print(last.text, end="", flush=True)
+    if verbose and last is not None:
+        print()
+        print(stats_line(last), file=sys.stderr)
+    return "".join(text)
+
+
+def stats_line(r: GenerationResponse) -> str:
+    return (f"prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.1f} tok/s | "
+            f"generation: {r.generation_tokens} tokens, {r.generation_tps:.1f} tok/s | "
+            f"peak memory: {r.peak_memory_gb:.3f} GB")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .checkpoint import CheckpointError, load
+    from .config import ConfigError
+
+    parser = argparse.ArgumentParser(prog="python -m dsv41_mlx.generate", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="checkpoint directory or Hugging Face repo id (default: embedded tiny model)")
+    parser.add_argument("--prompt", default="Hello", help="prompt text (default: %(default)r)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        model, tokenizer = load(args.model)
+        generate(model, tokenizer, args.prompt, verbose=True, max_tokens=args.max_tokens,
+                 temperature=args.temp, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                 prefill_chunk=args.prefill_chunk)
+    except (CheckpointError, ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
