@@ -133,6 +133,19 @@ class ModelCache:
             layer.trim(n)
         del self.tokens[-n:]
 
+    def snapshot(self) -> list[mx.array]:
+        """What decides every future output: the last `window` window rows, the pooled
+        groups and index keys, the unfinished group's raw rows. Two caches with equal
+        snapshots (and tokens) behave identically; extra rows kept for trimming are left out."""
+        arrays = []
+        for layer in self.layers:
+            w = layer.window
+            arrays.append(w.keys[-min(w.window, w.end):])
+            c = layer.compressor
+            if c is not None:
+                arrays += [a for a in (c.kv, c.index_keys, *c.pending()) if a is not None]
+        return arrays
+
     def state(self) -> list[mx.array]:
         """Every array the cache holds (for mx.eval and equality tests)."""
         arrays = []

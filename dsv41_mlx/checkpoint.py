@@ -19,9 +19,11 @@ import logging
 import os
 import struct
 from collections import defaultdict
+from collections.abc import Mapping
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from .config import ModelArgs
 from .quant import fp4_rows_to_mx, fp8_tiles_to_mx
@@ -150,8 +152,11 @@ def read_header(path: Path) -> dict[str, dict]:
         if len(head) < 8:
             raise CheckpointError(f"{path}: not a safetensors file ({size} bytes)")
         (n,) = struct.unpack("<Q", head)
-        if n > size - 8 or n > 100 << 20:
+        if n > 100 << 20:
             raise CheckpointError(f"{path}: corrupt safetensors header (claims {n} header bytes, file has {size})")
+        if n > size - 8:
+            raise CheckpointError(f"{path}: truncated or corrupt safetensors header "
+                                  f"(claims {n} header bytes, file has {size})")
         try:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -163,6 +168,8 @@ def read_header(path: Path) -> dict[str, dict]:
     for name, entry in header.items():
         try:
             dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            if not all(type(v) is int for v in (*shape, begin, end)) or any(d < 0 for d in shape):
+                raise TypeError
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{path}: corrupt safetensors header entry for {name}") from None
         if dtype not in _DTYPE_BYTES:
@@ -176,6 +183,89 @@ def read_header(path: Path) -> dict[str, dict]:
             raise CheckpointError(f"{path}: truncated: tensor {name} ends at byte {end} "
                                   f"of the data section but the file holds only {data_size}")
     return header
+
+
+# ------------------------------------------------------------- writing shards
+
+def _bf16_bits(values: np.ndarray) -> np.ndarray:
+    """float -> bfloat16 bit patterns (uint16), round-to-nearest-even; NaN stays a (quiet) NaN."""
+    f = np.ascontiguousarray(values, dtype=np.float32)
+    bits = f.view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(f)
+    rounded[nan] = ((bits[nan] >> 16) | 0x0040).astype(np.uint16)
+    return rounded
+
+
+def _storage_bytes(name: str, dtype: str, array: np.ndarray) -> np.ndarray:
+    """The little-endian storage array of one tensor (same shape as `array`)."""
+    a = np.asarray(array)
+    kind = a.dtype.kind
+    if dtype == "BF16":
+        if a.dtype == np.uint16:
+            return a.astype("<u2")  # already bf16 bit patterns
+        if kind == "f":
+            return _bf16_bits(a).astype("<u2")
+    elif dtype in ("F32", "F16"):
+        if kind in "fiu":
+            return a.astype("<f4" if dtype == "F32" else "<f2")
+    elif dtype in ("F8_E4M3", "F8_E8M0", "U8"):
+        if a.dtype == np.uint8:
+            return a
+    elif dtype == "I8":
+        if a.dtype in (np.int8, np.uint8):
+            return a.view(np.int8)
+    elif dtype in ("I32", "I64"):
+        if kind in "iu":
+            out = a.astype("<i4" if dtype == "I32" else "<i8")
+            if not np.array_equal(out, a):
+                raise ValueError(f"{name}: values do not fit {dtype}")
+            return out
+    else:
+        raise ValueError(f"{name}: cannot write dtype {dtype!r} (supported: {', '.join(_DTYPE_BYTES)})")
+    raise ValueError(f"{name}: cannot store a numpy {a.dtype} array as {dtype}")
+
+
+def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, tuple[str, np.ndarray]],
+                      metadata: Mapping[str, str] | None = None) -> None:
+    """Write one safetensors file: `tensors` maps name -> (safetensors dtype, numpy array).
+
+    What each dtype takes:
+      BF16              float arrays, rounded to nearest even in numpy bit arithmetic
+                        (no ml_dtypes needed); a uint16 array is taken as raw bf16 bits
+      F32 / F16         float (or integer) arrays, cast
+      F8_E4M3, F8_E8M0  uint8 code arrays (E4M3 codes, E8M0 exponent bytes), stored as is
+      U8                uint8 arrays
+      I8                int8 arrays, or uint8 arrays reinterpreted (packed FP4 experts)
+      I32 / I64         integer arrays (values must fit)
+    The shape of each array is the tensor's shape. Header keys are sorted, data
+    is laid out in that order, `__metadata__` is {"format": "pt"} (plus
+    `metadata`, string values only) and the header is space-padded to a multiple
+    of 8 bytes, as the reference safetensors writer does.
+    """
+    meta = {"format": "pt", **(metadata or {})}
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise ValueError("safetensors metadata must map strings to strings")
+    header: dict[str, dict] = {"__metadata__": meta}
+    blobs = []
+    offset = 0
+    for name in sorted(tensors):
+        if name == "__metadata__":
+            raise ValueError("'__metadata__' is not a valid tensor name")
+        dtype, array = tensors[name]
+        data = _storage_bytes(name, dtype, array)
+        raw = np.ascontiguousarray(data).tobytes()
+        header[name] = {"dtype": dtype, "shape": [int(d) for d in data.shape],
+                        "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for raw in blobs:
+            f.write(raw)
 
 
 def resolve_model_dir(path_or_repo: str | os.PathLike) -> Path:
@@ -199,7 +289,9 @@ def shard_headers(model_dir: Path) -> dict[Path, dict[str, dict]]:
     if index_path.exists():
         try:
             weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise TypeError("weight_map must map tensor names to file names")
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index_path}: not a valid safetensors index ({e})") from None
         files = sorted(set(weight_map.values()))
     elif (model_dir / "model.safetensors").exists():

@@ -154,6 +154,8 @@ class ModelArgs:
         values: dict = {}
         unknown = []
         for key, value in text.items():
+            if text is config and key in _ROOT_KEYS and key not in names:
+                continue  # flat config (no text_config): root keys are handled below
             if key == "rope_scaling":
                 values.update(_rope_fields(value))
             elif key in names:
@@ -178,7 +180,7 @@ class ModelArgs:
 
         if "bos_token_id" in config:
             values["bos_token_id"] = config["bos_token_id"]
-        eos = config.get("eos_token_id", [])
+        eos = config.get("eos_token_id", text.get("eos_token_id", []))
         values["eos_token_id"] = [eos] if isinstance(eos, int) else list(eos or [])
         values["has_vision"] = "vision_config" in config
 
@@ -199,8 +201,10 @@ class ModelArgs:
             config = json.loads(path.read_text())
         except FileNotFoundError:
             raise ConfigError(f"{path}: not found") from None
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot be read ({e})") from None
         return cls.from_dict(config)
 
     def validate(self) -> None:
@@ -216,6 +220,11 @@ class ModelArgs:
                 raise ConfigError(f"config.json: layer {layer_id} compresses KV but no kv_source_layer_ids entry precedes it")
             if ratio and not any(s <= layer_id for s in self.index_source_layer_ids):
                 raise ConfigError(f"config.json: layer {layer_id} compresses KV but no index_source_layer_ids entry precedes it")
+        for what, ids in (("kv_source_layer_ids", self.kv_source_layer_ids),
+                          ("index_source_layer_ids", self.index_source_layer_ids)):
+            bad = [i for i in ids if not 0 <= i < self.num_hidden_layers]
+            if bad:
+                raise ConfigError(f"config.json: {what} {bad} are not backbone layers")
         for s in self.kv_source_layer_ids:
             if not self.compress_ratios[s]:
                 raise ConfigError(f"config.json: kv source layer {s} has compress ratio 0")

@@ -69,7 +69,8 @@ def e2m1_round(v: mx.array) -> mx.array:
     mids = mx.array(_E2M1_MIDS, dtype=mx.float32)
     code = (mag > mids).sum(axis=-1) + ((mag == mids) & mx.array(_E2M1_TIE_UP)).sum(axis=-1)
     values = mx.array(E2M1_VALUES)[code]
-    return mx.where(v < 0, -values, values)
+    negative = v.astype(mx.float32).view(mx.int32) < 0  # sign bit: -0.0 stays -0.0
+    return mx.where(negative, -values, values)
 
 
 def fp4_fake_quant(x: mx.array, block: int = 32, scale_format: str = "e8m0") -> mx.array:
@@ -115,9 +116,9 @@ class Fp8Linear(nn.Module):
 
 def e8m0_decode(codes: np.ndarray) -> np.ndarray:
     """E8M0 bytes -> float32 powers of two (byte 255 is NaN in the format)."""
-    out = np.ldexp(np.float32(1.0), codes.astype(np.int32) - 127).astype(np.float32)
-    out[codes == 255] = np.nan
-    return out
+    codes = np.asarray(codes).astype(np.int32)
+    out = np.ldexp(np.float32(1.0), np.minimum(codes, 254) - 127).astype(np.float32)
+    return np.where(codes == 255, np.float32(np.nan), out)
 
 
 def e4m3_decode(codes: np.ndarray) -> np.ndarray:
@@ -194,7 +195,7 @@ def fp8_tiles_to_mx(codes: mx.array, tile_scales: mx.array, tile: int = 32) -> t
     """
     out_dim, in_dim = codes.shape
     packed = codes.reshape(out_dim, in_dim // 4, 4).view(mx.uint32).reshape(out_dim, in_dim // 4)
-    scales = mx.repeat(tile_scales, tile, axis=0)[:out_dim]
+    scales = mx.repeat(tile_scales, tile, axis=1)[:, :tile_scales.shape[1]]
     return packed, scales
 
 

@@ -1,0 +1,60 @@
+"""Behaviour of the target model's forward and caches on the fixture checkpoint."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+
+def _ids(golden):
+    prompt = golden["prompt_ids"][0].astype(np.int32).tolist()
+    return prompt + golden["decode.input_ids"][:, 0, 0].astype(np.int32).tolist()
+
+
+def _run(model, ids, chunk, cache=None):
+    cache = cache or model.make_cache()
+    logits, feats = [], []
+    for s in range(0, len(ids), chunk):
+        lg, ft = model(mx.array([ids[s: s + chunk]], dtype=mx.int32), cache)
+        logits.append(lg[0])
+        feats.append(ft[0])
+    return mx.concatenate(logits), mx.concatenate(feats), cache
+
+
+def _assert_same_state(a, b):
+    sa, sb = a.snapshot(), b.snapshot()
+    assert len(sa) == len(sb)
+    for x, y in zip(sa, sb):
+        assert x.shape == y.shape
+        assert mx.array_equal(x, y).item()
+    assert a.tokens == b.tokens
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16])
+def test_chunked_prefill_equals_one_shot(fixture_model, golden, chunk):
+    ids = _ids(golden)
+    whole_logits, whole_feats, whole_cache = _run(fixture_model, ids, len(ids))
+    logits, feats, cache = _run(fixture_model, ids, chunk)
+    assert mx.array_equal(whole_logits, logits).item()
+    assert mx.array_equal(whole_feats, feats).item()
+    _assert_same_state(whole_cache, cache)
+
+
+def test_forward_shapes_and_dtypes(fixture_model):
+    args = fixture_model.args
+    logits, feats = fixture_model(mx.array([[5, 6, 7]], dtype=mx.int32))
+    assert logits.shape == (1, 3, args.vocab_size) and logits.dtype == mx.float32
+    assert feats.shape == (1, 3, len(args.dspark_target_layer_ids) * args.hidden_size)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 6])
+def test_trim_restores_the_state_of_a_shorter_decode(fixture_model, golden, n):
+    ids = _ids(golden)
+    _, _, cache = _run(fixture_model, ids, 1)
+    cache.trim(n)
+    _, _, shorter = _run(fixture_model, ids[:-n], 1)
+    _assert_same_state(shorter, cache)
+
+
+def test_rejects_bad_input_shape(fixture_model):
+    with pytest.raises(ValueError, match=r"\[1, n\]"):
+        fixture_model(mx.array([1, 2, 3], dtype=mx.int32))
