@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 def __getattr__(name):
     # imported on first use, so `python -m dsv41_mlx.generate` does not import the module twice
     if name in ("generate", "stream_generate"):
-        from . import generate as _generate
+        import importlib
 
-        return getattr(_generate, name)
+        return getattr(importlib.import_module(".generate", __name__), name)
     raise AttributeError(f"module 'dsv41_mlx' has no attribute {name!r}")

@@ -195,7 +195,7 @@ def fp8_tiles_to_mx(codes: mx.array, tile_scales: mx.array, tile: int = 32) -> t
     """
     out_dim, in_dim = codes.shape
     packed = codes.reshape(out_dim, in_dim // 4, 4).view(mx.uint32).reshape(out_dim, in_dim // 4)
-    scales = mx.repeat(tile_scales, tile, axis=1)[:, :tile_scales.shape[1]]
+    scales = mx.repeat(tile_scales, tile, axis=0)[:out_dim]
     return packed, scales
 
 
