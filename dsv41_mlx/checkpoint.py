@@ -187,6 +187,9 @@ def read_header(path: Path) -> dict[str, dict]:
 
 # ------------------------------------------------------------- writing shards
 
+_WRITE_ORDER = ("I64", "F32", "I32", "BF16", "F16", "F8_E8M0", "F8_E4M3", "I8", "U8")  # data layout order
+
+
 def _bf16_bits(values: np.ndarray) -> np.ndarray:
     """float -> bfloat16 bit patterns (uint16), round-to-nearest-even; NaN stays a (quiet) NaN."""
     f = np.ascontiguousarray(values, dtype=np.float32)
@@ -222,7 +225,7 @@ def _storage_bytes(name: str, dtype: str, array: np.ndarray) -> np.ndarray:
                 raise ValueError(f"{name}: values do not fit {dtype}")
             return out
     else:
-        raise ValueError(f"{name}: cannot write dtype {dtype!r} (supported: {', '.join(_DTYPE_BYTES)})")
+        raise ValueError(f"{name}: cannot write dtype {dtype!r} (supported: {', '.join(_WRITE_ORDER)})")
     raise ValueError(f"{name}: cannot store a numpy {a.dtype} array as {dtype}")
 
 
@@ -238,27 +241,34 @@ def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, tuple[str, 
       U8                uint8 arrays
       I8                int8 arrays, or uint8 arrays reinterpreted (packed FP4 experts)
       I32 / I64         integer arrays (values must fit)
-    The shape of each array is the tensor's shape. Header keys are sorted, data
-    is laid out in that order, `__metadata__` is {"format": "pt"} (plus
-    `metadata`, string values only) and the header is space-padded to a multiple
-    of 8 bytes, as the reference safetensors writer does.
+    The shape of each array is the tensor's shape. The file is laid out as the
+    `safetensors` library lays it out (the release shards and the fixture are
+    byte-identical to this writer's output): header `__metadata__` first
+    ({"format": "pt"} plus `metadata`, string values only), then the tensor
+    entries with keys in sorted order; data grouped by dtype, widest first
+    (I64, F32, I32, BF16, F16, F8_E8M0, F8_E4M3, I8, U8) and by name within a
+    dtype, so every tensor is aligned to its element size; the header is
+    space-padded to a multiple of 8 bytes.
     """
     meta = {"format": "pt", **(metadata or {})}
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise ValueError("safetensors metadata must map strings to strings")
-    header: dict[str, dict] = {"__metadata__": meta}
+    if "__metadata__" in tensors:
+        raise ValueError("'__metadata__' is not a valid tensor name")
+    data = {}
+    for name, (dtype, array) in tensors.items():
+        data[name] = (dtype, _storage_bytes(name, dtype, array))
+    entries: dict[str, dict] = {}
     blobs = []
     offset = 0
-    for name in sorted(tensors):
-        if name == "__metadata__":
-            raise ValueError("'__metadata__' is not a valid tensor name")
-        dtype, array = tensors[name]
-        data = _storage_bytes(name, dtype, array)
-        raw = np.ascontiguousarray(data).tobytes()
-        header[name] = {"dtype": dtype, "shape": [int(d) for d in data.shape],
-                        "data_offsets": [offset, offset + len(raw)]}
+    for name in sorted(data, key=lambda n: (_WRITE_ORDER.index(data[n][0]), n)):
+        dtype, stored = data[name]
+        raw = np.ascontiguousarray(stored).tobytes()
+        entries[name] = {"data_offsets": [offset, offset + len(raw)], "dtype": dtype,
+                         "shape": [int(d) for d in stored.shape]}
         blobs.append(raw)
         offset += len(raw)
+    header = {"__metadata__": meta, **{name: entries[name] for name in sorted(entries)}}
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     with open(path, "wb") as f:

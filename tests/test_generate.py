@@ -1,0 +1,80 @@
+"""The embedded default end to end: build, load, generate, CLI."""
+
+import subprocess
+import sys
+
+import pytest
+
+import dsv41_mlx
+from dsv41_mlx.generate import stream_generate
+from dsv41_mlx.tiny import build_checkpoint
+
+
+@pytest.fixture(scope="module")
+def default_model(tmp_path_factory, monkeypatch_module):
+    monkeypatch_module.setenv("DSV41_MLX_CACHE", str(tmp_path_factory.mktemp("cache")))
+    return dsv41_mlx.load()
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def test_tiny_checkpoint_is_deterministic(tmp_path):
+    a, b = build_checkpoint(tmp_path / "a"), build_checkpoint(tmp_path / "b")
+    for f in sorted(p.name for p in a.iterdir()):
+        assert (a / f).read_bytes() == (b / f).read_bytes(), f
+
+
+def test_default_generates_and_round_trips_text(default_model):
+    model, tokenizer = default_model
+    assert model.args.vocab_size == tokenizer.vocab_size == 129280
+    assert model.args.has_dspark
+    responses = list(stream_generate(model, tokenizer, "Hello, world", max_tokens=8))
+    assert len(responses) == 8 and responses[-1].finish_reason == "length"
+    tokens = [r.token for r in responses]
+    assert "".join(r.text for r in responses) == tokenizer.decode(tokens)
+    assert responses[-1].prompt_tokens == len(tokenizer.encode("Hello, world"))
+
+
+def test_greedy_is_deterministic_and_seeded_sampling_reproducible(default_model):
+    model, tokenizer = default_model
+    greedy = [dsv41_mlx.generate(model, tokenizer, "abc", max_tokens=6) for _ in range(2)]
+    assert greedy[0] == greedy[1]
+    sampled = [dsv41_mlx.generate(model, tokenizer, "abc", max_tokens=6, temperature=1.0, seed=s) for s in (1, 1, 2)]
+    assert sampled[0] == sampled[1] != sampled[2]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"temperature": -1.0}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -3}, "top_k"),
+    ({"max_tokens": -1}, "max_tokens"),
+])
+def test_bad_sampling_arguments_are_rejected(default_model, kwargs, message):
+    model, tokenizer = default_model
+    with pytest.raises(ValueError, match=message):
+        list(stream_generate(model, tokenizer, "x", **kwargs))
+
+
+def test_cli_prints_text_and_one_stats_line(tmp_path):
+    env = {"DSV41_MLX_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    import os
+
+    env = {**os.environ, **env}
+    out = subprocess.run([sys.executable, "-m", "dsv41_mlx.generate", "--prompt", "Hello", "--max-tokens", "5"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    stats = [line for line in out.stderr.splitlines() if line.startswith("prompt:")]
+    assert len(stats) == 1 and "generation: 5 tokens" in stats[0] and "peak memory" in stats[0]
+    assert out.stdout.strip()
+
+
+def test_cli_reports_a_bad_model_path_without_a_traceback(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "dsv41_mlx.generate", "--model", str(tmp_path / "nope")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr and "nope" in out.stderr
