@@ -121,9 +121,7 @@ def sparse_attention(q: mx.array, window_keys: mx.array, window_mask: mx.array,
     n = wk.shape[0]
     out = pb[..., :n] @ wk
     if picked_keys is not None:
-        # one key at a time, in position order, as the reference accumulates them
-        for j in range(pk.shape[1]):
-            out = out + pb[..., n + j: n + j + 1] * pk[:, None, j, :]
+        out = out + pb[..., n:] @ pk
     return (out / denom).astype(BF16)
 
 
