@@ -230,8 +230,9 @@ def _storage_bytes(name: str, dtype: str, array: np.ndarray) -> np.ndarray:
 
 
 def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, tuple[str, np.ndarray]],
-                      metadata: Mapping[str, str] | None = None) -> None:
+                      metadata: Mapping[str, str] | None = None) -> int:
     """Write one safetensors file: `tensors` maps name -> (safetensors dtype, numpy array).
+    Returns the payload size in bytes (what an index's `metadata.total_size` adds up).
 
     What each dtype takes:
       BF16              float arrays, rounded to nearest even in numpy bit arithmetic
@@ -276,6 +277,7 @@ def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, tuple[str, 
         f.write(text)
         for raw in blobs:
             f.write(raw)
+    return offset
 
 
 def resolve_model_dir(path_or_repo: str | os.PathLike) -> Path:

@@ -156,6 +156,18 @@ def quantize_fp8_tiles(w: np.ndarray, tile: int = 32) -> tuple[np.ndarray, np.nd
     return codes, (exponent + 127).astype(np.uint8)
 
 
+def quantize_fp8_rows(w: np.ndarray, group: int = 32) -> tuple[np.ndarray, np.ndarray]:
+    """[rows, cols] float -> (E4M3 codes uint8 [rows, cols], E8M0 scales uint8 [rows, cols/group]).
+
+    One power-of-two scale per `group` columns of each row: the engram table format.
+    """
+    rows, cols = w.shape
+    g = w.astype(np.float32).reshape(rows, cols // group, group)
+    exponent = _pow2_scale_np(np.maximum(np.abs(g).max(-1, keepdims=True), 1e-30), FP8_MAX)
+    codes = e4m3_encode(g / np.ldexp(np.float32(1.0), exponent)).reshape(rows, cols)
+    return codes, (exponent[..., 0] + 127).astype(np.uint8)
+
+
 def _e2m1_codes_np(v: np.ndarray) -> np.ndarray:
     mag = np.abs(v)[..., None]
     mids = np.array(_E2M1_MIDS, np.float32)

@@ -22,7 +22,7 @@ import numpy as np
 from .checkpoint import INDEX_FILE, expected_tensors, write_safetensors
 from .config import ModelArgs
 from .engram import bucket_primes
-from .quant import e4m3_encode, quantize_fp4_rows, quantize_fp8_tiles
+from .quant import quantize_fp4_rows, quantize_fp8_rows, quantize_fp8_tiles
 
 log = logging.getLogger("dsv41_mlx")
 
@@ -134,17 +134,6 @@ def _values(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.n
     return gain * rng.standard_normal(shape) / np.sqrt(shape[-1])
 
 
-def _fp8_rows(w: np.ndarray, group: int = 32) -> tuple[np.ndarray, np.ndarray]:
-    """E4M3 codes with one power-of-two E8M0 scale per `group` columns of each row
-    (the engram table format)."""
-    rows, cols = w.shape
-    g = w.astype(np.float32).reshape(rows, cols // group, group)
-    amax = np.maximum(np.abs(g).max(-1, keepdims=True), 1e-30)
-    exponent = np.ceil(np.log2(amax / 448.0)).astype(np.int32)
-    codes = e4m3_encode(g / np.ldexp(np.float32(1.0), exponent)).reshape(rows, cols)
-    return codes, (exponent[..., 0] + 127).astype(np.uint8)
-
-
 def build_checkpoint(out_dir: str | Path, seed: int = 0, config: dict | None = None) -> Path:
     """Write a release-format checkpoint of `config` (default: the tiny model) into out_dir."""
     out_dir = Path(out_dir)
@@ -161,7 +150,7 @@ def build_checkpoint(out_dir: str | Path, seed: int = 0, config: dict | None = N
         stem = name[: -len("weight")]
         if dtype == "F8_E4M3":
             w = _values(name, shape, rng)
-            codes, scales = _fp8_rows(w) if ".engram.embed." in name else quantize_fp8_tiles(w)
+            codes, scales = quantize_fp8_rows(w) if ".engram.embed." in name else quantize_fp8_tiles(w)
             shard[name] = ("F8_E4M3", codes)
             shard[stem + "scale"] = ("F8_E8M0", scales)
         elif dtype == "I8":  # packed FP4: two inputs per byte
@@ -172,10 +161,8 @@ def build_checkpoint(out_dir: str | Path, seed: int = 0, config: dict | None = N
             shard[name] = (dtype, _values(name, shape, rng).astype(np.float32).reshape(shape))
     weight_map, total = {}, 0
     for file_name, tensors in shards.items():
-        write_safetensors(out_dir / file_name, tensors)
-        for name, (dtype, array) in tensors.items():
-            weight_map[name] = file_name
-            total += array.size * (2 if dtype == "BF16" else 4 if dtype == "F32" else 1)
+        total += write_safetensors(out_dir / file_name, tensors)
+        weight_map.update(dict.fromkeys(tensors, file_name))
     (out_dir / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total},
                                                   "weight_map": dict(sorted(weight_map.items()))}, indent=2))
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
