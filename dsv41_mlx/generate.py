@@ -19,8 +19,6 @@ from .cache import ModelCache
 from .sampling import SamplingParams, sample
 from .tokenizer import StreamingDetokenizer
 
-log = logging.getLogger("dsv41_mlx")
-
 DEFAULT_PREFILL_CHUNK = 256
 
 
@@ -75,7 +73,6 @@ def stream_generate(model, tokenizer, prompt: str | list[int], max_tokens: int =
     mx.reset_peak_memory()
     tic = time.perf_counter()
     prompt_tps = 0.0
-    n = 0
     steps = generate_step(model, ids, params, max_tokens, prefill_chunk)
     for n, token in enumerate(steps, start=1):
         if n == 1:

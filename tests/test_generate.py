@@ -1,5 +1,6 @@
 """The embedded default end to end: build, load, generate, CLI."""
 
+import os
 import subprocess
 import sys
 
@@ -61,10 +62,7 @@ def test_bad_sampling_arguments_are_rejected(default_model, kwargs, message):
 
 
 def test_cli_prints_text_and_one_stats_line(tmp_path):
-    env = {"DSV41_MLX_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"}
-    import os
-
-    env = {**os.environ, **env}
+    env = {**os.environ, "DSV41_MLX_CACHE": str(tmp_path)}
     out = subprocess.run([sys.executable, "-m", "dsv41_mlx.generate", "--prompt", "Hello", "--max-tokens", "5"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
