@@ -155,3 +155,29 @@ class ModelCache:
             if c is not None:
                 arrays += [a for a in (c.raw_kv, c.raw_score, c.kv, c.index_keys) if a is not None]
         return [a for a in arrays if a is not None]
+
+
+class DraftCache:
+    """The DSpark drafter's rings: per stage, `window` slots; slot p % window holds committed position p.
+
+    Only committed positions are ever written (the round ingests after
+    acceptance), so the rings never need a trim.
+    """
+
+    def __init__(self, n_stages: int, window: int, head_dim: int):
+        self.window = window
+        self.rings = mx.zeros((n_stages, window, head_dim), dtype=mx.bfloat16)
+        self.end = 0  # committed positions ingested so far
+
+    def write(self, rows: mx.array, n: int) -> None:
+        """Commit positions end .. end+n-1; rows [stages, m, D] are the newest m = min(n, window) of them."""
+        m = rows.shape[1]
+        if m != min(n, self.window):
+            raise ValueError(f"expected {min(n, self.window)} ring rows for {n} positions, got {m}")
+        slots = mx.arange(self.end + n - m, self.end + n) % self.window
+        self.rings[:, slots] = rows
+        self.end += n
+
+    def valid(self) -> mx.array:
+        """[window] bool: slots that hold a position (all of them once `window` positions are in)."""
+        return mx.arange(self.window) < min(self.end, self.window)

@@ -1,18 +1,34 @@
 """The DSpark drafter stored in the checkpoint as `mtp.0` .. `mtp.{n-1}`.
 
-Each stage is a normal block (window-only attention, MoE with the drafter's
-expert count). Stage 0 also owns `main_proj`/`main_norm`, which turn the
-target's features into the rows the stages' rings are filled with; the last
-stage owns the final norm, the Markov head and the confidence head.
+Each stage is a normal block (hyper-connections, attention, MoE with the
+drafter's expert count) whose attention reads a private ring of keys instead
+of a growing cache. Stage 0 also owns `main_proj`/`main_norm`, which turn the
+target's features into the rows the rings are filled with; the last stage
+owns the final norm, the Markov head and the confidence head.
+
+Two operations (reference `forward_spec`):
+
+* `ingest`: for committed positions p, each stage writes
+  `fp8q(rope_p(kv_norm(wkv(main_x_p))))` into ring slot `p % window`.
+* `propose`: from the anchor a at position P+1 (the token the target just
+  produced, not yet in its cache), the block `[a, noise x (block-1)]` at
+  positions P+1..P+block runs through the stages; every row attends to the
+  valid ring slots and to all rows of the block (non-causal). The target's
+  head gives base logits U; the Markov stage then picks drafts one by one,
+  `logits_k = U_k + W2 e_k` with `e_k = W1[x_{k-1}]`, x_0 = a.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import mlx.core as mx
 import mlx.nn as nn
 
+from .cache import DraftCache
 from .config import ModelArgs
-from .model import Block, Linear, RMSNorm
+from .model import Attention, Block, Linear, RMSNorm, hc_pre, sparse_attention
 from .quant import Fp8Linear
 
 F32, BF16 = mx.float32, mx.bfloat16
@@ -34,7 +50,7 @@ class MarkovHead(nn.Module):
 
 
 class ConfidenceHead(nn.Module):
-    """c_k = w . [pre-norm hidden_k ; e_k] in fp32 (a logit; sigmoid gives P(draft k survives))."""
+    """w . [pre-norm hidden_k ; e_k] in fp32: a logit, sigmoid gives P(draft k survives | prefix survived)."""
 
     def __init__(self, dims: int):
         super().__init__()
@@ -45,7 +61,22 @@ class ConfidenceHead(nn.Module):
         return (x @ self.proj.weight.astype(F32).T)[..., 0]
 
 
+class DSparkAttention(Attention):
+    """Window-only attention over the stage's ring plus the block's own rows."""
+
+    def __call__(self, x: mx.array, positions: mx.array, ring: mx.array, ring_valid: mx.array) -> mx.array:
+        """x [S, dim] block rows at `positions`; ring [window, D] bf16, ring_valid [window] bool."""
+        S = x.shape[0]
+        q, _ = self.queries(x, positions)
+        keys = mx.concatenate([ring, self.latent_kv(x, positions)])
+        mask = mx.broadcast_to(mx.concatenate([ring_valid, mx.ones((S,), dtype=mx.bool_)])[None], (S, keys.shape[0]))
+        o = sparse_attention(q, keys, mask, None, None, self.attn_sink, self.scale)
+        return self.output(o, positions)
+
+
 class DSparkStage(Block):
+    attention_cls = DSparkAttention
+
     def __init__(self, args: ModelArgs, stage: int):
         super().__init__(args, args.num_hidden_layers + stage)
         self.stage = stage
@@ -57,3 +88,85 @@ class DSparkStage(Block):
             self.norm = RMSNorm(dim, args.rms_norm_eps)
             self.markov_head = MarkovHead(args.vocab_size, args.dspark_markov_rank)
             self.confidence_head = ConfidenceHead(dim + args.dspark_markov_rank)
+
+
+@dataclass
+class Proposal:
+    drafts: mx.array  # [block] int32: x_1 .. x_block
+    logits: mx.array  # [block, vocab] fp32: Markov-biased draft logits (what each draft was picked from)
+    confidence: mx.array  # [block] fp32: confidence-head logits (sigmoid -> P(draft k survives | prefix survived))
+
+
+# pick(logits [vocab] fp32, k) -> token id [] int32: how draft k is chosen from its logits
+Picker = Callable[[mx.array, int], mx.array]
+
+
+def argmax_picker(logits: mx.array, k: int) -> mx.array:
+    return mx.argmax(logits, axis=-1).astype(mx.int32)
+
+
+class Drafter:
+    """DSpark on top of a loaded target: the stages `model.mtp`, the target's embedding and head."""
+
+    def __init__(self, model):
+        if not model.mtp:
+            raise ValueError("this checkpoint has no DSpark stages (num_nextn_predict_layers / dspark_block_size)")
+        args = model.args
+        self.model = model
+        self.block = args.dspark_block_size
+        self.noise_id = args.dspark_noise_token_id
+        self.window = args.sliding_window
+        self.hc = args.hc_mult
+        self.verify_costs: list[float] | None = None  # T_verify(1..block+1) in s, filled by speculative.py
+
+    @property
+    def stages(self) -> list[DSparkStage]:
+        return self.model.mtp
+
+    def make_cache(self) -> DraftCache:
+        return DraftCache(len(self.stages), self.window, self.model.args.head_dim)
+
+    def ring_rows(self, features: mx.array, positions: mx.array) -> mx.array:
+        """Target features [n, 3*dim] of positions [n] -> every stage's ring rows [stages, n, D] bf16."""
+        first = self.stages[0]
+        main_x = first.main_norm(first.main_proj(features.astype(BF16)))
+        return mx.stack([stage.attn.latent_kv(main_x, positions) for stage in self.stages])
+
+    def ingest(self, cache: DraftCache, features: mx.array) -> None:
+        """Write the committed positions cache.end .. cache.end+n-1 (features [n, 3*dim]) into the rings.
+
+        Only the newest `window` rows can survive in a ring, so only those are computed.
+        """
+        n = features.shape[0]
+        keep = min(n, self.window)
+        positions = mx.arange(cache.end + n - keep, cache.end + n)
+        cache.write(self.ring_rows(features[n - keep:], positions), n)
+
+    def propose(self, cache: DraftCache, anchor: int | mx.array, pick: Picker = argmax_picker) -> Proposal:
+        """Draft `block` tokens after the anchor, which sits at position cache.end.
+
+        Builds one lazy graph; nothing is evaluated here.
+        """
+        B = self.block
+        positions = mx.arange(cache.end, cache.end + B)
+        anchor = mx.array(anchor, dtype=mx.int32).reshape(1)
+        ids = mx.concatenate([anchor, mx.full((B - 1,), self.noise_id, dtype=mx.int32)])
+        h = mx.repeat(self.model.embed(ids)[:, None, :], self.hc, axis=1)  # [B, hc, dim]
+        pre = mx.zeros((B, self.hc), dtype=F32).at[:, 0].add(1.0)
+        valid = cache.valid()
+        for k, stage in enumerate(self.stages):
+            h, pre = stage(h, pre, positions, cache.rings[k], valid)
+        last = self.stages[-1]
+        hidden = hc_pre(h, pre)  # [B, dim] bf16, pre-norm (the confidence head reads this)
+        base = self.model.head(last.norm(hidden))  # [B, vocab] fp32
+        prev = anchor
+        drafts, logits, embeds = [], [], []
+        for k in range(B):
+            bias, e = last.markov_head(prev)
+            row = base[k] + bias[0]
+            prev = pick(row, k).reshape(1)
+            drafts.append(prev)
+            logits.append(row)
+            embeds.append(e)
+        confidence = last.confidence_head(hidden, mx.concatenate(embeds))
+        return Proposal(mx.concatenate(drafts), mx.stack(logits), confidence)

@@ -17,6 +17,7 @@ import mlx.core as mx
 
 from .cache import ModelCache
 from .sampling import SamplingParams, sample
+from .speculative import VERIFY_MODES, DraftStats, SpeculativeDecoder, speculative_decode
 from .tokenizer import StreamingDetokenizer
 
 DEFAULT_PREFILL_CHUNK = 256
@@ -32,27 +33,43 @@ class GenerationResponse:
     generation_tps: float
     peak_memory_gb: float
     finish_reason: str | None = None  # "stop" (EOS), "length", or None while running
+    draft_stats: DraftStats | None = None  # None when drafting is off
 
 
-def prefill(model, prompt: list[int], cache: ModelCache, chunk: int = DEFAULT_PREFILL_CHUNK) -> mx.array:
-    """Run the prompt through the model in chunks; return the last position's logits [vocab]."""
+def prefill(model, prompt: list[int], cache: ModelCache, chunk: int = DEFAULT_PREFILL_CHUNK,
+            keep_features: int = 0) -> tuple[mx.array, mx.array | None]:
+    """Run the prompt through the model in chunks.
+
+    Returns the last position's logits [vocab] and, when keep_features > 0, the
+    DSpark features of the newest min(keep_features, len(prompt)) positions [n, 3*dim].
+    """
     if chunk < 1:
         raise ValueError(f"prefill chunk must be >= 1, got {chunk}")
-    logits = None
+    logits, kept = None, []
+    first_kept = len(prompt) - keep_features
     for start in range(0, len(prompt), chunk):
         ids = mx.array(prompt[start: start + chunk], dtype=mx.int32)[None]
-        logits, _ = model(ids, cache, last_logits_only=True)
-        mx.eval(logits, cache.state())
-    return logits[0, -1]
+        logits, features = model(ids, cache, last_logits_only=True)
+        if keep_features and start + ids.shape[1] > first_kept:
+            kept.append(features[0, max(first_kept - start, 0):])
+        mx.eval(logits, kept, cache.state())
+    return logits[0, -1], mx.concatenate(kept) if kept else None
 
 
 def generate_step(model, prompt: list[int], params: SamplingParams, max_tokens: int,
-                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> Iterator[int]:
-    """Yield up to max_tokens new token ids (plain decoding, one target forward per token)."""
+                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                  decoder: SpeculativeDecoder | None = None) -> Iterator[int]:
+    """Yield up to max_tokens new token ids: plain decoding (one target forward per
+    token), or speculative rounds through `decoder`."""
     if not prompt:
         raise ValueError("the prompt is empty")
     cache = model.make_cache()
-    logits = prefill(model, prompt, cache, prefill_chunk)
+    keep = decoder.drafter.window if decoder is not None else 0
+    logits, features = prefill(model, prompt, cache, prefill_chunk, keep)
+    if decoder is not None:
+        if max_tokens > 0:
+            yield from speculative_decode(decoder, cache, logits, features, max_tokens)
+        return
     for _ in range(max_tokens):
         position = cache.offset  # the new token's absolute position
         token = sample(logits[None], mx.array([position]), params).item()
@@ -61,19 +78,44 @@ def generate_step(model, prompt: list[int], params: SamplingParams, max_tokens: 
         logits = out[0, -1]
 
 
+def make_decoder(model, params: SamplingParams, draft: bool | None = None, verify: str | None = None,
+                 confidence: str | None = None) -> SpeculativeDecoder | None:
+    """The speculative decoder these arguments ask for, or None for plain decoding.
+
+    draft None = on when the checkpoint has DSpark stages. verify None = greedy
+    at temperature 0, coupled above. confidence None = schedule.
+    """
+    if draft is None:
+        draft = model.drafter is not None
+    if not draft:
+        if verify is not None or confidence is not None:
+            raise ValueError("verify and confidence apply to drafting, which is off")
+        return None
+    if model.drafter is None:
+        raise ValueError("drafting needs DSpark stages, and this checkpoint has none")
+    return SpeculativeDecoder(model, model.drafter, params, verify, confidence or "schedule")
+
+
 def stream_generate(model, tokenizer, prompt: str | list[int], max_tokens: int = 256,
                     temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-                    prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> Iterator[GenerationResponse]:
-    """Generate from a prompt (text, or token ids), yielding text pieces with running stats."""
+                    prefill_chunk: int = DEFAULT_PREFILL_CHUNK, draft: bool | None = None,
+                    verify: str | None = None, confidence: str | None = None) -> Iterator[GenerationResponse]:
+    """Generate from a prompt (text, or token ids), yielding text pieces with running stats.
+
+    draft/verify/confidence: see `make_decoder` and speculative.py. Replies are
+    the same with drafting on or off (greedy and coupled verification).
+    """
     if not isinstance(max_tokens, int) or max_tokens < 0:
         raise ValueError(f"max_tokens must be a non-negative integer, got {max_tokens!r}")
     params = SamplingParams(temperature, top_p, top_k, seed)
+    decoder = make_decoder(model, params, draft, verify, confidence)
+    stats = decoder.stats if decoder is not None else None
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     detok = StreamingDetokenizer(tokenizer)
     mx.reset_peak_memory()
     tic = time.perf_counter()
     prompt_tps = 0.0
-    steps = generate_step(model, ids, params, max_tokens, prefill_chunk)
+    steps = generate_step(model, ids, params, max_tokens, prefill_chunk, decoder)
     for n, token in enumerate(steps, start=1):
         if n == 1:
             prompt_tps = len(ids) / (time.perf_counter() - tic)
@@ -85,7 +127,7 @@ def stream_generate(model, tokenizer, prompt: str | list[int], max_tokens: int =
             text += detok.finalize()
         elapsed = time.perf_counter() - tic
         yield GenerationResponse(text, token, len(ids), prompt_tps, n, n / elapsed if elapsed > 0 else 0.0,
-                                 mx.get_peak_memory() / 1e9, finish)
+                                 mx.get_peak_memory() / 1e9, finish, stats)
         if done:
             return
 
@@ -100,6 +142,8 @@ def generate(model, tokenizer, prompt: str | list[int], verbose: bool = False, *
     if verbose and last is not None:
         print()
         print(stats_line(last), file=sys.stderr)
+        if last.draft_stats is not None:
+            print(last.draft_stats.summary(), file=sys.stderr)
     return "".join(text)
 
 
@@ -122,13 +166,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK)
+    parser.add_argument("--draft", action=argparse.BooleanOptionalAction, default=None,
+                        help="speculative decoding with the checkpoint's DSpark drafter (default: on when it has one)")
+    parser.add_argument("--verify", choices=VERIFY_MODES,
+                        help="how drafts are verified (default: greedy at --temp 0, else coupled)")
+    parser.add_argument("--confidence", metavar="{off,threshold:X,schedule}",
+                        help="how many drafts to verify per round (default: schedule)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         model, tokenizer = load(args.model)
         generate(model, tokenizer, args.prompt, verbose=True, max_tokens=args.max_tokens,
                  temperature=args.temp, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                 prefill_chunk=args.prefill_chunk)
+                 prefill_chunk=args.prefill_chunk, draft=args.draft, verify=args.verify,
+                 confidence=args.confidence)
     except (CheckpointError, ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

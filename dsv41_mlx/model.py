@@ -511,10 +511,12 @@ class MoE(nn.Module):
 class Block(nn.Module):
     """Engram (some layers) -> hc attention -> hc MoE. Returns the stream and the next pre-mix."""
 
+    attention_cls = Attention
+
     def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
         self.layer_id = layer_id
-        self.attn = Attention(args, layer_id)
+        self.attn = self.attention_cls(args, layer_id)
         self.ffn = MoE(args, layer_id)
         self.attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -565,9 +567,11 @@ class Model(nn.Module):
         self.hasher = NgramHasher(args) if args.engram_layer_ids else None
         self.mtp = []
         if args.has_dspark:
-            from .dspark import DSparkStage
+            from .dspark import DSparkStage, Drafter
 
             self.mtp = [DSparkStage(args, k) for k in range(args.num_nextn_predict_layers)]
+        # the drafter (a plain attribute, not a module: its weights are the mtp stages above)
+        self.drafter = Drafter(self) if self.mtp else None
 
     def make_cache(self) -> ModelCache:
         return ModelCache([LayerCache(self.args.sliding_window,

@@ -35,10 +35,27 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def gumbel_noise(seed: int, positions: mx.array, vocab: int) -> mx.array:
-    """Standard Gumbel noise [len(positions), vocab], a pure function of (seed, position)."""
-    rows = [mx.random.gumbel((vocab,), key=mx.random.key(seed * 2**32 + int(p))) for p in positions.tolist()]
+# Independent random streams per (seed, position). TARGET is the one plain decoding
+# samples with (and the coupled drafter reuses on purpose); the others serve the
+# rejection rule.
+TARGET, DRAFT, ACCEPT, RESAMPLE = range(4)
+
+
+def position_key(seed: int, position: int, stream: int = TARGET) -> mx.array:
+    """The PRNG key of (seed, absolute position, stream)."""
+    key = mx.random.key(seed * 2**32 + position)
+    return key if stream == TARGET else mx.random.split(key, 3)[stream - 1]
+
+
+def gumbel_noise(seed: int, positions: mx.array, vocab: int, stream: int = TARGET) -> mx.array:
+    """Standard Gumbel noise [len(positions), vocab], a pure function of (seed, position, stream)."""
+    rows = [mx.random.gumbel((vocab,), key=position_key(seed, int(p), stream)) for p in positions.tolist()]
     return mx.stack(rows)
+
+
+def uniform_noise(seed: int, positions: mx.array, stream: int = ACCEPT) -> mx.array:
+    """One U[0, 1) draw per position [len(positions)], a pure function of (seed, position, stream)."""
+    return mx.stack([mx.random.uniform(key=position_key(seed, int(p), stream)) for p in positions.tolist()])
 
 
 def filtered_log_probs(logits: mx.array, params: SamplingParams) -> mx.array:
@@ -64,3 +81,22 @@ def sample(logits: mx.array, positions: mx.array, params: SamplingParams) -> mx.
         return mx.argmax(logits, axis=-1)
     logp = filtered_log_probs(logits, params)
     return mx.argmax(logp + gumbel_noise(params.seed, positions, logits.shape[-1]), axis=-1)
+
+
+def accept_or_resample(p: mx.array, q: mx.array, drafts: mx.array, u: mx.array,
+                       g: mx.array) -> tuple[mx.array, mx.array]:
+    """The speculative-sampling rule, row by row: keep draft x ~ q with probability
+    min(1, p(x)/q(x)), otherwise draw from norm(max(0, p - q)).
+
+    p, q [N, V] probabilities (target, draft); drafts [N]; u [N] uniforms; g [N, V]
+    Gumbel noise for the residual draw. Returns (accepted [N] bool, token [N]):
+    the draft where accepted, the residual sample where not. The token is then
+    distributed exactly as p, whatever q is.
+    """
+    px = mx.take_along_axis(p, drafts[:, None], axis=-1)[:, 0]
+    qx = mx.take_along_axis(q, drafts[:, None], axis=-1)[:, 0]
+    accepted = u * qx < px
+    residual = mx.maximum(p - q, 0)
+    residual = mx.where(residual.sum(axis=-1, keepdims=True) > 0, residual, p)  # p == q: never rejected anyway
+    resampled = mx.argmax(mx.log(residual) + g, axis=-1)
+    return accepted, mx.where(accepted, drafts, resampled.astype(drafts.dtype))

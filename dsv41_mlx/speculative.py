@@ -1,0 +1,279 @@
+"""Exact speculative decoding with the DSpark drafter: one round at a time.
+
+    propose -> confidence trim -> verify [anchor, drafts] in ONE target forward
+    -> accept -> bonus token -> trim the target cache -> ingest -> next anchor
+
+The anchor is the token the target produced last; it sits at position P+1,
+one past the target cache. Row j of the verify forward predicts the token at
+position P+2+j, the slot of draft j+1.
+
+Verification (the losslessness contract, DESIGN.md):
+* `greedy` (temperature 0): accept while draft == target argmax.
+* `coupled`: the token at position t is argmax(log p_t + G(seed, t)); the
+  drafter picks its drafts with the same G, so accepting while equal gives
+  exactly the undrafted reply for the same seed.
+* `rejection`: drafts are sampled from q, kept with probability
+  min(1, p/q), the first rejected one replaced by a draw from norm(max(0, p-q)):
+  the reply is distributed as the target's, not identical to an undrafted one.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import mlx.core as mx
+
+from .cache import ModelCache
+from .dspark import Drafter, Proposal, argmax_picker
+from .sampling import (ACCEPT, DRAFT, RESAMPLE, SamplingParams, accept_or_resample, filtered_log_probs,
+                       gumbel_noise, sample, uniform_noise)
+
+VERIFY_MODES = ("greedy", "coupled", "rejection")
+
+
+def resolve_verify(verify: str | None, params: SamplingParams) -> str:
+    """The verification mode for these sampling parameters (None: greedy at T=0, else coupled)."""
+    if verify is None:
+        return "greedy" if params.greedy else "coupled"
+    if verify not in VERIFY_MODES:
+        raise ValueError(f"unknown verify mode {verify!r}; choose one of {', '.join(VERIFY_MODES)}")
+    if (verify == "greedy") != params.greedy:
+        need = "temperature 0" if verify == "greedy" else "a temperature > 0"
+        raise ValueError(f"verify={verify!r} needs {need} (got temperature {params.temperature})")
+    return verify
+
+
+# ------------------------------------------------------------------ confidence
+
+@dataclass(frozen=True)
+class ConfidencePolicy:
+    """How many drafts to verify, from the drafter's confidences c_k = P(draft k survives | prefix survived).
+
+    * `off`: all of them.
+    * `threshold`: the leading drafts whose survival probability prod_{i<=k} c_i is >= `threshold`.
+    * `schedule`: the length l maximising (1 + sum_{j<=l} prod_{i<=j} c_i) / T_verify(l+1),
+      tokens expected per round over the measured cost of verifying l+1 rows,
+      growing l while the ratio improves (stops at the first non-improving l).
+    """
+
+    mode: str = "off"
+    threshold: float = 0.0
+
+    @classmethod
+    def parse(cls, spec: str | ConfidencePolicy) -> ConfidencePolicy:
+        if isinstance(spec, ConfidencePolicy):
+            return spec
+        if spec in ("off", "schedule"):
+            return cls(spec)
+        if isinstance(spec, str) and spec.startswith("threshold:"):
+            try:
+                x = float(spec.split(":", 1)[1])
+            except ValueError:
+                x = -1.0
+            if not 0.0 <= x <= 1.0:
+                raise ValueError(f"confidence {spec!r}: the threshold must be a number in [0, 1]")
+            return cls("threshold", x)
+        raise ValueError(f"unknown confidence policy {spec!r}; use off, threshold:X (0 <= X <= 1) or schedule")
+
+    def verify_length(self, confidence: list[float], costs: list[float] | None) -> int:
+        """How many of the drafts (confidence probabilities [block]) to verify."""
+        if self.mode == "off":
+            return len(confidence)
+        survive, lengths = 1.0, []
+        for c in confidence:
+            survive *= c
+            lengths.append(survive)
+        if self.mode == "threshold":
+            return next((k for k, s in enumerate(lengths) if s < self.threshold), len(lengths))
+        expected, best = 1.0, 1.0 / costs[0]
+        for ell, s in enumerate(lengths, start=1):
+            expected += s
+            rate = expected / costs[ell]
+            if rate <= best:
+                return ell - 1
+            best = rate
+        return len(lengths)
+
+
+def measure_verify_costs(model, rows: int, repeats: int = 3) -> list[float]:
+    """Seconds for a target forward of 1..rows rows on a cache holding one window of
+    positions: T_verify(n) = costs[n-1]. Measured on a scratch cache (min of repeats)."""
+    cache = model.make_cache()
+    warm = mx.arange(model.args.sliding_window, dtype=mx.int32)[None] % model.args.vocab_size
+    logits, _ = model(warm, cache, last_logits_only=True)
+    mx.eval(logits, cache.state())
+    costs = []
+    for n in range(1, rows + 1):
+        ids = mx.zeros((1, n), dtype=mx.int32)
+        best = float("inf")
+        for _ in range(repeats):
+            tic = time.perf_counter()
+            logits, feats = model(ids, cache)
+            mx.eval(logits, feats, cache.state())
+            best = min(best, time.perf_counter() - tic)
+            cache.trim(n)
+        costs.append(best)
+    return costs
+
+
+# ----------------------------------------------------------------------- stats
+
+@dataclass
+class DraftStats:
+    """What drafting did over one generation."""
+
+    block: int
+    rounds: int = 0
+    proposed: int = 0
+    verified: int = 0
+    accepted: int = 0
+    reached: list[int] = field(default_factory=list)  # rounds where draft k was verified after k-1 accepted
+    accepted_at: list[int] = field(default_factory=list)
+    propose_s: float = 0.0
+    verify_s: float = 0.0
+    ingest_s: float = 0.0
+
+    def __post_init__(self):
+        self.reached = self.reached or [0] * self.block
+        self.accepted_at = self.accepted_at or [0] * self.block
+
+    def add_round(self, verified: int, accepted: int) -> None:
+        self.rounds += 1
+        self.proposed += self.block
+        self.verified += verified
+        self.accepted += accepted
+        for k in range(min(accepted + 1, verified)):
+            self.reached[k] += 1
+        for k in range(accepted):
+            self.accepted_at[k] += 1
+
+    @property
+    def mean_accepted(self) -> float:
+        """Drafts accepted per round."""
+        return self.accepted / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float | None]:
+        """P(draft k accepted | drafts 1..k-1 accepted and k verified), per draft position."""
+        return [a / r if r else None for a, r in zip(self.accepted_at, self.reached)]
+
+    def as_dict(self) -> dict:
+        ms = 1e3 / max(self.rounds, 1)
+        return {"rounds": self.rounds, "proposed": self.proposed, "verified": self.verified,
+                "accepted": self.accepted, "mean_accepted_per_round": self.mean_accepted,
+                "acceptance_by_position": self.acceptance_by_position,
+                "propose_ms_per_round": self.propose_s * ms, "verify_ms_per_round": self.verify_s * ms,
+                "ingest_ms_per_round": self.ingest_s * ms}
+
+    def summary(self) -> str:
+        d = self.as_dict()
+        by_pos = " ".join("-" if a is None else f"{a:.2f}" for a in d["acceptance_by_position"])
+        return (f"drafts: {d['rounds']} rounds, {d['proposed']} proposed, {d['verified']} verified, "
+                f"{d['accepted']} accepted ({d['mean_accepted_per_round']:.2f}/round; by position {by_pos}) | "
+                f"propose {d['propose_ms_per_round']:.1f} ms, verify {d['verify_ms_per_round']:.1f} ms, "
+                f"ingest {d['ingest_ms_per_round']:.1f} ms per round")
+
+
+# ----------------------------------------------------------------------- round
+
+class SpeculativeDecoder:
+    """Runs rounds for one sequence: the target cache, the drafter's rings, the mode."""
+
+    def __init__(self, model, drafter: Drafter, params: SamplingParams, verify: str | None = None,
+                 confidence: str | ConfidencePolicy = "off", verify_costs: list[float] | None = None):
+        self.model, self.drafter, self.params = model, drafter, params
+        self.verify = resolve_verify(verify, params)
+        self.policy = ConfidencePolicy.parse(confidence)
+        if self.policy.mode == "schedule" and verify_costs is None:
+            if drafter.verify_costs is None:  # measured once per loaded model
+                drafter.verify_costs = measure_verify_costs(model, drafter.block + 1)
+            verify_costs = drafter.verify_costs
+        self.costs = verify_costs
+        self.stats = DraftStats(drafter.block)
+
+    def pick(self, position: int):
+        """The drafter's picker for a block whose first draft sits at `position`."""
+        params = self.params
+        if self.verify == "greedy":
+            return argmax_picker
+        stream = 0 if self.verify == "coupled" else DRAFT
+
+        def pick(logits: mx.array, k: int) -> mx.array:
+            logq = filtered_log_probs(logits[None], params)[0]
+            g = gumbel_noise(params.seed, mx.array([position + k]), logits.shape[-1], stream)[0]
+            return mx.argmax(logq + g).astype(mx.int32)
+
+        return pick
+
+    def round(self, cache: ModelCache, draft_cache, anchor: int, budget: int) -> list[int]:
+        """One round from `anchor` (at position cache.offset): returns the new committed
+        tokens after the anchor (accepted drafts, then the bonus token). Verifies at most
+        budget-1 drafts, so the round returns at most `budget` tokens."""
+        anchor_pos = cache.offset
+        tic = time.perf_counter()
+        picker = self.pick(anchor_pos + 1)
+        proposal = self.drafter.propose(draft_cache, anchor, picker)
+        mx.eval(proposal.drafts, proposal.logits, proposal.confidence)
+        toc = time.perf_counter()
+        self.stats.propose_s += toc - tic
+
+        confidence = mx.sigmoid(proposal.confidence).tolist()
+        ell = min(self.policy.verify_length(confidence, self.costs), budget - 1)
+        drafts = proposal.drafts[:ell]
+        ids = mx.concatenate([mx.array([anchor], dtype=mx.int32), drafts])[None]
+        logits, features = self.model(ids, cache)
+        accepted, next_token = self.accept(logits[0], proposal, ell, anchor_pos + 1)
+        mx.eval(features)
+        tic = time.perf_counter()
+        self.stats.verify_s += tic - toc
+
+        cache.trim(ell - accepted)
+        self.drafter.ingest(draft_cache, features[0, : accepted + 1])
+        mx.eval(draft_cache.rings)
+        self.stats.ingest_s += time.perf_counter() - tic
+        self.stats.add_round(ell, accepted)
+        return drafts[:accepted].tolist() + [next_token]
+
+    def accept(self, logits: mx.array, proposal: Proposal, ell: int, first_pos: int) -> tuple[int, int]:
+        """Verify rows logits [ell+1, V] (row j predicts position first_pos + j) against the
+        first ell drafts; returns (drafts accepted, the token after them)."""
+        positions = mx.arange(first_pos, first_pos + ell + 1)
+        drafts = proposal.drafts[:ell]
+        if self.verify in ("greedy", "coupled"):
+            target = sample(logits, positions, self.params)  # what plain decoding picks at each position
+            match = (drafts == target[:ell]).tolist()
+            accepted = next((j for j, ok in enumerate(match) if not ok), ell)
+            return accepted, int(target[accepted].item())
+        # rejection: each row either keeps its draft or resamples; the bonus row samples p
+        vocab = logits.shape[-1]
+        p = mx.exp(filtered_log_probs(logits, self.params))
+        q = mx.exp(filtered_log_probs(proposal.logits[:ell], self.params))
+        g = gumbel_noise(self.params.seed, positions, vocab, RESAMPLE)
+        keep, token = accept_or_resample(p[:ell], q, drafts, uniform_noise(self.params.seed, positions[:ell], ACCEPT),
+                                         g[:ell])
+        bonus = mx.argmax(mx.log(p[ell]) + g[ell])
+        keep = keep.tolist()
+        accepted = next((j for j, ok in enumerate(keep) if not ok), ell)
+        return accepted, int(token[accepted].item() if accepted < ell else bonus.item())
+
+
+def speculative_decode(decoder: SpeculativeDecoder, cache: ModelCache, last_logits: mx.array,
+                       features: mx.array, max_tokens: int) -> Iterator[int]:
+    """Yield up to max_tokens tokens after a prefilled prompt.
+
+    last_logits [V]: the prompt's last row; features [n, 3*dim]: the prompt's
+    newest n rows (n <= window is enough), ingested first.
+    """
+    draft_cache = decoder.drafter.make_cache()
+    draft_cache.end = cache.offset - features.shape[0]
+    decoder.drafter.ingest(draft_cache, features)
+    anchor = sample(last_logits[None], mx.array([cache.offset]), decoder.params).item()
+    yield anchor
+    produced = 1
+    while produced < max_tokens:
+        for token in decoder.round(cache, draft_cache, anchor, max_tokens - produced):
+            yield token
+            produced += 1
+        anchor = token
