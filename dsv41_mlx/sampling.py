@@ -59,7 +59,7 @@ def uniform_noise(seed: int, positions: mx.array, stream: int = ACCEPT) -> mx.ar
 
 
 def filtered_log_probs(logits: mx.array, params: SamplingParams) -> mx.array:
-    """log softmax(logits / T) with tokens outside top-k / the top-p nucleus at -inf. [N, V] fp32."""
+    """log softmax(logits / T) over the tokens kept by top-k and the top-p nucleus (-inf elsewhere). [N, V] fp32."""
     logp = logits.astype(mx.float32) / params.temperature
     logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)
     if params.top_k and params.top_k < logp.shape[-1]:
@@ -72,6 +72,8 @@ def filtered_log_probs(logits: mx.array, params: SamplingParams) -> mx.array:
         keep_sorted = before < params.top_p
         keep = mx.put_along_axis(mx.zeros(logp.shape, dtype=mx.bool_), order, keep_sorted, axis=-1)
         logp = mx.where(keep, logp, -mx.inf)
+    if params.top_k or params.top_p < 1.0:
+        logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)  # renormalise over the kept tokens
     return logp
 
 

@@ -25,7 +25,7 @@ from typing import Iterator
 
 import mlx.core as mx
 
-from .cache import ModelCache
+from .cache import DraftCache, ModelCache
 from .dspark import Drafter, Proposal, argmax_picker
 from .sampling import (ACCEPT, DRAFT, RESAMPLE, SamplingParams, accept_or_resample, filtered_log_probs,
                        gumbel_noise, sample, uniform_noise)
@@ -192,6 +192,7 @@ class SpeculativeDecoder:
             verify_costs = drafter.verify_costs
         self.costs = verify_costs
         self.stats = DraftStats(drafter.block)
+        self.draft_cache: DraftCache | None = None  # set by speculative_decode
 
     def pick(self, position: int):
         """The drafter's picker for a block whose first draft sits at `position`."""
@@ -264,9 +265,10 @@ def speculative_decode(decoder: SpeculativeDecoder, cache: ModelCache, last_logi
     """Yield up to max_tokens tokens after a prefilled prompt.
 
     last_logits [V]: the prompt's last row; features [n, 3*dim]: the prompt's
-    newest n rows (n <= window is enough), ingested first.
+    newest n rows (n >= min(window, prompt length)), ingested first. The
+    drafter's rings are left in `decoder.draft_cache`.
     """
-    draft_cache = decoder.drafter.make_cache()
+    draft_cache = decoder.draft_cache = decoder.drafter.make_cache()
     draft_cache.end = cache.offset - features.shape[0]
     decoder.drafter.ingest(draft_cache, features)
     anchor = sample(last_logits[None], mx.array([cache.offset]), decoder.params).item()

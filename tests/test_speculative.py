@@ -1,0 +1,295 @@
+"""Speculative decoding is lossless: drafted replies equal undrafted ones (greedy, coupled),
+rejection sampling keeps the target distribution, and trimming after a verify is exact.
+
+Runs on the fixture checkpoint (vocabulary 8192, DSpark stages). Its random
+weights make the drafter accept almost nothing, so an oracle drafter that
+proposes the target's own continuation exercises the accepting paths.
+"""
+
+from __future__ import annotations
+
+import types
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+
+from dsv41_mlx.dspark import Proposal
+from dsv41_mlx.generate import generate_step, make_decoder, prefill
+from dsv41_mlx.sampling import DRAFT, SamplingParams, accept_or_resample, filtered_log_probs, gumbel_noise
+from dsv41_mlx.speculative import ConfidencePolicy, DraftStats, SpeculativeDecoder, resolve_verify
+
+from .test_model import _assert_same_state
+
+MAX_TOKENS = 64
+PROMPTS = [[(97 * i + 31 * j) % 8000 + 100 for j in range(n)] for i, n in enumerate([3, 9, 17, 30, 41])]
+GREEDY = SamplingParams()
+COUPLED = [SamplingParams(temperature=0.8, seed=11), SamplingParams(temperature=1.0, top_p=0.9, seed=12),
+           SamplingParams(temperature=0.6, top_k=20, seed=13), SamplingParams(temperature=1.2, seed=14),
+           SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=15)]
+
+
+def _reply(model, prompt, params, decoder=None, max_tokens=MAX_TOKENS):
+    return list(generate_step(model, prompt, params, max_tokens, decoder=decoder))
+
+
+@pytest.fixture(scope="module")
+def plain_replies(fixture_model):
+    greedy = [_reply(fixture_model, p, GREEDY) for p in PROMPTS]
+    coupled = [_reply(fixture_model, p, params) for p, params in zip(PROMPTS, COUPLED)]
+    return greedy, coupled
+
+
+# ------------------------------------------------------------- lossless replies
+
+@pytest.mark.parametrize("confidence", ["off", "schedule"])
+def test_drafted_greedy_reply_equals_undrafted_reply(fixture_model, plain_replies, confidence):
+    for prompt, expected in zip(PROMPTS, plain_replies[0]):
+        decoder = SpeculativeDecoder(fixture_model, fixture_model.drafter, GREEDY, confidence=confidence)
+        assert _reply(fixture_model, prompt, GREEDY, decoder) == expected
+        assert decoder.stats.rounds > 0
+
+
+@pytest.mark.parametrize("confidence", ["off", "schedule"])
+def test_drafted_coupled_reply_equals_undrafted_reply_for_the_same_seed(fixture_model, plain_replies, confidence):
+    for prompt, params, expected in zip(PROMPTS, COUPLED, plain_replies[1]):
+        decoder = SpeculativeDecoder(fixture_model, fixture_model.drafter, params, confidence=confidence)
+        assert decoder.verify == "coupled"
+        assert _reply(fixture_model, prompt, params, decoder) == expected
+
+
+class OracleDrafter:
+    """Proposes the known continuation (a wrong token every `wrong_every` positions) with high confidence."""
+
+    def __init__(self, drafter, sequence: list[int], wrong_every: int = 7):
+        self.inner, self.sequence, self.wrong_every = drafter, sequence, wrong_every
+        self.block, self.window, self.verify_costs = drafter.block, drafter.window, drafter.verify_costs
+
+    def make_cache(self):
+        return self.inner.make_cache()
+
+    def ingest(self, cache, features):
+        self.inner.ingest(cache, features)
+
+    def propose(self, cache, anchor, pick) -> Proposal:
+        drafts = []
+        for k in range(self.block):
+            pos = cache.end + 1 + k
+            token = self.sequence[pos] if pos < len(self.sequence) else 0
+            drafts.append(token + 1 if pos % self.wrong_every == 0 else token)
+        vocab = self.inner.model.args.vocab_size
+        logits = mx.zeros((self.block, vocab))
+        return Proposal(mx.array(drafts, dtype=mx.int32), logits, mx.full((self.block,), 5.0))
+
+
+@pytest.mark.parametrize("which", ["greedy", "coupled"])
+def test_oracle_drafts_are_mostly_accepted_and_the_reply_is_unchanged(fixture_model, plain_replies, which):
+    for i in (1, 4):
+        params = GREEDY if which == "greedy" else COUPLED[i]
+        expected = plain_replies[0 if which == "greedy" else 1][i]
+        oracle = OracleDrafter(fixture_model.drafter, PROMPTS[i] + expected)
+        decoder = SpeculativeDecoder(fixture_model, oracle, params)
+        assert _reply(fixture_model, PROMPTS[i], params, decoder) == expected
+        stats = decoder.stats
+        assert stats.mean_accepted > 2, stats.as_dict()
+        assert stats.accepted < stats.verified  # the wrong drafts were rejected
+        assert stats.rounds < MAX_TOKENS / 3
+
+
+def test_drafter_rings_hold_only_committed_positions(fixture_model, plain_replies):
+    prompt, reply = PROMPTS[2], plain_replies[0][2][:40]
+    oracle = OracleDrafter(fixture_model.drafter, prompt + reply, wrong_every=5)
+    decoder = SpeculativeDecoder(fixture_model, oracle, GREEDY)
+    assert _reply(fixture_model, prompt, GREEDY, decoder, max_tokens=len(reply)) == reply
+    rings = decoder.draft_cache
+    committed = (prompt + reply)[: rings.end]
+    assert rings.end == len(prompt) + len(reply) - 1  # everything but the last token, not yet fed
+    _, features = fixture_model(mx.array([committed], dtype=mx.int32))
+    expected = fixture_model.drafter.make_cache()
+    fixture_model.drafter.ingest(expected, features[0])
+    assert mx.array_equal(rings.rings, expected.rings).item()
+
+
+# ------------------------------------------------------------------- exact trim
+
+@pytest.mark.parametrize("accepted", range(6))
+def test_verify_then_trim_equals_plain_decode_of_the_committed_tokens(fixture_model, golden, accepted):
+    """A verify forward of anchor + 5 drafts, trimmed to `accepted` drafts, leaves the cache a
+    plain decode of the committed tokens leaves, and its rows' logits equal the plain ones.
+    A second verify on top of the trimmed cache must stay exact too."""
+    model = fixture_model
+    prompt = golden["prompt_ids"][0].astype(np.int32).tolist()  # 41 tokens: window and groups wrap
+    cont = golden["decode.input_ids"][:, 0, 0].astype(np.int32).tolist()
+    block = model.args.dspark_block_size
+
+    drafted = model.make_cache()
+    prefill(model, prompt, drafted)
+    verify_logits, _ = model(mx.array([cont[: block + 1]]), drafted)
+    drafted.trim(block - accepted)
+    second = cont[accepted + 1: accepted + 2 + block]
+    model(mx.array([second]), drafted)
+    drafted.trim(block - 2)
+
+    plain = model.make_cache()
+    prefill(model, prompt, plain)
+    committed = cont[: accepted + 1] + second[:3]
+    plain_logits = [model(mx.array([[t]]), plain)[0][0, 0] for t in committed]
+    _assert_same_state(plain, drafted)
+    for j in range(accepted + 1):
+        assert mx.array_equal(verify_logits[0, j], plain_logits[j]).item(), f"row {j}"
+
+
+# ------------------------------------------------------------------- rejection
+
+def _sample_q(q: np.ndarray, n: int, rng) -> np.ndarray:
+    return rng.choice(len(q), size=n, p=q)
+
+
+def _rejection_outcomes(p, q_true, q_claimed, n, seed):
+    """n independent draws through accept_or_resample: drafts from q_true, the rule told q_claimed."""
+    rng = np.random.default_rng(seed)
+    drafts = _sample_q(q_true, n, rng)
+    P = mx.broadcast_to(mx.array(p, dtype=mx.float32), (n, len(p)))
+    Q = mx.broadcast_to(mx.array(q_claimed, dtype=mx.float32), (n, len(p)))
+    u = mx.array(rng.random(n), dtype=mx.float32)
+    g = mx.array(rng.gumbel(size=(n, len(p))), dtype=mx.float32)
+    accepted, token = accept_or_resample(P, Q, mx.array(drafts, dtype=mx.int32), u, g)
+    return np.array(token), np.array(accepted)
+
+
+P_TARGET = np.array([0.30, 0.05, 0.20, 0.0, 0.25, 0.10, 0.06, 0.04])
+Q_DRAFT = np.array([0.10, 0.30, 0.20, 0.15, 0.05, 0.10, 0.0, 0.10])
+
+
+def test_rejection_rule_preserves_the_target_distribution():
+    tokens, accepted = _rejection_outcomes(P_TARGET, Q_DRAFT, Q_DRAFT, 40_000, seed=0)
+    assert 0.2 < accepted.mean() < 0.9  # both branches taken
+    counts = np.bincount(tokens, minlength=len(P_TARGET))
+    keep = P_TARGET > 0
+    assert counts[~keep].sum() == 0
+    assert chisquare(counts[keep], P_TARGET[keep] * len(tokens)).pvalue > 0.01
+
+
+def test_rejection_rule_with_a_wrong_q_fails_the_same_check():
+    wrong = np.array([0.20, 0.20, 0.10, 0.15, 0.15, 0.10, 0.0, 0.10])
+    tokens, _ = _rejection_outcomes(P_TARGET, Q_DRAFT, wrong, 40_000, seed=0)
+    counts = np.bincount(tokens, minlength=len(P_TARGET))
+    expected = P_TARGET * len(tokens)
+    keep = P_TARGET > 0
+    assert chisquare(counts[keep], expected[keep]).pvalue < 0.01
+
+
+class FlattenedOracle:
+    """Drafts the first position from a sharpened copy of the target's own logits (so that
+    q overlaps p without equalling it), through the round's picker."""
+
+    def __init__(self, drafter, target_logits: mx.array):
+        self.inner, self.target_logits = drafter, target_logits
+        self.block, self.window, self.verify_costs = drafter.block, drafter.window, None
+
+    def make_cache(self):
+        return self.inner.make_cache()
+
+    def ingest(self, cache, features):
+        self.inner.ingest(cache, features)
+
+    def propose(self, cache, anchor, pick) -> Proposal:
+        logits = mx.broadcast_to(3.0 * self.target_logits, (self.block, self.target_logits.shape[0]))
+        drafts = mx.stack([pick(logits[k], k) for k in range(self.block)])
+        return Proposal(drafts, logits, mx.full((self.block,), 5.0))
+
+
+def test_rejection_round_samples_the_target_distribution(fixture_model):
+    """End to end: the token after a fixed anchor, over 300 seeds, follows the target's p."""
+    model, prompt, anchor = fixture_model, PROMPTS[3], 1234
+    params = SamplingParams(temperature=1.0, top_k=3)
+    cache = model.make_cache()
+    _, features = prefill(model, prompt, cache, keep_features=model.args.sliding_window)
+    rows, _ = model(mx.array([[anchor]]), cache)
+    cache.trim(1)
+    target = rows[0, 0]
+    p = np.exp(np.array(filtered_log_probs(target[None], params)[0]))
+    assert abs(p.sum() - 1) < 1e-5
+    oracle = FlattenedOracle(model.drafter, target)
+    rings = oracle.make_cache()
+    rings.end = cache.offset - features.shape[0]
+    oracle.ingest(rings, features)
+    saved_rings, saved_end = mx.array(rings.rings), rings.end
+
+    outcomes, accepted = [], 0
+    for seed in range(300):
+        params = SamplingParams(temperature=1.0, top_k=3, seed=seed)
+        decoder = SpeculativeDecoder(model, oracle, params, verify="rejection")
+        tokens = decoder.round(cache, rings, anchor, budget=2)
+        outcomes.append(tokens[0])
+        accepted += decoder.stats.accepted
+        cache.trim(decoder.stats.accepted + 1)
+        rings.rings, rings.end = mx.array(saved_rings), saved_end
+    assert 30 < accepted < 270  # drafts kept and rejected both happen
+    support = np.flatnonzero(p)
+    counts = np.array([outcomes.count(int(t)) for t in support])
+    assert counts.sum() == len(outcomes)
+    kept = p[support].astype(np.float64)
+    expected = kept / kept.sum() * len(outcomes)
+    assert chisquare(counts, expected).pvalue > 0.01
+
+
+def test_rejection_drafts_are_sampled_with_their_own_noise(fixture_model):
+    """The rejection-mode picker draws from q with the DRAFT stream, not the target's noise."""
+    decoder = SpeculativeDecoder(fixture_model, fixture_model.drafter, SamplingParams(1.0, seed=5),
+                                 verify="rejection")
+    logits = mx.zeros((8192,))
+    pick = decoder.pick(100)
+    g = gumbel_noise(5, mx.array([102]), 8192, DRAFT)[0]
+    assert pick(logits, 2).item() == mx.argmax(g).item()
+
+
+# --------------------------------------------------------------- policies, stats
+
+def test_confidence_policies_choose_the_verify_length():
+    c = [0.9, 0.8, 0.5, 0.2, 0.1]
+    assert ConfidencePolicy.parse("off").verify_length(c, None) == 5
+    assert ConfidencePolicy.parse("threshold:0.5").verify_length(c, None) == 2  # 0.9, 0.72 | 0.36
+    assert ConfidencePolicy.parse("threshold:0").verify_length(c, None) == 5
+    costs = [1.0, 1.05, 1.1, 1.15, 1.2, 1.25]
+    # expected tokens 1, 1.9, 2.62, 2.98, 3.052, 3.0592 over costs: rates rise until l=3, fall at l=4
+    assert ConfidencePolicy.parse("schedule").verify_length(c, costs) == 3
+    flat_costly = [1.0, 3.0, 3.0, 3.0, 3.0, 3.0]
+    assert ConfidencePolicy.parse("schedule").verify_length(c, flat_costly) == 0
+
+
+@pytest.mark.parametrize("spec", ["sometimes", "threshold:", "threshold:1.5", "threshold:x", ""])
+def test_bad_confidence_policy_is_rejected(spec):
+    with pytest.raises(ValueError, match="confidence"):
+        ConfidencePolicy.parse(spec)
+
+
+def test_verify_mode_is_checked_against_the_temperature():
+    assert resolve_verify(None, GREEDY) == "greedy"
+    assert resolve_verify(None, SamplingParams(temperature=0.7)) == "coupled"
+    with pytest.raises(ValueError, match="unknown verify mode 'typical'"):
+        resolve_verify("typical", GREEDY)
+    with pytest.raises(ValueError, match="needs temperature 0"):
+        resolve_verify("greedy", SamplingParams(temperature=0.7))
+    with pytest.raises(ValueError, match="needs a temperature > 0"):
+        resolve_verify("rejection", GREEDY)
+
+
+def test_drafting_arguments_without_a_drafter_are_rejected():
+    no_drafter = types.SimpleNamespace(drafter=None)
+    assert make_decoder(no_drafter, GREEDY) is None
+    with pytest.raises(ValueError, match="needs DSpark stages"):
+        make_decoder(no_drafter, GREEDY, draft=True)
+    with pytest.raises(ValueError, match="drafting, which is off"):
+        make_decoder(no_drafter, GREEDY, draft=False, verify="greedy")
+
+
+def test_stats_count_conditional_acceptance_per_position():
+    stats = DraftStats(block=5)
+    stats.add_round(verified=5, accepted=2)  # drafts 1, 2 accepted, 3 rejected
+    stats.add_round(verified=1, accepted=1)  # only draft 1 verified, accepted
+    stats.add_round(verified=3, accepted=0)
+    assert (stats.rounds, stats.proposed, stats.verified, stats.accepted) == (3, 15, 9, 3)
+    assert stats.mean_accepted == 1.0
+    assert stats.acceptance_by_position == [2 / 3, 1 / 1, 0 / 1, None, None]
