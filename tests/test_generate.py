@@ -12,9 +12,20 @@ from dsv41_mlx.tiny import build_checkpoint
 
 
 @pytest.fixture(scope="module")
-def default_model(tmp_path_factory, monkeypatch_module):
-    monkeypatch_module.setenv("DSV41_MLX_CACHE", str(tmp_path_factory.mktemp("cache")))
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def default_model(cache_dir, monkeypatch_module):
+    monkeypatch_module.setenv("DSV41_MLX_CACHE", str(cache_dir))
     return dsv41_mlx.load()
+
+
+@pytest.fixture(scope="module")
+def cli_env(cache_dir, default_model):
+    """Environment for CLI runs that share the module's built embedded default."""
+    return {**os.environ, "DSV41_MLX_CACHE": str(cache_dir)}
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +72,8 @@ def test_bad_sampling_arguments_are_rejected(default_model, kwargs, message):
         list(stream_generate(model, tokenizer, "x", **kwargs))
 
 
-def test_cli_prints_text_and_one_stats_line(tmp_path):
-    env = {**os.environ, "DSV41_MLX_CACHE": str(tmp_path)}
+def test_cli_prints_text_and_one_stats_line(cli_env):
+    env = cli_env
     out = subprocess.run([sys.executable, "-m", "dsv41_mlx.generate", "--prompt", "Hello", "--max-tokens", "5"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -76,3 +87,27 @@ def test_cli_reports_a_bad_model_path_without_a_traceback(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "Traceback" not in out.stderr and "nope" in out.stderr
+
+
+def test_cli_drafts_by_default_and_prints_drafting_stats(cli_env):
+    env = cli_env
+    base = [sys.executable, "-m", "dsv41_mlx.generate", "--prompt", "Hello", "--max-tokens", "6"]
+    drafted = subprocess.run(base + ["--temp", "0.9", "--seed", "4", "--confidence", "threshold:0.1"],
+                             capture_output=True, text=True, env=env, timeout=300)
+    plain = subprocess.run(base + ["--temp", "0.9", "--seed", "4", "--no-draft"],
+                           capture_output=True, text=True, env=env, timeout=300)
+    assert drafted.returncode == plain.returncode == 0, drafted.stderr + plain.stderr
+    assert drafted.stdout == plain.stdout
+    assert any(line.startswith("drafts:") and "accepted" in line for line in drafted.stderr.splitlines())
+    assert not any(line.startswith("drafts:") for line in plain.stderr.splitlines())
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--confidence", "sometimes"], "unknown confidence policy 'sometimes'"),
+    (["--verify", "rejection"], "needs a temperature > 0"),
+    (["--no-draft", "--verify", "greedy"], "drafting, which is off"),
+])
+def test_cli_rejects_bad_drafting_flags_with_a_clear_error(cli_env, flags, message):
+    out = subprocess.run([sys.executable, "-m", "dsv41_mlx.generate", "--max-tokens", "2"] + flags,
+                         capture_output=True, text=True, env=cli_env, timeout=300)
+    assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
