@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .kernels import ring_write
+
 # Rows beyond what attention needs, kept so trim(n <= TRIM_SLACK) is exact.
 TRIM_SLACK = 16
 
@@ -174,8 +176,7 @@ class DraftCache:
         m = rows.shape[1]
         if m != min(n, self.window):
             raise ValueError(f"expected {min(n, self.window)} ring rows for {n} positions, got {m}")
-        slots = mx.arange(self.end + n - m, self.end + n) % self.window
-        self.rings[:, slots] = rows
+        self.rings = ring_write(self.rings, rows, self.end + n - m)  # one launch for all stages
         self.end += n
 
     def valid(self) -> mx.array:

@@ -20,6 +20,8 @@ Two operations (reference `forward_spec`):
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -28,8 +30,11 @@ import mlx.nn as nn
 
 from .cache import DraftCache
 from .config import ModelArgs
+from .kernels import fp8_rows_top64
 from .model import Attention, Block, Linear, RMSNorm, hc_pre, sparse_attention
-from .quant import Fp8Linear
+from .quant import Fp8Linear, Fp8Matrix, quantize_fp8_tiles_mx
+
+log = logging.getLogger(__name__)
 
 F32, BF16 = mx.float32, mx.bfloat16
 
@@ -43,10 +48,15 @@ class MarkovHead(nn.Module):
         self.embed.weight = self.embed.weight.astype(BF16)
         self.head = Linear(rank, vocab)
 
-    def __call__(self, prev_ids: mx.array) -> tuple[mx.array, mx.array]:
-        """prev_ids [B] -> (logit bias [B, vocab] fp32, embedding [B, rank] bf16)."""
+    def __call__(self, prev_ids: mx.array, candidates: mx.array | None = None) -> tuple[mx.array, mx.array]:
+        """prev_ids [B] -> (logit bias [B, vocab] fp32, embedding [B, rank] bf16).
+
+        With candidates [B, n] token ids, the bias of those tokens only [B, n]."""
         e = self.embed(prev_ids)
-        return e.astype(F32) @ self.head.weight.astype(F32).T, e
+        if candidates is None:
+            return e.astype(F32) @ self.head.weight.astype(F32).T, e
+        w = self.head.weight[candidates].astype(F32)  # [B, n, rank]
+        return (w @ e.astype(F32)[:, :, None])[..., 0], e
 
 
 class ConfidenceHead(nn.Module):
@@ -93,26 +103,44 @@ class DSparkStage(Block):
 @dataclass
 class Proposal:
     drafts: mx.array  # [block] int32: x_1 .. x_block
-    logits: mx.array  # [block, vocab] fp32: Markov-biased draft logits (what each draft was picked from)
+    logits: mx.array  # [block, n] fp32: Markov-biased draft logits (what each draft was picked from)
     confidence: mx.array  # [block] fp32: confidence-head logits (sigmoid -> P(draft k survives | prefix survived))
+    candidates: mx.array | None = None  # [block, n] token ids of the logits' columns; None: n = vocab
 
 
-# pick(logits [vocab] fp32, k) -> token id [] int32: how draft k is chosen from its logits
-Picker = Callable[[mx.array, int], mx.array]
+# pick(logits [n] fp32, k, candidates [n] | None) -> token id [] int32: how draft k is
+# chosen from its logits over the candidate tokens (the whole vocabulary when None)
+Picker = Callable[[mx.array, int, "mx.array | None"], mx.array]
 
 
-def argmax_picker(logits: mx.array, k: int) -> mx.array:
-    return mx.argmax(logits, axis=-1).astype(mx.int32)
+def argmax_picker(logits: mx.array, k: int, candidates: mx.array | None = None) -> mx.array:
+    best = mx.argmax(logits, axis=-1)
+    return (best if candidates is None else candidates[best]).astype(mx.int32)
+
+
+HEADS = ("fp8", "bf16")
 
 
 class Drafter:
-    """DSpark on top of a loaded target: the stages `model.mtp`, the target's embedding and head."""
+    """DSpark on top of a loaded target: the stages `model.mtp`, the target's embedding and head.
 
-    def __init__(self, model):
+    head 'bf16': the target's own head over the whole vocabulary, exactly as the
+    reference. head 'fp8' (the default): an FP8 copy of that head (release
+    format, built once on first use) through the fused fp8_rows kernel, which
+    keeps the 64 best tokens per position; the Markov bias, the pick and the
+    draft distribution are then taken over those 64 candidates. Drafts may
+    differ; replies cannot, since the target verifies every draft.
+    """
+
+    def __init__(self, model, head: str = "fp8"):
         if not model.mtp:
             raise ValueError("this checkpoint has no DSpark stages (num_nextn_predict_layers / dspark_block_size)")
+        if head not in HEADS:
+            raise ValueError(f"unknown drafter head {head!r}; choose one of {', '.join(HEADS)}")
         args = model.args
         self.model = model
+        self.head = head
+        self._fp8_head: Fp8Matrix | None = None
         self.block = args.dspark_block_size
         self.noise_id = args.dspark_noise_token_id
         self.window = args.sliding_window
@@ -122,6 +150,17 @@ class Drafter:
     @property
     def stages(self) -> list[DSparkStage]:
         return self.model.mtp
+
+    @property
+    def fp8_head(self) -> Fp8Matrix:
+        """The drafter's FP8 copy of the target's BF16 head, built on first use."""
+        if self._fp8_head is None:
+            tic = time.perf_counter()
+            self._fp8_head = quantize_fp8_tiles_mx(self.model.head.weight)
+            mx.eval(self._fp8_head.codes, self._fp8_head.scales)
+            log.info("drafter FP8 head: %s, %.2f GB, built in %.2f s", "x".join(map(str, self._fp8_head.shape)),
+                     self._fp8_head.nbytes / 1e9, time.perf_counter() - tic)
+        return self._fp8_head
 
     def make_cache(self) -> DraftCache:
         return DraftCache(len(self.stages), self.window, self.model.args.head_dim)
@@ -158,15 +197,19 @@ class Drafter:
             h, pre = stage(h, pre, positions, cache.rings[k], valid)
         last = self.stages[-1]
         hidden = hc_pre(h, pre)  # [B, dim] bf16, pre-norm (the confidence head reads this)
-        base = self.model.head(last.norm(hidden))  # [B, vocab] fp32
+        if self.head == "fp8":
+            base, candidates = fp8_rows_top64(last.norm(hidden), self.fp8_head)  # [B, 64] each
+        else:
+            base, candidates = self.model.head(last.norm(hidden)), None  # [B, vocab] fp32
         prev = anchor
         drafts, logits, embeds = [], [], []
         for k in range(B):
-            bias, e = last.markov_head(prev)
+            cand = None if candidates is None else candidates[k]
+            bias, e = last.markov_head(prev, None if cand is None else cand[None])
             row = base[k] + bias[0]
-            prev = pick(row, k).reshape(1)
+            prev = pick(row, k, cand).reshape(1)
             drafts.append(prev)
             logits.append(row)
             embeds.append(e)
         confidence = last.confidence_head(hidden, mx.concatenate(embeds))
-        return Proposal(mx.concatenate(drafts), mx.stack(logits), confidence)
+        return Proposal(mx.concatenate(drafts), mx.stack(logits), confidence, candidates)

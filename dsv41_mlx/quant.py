@@ -16,6 +16,8 @@ scale per 32 inputs of a row.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -110,6 +112,51 @@ class Fp8Linear(nn.Module):
         xq = fp8_fake_quant(x).astype(mx.float32)
         y = mx.quantized_matmul(xq, self.weight, self.scales, transpose=True, mode="mxfp8")
         return y.astype(mx.bfloat16)
+
+
+@dataclass
+class Fp8Matrix:
+    """A weight [N, K] in the release's FP8 format: E4M3 codes, one E8M0 scale per 32x32 tile."""
+
+    codes: mx.array  # [N, K] uint8
+    scales: mx.array  # [N/32, K/32] uint8 (E8M0 bytes: scale = 2**(byte - 127))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes
+
+    def dequantize(self) -> mx.array:
+        """float32 [N, K]: each code's value times its tile's scale."""
+        N, K = self.shape
+        values = mx.from_fp8(self.codes, dtype=mx.float32).reshape(N // 32, 32, K // 32, 32)
+        scale = ((self.scales.astype(mx.int32) << 23).view(mx.float32))[:, None, :, None]
+        return (values * scale).reshape(N, K)
+
+    def to_mxfp8(self) -> tuple[mx.array, mx.array]:
+        """The same bits in MLX's `mxfp8` layout (for mx.quantized_matmul)."""
+        return fp8_tiles_to_mx(self.codes, self.scales)
+
+
+def quantize_fp8_tiles_mx(w: mx.array) -> Fp8Matrix:
+    """[N, K] (N, K multiples of 32) -> the release FP8 format, built on the default device.
+
+    Per 32x32 tile: scale 2**ceil(log2(amax/448)) with amax floored at 2**-100
+    (so every scale byte is >= 1, as the kernels assume), codes E4M3 rounded to
+    nearest even. Equals `quantize_fp8_tiles` bit for bit.
+    """
+    N, K = w.shape
+    if N % 32 or K % 32:
+        raise ValueError(f"FP8 tiles need both dimensions to be multiples of 32, got {w.shape}")
+    tiles = w.astype(mx.float32).reshape(N // 32, 32, K // 32, 32)
+    amax = mx.maximum(mx.abs(tiles).max(axis=(1, 3), keepdims=True), 2.0 ** -100)
+    scale = pow2_ceil_scale(amax, FP8_MAX)
+    codes = mx.to_fp8(tiles / scale).reshape(N, K)
+    scale_bytes = ((scale.view(mx.int32) >> 23) & 0xFF).astype(mx.uint8).reshape(N // 32, K // 32)
+    return Fp8Matrix(codes, scale_bytes)
 
 
 # ------------------------------------------------------------- numpy (weights)

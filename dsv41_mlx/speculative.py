@@ -191,6 +191,8 @@ class SpeculativeDecoder:
                 drafter.verify_costs = measure_verify_costs(model, drafter.block + 1)
             verify_costs = drafter.verify_costs
         self.costs = verify_costs
+        if getattr(drafter, "head", None) == "fp8":
+            drafter.fp8_head  # built (and logged) before the first token, not in the middle of a reply
         self.stats = DraftStats(drafter.block)
         self.draft_cache: DraftCache | None = None  # set by speculative_decode
 
@@ -201,10 +203,14 @@ class SpeculativeDecoder:
             return argmax_picker
         stream = 0 if self.verify == "coupled" else DRAFT
 
-        def pick(logits: mx.array, k: int) -> mx.array:
+        vocab = self.model.args.vocab_size
+
+        def pick(logits: mx.array, k: int, candidates: mx.array | None = None) -> mx.array:
             logq = filtered_log_probs(logits[None], params)[0]
-            g = gumbel_noise(params.seed, mx.array([position + k]), logits.shape[-1], stream)[0]
-            return mx.argmax(logq + g).astype(mx.int32)
+            g = gumbel_noise(params.seed, mx.array([position + k]), vocab, stream)[0]
+            if candidates is None:
+                return mx.argmax(logq + g).astype(mx.int32)
+            return candidates[mx.argmax(logq + g[candidates])].astype(mx.int32)  # the same noise, per token id
 
         return pick
 
@@ -250,11 +256,15 @@ class SpeculativeDecoder:
         # rejection: each row either keeps its draft or resamples; the bonus row samples p
         vocab = logits.shape[-1]
         p = mx.exp(filtered_log_probs(logits, self.params))
-        q = mx.exp(filtered_log_probs(proposal.logits[:ell], self.params))
         g = gumbel_noise(self.params.seed, positions, vocab, RESAMPLE)
+        bonus = mx.argmax(mx.log(p[ell]) + g[ell])
+        if ell == 0:
+            return 0, int(bonus.item())
+        q = mx.exp(filtered_log_probs(proposal.logits[:ell], self.params))
+        if proposal.candidates is not None:  # q lives on the candidates: zero elsewhere
+            q = mx.put_along_axis(mx.zeros((ell, vocab), dtype=q.dtype), proposal.candidates[:ell], q, axis=-1)
         keep, token = accept_or_resample(p[:ell], q, drafts, uniform_noise(self.params.seed, positions[:ell], ACCEPT),
                                          g[:ell])
-        bonus = mx.argmax(mx.log(p[ell]) + g[ell])
         keep = keep.tolist()
         accepted = next((j for j, ok in enumerate(keep) if not ok), ell)
         return accepted, int(token[accepted].item() if accepted < ell else bonus.item())

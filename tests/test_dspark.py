@@ -16,6 +16,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from dsv41_mlx.cache import DraftCache
+from dsv41_mlx.dspark import Drafter
 
 TOLERANCE = 0.02  # max abs error / std of the golden tensor, as for the target
 
@@ -26,8 +27,8 @@ def pinned(fixture_dir):
 
 
 def _replay(model, prefill_features, golden):
-    """Yield (step, proposal) for the 12 reference decode steps."""
-    drafter = model.drafter
+    """Yield (step, proposal) for the 12 reference decode steps, with the reference's BF16 head."""
+    drafter = Drafter(model, head="bf16")
     cache = drafter.make_cache()
     drafter.ingest(cache, mx.array(prefill_features[0]))
     for t in range(golden["decode.start_pos"].shape[0]):

@@ -1,0 +1,163 @@
+"""Custom kernels for the drafter: the FP8 vocabulary head (with a fused top-64)
+and the ring write.
+
+Each kernel exists three ways, and one wrapper here picks:
+
+* `mx.fast.metal_kernel` on Metal (Macs): body in `metal_kernels/<name>.metal`;
+* `mx.fast.cuda_kernel` on CUDA: body in `metal_kernels/<name>.cu`, the same
+  algorithm line for line;
+* pure MLX everywhere else (the CPU): the `*_reference` functions, which are
+  the specification both kernels are tested against.
+
+The bodies share `fp8_common.h` (integer bit tricks valid in both languages).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import mlx.core as mx
+
+from .quant import Fp8Matrix
+
+TOP_K = 64  # candidates the drafter keeps per position
+TILE = 256  # outputs per threadgroup in fp8_rows (fixed in the kernel text)
+MAX_ROWS = 16
+
+
+def _kernel_dir() -> Path:
+    """metal_kernels/ of a source checkout, else the copy installed beside the package."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here.parent / "metal_kernels", here / "metal_kernels"):
+        if (candidate / "fp8_rows.metal").exists():
+            return candidate
+    raise FileNotFoundError(f"metal_kernels/ not found next to {here}")
+
+
+def kernel_text(filename: str) -> str:
+    return (_kernel_dir() / filename).read_text()
+
+
+def backend() -> str:
+    """'metal', 'cuda' or 'mlx' (pure MLX): what the kernels run on for the default device."""
+    if mx.default_device() == mx.gpu:
+        if mx.metal.is_available():
+            return "metal"
+        if mx.cuda.is_available():
+            return "cuda"
+    return "mlx"
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """Everything MLX needs to build one kernel, for either language."""
+
+    name: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    metal: str  # body file
+    cuda: str
+    header_files: tuple[str, ...] = ("fp8_common.h",)
+
+    def header(self, language: str) -> str:
+        files = list(self.header_files) + (["fp16_bits.cuh"] if language == "cuda" else [])
+        return "\n".join(kernel_text(f) for f in files)
+
+    def source(self, language: str) -> str:
+        return kernel_text(self.metal if language == "metal" else self.cuda)
+
+
+FP8_ROWS = KernelSpec("fp8_rows_top64", ("x", "w", "scales"), ("top_vals", "top_ids"),
+                      "fp8_rows.metal", "fp8_rows.cu")
+RING_WRITE = KernelSpec("ring_write", ("rings", "rows", "first"), ("out",), "ring_write.metal", "ring_write.cu",
+                        header_files=())
+
+
+@lru_cache(maxsize=None)
+def _compiled(spec: KernelSpec, language: str):
+    make = mx.fast.metal_kernel if language == "metal" else mx.fast.cuda_kernel
+    return make(name=spec.name, input_names=list(spec.inputs), output_names=list(spec.outputs),
+                source=spec.source(language), header=spec.header(language))
+
+
+# -------------------------------------------------------------------- fp8_rows
+
+def fp8_rows_reference(x: mx.array, w: Fp8Matrix, k: int = TOP_K) -> tuple[mx.array, mx.array]:
+    """Pure-MLX spec: logits = x @ dequant(w)^T in float32, then the k best per row.
+
+    x [R, K] -> (values [R, k] float32, best first; ids [R, k] int32)."""
+    logits = x.astype(mx.float32) @ w.dequantize().T
+    return _best(logits, mx.broadcast_to(mx.arange(logits.shape[1], dtype=mx.int32), logits.shape), k)
+
+
+def _best(values: mx.array, ids: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    """The k largest of values [R, n] with their ids, best first."""
+    part = mx.argpartition(-values, kth=k - 1, axis=-1)[:, :k]
+    vals = mx.take_along_axis(values, part, axis=-1)
+    order = mx.argsort(-vals, axis=-1)
+    return mx.take_along_axis(vals, order, axis=-1), mx.take_along_axis(mx.take_along_axis(ids, part, axis=-1),
+                                                                        order, axis=-1)
+
+
+def fp8_rows_tiles(x: mx.array, w: Fp8Matrix, language: str) -> tuple[mx.array, mx.array]:
+    """The kernel alone: per 256-output tile, each row's 64 best (values, ids) [R, tiles, 64]."""
+    R, K = x.shape
+    N = w.shape[0]
+    tiles = -(-N // TILE)
+    kernel = _compiled(FP8_ROWS, language)
+    vals, ids = kernel(inputs=[x.astype(mx.float32), w.codes, w.scales],
+                       template=[("R", R), ("K", K), ("N", N), ("TILES", tiles)],
+                       grid=(tiles * TILE, 1, 1), threadgroup=(TILE, 1, 1),
+                       output_shapes=[(R, tiles, TOP_K), (R, tiles, TOP_K)],
+                       output_dtypes=[mx.float32, mx.int32])
+    return vals, ids
+
+
+def fp8_rows_top64(x: mx.array, w: Fp8Matrix, impl: str | None = None) -> tuple[mx.array, mx.array]:
+    """x [R, K] (R <= 16) through the FP8 matrix; the 64 best outputs per row, best first.
+
+    impl: 'metal', 'cuda' or 'mlx' (default: `backend()`)."""
+    R, K = x.shape
+    N = w.shape[0]
+    if not 1 <= R <= MAX_ROWS:
+        raise ValueError(f"fp8_rows takes 1..{MAX_ROWS} rows, got {R}")
+    if K % 512 and K % 16 or K % 32 or N % 32 or N < TOP_K:
+        raise ValueError(f"fp8_rows needs K and N multiples of 32 and N >= {TOP_K}; got N={N}, K={K}")
+    impl = impl or backend()
+    if impl == "mlx":
+        return fp8_rows_reference(x, w)
+    vals, ids = fp8_rows_tiles(x, w, impl)
+    return _best(vals.reshape(R, -1), ids.reshape(R, -1), TOP_K)
+
+
+# ------------------------------------------------------------------ ring_write
+
+def ring_write_reference(rings: mx.array, rows: mx.array, first: int) -> mx.array:
+    """Pure-MLX spec: rings [S, W, D] with rows [S, M, D] (positions first..first+M-1, M <= W)
+    written to slots position % W."""
+    W = rings.shape[1]
+    slots = mx.arange(first, first + rows.shape[1]) % W
+    out = mx.array(rings)
+    out[:, slots] = rows
+    return out
+
+
+def ring_write(rings: mx.array, rows: mx.array, first: int, impl: str | None = None) -> mx.array:
+    """One launch for all stages: the rings after writing rows at positions first.. (see the reference)."""
+    S, W, D = rings.shape
+    M = rows.shape[1]
+    if rows.shape[0] != S or rows.shape[2] != D or not 1 <= M <= W:
+        raise ValueError(f"ring_write: rows {rows.shape} do not fit rings {rings.shape}")
+    impl = impl or backend()
+    if impl == "mlx" or D % 8:
+        return ring_write_reference(rings, rows, first)
+    kernel = _compiled(RING_WRITE, impl)
+    total = S * W * (D // 8)
+    (out,) = kernel(inputs=[rings.view(mx.uint16), rows.astype(rings.dtype).view(mx.uint16),
+                            mx.array([first], dtype=mx.int32)],
+                    template=[("S", S), ("W", W), ("D", D), ("M", M)],
+                    grid=(-(-total // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
+                    output_shapes=[rings.shape], output_dtypes=[mx.uint16])
+    return out.view(rings.dtype)

@@ -1,0 +1,61 @@
+"""Type-check Metal kernel bodies on a machine without Metal.
+
+MLX's `mx.fast.metal_kernel` turns a body into a kernel function: the inputs
+become `const device T* name [[buffer(i)]]` parameters, the outputs
+`device T* name [[buffer(i)]]`, every thread attribute the body names becomes a
+parameter with that attribute, template arguments become template parameters of
+the function, and one explicit instantiation names the specialisation. We write
+the same text around our bodies and compile it with clang as C++17 against a
+small shim of the Metal language (tests/metal_shim/metal_shim.h): a misspelt
+name, a wrong type or a missing semicolon in the body fails the compile.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+SHIM = Path(__file__).parent / "metal_shim" / "metal_shim.h"
+
+ATTRIBUTES = {  # the thread attributes MLX recognises, with their parameter types
+    "thread_position_in_grid": "uint3", "threadgroup_position_in_grid": "uint3",
+    "thread_position_in_threadgroup": "uint3", "threads_per_threadgroup": "uint3",
+    "threadgroups_per_grid": "uint3", "thread_index_in_threadgroup": "uint",
+    "thread_index_in_simdgroup": "uint", "simdgroup_index_in_threadgroup": "uint",
+    "threads_per_simdgroup": "uint", "simdgroups_per_threadgroup": "uint",
+}
+TYPE_NAMES = {"float32": "float", "float16": "float16_t", "bfloat16": "bfloat16_t", "uint8": "uint8_t",
+              "uint16": "uint16_t", "uint32": "uint32_t", "int32": "int32_t", "int64": "int64_t"}
+
+
+def clang() -> str | None:
+    return shutil.which("clang++") or shutil.which("clang++-14")
+
+
+def wrap(name: str, body: str, header: str, inputs: dict[str, str], outputs: dict[str, str],
+         template: dict[str, int]) -> str:
+    """The Metal library text MLX would build: header, the kernel function, its instantiation.
+
+    inputs/outputs: parameter name -> dtype name ('float32', 'uint8', ...)."""
+    params = [f"const device {TYPE_NAMES[t]}* {n} [[buffer({i})]]" for i, (n, t) in enumerate(inputs.items())]
+    params += [f"device {TYPE_NAMES[t]}* {n} [[buffer({len(inputs) + i})]]" for i, (n, t) in enumerate(outputs.items())]
+    params += [f"{t} {a} [[{a}]]" for a, t in ATTRIBUTES.items() if a in body]
+    fn = f"custom_kernel_{name}"
+    args = ", ".join(str(v) for v in template.values())
+    lines = ['#include "metal_shim.h"', "using namespace metal;", header]
+    if template:
+        lines.append("template <" + ", ".join(f"int {k}" for k in template) + ">")
+    lines.append(f"[[kernel]] void {fn}(\n  " + ",\n  ".join(params) + ") {\n" + body + "\n}")
+    if template:  # MLX's line also carries [[host_name(..)]] [[kernel]], which C++ does not allow there
+        lines.append(f"template decltype({fn}<{args}>) {fn}<{args}>;")
+    return "\n".join(lines) + "\n"
+
+
+def syntax_check(source: str, workdir: Path) -> subprocess.CompletedProcess:
+    """clang -fsyntax-only on the wrapped source; returncode 0 when it type-checks."""
+    path = workdir / "kernel.metal.cpp"
+    path.write_text(source)
+    return subprocess.run([clang(), "-std=c++17", "-fsyntax-only", "-Wno-unknown-attributes",
+                           "-Wno-ignored-attributes", "-I", str(SHIM.parent), str(path)],
+                          capture_output=True, text=True, timeout=120)

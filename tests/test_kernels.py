@@ -1,0 +1,125 @@
+"""The drafter's kernels: the pure-MLX spec against numpy float64, the FP8 head
+builder against the release quantiser, and the Metal text type-checked by clang.
+
+The CUDA twins are checked against the same spec on the H200 by
+scripts/check_kernels.py (run through the device tool).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from dsv41_mlx.cache import DraftCache
+from dsv41_mlx.kernels import FP8_ROWS, RING_WRITE, TOP_K, fp8_rows_top64, ring_write, ring_write_reference
+from dsv41_mlx.quant import e4m3_decode, e8m0_decode, quantize_fp8_tiles, quantize_fp8_tiles_mx
+
+from .metal_check import clang, syntax_check, wrap
+
+
+def _random_head(rng, n, k):
+    w = rng.normal(0, 0.05, (n, k)).astype(np.float32)
+    w[:32, :32] = 0  # an all-zero tile
+    w[32:64, :32] *= 1e-3  # a tile with small scale
+    return mx.array(w).astype(mx.bfloat16)
+
+
+def test_fp8_head_builder_equals_the_release_quantiser():
+    rng = np.random.default_rng(0)
+    w = _random_head(rng, 256, 192)
+    head = quantize_fp8_tiles_mx(w)
+    codes, scales = quantize_fp8_tiles(np.array(w.astype(mx.float32)))
+    assert np.array_equal(np.array(head.codes), codes)
+    assert np.array_equal(np.array(head.scales)[1:], scales[1:])  # the zero tile's scale is floored, not 2**-127
+    assert np.array(head.scales).min() >= 1
+    dense = e4m3_decode(codes).reshape(8, 32, 6, 32) * e8m0_decode(np.array(head.scales))[:, None, :, None]
+    assert np.array_equal(np.array(head.dequantize()), dense.reshape(256, 192))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 16])
+def test_fp8_rows_spec_matches_numpy_float64(rows):
+    rng = np.random.default_rng(rows)
+    head = quantize_fp8_tiles_mx(_random_head(rng, 1024, 512))
+    x = mx.array(rng.normal(0, 1, (rows, 512)).astype(np.float32))
+    vals, ids = fp8_rows_top64(x, head, impl="mlx")
+    assert vals.shape == ids.shape == (rows, TOP_K) and ids.dtype == mx.int32
+    weights = np.array(head.dequantize()).astype(np.float64)
+    logits = np.array(x).astype(np.float64) @ weights.T
+    vals, ids = np.array(vals), np.array(ids)
+    assert np.all(np.diff(vals, axis=1) <= 0)  # best first
+    assert np.abs(vals - np.take_along_axis(logits, ids, axis=1)).max() <= 1e-5 * np.abs(logits).max()
+    kth = np.sort(logits, axis=1)[:, -TOP_K][:, None]
+    assert np.all(np.take_along_axis(logits, ids, axis=1) >= kth - 1e-5)  # the 64 best (up to float32 ties)
+    assert all(len(set(r)) == TOP_K for r in ids.tolist())
+
+
+def test_fp8_rows_rejects_shapes_it_cannot_take():
+    head = quantize_fp8_tiles_mx(mx.zeros((128, 64), dtype=mx.bfloat16))
+    with pytest.raises(ValueError, match="1..16 rows"):
+        fp8_rows_top64(mx.zeros((17, 64)), head)
+
+
+def test_ring_write_spec_puts_position_p_in_slot_p_mod_window():
+    rings = mx.arange(2 * 8 * 16).reshape(2, 8, 16).astype(mx.bfloat16)
+    rows = -mx.arange(2 * 3 * 16).reshape(2, 3, 16).astype(mx.bfloat16) - 1
+    out = np.array(ring_write_reference(rings, rows, first=14).astype(mx.float32))  # positions 14, 15, 16
+    expected = np.array(rings.astype(mx.float32))
+    for j, slot in enumerate([6, 7, 0]):
+        expected[:, slot] = np.array(rows[:, j].astype(mx.float32))
+    assert np.array_equal(out, expected)
+    assert np.array_equal(np.array(ring_write(rings, rows, 14).astype(mx.float32)), expected)
+
+
+def test_draft_cache_writes_through_the_ring_kernel():
+    cache = DraftCache(n_stages=3, window=4, head_dim=8)
+    rows = mx.random.normal((3, 4, 8)).astype(mx.bfloat16)
+    cache.write(rows, 6)  # positions 2..5: slots 2, 3, 0, 1
+    assert mx.array_equal(cache.rings[:, mx.array([2, 3, 0, 1])], rows).item()
+
+
+# ------------------------------------------------------------ Metal text check
+
+CASES = {
+    "fp8_rows": (FP8_ROWS, {"x": "float32", "w": "uint8", "scales": "uint8"},
+                 {"top_vals": "float32", "top_ids": "int32"}, {"R": 5, "K": 5120, "N": 129280, "TILES": 505}),
+    "ring_write": (RING_WRITE, {"rings": "uint16", "rows": "uint16", "first": "int32"}, {"out": "uint16"},
+                   {"S": 3, "W": 128, "D": 512, "M": 6}),
+}
+
+@pytest.fixture(autouse=True)
+def _clang_present(request):
+    if "metal" in request.node.name:
+        assert clang() is not None, "clang++ is needed for the Metal check (.ci/run installs it)"
+
+
+def _wrapped(case: str, body: str | None = None) -> str:
+    spec, inputs, outputs, template = CASES[case]
+    return wrap(spec.name, body or spec.source("metal"), spec.header("metal"), inputs, outputs, template)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("rows", [1, 16])
+def test_metal_source_type_checks(case, rows, tmp_path):
+    spec, inputs, outputs, template = CASES[case]
+    if "R" in template:
+        template = {**template, "R": rows}
+    out = syntax_check(wrap(spec.name, spec.source("metal"), spec.header("metal"), inputs, outputs, template),
+                       tmp_path)
+    assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.parametrize("case, breakage", [
+    ("fp8_rows", ("simd_sum(", "simd_summ(")),  # misspelt builtin
+    ("fp8_rows", ("acc[o][r] = a;", "acc[o][r] = a")),  # missing semicolon
+    ("fp8_rows", ("uint4 q = uint4(0);", "uint4 q = float4(0.0f);")),  # type error
+    ("ring_write", ("src[chunk];", "src[chunck];")),  # misspelt variable
+])
+def test_a_broken_metal_source_fails_the_check(case, breakage, tmp_path):
+    spec = CASES[case][0]
+    old, new = breakage
+    body = spec.source("metal")
+    assert old in body
+    out = syntax_check(_wrapped(case, body.replace(old, new, 1)), tmp_path)
+    assert out.returncode != 0
+    assert "error" in out.stderr
