@@ -101,8 +101,10 @@ def _best(values: mx.array, ids: mx.array, k: int) -> tuple[mx.array, mx.array]:
                                                                         order, axis=-1)
 
 
-def fp8_rows_tiles(x: mx.array, w: Fp8Matrix, language: str) -> tuple[mx.array, mx.array]:
-    """The kernel alone: per 256-output tile, each row's 64 best (values, ids) [R, tiles, 64]."""
+def fp8_rows_tiles(x: mx.array, w: Fp8Matrix, language: str,
+                   init_value: float | None = None) -> tuple[mx.array, mx.array]:
+    """The kernel alone: per 256-output tile, each row's 64 best (values, ids) [R, tiles, 64].
+    init_value poisons the outputs before the launch (for checks)."""
     R, K = x.shape
     N = w.shape[0]
     tiles = -(-N // TILE)
@@ -111,7 +113,7 @@ def fp8_rows_tiles(x: mx.array, w: Fp8Matrix, language: str) -> tuple[mx.array, 
                        template=[("R", R), ("K", K), ("N", N), ("TILES", tiles)],
                        grid=(tiles * TILE, 1, 1), threadgroup=(TILE, 1, 1),
                        output_shapes=[(R, tiles, TOP_K), (R, tiles, TOP_K)],
-                       output_dtypes=[mx.float32, mx.int32])
+                       output_dtypes=[mx.float32, mx.int32], init_value=init_value)
     return vals, ids
 
 
