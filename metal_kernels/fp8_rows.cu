@@ -1,92 +1,109 @@
-// CUDA twin of fp8_rows.metal: the same algorithm, line for line (see there
-// for what it computes). Metal -> CUDA: simdgroup -> warp, simd_sum -> xor
-// shuffles, threadgroup -> __shared__, as_type -> __uint_as_float and a
-// cvt.f32.f16 for the fp16 bits.
+// CUDA twin of fp8_rows.metal (see there for what it computes and how the
+// work is laid out). CUDA spelling of the same steps: the 16x8x16 fp16 MMA
+// (mma.sync m16n8k16, fp32 accumulate) holds a warp's weight fragment in
+// registers, so each lane decodes its own 8 bytes per row and 32-wide K block
+// instead of going through shared memory; the sum over K is the same set of
+// exact fp16 x fp16 products, accumulated in fp32 per 32-wide scale block and
+// then scaled into the running fp32 sum.
+//
+// Fragment bookkeeping (PTX ISA, mma.m16n8k16 .f16): lane = 4 * g + t holds
+// A rows g and g + 8, logical K columns {2t, 2t+1, 2t+8, 2t+9}; B columns
+// (= our rows r) g, logical K rows {2t, 2t+1, 2t+8, 2t+9}; C rows g, g + 8,
+// columns 2t, 2t+1. A dot product does not care how K is ordered, so logical
+// K column c of step j is mapped to the physical column kb + 8t + 4j + m(c)
+// with m = 0,1 for c = 2t,2t+1 and m = 2,3 for c = 2t+8,2t+9: each lane reads
+// 8 contiguous bytes per weight row and 8 contiguous fp16 of x per row.
 
 constexpr int TILE = 256;
-constexpr int NPW = 4;     // outputs per warp pass
 constexpr int WARPS = 8;
 constexpr int KEEP = 64;
-__shared__ float tile_vals[R * TILE];
-__shared__ unsigned char tile_ids[R * TILE];
+constexpr int RP = (R + 7) / 8 * 8;  // rows padded to MMA columns (x arrives padded)
+constexpr int NH = RP / 8;
+__shared__ float tile_vals[RP * TILE];
+__shared__ unsigned char tile_ids[RP * TILE];
 
 const unsigned int tile = blockIdx.x;
 const unsigned int tid = threadIdx.x;
 const unsigned int lane = threadIdx.x % 32;
 const unsigned int warp = threadIdx.x / 32;
+const unsigned int g = lane / 4;
+const unsigned int t = lane % 4;
 const float neg_inf = __uint_as_float(0xff800000u);
 
-for (unsigned int base = warp * NPW; base < TILE; base += WARPS * NPW) {
-  const unsigned int n0 = tile * TILE + base;
-  float acc[NPW][R];
+// each warp: 32 outputs (one scale tile row) = 2 MMA row groups of 16
+const unsigned int w0 = tile * TILE + warp * 32;
+float acc[2][NH][4];
 #pragma unroll
-  for (int o = 0; o < NPW; o++) {
+for (int mg = 0; mg < 2; mg++) {
 #pragma unroll
-    for (int r = 0; r < R; r++) {
-      acc[o][r] = 0.0f;
+  for (int h = 0; h < NH; h++) {
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      acc[mg][h][i] = 0.0f;
     }
   }
-  if (n0 < N) {
-    for (unsigned int k0 = lane * 16; k0 < K; k0 += 512) {
-      unsigned int words[NPW][4];
+}
+if (w0 < N) {
+#pragma unroll 4
+  for (unsigned int kb = 0; kb < K; kb += 32) {
+    const float s = __uint_as_float(E8M0_BITS(scales[(w0 / 32) * (K / 32) + kb / 32])) * 256.0f;
+    unsigned int xw[NH][4];  // x[8h + g][kb + 8t .. + 7] as fp16 pairs
 #pragma unroll
-      for (int o = 0; o < NPW; o++) {
-        uint4 q = make_uint4(0, 0, 0, 0);
-        if (n0 + o < N) {
-          q = *reinterpret_cast<const uint4*>(w + (long)(n0 + o) * K + k0);
+    for (int h = 0; h < NH; h++) {
+      const uint4 q = *reinterpret_cast<const uint4*>(x + (long)(8 * h + g) * K + kb + 8 * t);
+      xw[h][0] = q.x;
+      xw[h][1] = q.y;
+      xw[h][2] = q.z;
+      xw[h][3] = q.w;
+    }
+#pragma unroll
+    for (int mg = 0; mg < 2; mg++) {
+      const unsigned int n = w0 + 16 * mg + g;
+      const uint2 lo = *reinterpret_cast<const uint2*>(w + (long)n * K + kb + 8 * t);        // row g
+      const uint2 hi = *reinterpret_cast<const uint2*>(w + (long)(n + 8) * K + kb + 8 * t);  // row g + 8
+      float part[NH][4];
+#pragma unroll
+      for (int h = 0; h < NH; h++) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+          part[h][i] = 0.0f;
         }
-        words[o][0] = q.x;
-        words[o][1] = q.y;
-        words[o][2] = q.z;
-        words[o][3] = q.w;
       }
-      const unsigned int e = scales[(n0 / 32) * (K / 32) + k0 / 32];
-      const float s = __uint_as_float(E8M0_BITS(e)) * 256.0f;
 #pragma unroll
-      for (int c = 0; c < 4; c++) {
-        float wf[NPW][4];
+      for (int j = 0; j < 2; j++) {
+        const unsigned int wl = __byte_perm(j ? lo.y : lo.x, 0, 0x3120);  // bytes 0,2,1,3
+        const unsigned int wh = __byte_perm(j ? hi.y : hi.x, 0, 0x3120);
+        const unsigned int a0 = E4M3_EVEN(wl), a2 = E4M3_ODD(wl);  // row g: columns m=0,1 / m=2,3
+        const unsigned int a1 = E4M3_EVEN(wh), a3 = E4M3_ODD(wh);  // row g+8
 #pragma unroll
-        for (int o = 0; o < NPW; o++) {
-          const unsigned int even = E4M3_EVEN(words[o][c]);
-          const unsigned int odd = E4M3_ODD(words[o][c]);
-          wf[o][0] = fp16_bits_to_float(even & 0xFFFFu);
-          wf[o][1] = fp16_bits_to_float(odd & 0xFFFFu);
-          wf[o][2] = fp16_bits_to_float(even >> 16);
-          wf[o][3] = fp16_bits_to_float(odd >> 16);
+        for (int h = 0; h < NH; h++) {
+          asm volatile(
+              "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+              "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+              : "+f"(part[h][0]), "+f"(part[h][1]), "+f"(part[h][2]), "+f"(part[h][3])
+              : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(xw[h][2 * j]), "r"(xw[h][2 * j + 1]));
         }
+      }
 #pragma unroll
-        for (int r = 0; r < R; r++) {
-          float4 xv = *reinterpret_cast<const float4*>(x + r * K + k0 + 4 * c);
-          xv.x *= s;
-          xv.y *= s;
-          xv.z *= s;
-          xv.w *= s;
+      for (int h = 0; h < NH; h++) {
 #pragma unroll
-          for (int o = 0; o < NPW; o++) {
-            float a = acc[o][r];
-            a = fmaf(xv.x, wf[o][0], a);
-            a = fmaf(xv.y, wf[o][1], a);
-            a = fmaf(xv.z, wf[o][2], a);
-            a = fmaf(xv.w, wf[o][3], a);
-            acc[o][r] = a;
-          }
+        for (int i = 0; i < 4; i++) {
+          acc[mg][h][i] = fmaf(s, part[h][i], acc[mg][h][i]);
         }
       }
     }
   }
+}
 #pragma unroll
-  for (int o = 0; o < NPW; o++) {
+for (int mg = 0; mg < 2; mg++) {
 #pragma unroll
-    for (int r = 0; r < R; r++) {
-      float total = acc[o][r];
+  for (int h = 0; h < NH; h++) {
 #pragma unroll
-      for (int offset = 16; offset > 0; offset >>= 1) {
-        total += __shfl_xor_sync(0xffffffffu, total, offset);
-      }
-      if (lane == 0) {
-        tile_vals[r * TILE + base + o] = (n0 + o < N) ? total : neg_inf;
-        tile_ids[r * TILE + base + o] = (unsigned char)(base + o);
-      }
+    for (int i = 0; i < 4; i++) {
+      const unsigned int out = warp * 32 + 16 * mg + g + 8 * (i / 2);  // C rows g, g+8
+      const unsigned int r = 8 * h + 2 * t + (i % 2);                  // C columns 2t, 2t+1
+      tile_vals[r * TILE + out] = (w0 < N) ? acc[mg][h][i] : neg_inf;
+      tile_ids[r * TILE + out] = (unsigned char)out;
     }
   }
 }

@@ -1,97 +1,107 @@
 // y[r, n] = sum_k x[r, k] * dequant(w[n, k]) for R rows, fused with a top-64 per row.
 //
 // w: E4M3 codes [N, K] (uint8) with one E8M0 scale per 32x32 tile, scales
-// [N/32, K/32]. x: float32 [R, K]. Accumulation in float32.
-// One threadgroup computes a tile of 256 outputs for all R rows and writes the
-// 64 best of them per row (values, global ids) to top_vals / top_ids
-// [R, TILES, 64]; the caller picks the final 64 among the TILES * 64.
-// Each weight byte is read once, for all rows.
+// [N/32, K/32]. x: fp16 bits [RP, K] (uint16; the bf16 activations, exact in
+// fp16, zero-padded to RP = 8 * ceil(R / 8) rows). Each weight byte is read
+// once, for all rows.
 //
-// Layout of the work: 8 simdgroups; a simdgroup takes 4 consecutive outputs at
-// a time and walks K in steps of 512, each lane reading 16 bytes per output
-// (so the 4 outputs share one tile scale and each lane one 32-wide K block).
-// The scale is applied to x (exact: a power of two), x is read once per 4
-// outputs. Template constants: R (rows), K, N, TILES = ceil(N / 256).
-// The CUDA twin is fp8_rows.cu: same algorithm, line for line.
+// The arithmetic: an E4M3 code becomes the fp16 of its value / 256 by moving
+// bits (fp8_common.h), so x * code is an exact fp16 x fp16 product. Products
+// are summed in fp32 by the matrix unit, one 32-wide K block at a time (the
+// block shares one scale), and each block's sum s_blk is added to the running
+// fp32 total as fma(scale * 256, s_blk, total).
+//
+// The work: a threadgroup owns a tile of 256 outputs, 8 simdgroups of 32
+// outputs each (one scale-tile row). Per 32-wide K block a simdgroup decodes
+// its 32 x 16 weights into threadgroup memory (a lane per output row), then
+// multiplies 8x8 fp16 tiles (outputs x K) by 8x8 tiles of x^T (K x rows) into
+// fp32 8x8 partial sums. Scaling multiplies by a diagonal matrix of the scale
+// (exact: one non-zero term per sum). Afterwards each row's 256 values are
+// bitonic-sorted in threadgroup memory and the best 64 (values, global ids)
+// go to top_vals / top_ids [R, TILES, 64]; the caller picks the final 64.
+// Template constants: R (rows), K, N (multiples of 32), TILES = ceil(N / 256).
+// The CUDA twin (fp8_rows.cu) does the same with mma.sync m16n8k16.
 
 constexpr int TILE = 256;
-constexpr int NPW = 4;     // outputs per simdgroup pass
 constexpr int WARPS = 8;
 constexpr int KEEP = 64;
-threadgroup float tile_vals[R * TILE];
-threadgroup uchar tile_ids[R * TILE];
+constexpr int RP = (R + 7) / 8 * 8;
+constexpr int NH = RP / 8;
+threadgroup float tile_vals[RP * TILE];
+threadgroup uchar tile_ids[RP * TILE];
+threadgroup half wbuf[WARPS * 32 * 16];
 
 const uint tile = threadgroup_position_in_grid.x;
 const uint tid = thread_position_in_threadgroup.x;
 const uint lane = thread_index_in_simdgroup;
 const uint warp = simdgroup_index_in_threadgroup;
 const float neg_inf = as_type<float>(0xff800000u);
+const device half* xh = (const device half*)x;
+threadgroup half* mine = wbuf + warp * 32 * 16;
 
-for (uint base = warp * NPW; base < TILE; base += WARPS * NPW) {
-  const uint n0 = tile * TILE + base;
-  float acc[NPW][R];
-#pragma unroll
-  for (int o = 0; o < NPW; o++) {
-#pragma unroll
-    for (int r = 0; r < R; r++) {
-      acc[o][r] = 0.0f;
-    }
+const uint w0 = tile * TILE + warp * 32;  // this simdgroup's 32 outputs
+simdgroup_float8x8 acc[4][NH];
+for (int mg = 0; mg < 4; mg++) {
+  for (int h = 0; h < NH; h++) {
+    acc[mg][h] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
   }
-  if (n0 < N) {
-    for (uint k0 = lane * 16; k0 < K; k0 += 512) {
-      uint words[NPW][4];
-#pragma unroll
-      for (int o = 0; o < NPW; o++) {
-        uint4 q = uint4(0);
-        if (n0 + o < N) {
-          q = *((const device uint4*)(w + (long)(n0 + o) * K + k0));
-        }
-        words[o][0] = q.x;
-        words[o][1] = q.y;
-        words[o][2] = q.z;
-        words[o][3] = q.w;
+}
+if (w0 < N) {
+  for (uint kb = 0; kb < K; kb += 32) {
+    const float s = as_type<float>(E8M0_BITS(scales[(w0 / 32) * (K / 32) + kb / 32])) * 256.0f;
+    simdgroup_float8x8 part[4][NH];
+    for (int mg = 0; mg < 4; mg++) {
+      for (int h = 0; h < NH; h++) {
+        part[mg][h] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
       }
-      const uint e = scales[(n0 / 32) * (K / 32) + k0 / 32];
-      const float s = as_type<float>(E8M0_BITS(e)) * 256.0f;
-#pragma unroll
+    }
+    for (uint hk = 0; hk < 32; hk += 16) {
+      const uint4 q = *((const device uint4*)(w + (long)(w0 + lane) * K + kb + hk));
+      const uint words[4] = {q.x, q.y, q.z, q.w};
       for (int c = 0; c < 4; c++) {
-        float wf[NPW][4];
-#pragma unroll
-        for (int o = 0; o < NPW; o++) {
-          const uint even = E4M3_EVEN(words[o][c]);
-          const uint odd = E4M3_ODD(words[o][c]);
-          wf[o][0] = float(as_type<half>(ushort(even & 0xFFFFu)));
-          wf[o][1] = float(as_type<half>(ushort(odd & 0xFFFFu)));
-          wf[o][2] = float(as_type<half>(ushort(even >> 16)));
-          wf[o][3] = float(as_type<half>(ushort(odd >> 16)));
+        const uint even = E4M3_EVEN(words[c]);
+        const uint odd = E4M3_ODD(words[c]);
+        mine[lane * 16 + 4 * c + 0] = as_type<half>(ushort(even & 0xFFFFu));
+        mine[lane * 16 + 4 * c + 1] = as_type<half>(ushort(odd & 0xFFFFu));
+        mine[lane * 16 + 4 * c + 2] = as_type<half>(ushort(even >> 16));
+        mine[lane * 16 + 4 * c + 3] = as_type<half>(ushort(odd >> 16));
+      }
+      simdgroup_barrier(mem_flags::mem_threadgroup);
+      for (int k8 = 0; k8 < 16; k8 += 8) {
+        simdgroup_half8x8 b[NH];
+        for (int h = 0; h < NH; h++) {
+          simdgroup_load(b[h], xh + (long)(8 * h) * K + kb + hk + k8, K, ulong2(0, 0), true);
         }
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-          const float4 xv = *((const device float4*)(x + r * K + k0 + 4 * c)) * s;
-#pragma unroll
-          for (int o = 0; o < NPW; o++) {
-            float a = acc[o][r];
-            a = fma(xv.x, wf[o][0], a);
-            a = fma(xv.y, wf[o][1], a);
-            a = fma(xv.z, wf[o][2], a);
-            a = fma(xv.w, wf[o][3], a);
-            acc[o][r] = a;
+        for (int mg = 0; mg < 4; mg++) {
+          simdgroup_half8x8 a;
+          simdgroup_load(a, mine + (8 * mg) * 16 + k8, 16);
+          for (int h = 0; h < NH; h++) {
+            simdgroup_multiply_accumulate(part[mg][h], a, b[h], part[mg][h]);
           }
         }
       }
+      simdgroup_barrier(mem_flags::mem_threadgroup);
     }
-  }
-#pragma unroll
-  for (int o = 0; o < NPW; o++) {
-#pragma unroll
-    for (int r = 0; r < R; r++) {
-      const float total = simd_sum(acc[o][r]);
-      if (lane == 0) {
-        tile_vals[r * TILE + base + o] = (n0 + o < N) ? total : neg_inf;
-        tile_ids[r * TILE + base + o] = uchar(base + o);
+    const simdgroup_float8x8 scale = simdgroup_float8x8(s);  // diagonal
+    for (int mg = 0; mg < 4; mg++) {
+      for (int h = 0; h < NH; h++) {
+        simdgroup_multiply_accumulate(acc[mg][h], part[mg][h], scale, acc[mg][h]);
       }
     }
   }
+  for (int mg = 0; mg < 4; mg++) {
+    for (int h = 0; h < NH; h++) {
+      // acc is outputs x rows: store transposed into the [row][output] tile
+      simdgroup_store(acc[mg][h], tile_vals + (8 * h) * TILE + warp * 32 + 8 * mg, TILE, ulong2(0, 0), true);
+    }
+  }
+} else {
+  for (int r = 0; r < RP; r++) {
+    tile_vals[r * TILE + warp * 32 + lane] = neg_inf;
+  }
+}
+for (int r = 0; r < RP; r++) {
+  tile_ids[r * TILE + warp * 32 + lane] = uchar(warp * 32 + lane);
 }
 threadgroup_barrier(mem_flags::mem_threadgroup);
 

@@ -81,7 +81,7 @@ def test_draft_cache_writes_through_the_ring_kernel():
 # ------------------------------------------------------------ Metal text check
 
 CASES = {
-    "fp8_rows": (FP8_ROWS, {"x": "float32", "w": "uint8", "scales": "uint8"},
+    "fp8_rows": (FP8_ROWS, {"x": "uint16", "w": "uint8", "scales": "uint8"},
                  {"top_vals": "float32", "top_ids": "int32"}, {"R": 5, "K": 5120, "N": 129280, "TILES": 505}),
     "ring_write": (RING_WRITE, {"rings": "uint16", "rows": "uint16", "first": "int32"}, {"out": "uint16"},
                    {"S": 3, "W": 128, "D": 512, "M": 6}),
@@ -110,9 +110,9 @@ def test_metal_source_type_checks(case, rows, tmp_path):
 
 
 @pytest.mark.parametrize("case, breakage", [
-    ("fp8_rows", ("simd_sum(", "simd_summ(")),  # misspelt builtin
-    ("fp8_rows", ("acc[o][r] = a;", "acc[o][r] = a")),  # missing semicolon
-    ("fp8_rows", ("uint4 q = uint4(0);", "uint4 q = float4(0.0f);")),  # type error
+    ("fp8_rows", ("simdgroup_store(", "simdgroup_stor(")),  # misspelt builtin
+    ("fp8_rows", ("const uint odd = E4M3_ODD(words[c]);", "const uint odd = E4M3_ODD(words[c])")),  # no semicolon
+    ("fp8_rows", ("simdgroup_half8x8 a;", "simdgroup_float8x8 a;")),  # type error: float tile from half memory
     ("ring_write", ("src[chunk];", "src[chunck];")),  # misspelt variable
 ])
 def test_a_broken_metal_source_fails_the_check(case, breakage, tmp_path):

@@ -42,6 +42,13 @@ struct vec4 {
   T& operator[](int i);
   vec4 operator*(T s) const;
 };
+typedef unsigned long ulong;
+template <typename T>
+struct vec2c {
+  T x, y;
+  vec2c(T a, T b) : x(a), y(b) {}
+};
+typedef vec2c<ulong> ulong2;
 typedef vec2<float> float2;
 typedef vec4<float> float4;
 typedef vec2<half> half2;
@@ -57,6 +64,25 @@ To as_type(From from) {
 }
 
 float fma(float a, float b, float c);
+
+template <typename T, int Cols, int Rows>
+struct simdgroup_matrix {
+  simdgroup_matrix() = default;
+  explicit simdgroup_matrix(T diagonal);
+};
+typedef simdgroup_matrix<half, 8, 8> simdgroup_half8x8;
+typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
+template <typename T, int Cols, int Rows>
+simdgroup_matrix<T, Cols, Rows> make_filled_simdgroup_matrix(T value);
+template <typename T, int Cols, int Rows>
+void simdgroup_load(simdgroup_matrix<T, Cols, Rows>& d, const T* src, ulong elements_per_row = Cols,
+                    ulong2 matrix_origin = ulong2(0, 0), bool transpose_matrix = false);
+template <typename T, int Cols, int Rows>
+void simdgroup_store(const simdgroup_matrix<T, Cols, Rows>& a, T* dst, ulong elements_per_row = Cols,
+                     ulong2 matrix_origin = ulong2(0, 0), bool transpose_matrix = false);
+template <typename TD, typename TA, typename TB, typename TC, int C, int R, int K>
+void simdgroup_multiply_accumulate(simdgroup_matrix<TD, C, R>& d, const simdgroup_matrix<TA, K, R>& a,
+                                   const simdgroup_matrix<TB, C, K>& b, const simdgroup_matrix<TC, C, R>& c);
 float simd_sum(float x);
 
 namespace metal {
@@ -64,3 +90,4 @@ enum class mem_flags { mem_none, mem_device, mem_threadgroup };
 }
 using metal::mem_flags;
 void threadgroup_barrier(mem_flags flags);
+void simdgroup_barrier(mem_flags flags);
