@@ -13,6 +13,9 @@
 // K column c of step j is mapped to the physical column kb + 8t + 4j + m(c)
 // with m = 0,1 for c = 2t,2t+1 and m = 2,3 for c = 2t+8,2t+9: each lane reads
 // 8 contiguous bytes per weight row and 8 contiguous fp16 of x per row.
+// Scheduling differs where the hardware asks for it: the next K block's loads
+// are issued before this block's MMAs (Metal's compiler and memory system
+// hide that latency without being told).
 
 constexpr int TILE = 256;
 constexpr int WARPS = 8;
@@ -44,23 +47,36 @@ for (int mg = 0; mg < 2; mg++) {
   }
 }
 if (w0 < N) {
-#pragma unroll 4
-  for (unsigned int kb = 0; kb < K; kb += 32) {
-    const float s = __uint_as_float(E8M0_BITS(scales[(w0 / 32) * (K / 32) + kb / 32])) * 256.0f;
-    unsigned int xw[NH][4];  // x[8h + g][kb + 8t .. + 7] as fp16 pairs
+  // software pipeline: the next K block's weights and x are loaded while this one multiplies
+  uint2 wcur[2][2], wnext[2][2];  // [m group][row g / g + 8]
+  uint4 xcur[NH], xnext[NH];      // x[8h + g][kb + 8t .. + 7] as fp16 pairs
 #pragma unroll
-    for (int h = 0; h < NH; h++) {
-      const uint4 q = *reinterpret_cast<const uint4*>(x + (long)(8 * h + g) * K + kb + 8 * t);
-      xw[h][0] = q.x;
-      xw[h][1] = q.y;
-      xw[h][2] = q.z;
-      xw[h][3] = q.w;
+  for (int mg = 0; mg < 2; mg++) {
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+      wcur[mg][e] = *reinterpret_cast<const uint2*>(w + (long)(w0 + 16 * mg + g + 8 * e) * K + 8 * t);
     }
+  }
+#pragma unroll
+  for (int h = 0; h < NH; h++) {
+    xcur[h] = *reinterpret_cast<const uint4*>(x + (long)(8 * h + g) * K + 8 * t);
+  }
+  for (unsigned int kb = 0; kb < K; kb += 32) {
+    const unsigned int kn = (kb + 32 < K) ? kb + 32 : kb;  // the last block reloads itself (unused)
 #pragma unroll
     for (int mg = 0; mg < 2; mg++) {
-      const unsigned int n = w0 + 16 * mg + g;
-      const uint2 lo = *reinterpret_cast<const uint2*>(w + (long)n * K + kb + 8 * t);        // row g
-      const uint2 hi = *reinterpret_cast<const uint2*>(w + (long)(n + 8) * K + kb + 8 * t);  // row g + 8
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        wnext[mg][e] = *reinterpret_cast<const uint2*>(w + (long)(w0 + 16 * mg + g + 8 * e) * K + kn + 8 * t);
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < NH; h++) {
+      xnext[h] = *reinterpret_cast<const uint4*>(x + (long)(8 * h + g) * K + kn + 8 * t);
+    }
+    const float s = __uint_as_float(E8M0_BITS(scales[(w0 / 32) * (K / 32) + kb / 32])) * 256.0f;
+#pragma unroll
+    for (int mg = 0; mg < 2; mg++) {
       float part[NH][4];
 #pragma unroll
       for (int h = 0; h < NH; h++) {
@@ -71,17 +87,18 @@ if (w0 < N) {
       }
 #pragma unroll
       for (int j = 0; j < 2; j++) {
-        const unsigned int wl = __byte_perm(j ? lo.y : lo.x, 0, 0x3120);  // bytes 0,2,1,3
-        const unsigned int wh = __byte_perm(j ? hi.y : hi.x, 0, 0x3120);
+        const unsigned int wl = __byte_perm(j ? wcur[mg][0].y : wcur[mg][0].x, 0, 0x3120);  // bytes 0,2,1,3
+        const unsigned int wh = __byte_perm(j ? wcur[mg][1].y : wcur[mg][1].x, 0, 0x3120);
         const unsigned int a0 = E4M3_EVEN(wl), a2 = E4M3_ODD(wl);  // row g: columns m=0,1 / m=2,3
         const unsigned int a1 = E4M3_EVEN(wh), a3 = E4M3_ODD(wh);  // row g+8
 #pragma unroll
         for (int h = 0; h < NH; h++) {
-          asm volatile(
-              "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+          const unsigned int b0 = j ? xcur[h].z : xcur[h].x;
+          const unsigned int b1 = j ? xcur[h].w : xcur[h].y;
+          asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
               "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
               : "+f"(part[h][0]), "+f"(part[h][1]), "+f"(part[h][2]), "+f"(part[h][3])
-              : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(xw[h][2 * j]), "r"(xw[h][2 * j + 1]));
+              : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
         }
       }
 #pragma unroll
@@ -91,6 +108,17 @@ if (w0 < N) {
           acc[mg][h][i] = fmaf(s, part[h][i], acc[mg][h][i]);
         }
       }
+    }
+#pragma unroll
+    for (int mg = 0; mg < 2; mg++) {
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        wcur[mg][e] = wnext[mg][e];
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < NH; h++) {
+      xcur[h] = xnext[h];
     }
   }
 }
