@@ -1,21 +1,19 @@
 // CUDA twin of fp8_rows.metal (see there for what it computes and how the
 // work is laid out). CUDA spelling of the same steps: the 16x8x16 fp16 MMA
 // (mma.sync m16n8k16, fp32 accumulate) holds a warp's weight fragment in
-// registers, so each lane decodes its own 8 bytes per row and 32-wide K block
-// instead of going through shared memory; the sum over K is the same set of
-// exact fp16 x fp16 products, accumulated in fp32 per 32-wide scale block and
-// then scaled into the running fp32 sum.
+// registers, so each lane decodes its own bytes instead of going through
+// shared memory, and scales its own slice of x.
 //
 // Fragment bookkeeping (PTX ISA, mma.m16n8k16 .f16): lane = 4 * g + t holds
 // A rows g and g + 8, logical K columns {2t, 2t+1, 2t+8, 2t+9}; B columns
 // (= our rows r) g, logical K rows {2t, 2t+1, 2t+8, 2t+9}; C rows g, g + 8,
-// columns 2t, 2t+1. A dot product does not care how K is ordered, so logical
-// K column c of step j is mapped to the physical column kb + 8t + 4j + m(c)
-// with m = 0,1 for c = 2t,2t+1 and m = 2,3 for c = 2t+8,2t+9: each lane reads
-// 8 contiguous bytes per weight row and 8 contiguous fp16 of x per row.
-// Scheduling differs where the hardware asks for it: the next K block's loads
-// are issued before this block's MMAs (Metal's compiler and memory system
-// hide that latency without being told).
+// columns 2t, 2t+1. A dot product does not care how K is ordered, so within a
+// 64-wide K chunk, logical column c of step j (0..3) is the physical column
+// kb + 16t + 4j + m(c), m = 0,1 for c = 2t,2t+1 and 2,3 for c = 2t+8,2t+9:
+// each lane reads 16 contiguous bytes of a weight row (a warp instruction
+// reads 64 contiguous bytes of each of 8 rows) and the matching 16 fp16 of x,
+// which it scales by the scale of its own 32-wide block (lanes t = 0,1 hold
+// the chunk's first block, t = 2,3 its second).
 
 constexpr int TILE = 256;
 constexpr int WARPS = 8;
@@ -47,78 +45,46 @@ for (int mg = 0; mg < 2; mg++) {
   }
 }
 if (w0 < N) {
-  // software pipeline: the next K block's weights and x are loaded while this one multiplies
-  uint2 wcur[2][2], wnext[2][2];  // [m group][row g / g + 8]
-  uint4 xcur[NH], xnext[NH];      // x[8h + g][kb + 8t .. + 7] as fp16 pairs
-#pragma unroll
-  for (int mg = 0; mg < 2; mg++) {
-#pragma unroll
-    for (int e = 0; e < 2; e++) {
-      wcur[mg][e] = *reinterpret_cast<const uint2*>(w + (long)(w0 + 16 * mg + g + 8 * e) * K + 8 * t);
-    }
-  }
-#pragma unroll
-  for (int h = 0; h < NH; h++) {
-    xcur[h] = *reinterpret_cast<const uint4*>(x + (long)(8 * h + g) * K + 8 * t);
-  }
-  for (unsigned int kb = 0; kb < K; kb += 32) {
-    const unsigned int kn = (kb + 32 < K) ? kb + 32 : kb;  // the last block reloads itself (unused)
+  const unsigned char* srow = scales + (w0 / 32) * (K / 32);
+  for (unsigned int kb = 0; kb < K; kb += 64) {
+    const unsigned int k = kb + 16 * t;  // this lane's 16 columns, inside block k / 32
+    const float s = __uint_as_float(E8M0_BITS(srow[k / 32])) * 256.0f;
+    uint4 wq[2][2];  // [m group][row g / g + 8]
 #pragma unroll
     for (int mg = 0; mg < 2; mg++) {
 #pragma unroll
       for (int e = 0; e < 2; e++) {
-        wnext[mg][e] = *reinterpret_cast<const uint2*>(w + (long)(w0 + 16 * mg + g + 8 * e) * K + kn + 8 * t);
+        wq[mg][e] = *reinterpret_cast<const uint4*>(w + (long)(w0 + 16 * mg + g + 8 * e) * K + k);
       }
     }
+    unsigned int xs[NH][8];  // fp16(x * scale * 256) pairs, columns k .. k + 15 of row 8h + g
 #pragma unroll
     for (int h = 0; h < NH; h++) {
-      xnext[h] = *reinterpret_cast<const uint4*>(x + (long)(8 * h + g) * K + kn + 8 * t);
-    }
-    const float s = __uint_as_float(E8M0_BITS(scales[(w0 / 32) * (K / 32) + kb / 32])) * 256.0f;
+      const uint4* src = reinterpret_cast<const uint4*>(x + (long)(8 * h + g) * K + k);
+      const uint4 q0 = src[0], q1 = src[1];
+      const unsigned int raw[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
 #pragma unroll
-    for (int mg = 0; mg < 2; mg++) {
-      float part[NH][4];
-#pragma unroll
-      for (int h = 0; h < NH; h++) {
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-          part[h][i] = 0.0f;
-        }
+      for (int i = 0; i < 8; i++) {
+        xs[h][i] = float_pair_to_fp16_bits(fp16_bits_to_float(raw[i] & 0xFFFFu) * s,
+                                           fp16_bits_to_float(raw[i] >> 16) * s);
       }
+    }
 #pragma unroll
-      for (int j = 0; j < 2; j++) {
-        const unsigned int wl = __byte_perm(j ? wcur[mg][0].y : wcur[mg][0].x, 0, 0x3120);  // bytes 0,2,1,3
-        const unsigned int wh = __byte_perm(j ? wcur[mg][1].y : wcur[mg][1].x, 0, 0x3120);
-        const unsigned int a0 = E4M3_EVEN(wl), a2 = E4M3_ODD(wl);  // row g: columns m=0,1 / m=2,3
-        const unsigned int a1 = E4M3_EVEN(wh), a3 = E4M3_ODD(wh);  // row g+8
+    for (int j = 0; j < 4; j++) {
+#pragma unroll
+      for (int mg = 0; mg < 2; mg++) {
+        const unsigned int wl = __byte_perm(j == 0 ? wq[mg][0].x : j == 1 ? wq[mg][0].y : j == 2 ? wq[mg][0].z : wq[mg][0].w, 0, 0x3120);
+        const unsigned int wh = __byte_perm(j == 0 ? wq[mg][1].x : j == 1 ? wq[mg][1].y : j == 2 ? wq[mg][1].z : wq[mg][1].w, 0, 0x3120);
+        const unsigned int a0 = E4M3_EVEN(wl), a2 = E4M3_ODD(wl);  // row g: m = 0,1 / m = 2,3
+        const unsigned int a1 = E4M3_EVEN(wh), a3 = E4M3_ODD(wh);  // row g + 8
 #pragma unroll
         for (int h = 0; h < NH; h++) {
-          const unsigned int b0 = j ? xcur[h].z : xcur[h].x;
-          const unsigned int b1 = j ? xcur[h].w : xcur[h].y;
           asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
               "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-              : "+f"(part[h][0]), "+f"(part[h][1]), "+f"(part[h][2]), "+f"(part[h][3])
-              : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+              : "+f"(acc[mg][h][0]), "+f"(acc[mg][h][1]), "+f"(acc[mg][h][2]), "+f"(acc[mg][h][3])
+              : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(xs[h][2 * j]), "r"(xs[h][2 * j + 1]));
         }
       }
-#pragma unroll
-      for (int h = 0; h < NH; h++) {
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-          acc[mg][h][i] = fmaf(s, part[h][i], acc[mg][h][i]);
-        }
-      }
-    }
-#pragma unroll
-    for (int mg = 0; mg < 2; mg++) {
-#pragma unroll
-      for (int e = 0; e < 2; e++) {
-        wcur[mg][e] = wnext[mg][e];
-      }
-    }
-#pragma unroll
-    for (int h = 0; h < NH; h++) {
-      xcur[h] = xnext[h];
     }
   }
 }

@@ -6,30 +6,35 @@
 // once, for all rows.
 //
 // The arithmetic: an E4M3 code becomes the fp16 of its value / 256 by moving
-// bits (fp8_common.h), so x * code is an exact fp16 x fp16 product. Products
-// are summed in fp32 by the matrix unit, one 32-wide K block at a time (the
-// block shares one scale), and each block's sum s_blk is added to the running
-// fp32 total as fma(scale * 256, s_blk, total).
+// bits (fp8_common.h), and x becomes fp16(x * scale * 256) with the scale of
+// the weight tile it meets (exact while that stays in fp16's normal range:
+// the scale is a power of two). Their products, summed over all of K in fp32
+// by the matrix unit, are the logits.
 //
 // The work: a threadgroup owns a tile of 256 outputs, 8 simdgroups of 32
-// outputs each (one scale-tile row). Per 32-wide K block a simdgroup decodes
-// its 32 x 16 weights into threadgroup memory (a lane per output row), then
-// multiplies 8x8 fp16 tiles (outputs x K) by 8x8 tiles of x^T (K x rows) into
-// fp32 8x8 partial sums. Scaling multiplies by a diagonal matrix of the scale
-// (exact: one non-zero term per sum). Afterwards each row's 256 values are
-// bitonic-sorted in threadgroup memory and the best 64 (values, global ids)
-// go to top_vals / top_ids [R, TILES, 64]; the caller picks the final 64.
-// Template constants: R (rows), K, N (multiples of 32), TILES = ceil(N / 256).
-// The CUDA twin (fp8_rows.cu) does the same with mma.sync m16n8k16.
+// outputs each (one scale-tile row). Per 32-wide K block a simdgroup writes
+// its scaled x (all rows) and, 16 columns at a time, its decoded weights
+// (a lane per output row) into threadgroup memory, then multiplies 8x8 fp16
+// tiles (outputs x K) by 8x8 tiles of x^T (K x rows) into 8x8 fp32
+// accumulators. Afterwards each row's 256 values are bitonic-sorted in
+// threadgroup memory (which the staging buffers give back) and the best 64
+// (values, global ids) go to top_vals / top_ids [R, TILES, 64]; the caller
+// picks the final 64. Template constants: R (rows), K (a multiple of 64),
+// N (a multiple of 32), TILES = ceil(N / 256).
+// The CUDA twin (fp8_rows.cu) does the same with mma.sync m16n8k16, holding
+// the fragments in registers.
 
 constexpr int TILE = 256;
 constexpr int WARPS = 8;
 constexpr int KEEP = 64;
 constexpr int RP = (R + 7) / 8 * 8;
 constexpr int NH = RP / 8;
-threadgroup float tile_vals[RP * TILE];
+// staging (decoded weights, scaled x) during the K loop, the sort tile after it
+constexpr int STAGE_FLOATS = WARPS * 32 * 16 / 2 + WARPS * RP * 32 / 2;
+constexpr int TG_FLOATS = STAGE_FLOATS > RP * TILE ? STAGE_FLOATS : RP * TILE;
+threadgroup float tg_mem[TG_FLOATS];
 threadgroup uchar tile_ids[RP * TILE];
-threadgroup half wbuf[WARPS * 32 * 16];
+threadgroup float* tile_vals = tg_mem;
 
 const uint tile = threadgroup_position_in_grid.x;
 const uint tid = thread_position_in_threadgroup.x;
@@ -37,7 +42,8 @@ const uint lane = thread_index_in_simdgroup;
 const uint warp = simdgroup_index_in_threadgroup;
 const float neg_inf = as_type<float>(0xff800000u);
 const device half* xh = (const device half*)x;
-threadgroup half* mine = wbuf + warp * 32 * 16;
+threadgroup half* wbuf = (threadgroup half*)tg_mem + warp * 32 * 16;               // [32 outputs][16 k]
+threadgroup half* xbuf = (threadgroup half*)tg_mem + WARPS * 32 * 16 + warp * RP * 32;  // [RP rows][32 k]
 
 const uint w0 = tile * TILE + warp * 32;  // this simdgroup's 32 outputs
 simdgroup_float8x8 acc[4][NH];
@@ -49,11 +55,8 @@ for (int mg = 0; mg < 4; mg++) {
 if (w0 < N) {
   for (uint kb = 0; kb < K; kb += 32) {
     const float s = as_type<float>(E8M0_BITS(scales[(w0 / 32) * (K / 32) + kb / 32])) * 256.0f;
-    simdgroup_float8x8 part[4][NH];
-    for (int mg = 0; mg < 4; mg++) {
-      for (int h = 0; h < NH; h++) {
-        part[mg][h] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-      }
+    for (int r = 0; r < RP; r++) {
+      xbuf[r * 32 + lane] = half(float(xh[(long)r * K + kb + lane]) * s);
     }
     for (uint hk = 0; hk < 32; hk += 16) {
       const uint4 q = *((const device uint4*)(w + (long)(w0 + lane) * K + kb + hk));
@@ -61,34 +64,31 @@ if (w0 < N) {
       for (int c = 0; c < 4; c++) {
         const uint even = E4M3_EVEN(words[c]);
         const uint odd = E4M3_ODD(words[c]);
-        mine[lane * 16 + 4 * c + 0] = as_type<half>(ushort(even & 0xFFFFu));
-        mine[lane * 16 + 4 * c + 1] = as_type<half>(ushort(odd & 0xFFFFu));
-        mine[lane * 16 + 4 * c + 2] = as_type<half>(ushort(even >> 16));
-        mine[lane * 16 + 4 * c + 3] = as_type<half>(ushort(odd >> 16));
+        wbuf[lane * 16 + 4 * c + 0] = as_type<half>(ushort(even & 0xFFFFu));
+        wbuf[lane * 16 + 4 * c + 1] = as_type<half>(ushort(odd & 0xFFFFu));
+        wbuf[lane * 16 + 4 * c + 2] = as_type<half>(ushort(even >> 16));
+        wbuf[lane * 16 + 4 * c + 3] = as_type<half>(ushort(odd >> 16));
       }
       simdgroup_barrier(mem_flags::mem_threadgroup);
       for (int k8 = 0; k8 < 16; k8 += 8) {
         simdgroup_half8x8 b[NH];
         for (int h = 0; h < NH; h++) {
-          simdgroup_load(b[h], xh + (long)(8 * h) * K + kb + hk + k8, K, ulong2(0, 0), true);
+          simdgroup_load(b[h], xbuf + (8 * h) * 32 + hk + k8, 32, ulong2(0, 0), true);
         }
         for (int mg = 0; mg < 4; mg++) {
           simdgroup_half8x8 a;
-          simdgroup_load(a, mine + (8 * mg) * 16 + k8, 16);
+          simdgroup_load(a, wbuf + (8 * mg) * 16 + k8, 16);
           for (int h = 0; h < NH; h++) {
-            simdgroup_multiply_accumulate(part[mg][h], a, b[h], part[mg][h]);
+            simdgroup_multiply_accumulate(acc[mg][h], a, b[h], acc[mg][h]);
           }
         }
       }
       simdgroup_barrier(mem_flags::mem_threadgroup);
     }
-    const simdgroup_float8x8 scale = simdgroup_float8x8(s);  // diagonal
-    for (int mg = 0; mg < 4; mg++) {
-      for (int h = 0; h < NH; h++) {
-        simdgroup_multiply_accumulate(acc[mg][h], part[mg][h], scale, acc[mg][h]);
-      }
-    }
   }
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);  // every simdgroup is done with the staging buffers
+if (w0 < N) {
   for (int mg = 0; mg < 4; mg++) {
     for (int h = 0; h < NH; h++) {
       // acc is outputs x rows: store transposed into the [row][output] tile

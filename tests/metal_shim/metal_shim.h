@@ -16,6 +16,8 @@ typedef unsigned short ushort;
 
 struct half {
   unsigned short bits;
+  half() = default;
+  explicit half(float f);
   explicit operator float() const;
 };
 struct bfloat {
