@@ -129,8 +129,8 @@ def fp8_rows_top64(x: mx.array, w: Fp8Matrix, impl: str | None = None) -> tuple[
     N = w.shape[0]
     if not 1 <= R <= MAX_ROWS:
         raise ValueError(f"fp8_rows takes 1..{MAX_ROWS} rows, got {R}")
-    if K % 64 or N % 32 or N < TOP_K:
-        raise ValueError(f"fp8_rows needs K a multiple of 64, N of 32, and N >= {TOP_K}; got N={N}, K={K}")
+    if K % 128 or N % 32 or N < TOP_K:
+        raise ValueError(f"fp8_rows needs K a multiple of 128, N of 32, and N >= {TOP_K}; got N={N}, K={K}")
     impl = impl or backend()
     if impl == "mlx":
         return fp8_rows_reference(x, w)

@@ -8,12 +8,11 @@
 // A rows g and g + 8, logical K columns {2t, 2t+1, 2t+8, 2t+9}; B columns
 // (= our rows r) g, logical K rows {2t, 2t+1, 2t+8, 2t+9}; C rows g, g + 8,
 // columns 2t, 2t+1. A dot product does not care how K is ordered, so within a
-// 64-wide K chunk, logical column c of step j (0..3) is the physical column
-// kb + 16t + 4j + m(c), m = 0,1 for c = 2t,2t+1 and 2,3 for c = 2t+8,2t+9:
-// each lane reads 16 contiguous bytes of a weight row (a warp instruction
-// reads 64 contiguous bytes of each of 8 rows) and the matching 16 fp16 of x,
-// which it scales by the scale of its own 32-wide block (lanes t = 0,1 hold
-// the chunk's first block, t = 2,3 its second).
+// 128-wide K chunk, logical column c of step j (0..7) is the physical column
+// kb + 32t + 4j + m(c), m = 0,1 for c = 2t,2t+1 and 2,3 for c = 2t+8,2t+9:
+// lane t reads the 32 bytes of 32-wide block t of the chunk in each of its
+// weight rows (4 lanes: one 128-byte line per row) and the matching 32 fp16
+// of x, which it scales by that block's scale.
 
 constexpr int TILE = 256;
 constexpr int WARPS = 8;
@@ -46,35 +45,41 @@ for (int mg = 0; mg < 2; mg++) {
 }
 if (w0 < N) {
   const unsigned char* srow = scales + (w0 / 32) * (K / 32);
-  for (unsigned int kb = 0; kb < K; kb += 64) {
-    const unsigned int k = kb + 16 * t;  // this lane's 16 columns, inside block k / 32
+  for (unsigned int kb = 0; kb < K; kb += 128) {
+    const unsigned int k = kb + 32 * t;  // this lane's block of 32 columns
     const float s = __uint_as_float(E8M0_BITS(srow[k / 32])) * 256.0f;
-    uint4 wq[2][2];  // [m group][row g / g + 8]
+    unsigned int wq[2][2][8];  // [m group][row g / g + 8][word]
 #pragma unroll
     for (int mg = 0; mg < 2; mg++) {
 #pragma unroll
       for (int e = 0; e < 2; e++) {
-        wq[mg][e] = *reinterpret_cast<const uint4*>(w + (long)(w0 + 16 * mg + g + 8 * e) * K + k);
+        const uint4* src = reinterpret_cast<const uint4*>(w + (long)(w0 + 16 * mg + g + 8 * e) * K + k);
+        const uint4 q0 = __ldg(src), q1 = __ldg(src + 1);
+        wq[mg][e][0] = q0.x; wq[mg][e][1] = q0.y; wq[mg][e][2] = q0.z; wq[mg][e][3] = q0.w;
+        wq[mg][e][4] = q1.x; wq[mg][e][5] = q1.y; wq[mg][e][6] = q1.z; wq[mg][e][7] = q1.w;
       }
     }
-    unsigned int xs[NH][8];  // fp16(x * scale * 256) pairs, columns k .. k + 15 of row 8h + g
+    unsigned int xs[NH][16];  // fp16(x * scale * 256) pairs, columns k .. k + 31 of row 8h + g
 #pragma unroll
     for (int h = 0; h < NH; h++) {
       const uint4* src = reinterpret_cast<const uint4*>(x + (long)(8 * h + g) * K + k);
-      const uint4 q0 = src[0], q1 = src[1];
-      const unsigned int raw[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
 #pragma unroll
-      for (int i = 0; i < 8; i++) {
-        xs[h][i] = float_pair_to_fp16_bits(fp16_bits_to_float(raw[i] & 0xFFFFu) * s,
-                                           fp16_bits_to_float(raw[i] >> 16) * s);
+      for (int v = 0; v < 4; v++) {
+        const uint4 q = src[v];
+        const unsigned int raw[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+          xs[h][4 * v + i] = float_pair_to_fp16_bits(fp16_bits_to_float(raw[i] & 0xFFFFu) * s,
+                                                     fp16_bits_to_float(raw[i] >> 16) * s);
+        }
       }
     }
 #pragma unroll
-    for (int j = 0; j < 4; j++) {
+    for (int j = 0; j < 8; j++) {
 #pragma unroll
       for (int mg = 0; mg < 2; mg++) {
-        const unsigned int wl = __byte_perm(j == 0 ? wq[mg][0].x : j == 1 ? wq[mg][0].y : j == 2 ? wq[mg][0].z : wq[mg][0].w, 0, 0x3120);
-        const unsigned int wh = __byte_perm(j == 0 ? wq[mg][1].x : j == 1 ? wq[mg][1].y : j == 2 ? wq[mg][1].z : wq[mg][1].w, 0, 0x3120);
+        const unsigned int wl = __byte_perm(wq[mg][0][j], 0, 0x3120);  // bytes 0,2,1,3
+        const unsigned int wh = __byte_perm(wq[mg][1][j], 0, 0x3120);
         const unsigned int a0 = E4M3_EVEN(wl), a2 = E4M3_ODD(wl);  // row g: m = 0,1 / m = 2,3
         const unsigned int a1 = E4M3_EVEN(wh), a3 = E4M3_ODD(wh);  // row g + 8
 #pragma unroll

@@ -19,7 +19,7 @@
 // accumulators. Afterwards each row's 256 values are bitonic-sorted in
 // threadgroup memory (which the staging buffers give back) and the best 64
 // (values, global ids) go to top_vals / top_ids [R, TILES, 64]; the caller
-// picks the final 64. Template constants: R (rows), K (a multiple of 64),
+// picks the final 64. Template constants: R (rows), K (a multiple of 128),
 // N (a multiple of 32), TILES = ceil(N / 256).
 // The CUDA twin (fp8_rows.cu) does the same with mma.sync m16n8k16, holding
 // the fragments in registers.
