@@ -24,7 +24,6 @@ from .quant import Fp8Matrix
 
 TOP_K = 64  # candidates the drafter keeps per position
 TILE = 256  # outputs per threadgroup in fp8_rows (fixed in the kernel text)
-FP8_ROWS_THREADS = 512  # 16 simdgroups / warps of 32 (fixed in the kernel text)
 MAX_ROWS = 16
 
 
@@ -116,7 +115,7 @@ def fp8_rows_tiles(x: mx.array, w: Fp8Matrix, language: str,
     kernel = _compiled(FP8_ROWS, language)
     vals, ids = kernel(inputs=[xh.view(mx.uint16), w.codes, w.scales],
                        template=[("R", R), ("K", K), ("N", N), ("TILES", tiles)],
-                       grid=(tiles * FP8_ROWS_THREADS, 1, 1), threadgroup=(FP8_ROWS_THREADS, 1, 1),
+                       grid=(tiles * TILE, 1, 1), threadgroup=(TILE, 1, 1),
                        output_shapes=[(R, tiles, TOP_K), (R, tiles, TOP_K)],
                        output_dtypes=[mx.float32, mx.int32], init_value=init_value)
     return vals, ids

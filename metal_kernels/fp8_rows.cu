@@ -15,7 +15,7 @@
 // of x, which it scales by that block's scale.
 
 constexpr int TILE = 256;
-constexpr int WARPS = 16;
+constexpr int WARPS = 8;
 constexpr int KEEP = 64;
 constexpr int RP = (R + 7) / 8 * 8;  // rows padded to MMA columns (x arrives padded)
 constexpr int NH = RP / 8;
@@ -30,11 +30,11 @@ const unsigned int g = lane / 4;
 const unsigned int t = lane % 4;
 const float neg_inf = __uint_as_float(0xff800000u);
 
-// each warp: 16 outputs (one MMA row group, inside one scale-tile row)
-const unsigned int w0 = tile * TILE + warp * 16;
-float acc[1][NH][4];
+// each warp: 32 outputs (one scale tile row) = 2 MMA row groups of 16
+const unsigned int w0 = tile * TILE + warp * 32;
+float acc[2][NH][4];
 #pragma unroll
-for (int mg = 0; mg < 1; mg++) {
+for (int mg = 0; mg < 2; mg++) {
 #pragma unroll
   for (int h = 0; h < NH; h++) {
 #pragma unroll
@@ -48,9 +48,9 @@ if (w0 < N) {
   for (unsigned int kb = 0; kb < K; kb += 128) {
     const unsigned int k = kb + 32 * t;  // this lane's block of 32 columns
     const float s = __uint_as_float(E8M0_BITS(srow[k / 32])) * 256.0f;
-    unsigned int wq[1][2][8];  // [m group][row g / g + 8][word]
+    unsigned int wq[2][2][8];  // [m group][row g / g + 8][word]
 #pragma unroll
-    for (int mg = 0; mg < 1; mg++) {
+    for (int mg = 0; mg < 2; mg++) {
 #pragma unroll
       for (int e = 0; e < 2; e++) {
         const uint4* src = reinterpret_cast<const uint4*>(w + (long)(w0 + 16 * mg + g + 8 * e) * K + k);
@@ -77,7 +77,7 @@ if (w0 < N) {
 #pragma unroll
     for (int j = 0; j < 8; j++) {
 #pragma unroll
-      for (int mg = 0; mg < 1; mg++) {
+      for (int mg = 0; mg < 2; mg++) {
         const unsigned int wl = __byte_perm(wq[mg][0][j], 0, 0x3120);  // bytes 0,2,1,3
         const unsigned int wh = __byte_perm(wq[mg][1][j], 0, 0x3120);
         const unsigned int a0 = E4M3_EVEN(wl), a2 = E4M3_ODD(wl);  // row g: m = 0,1 / m = 2,3
@@ -94,12 +94,12 @@ if (w0 < N) {
   }
 }
 #pragma unroll
-for (int mg = 0; mg < 1; mg++) {
+for (int mg = 0; mg < 2; mg++) {
 #pragma unroll
   for (int h = 0; h < NH; h++) {
 #pragma unroll
     for (int i = 0; i < 4; i++) {
-      const unsigned int out = warp * 16 + 16 * mg + g + 8 * (i / 2);  // C rows g, g+8
+      const unsigned int out = warp * 32 + 16 * mg + g + 8 * (i / 2);  // C rows g, g+8
       const unsigned int r = 8 * h + 2 * t + (i % 2);                  // C columns 2t, 2t+1
       tile_vals[r * TILE + out] = (w0 < N) ? acc[mg][h][i] : neg_inf;
       tile_ids[r * TILE + out] = (unsigned char)out;

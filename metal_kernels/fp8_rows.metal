@@ -11,8 +11,8 @@
 // the scale is a power of two). Their products, summed over all of K in fp32
 // by the matrix unit, are the logits.
 //
-// The work: a threadgroup owns a tile of 256 outputs, 16 simdgroups of 16
-// outputs each (inside one scale-tile row). Per 32-wide K block a simdgroup writes
+// The work: a threadgroup owns a tile of 256 outputs, 8 simdgroups of 32
+// outputs each (one scale-tile row). Per 32-wide K block a simdgroup writes
 // its scaled x (all rows) and, 16 columns at a time, its decoded weights
 // (a lane per output row) into threadgroup memory, then multiplies 8x8 fp16
 // tiles (outputs x K) by 8x8 tiles of x^T (K x rows) into 8x8 fp32
@@ -25,12 +25,12 @@
 // the fragments in registers.
 
 constexpr int TILE = 256;
-constexpr int WARPS = 16;
+constexpr int WARPS = 8;
 constexpr int KEEP = 64;
 constexpr int RP = (R + 7) / 8 * 8;
 constexpr int NH = RP / 8;
 // staging (decoded weights, scaled x) during the K loop, the sort tile after it
-constexpr int STAGE_FLOATS = WARPS * 16 * 16 / 2 + WARPS * RP * 32 / 2;
+constexpr int STAGE_FLOATS = WARPS * 32 * 16 / 2 + WARPS * RP * 32 / 2;
 constexpr int TG_FLOATS = STAGE_FLOATS > RP * TILE ? STAGE_FLOATS : RP * TILE;
 threadgroup float tg_mem[TG_FLOATS];
 threadgroup uchar tile_ids[RP * TILE];
@@ -42,12 +42,12 @@ const uint lane = thread_index_in_simdgroup;
 const uint warp = simdgroup_index_in_threadgroup;
 const float neg_inf = as_type<float>(0xff800000u);
 const device half* xh = (const device half*)x;
-threadgroup half* wbuf = (threadgroup half*)tg_mem + warp * 16 * 16;               // [16 outputs][16 k]
-threadgroup half* xbuf = (threadgroup half*)tg_mem + WARPS * 16 * 16 + warp * RP * 32;  // [RP rows][32 k]
+threadgroup half* wbuf = (threadgroup half*)tg_mem + warp * 32 * 16;               // [32 outputs][16 k]
+threadgroup half* xbuf = (threadgroup half*)tg_mem + WARPS * 32 * 16 + warp * RP * 32;  // [RP rows][32 k]
 
-const uint w0 = tile * TILE + warp * 16;  // this simdgroup's 16 outputs
-simdgroup_float8x8 acc[2][NH];
-for (int mg = 0; mg < 2; mg++) {
+const uint w0 = tile * TILE + warp * 32;  // this simdgroup's 32 outputs
+simdgroup_float8x8 acc[4][NH];
+for (int mg = 0; mg < 4; mg++) {
   for (int h = 0; h < NH; h++) {
     acc[mg][h] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
   }
@@ -59,17 +59,15 @@ if (w0 < N) {
       xbuf[r * 32 + lane] = half(float(xh[(long)r * K + kb + lane]) * s);
     }
     for (uint hk = 0; hk < 32; hk += 16) {
-      // lane: output row lane / 2, columns 8 * (lane % 2) .. + 7 of this 16-column half
-      const uint2 q = *((const device uint2*)(w + (long)(w0 + lane / 2) * K + kb + hk + 8 * (lane % 2)));
-      const uint words[2] = {q.x, q.y};
-      for (int c = 0; c < 2; c++) {
+      const uint4 q = *((const device uint4*)(w + (long)(w0 + lane) * K + kb + hk));
+      const uint words[4] = {q.x, q.y, q.z, q.w};
+      for (int c = 0; c < 4; c++) {
         const uint even = E4M3_EVEN(words[c]);
         const uint odd = E4M3_ODD(words[c]);
-        const uint at = (lane / 2) * 16 + 8 * (lane % 2) + 4 * c;
-        wbuf[at + 0] = as_type<half>(ushort(even & 0xFFFFu));
-        wbuf[at + 1] = as_type<half>(ushort(odd & 0xFFFFu));
-        wbuf[at + 2] = as_type<half>(ushort(even >> 16));
-        wbuf[at + 3] = as_type<half>(ushort(odd >> 16));
+        wbuf[lane * 16 + 4 * c + 0] = as_type<half>(ushort(even & 0xFFFFu));
+        wbuf[lane * 16 + 4 * c + 1] = as_type<half>(ushort(odd & 0xFFFFu));
+        wbuf[lane * 16 + 4 * c + 2] = as_type<half>(ushort(even >> 16));
+        wbuf[lane * 16 + 4 * c + 3] = as_type<half>(ushort(odd >> 16));
       }
       simdgroup_barrier(mem_flags::mem_threadgroup);
       for (int k8 = 0; k8 < 16; k8 += 8) {
@@ -77,7 +75,7 @@ if (w0 < N) {
         for (int h = 0; h < NH; h++) {
           simdgroup_load(b[h], xbuf + (8 * h) * 32 + hk + k8, 32, ulong2(0, 0), true);
         }
-        for (int mg = 0; mg < 2; mg++) {
+        for (int mg = 0; mg < 4; mg++) {
           simdgroup_half8x8 a;
           simdgroup_load(a, wbuf + (8 * mg) * 16 + k8, 16);
           for (int h = 0; h < NH; h++) {
@@ -91,23 +89,19 @@ if (w0 < N) {
 }
 threadgroup_barrier(mem_flags::mem_threadgroup);  // every simdgroup is done with the staging buffers
 if (w0 < N) {
-  for (int mg = 0; mg < 2; mg++) {
+  for (int mg = 0; mg < 4; mg++) {
     for (int h = 0; h < NH; h++) {
       // acc is outputs x rows: store transposed into the [row][output] tile
-      simdgroup_store(acc[mg][h], tile_vals + (8 * h) * TILE + warp * 16 + 8 * mg, TILE, ulong2(0, 0), true);
+      simdgroup_store(acc[mg][h], tile_vals + (8 * h) * TILE + warp * 32 + 8 * mg, TILE, ulong2(0, 0), true);
     }
   }
 } else {
   for (int r = 0; r < RP; r++) {
-    if (lane < 16) {
-      tile_vals[r * TILE + warp * 16 + lane] = neg_inf;
-    }
+    tile_vals[r * TILE + warp * 32 + lane] = neg_inf;
   }
 }
 for (int r = 0; r < RP; r++) {
-  if (lane < 16) {
-    tile_ids[r * TILE + warp * 16 + lane] = uchar(warp * 16 + lane);
-  }
+  tile_ids[r * TILE + warp * 32 + lane] = uchar(warp * 32 + lane);
 }
 threadgroup_barrier(mem_flags::mem_threadgroup);
 
