@@ -20,6 +20,7 @@ Two operations (reference `forward_spec`):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -53,10 +54,14 @@ class MarkovHead(nn.Module):
 
         With candidates [B, n] token ids, the bias of those tokens only [B, n]."""
         e = self.embed(prev_ids)
+        return self.bias(e, candidates), e
+
+    def bias(self, e: mx.array, candidates: mx.array | None = None) -> mx.array:
+        """Embeddings e [B, rank] -> logit bias [B, vocab] (or [B, n] at candidates [B, n]) in fp32."""
         if candidates is None:
-            return e.astype(F32) @ self.head.weight.astype(F32).T, e
+            return e.astype(F32) @ self.head.weight.astype(F32).T
         w = self.head.weight[candidates].astype(F32)  # [B, n, rank]
-        return (w @ e.astype(F32)[:, :, None])[..., 0], e
+        return (w @ e.astype(F32)[:, :, None])[..., 0]
 
 
 class ConfidenceHead(nn.Module):
@@ -74,11 +79,15 @@ class ConfidenceHead(nn.Module):
 class DSparkAttention(Attention):
     """Window-only attention over the stage's ring plus the block's own rows."""
 
+    side_stream: mx.Stream | None = None  # set by Drafter: where the key path runs beside the queries
+
     def __call__(self, x: mx.array, positions: mx.array, ring: mx.array, ring_valid: mx.array) -> mx.array:
         """x [S, dim] block rows at `positions`; ring [window, D] bf16, ring_valid [window] bool."""
         S = x.shape[0]
+        with _on(self.side_stream):  # the key path needs only x: it runs beside the query path
+            block_keys = self.latent_kv(x, positions)
         q, _ = self.queries(x, positions)
-        keys = mx.concatenate([ring, self.latent_kv(x, positions)])
+        keys = mx.concatenate([ring, block_keys])
         mask = mx.broadcast_to(mx.concatenate([ring_valid, mx.ones((S,), dtype=mx.bool_)])[None], (S, keys.shape[0]))
         o = sparse_attention(q, keys, mask, None, None, self.attn_sink, self.scale)
         return self.output(o, positions)
@@ -98,6 +107,11 @@ class DSparkStage(Block):
             self.norm = RMSNorm(dim, args.rms_norm_eps)
             self.markov_head = MarkovHead(args.vocab_size, args.dspark_markov_rank)
             self.confidence_head = ConfidenceHead(dim + args.dspark_markov_rank)
+
+
+def _on(stream: mx.Stream | None):
+    """mx.stream(stream), or no change when stream is None."""
+    return mx.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 @dataclass
@@ -132,7 +146,7 @@ class Drafter:
     differ; replies cannot, since the target verifies every draft.
     """
 
-    def __init__(self, model, head: str = "fp8"):
+    def __init__(self, model, head: str = "fp8", concurrent: bool = True):
         if not model.mtp:
             raise ValueError("this checkpoint has no DSpark stages (num_nextn_predict_layers / dspark_block_size)")
         if head not in HEADS:
@@ -141,6 +155,12 @@ class Drafter:
         self.model = model
         self.head = head
         self._fp8_head: Fp8Matrix | None = None
+        # The propose pass is built on its own stream; with `concurrent`, independent
+        # branches (each stage's key path, the first Markov gather) on a second one.
+        # Dependencies between them are carried by the arrays alone.
+        device = mx.default_device()
+        self.stream = mx.new_stream(device)
+        self.side_stream = mx.new_stream(device) if concurrent else None
         self.block = args.dspark_block_size
         self.noise_id = args.dspark_noise_token_id
         self.window = args.sliding_window
@@ -184,8 +204,14 @@ class Drafter:
     def propose(self, cache: DraftCache, anchor: int | mx.array, pick: Picker = argmax_picker) -> Proposal:
         """Draft `block` tokens after the anchor, which sits at position cache.end.
 
-        Builds one lazy graph; nothing is evaluated here.
+        Builds one lazy graph on the drafter's stream(s); nothing is evaluated here.
         """
+        for stage in self.stages:
+            stage.attn.side_stream = self.side_stream
+        with mx.stream(self.stream):
+            return self._propose(cache, anchor, pick)
+
+    def _propose(self, cache: DraftCache, anchor: int | mx.array, pick: Picker) -> Proposal:
         B = self.block
         positions = mx.arange(cache.end, cache.end + B)
         anchor = mx.array(anchor, dtype=mx.int32).reshape(1)
@@ -196,6 +222,10 @@ class Drafter:
         for k, stage in enumerate(self.stages):
             h, pre = stage(h, pre, positions, cache.rings[k], valid)
         last = self.stages[-1]
+        markov = last.markov_head
+        with _on(self.side_stream):  # e_1 = W1[anchor] (and over the whole vocabulary its bias) needs no head
+            first_embed = markov.embed(anchor)
+            first_bias = markov.bias(first_embed) if self.head == "bf16" else None
         hidden = hc_pre(h, pre)  # [B, dim] bf16, pre-norm (the confidence head reads this)
         if self.head == "fp8":
             base, candidates = fp8_rows_top64(last.norm(hidden), self.fp8_head)  # [B, 64] each
@@ -205,7 +235,9 @@ class Drafter:
         drafts, logits, embeds = [], [], []
         for k in range(B):
             cand = None if candidates is None else candidates[k]
-            bias, e = last.markov_head(prev, None if cand is None else cand[None])
+            e = first_embed if k == 0 else markov.embed(prev)
+            bias = first_bias if k == 0 and first_bias is not None else \
+                markov.bias(e, None if cand is None else cand[None])
             row = base[k] + bias[0]
             prev = pick(row, k, cand).reshape(1)
             drafts.append(prev)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from dsv41_mlx.dspark import Proposal
+from dsv41_mlx.dspark import Drafter, Proposal
 from dsv41_mlx.generate import generate_step, make_decoder, prefill
 from dsv41_mlx.sampling import DRAFT, SamplingParams, accept_or_resample, filtered_log_probs, gumbel_noise
 from dsv41_mlx.speculative import ConfidencePolicy, DraftStats, SpeculativeDecoder, resolve_verify
@@ -57,6 +57,16 @@ def test_drafted_coupled_reply_equals_undrafted_reply_for_the_same_seed(fixture_
         decoder = SpeculativeDecoder(fixture_model, fixture_model.drafter, params, confidence=confidence)
         assert decoder.verify == "coupled"
         assert _reply(fixture_model, prompt, params, decoder) == expected
+
+
+def test_bf16_drafter_head_gives_the_same_replies_as_the_fp8_one(fixture_model, plain_replies):
+    """The tests above draft with the default FP8 head (top-64 candidates); the reference's
+    BF16 head over the whole vocabulary proposes other drafts but the replies cannot change."""
+    bf16 = Drafter(fixture_model, head="bf16")
+    for i in (0, 3):
+        for params, expected in ((GREEDY, plain_replies[0][i]), (COUPLED[i], plain_replies[1][i])):
+            decoder = SpeculativeDecoder(fixture_model, bf16, params, confidence="off")
+            assert _reply(fixture_model, PROMPTS[i], params, decoder, max_tokens=24) == expected[:24]
 
 
 class OracleDrafter:
