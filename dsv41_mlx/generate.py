@@ -16,6 +16,7 @@ from typing import Iterator
 import mlx.core as mx
 
 from .cache import ModelCache
+from .residency import wired
 from .sampling import SamplingParams, sample
 from .speculative import VERIFY_MODES, DraftStats, SpeculativeDecoder, speculative_decode
 from .tokenizer import StreamingDetokenizer
@@ -99,11 +100,14 @@ def make_decoder(model, params: SamplingParams, draft: bool | None = None, verif
 def stream_generate(model, tokenizer, prompt: str | list[int], max_tokens: int = 256,
                     temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
                     prefill_chunk: int = DEFAULT_PREFILL_CHUNK, draft: bool | None = None,
-                    verify: str | None = None, confidence: str | None = None) -> Iterator[GenerationResponse]:
+                    verify: str | None = None, confidence: str | None = None,
+                    wire: bool = True) -> Iterator[GenerationResponse]:
     """Generate from a prompt (text, or token ids), yielding text pieces with running stats.
 
     draft/verify/confidence: see `make_decoder` and speculative.py. Replies are
     the same with drafting on or off (greedy and coupled verification).
+    wire: keep the drafter (and the target if it fits) in wired memory while
+    generating (residency.py; Metal only).
     """
     if not isinstance(max_tokens, int) or max_tokens < 0:
         raise ValueError(f"max_tokens must be a non-negative integer, got {max_tokens!r}")
@@ -111,6 +115,11 @@ def stream_generate(model, tokenizer, prompt: str | list[int], max_tokens: int =
     decoder = make_decoder(model, params, draft, verify, confidence)
     stats = decoder.stats if decoder is not None else None
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    with wired(model, decoder.drafter if decoder is not None else None, enabled=wire):
+        yield from _responses(model, tokenizer, ids, params, max_tokens, prefill_chunk, decoder, stats)
+
+
+def _responses(model, tokenizer, ids, params, max_tokens, prefill_chunk, decoder, stats):
     detok = StreamingDetokenizer(tokenizer)
     mx.reset_peak_memory()
     tic = time.perf_counter()
@@ -172,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="how drafts are verified (default: greedy at --temp 0, else coupled)")
     parser.add_argument("--confidence", metavar="{off,threshold:X,schedule}",
                         help="how many drafts to verify per round (default: schedule)")
+    parser.add_argument("--wire", action=argparse.BooleanOptionalAction, default=True,
+                        help="keep the drafter (and the target if it fits) in wired memory (Metal)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
@@ -179,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         generate(model, tokenizer, args.prompt, verbose=True, max_tokens=args.max_tokens,
                  temperature=args.temp, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                  prefill_chunk=args.prefill_chunk, draft=args.draft, verify=args.verify,
-                 confidence=args.confidence)
+                 confidence=args.confidence, wire=args.wire)
     except (CheckpointError, ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
