@@ -2,6 +2,7 @@
 
     python scripts/bench.py head               # FP8 head kernel vs BF16 / mxfp8 matmul at 129280 x 5120
     python scripts/bench.py drafts [--model M] # FP8 vs BF16 drafter head: changed drafts, acceptance
+    python scripts/bench.py propose            # drafter propose (serial vs two streams) and ingest, release shapes
 
 Speed is measured here and nowhere else: ratios against baselines measured in
 the same run, and fractions of the memory-bandwidth floor (bytes that must
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -177,6 +179,96 @@ def print_drafts(env: dict, res: dict, model: str) -> None:
     print()
 
 
+# ------------------------------------------------------------------- propose
+
+RELEASE_DRAFTER = {  # the release's text_config where the drafter is concerned
+    "vocab_size": 129280, "hidden_size": 5120, "moe_intermediate_size": 2304, "num_attention_heads": 64,
+    "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1280, "o_lora_rank": 1024, "o_groups": 8,
+    "sliding_window": 128, "index_n_heads": 32, "index_head_dim": 128, "index_topk": 512,
+    "num_nextn_predict_layers": 3, "dspark_block_size": 5, "dspark_noise_token_id": 128799,
+    "dspark_markov_rank": 256, "dspark_n_routed_experts": 128, "dspark_num_experts_per_tok": 3,
+}
+
+
+def release_shaped_drafter_model(backbone_layers: int = 3):
+    """A model whose drafter (3 stages, FP8/FP4 formats), embedding and head have the release's
+    shapes, with random weights, built in memory; the backbone is a few plain window layers
+    (the propose pass never runs it)."""
+    from mlx.utils import tree_unflatten
+
+    from dsv41_mlx.config import ModelArgs
+    from dsv41_mlx.model import Model
+    from dsv41_mlx.tiny import TINY_TEXT_CONFIG
+
+    text = {**TINY_TEXT_CONFIG, **RELEASE_DRAFTER, "num_hidden_layers": backbone_layers,
+            "compress_ratios": [0] * (backbone_layers + 3), "kv_source_layer_ids": [],
+            "index_source_layer_ids": [], "candidate_source_layer_id": -1, "engram_layer_ids": [],
+            "engram_num_embeddings": [], "dspark_target_layer_ids": list(range(backbone_layers))[-3:],
+            "n_routed_experts": 8, "num_experts_per_tok": 2}
+    args = ModelArgs.from_dict({"model_type": "deepseek_v41", "text_config": text,
+                                "quantization_config": {"quant_method": "fp8", "weight_block_size": [32, 32],
+                                                        "scale_fmt": "ue8m0", "expert_dtype": "fp4"}})
+    model = Model(args)
+    new = []
+    for name, v in tree_flatten(model.parameters()):
+        if v.dtype == mx.uint32 and name.endswith("weight"):  # packed FP8 / FP4 codes
+            fp4 = ".experts." in name
+            codes = mx.random.randint(0, 256 if fp4 else 127, (v.size * 4,)).astype(mx.uint8)
+            v = codes.view(mx.uint32).reshape(v.shape)
+        elif v.dtype == mx.uint8:  # E8M0 scales: 2**-7
+            v = mx.full(v.shape, 120, dtype=mx.uint8)
+        elif mx.issubdtype(v.dtype, mx.floating):
+            v = (mx.random.normal(v.shape) * 0.02).astype(v.dtype)
+        new.append((name, v))
+        mx.eval(v)
+    model.update(tree_unflatten(new))
+    return model
+
+
+def bench_propose(rounds: int) -> dict:
+    from dsv41_mlx.dspark import Drafter
+
+    model = release_shaped_drafter_model()
+    args = model.args
+    feats = (mx.random.normal((args.sliding_window + 8, 3 * args.hidden_size))).astype(mx.bfloat16)
+    mx.eval(feats)
+    out = {"rounds": rounds}
+    for mode, concurrent in (("serial", False), ("concurrent", True)):
+        drafter = Drafter(model, head="fp8", concurrent=concurrent)
+        drafter.fp8_head
+        cache = drafter.make_cache()
+        drafter.ingest(cache, feats[: args.sliding_window])
+        mx.eval(cache.rings)
+
+        def one(i):
+            p = drafter.propose(cache, (i * 7919) % args.vocab_size)
+            return [p.drafts, p.logits, p.confidence]
+
+        out[f"propose_{mode}_ms"] = timed(one, calls=rounds, reps=5) * 1e3
+    for n in (1, 6):
+        def ingest(i):
+            c = drafter.make_cache()
+            c.end = 1000 + i
+            drafter.ingest(c, feats[i % 8: i % 8 + n])
+            return c.rings
+        out[f"ingest_{n}_ms"] = timed(ingest, calls=rounds, reps=5) * 1e3
+    out["drafter_GB"] = sum(v.nbytes for st in model.mtp for _, v in tree_flatten(st.parameters())) / 1e9
+    return out
+
+
+def print_propose(env: dict, res: dict) -> None:
+    print(f"### DSpark propose and ingest at release shapes ({env['date']}, {env['device']}, {env['backend']}, "
+          f"MLX {env['mlx']}, commit {env['commit']})\n")
+    print(f"3 stages, block 5, 128 routed experts top-3, FP8 dense / FP4 experts, FP8 head with top-64; "
+          f"stage weights {res['drafter_GB']:.2f} GB; {res['rounds']} rounds per evaluation\n")
+    print("| propose serial ms | propose two streams ms | concurrent / serial | ingest 1 row ms | ingest 6 rows ms |")
+    print("|---|---|---|---|---|")
+    print(f"| {res['propose_serial_ms']:.3f} | {res['propose_concurrent_ms']:.3f} | "
+          f"{res['propose_concurrent_ms'] / res['propose_serial_ms']:.2f} | {res['ingest_1_ms']:.3f} | "
+          f"{res['ingest_6_ms']:.3f} |")
+    print()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="what", required=True)
@@ -190,11 +282,17 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--prompts", type=int, default=5, help="prose and code prompts each")
     p.add_argument("--json")
+    p = sub.add_parser("propose")
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--json")
     args = parser.parse_args()
     env = environment()
     if args.what == "head":
         res = bench_head(args.vocab, args.dim, args.rows)
         print_head(env, res, args.vocab, args.dim)
+    elif args.what == "propose":
+        res = bench_propose(args.rounds)
+        print_propose(env, res)
     else:
         res = bench_drafts(args.model, args.max_tokens, args.prompts)
         print_drafts(env, res, args.model or "the embedded tiny checkpoint")
