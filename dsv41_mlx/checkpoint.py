@@ -24,6 +24,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from tqdm import tqdm
 
 from .config import ModelArgs
 from .quant import fp4_rows_to_mx, fp8_tiles_to_mx
@@ -352,6 +353,31 @@ def check_tensors(args: ModelArgs, headers: dict[Path, dict[str, dict]]) -> dict
     return where
 
 
+def resident_bytes(headers: dict[Path, dict[str, dict]], where: dict[str, Path]) -> int:
+    """Bytes the loaded weights occupy in memory: every tensor to load but the engram
+    tables, which stay memory-mapped on disk."""
+    total = 0
+    for name, path in where.items():
+        if ".engram.embed." in name:
+            continue
+        start, end = headers[path][name]["data_offsets"]
+        total += end - start
+    return total
+
+
+def machine_memory() -> int:
+    """Bytes of memory the weights can live in: the GPU's on Metal, physical RAM elsewhere."""
+    if mx.metal.is_available():
+        return int(mx.device_info()["memory_size"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_memory(needed: int, available: int, model_dir: Path) -> None:
+    if needed > available:
+        raise CheckpointError(f"{model_dir}: its weights need {needed / 1e9:.1f} GB of memory (engram tables are "
+                              f"memory-mapped and not counted) and this machine has {available / 1e9:.1f} GB")
+
+
 # ------------------------------------------------------------ into the model
 
 def sanitize(name: str) -> str:
@@ -365,9 +391,9 @@ def sanitize(name: str) -> str:
     return name
 
 
-def load_weights(model, model_dir: Path, where: dict[str, Path]) -> None:
+def load_weights(model, model_dir: Path, where: dict[str, Path], progress: bool = False) -> None:
     """Load every checked tensor into `model`, repacking FP8/FP4 into MLX layouts, and
-    attach the engram tables as memory maps."""
+    attach the engram tables as memory maps. progress: a tqdm bar over the blocks."""
     from .engram import EngramTable
 
     shards = {}
@@ -400,7 +426,9 @@ def load_weights(model, model_dir: Path, where: dict[str, Path]) -> None:
     for name, per_expert in experts.items():
         params[name] = mx.stack([per_expert[e] for e in range(len(per_expert))])
     model.load_weights(list(params.items()), strict=True)
-    mx.eval(model.parameters())
+    parts = [model.embed, *model.layers, *model.mtp, model.norm, model.head]
+    for part in tqdm(parts, desc="loading weights", unit="block", disable=not progress):
+        mx.eval(part.parameters())  # reads this block's tensors from the shards
 
     for i, layer in enumerate(model.layers):
         if hasattr(layer, "engram"):
@@ -408,11 +436,13 @@ def load_weights(model, model_dir: Path, where: dict[str, Path]) -> None:
             layer.engram.table = EngramTable.from_safetensors(where[w], w, s)
 
 
-def load(path_or_repo: str | os.PathLike | None = None):
+def load(path_or_repo: str | os.PathLike | None = None, progress: bool = False):
     """(model, tokenizer) from a checkpoint directory or Hugging Face repo id.
 
     With no argument, the embedded default: a small checkpoint in the release
     format, generated once into the cache directory (see dsv41_mlx.tiny).
+    Refuses, before reading any weights, a checkpoint whose weights exceed the
+    machine's memory. progress: tqdm bars while loading.
     """
     from .model import Model
     from .tokenizer import cached_compressed_token_map, load_tokenizer
@@ -424,9 +454,11 @@ def load(path_or_repo: str | os.PathLike | None = None):
     else:
         model_dir = resolve_model_dir(path_or_repo)
     args = ModelArgs.from_file(model_dir / "config.json")
-    where = check_tensors(args, shard_headers(model_dir))
+    headers = shard_headers(model_dir)
+    where = check_tensors(args, headers)
+    check_memory(resident_bytes(headers, where), machine_memory(), model_dir)
     model = Model(args)
-    load_weights(model, model_dir, where)
+    load_weights(model, model_dir, where, progress)
     tokenizer = load_tokenizer(model_dir)
     if model.hasher is not None:
         token_map, n = cached_compressed_token_map(tokenizer.path)

@@ -30,7 +30,6 @@ _KNOWN_UNUSED = {
     "initializer_range",
     "use_cache",
     "tie_word_embeddings",
-    "max_position_embeddings",
     "topk_method",
 }
 _ROOT_KEYS = {
@@ -88,6 +87,7 @@ class ModelArgs:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     original_max_position_embeddings: int = 0
+    max_position_embeddings: int = 0  # the context length; 0 = not stated
     norm_topk_prob: bool = True
     gate_temp: float = 1.0  # no HF key; the release uses the reference default
     candidate_source_layer_id: int = -1

@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+from tqdm import tqdm
 
 from .cache import DraftCache
 from .config import ModelArgs
@@ -157,10 +159,10 @@ class Drafter:
         self._fp8_head: Fp8Matrix | None = None
         # The propose pass is built on its own stream; with `concurrent`, independent
         # branches (each stage's key path, the first Markov gather) on a second one.
-        # Dependencies between them are carried by the arrays alone.
-        device = mx.default_device()
-        self.stream = mx.new_stream(device)
-        self.side_stream = mx.new_stream(device) if concurrent else None
+        # Dependencies between them are carried by the arrays alone. MLX streams
+        # belong to the thread that made them, so each thread gets its own pair.
+        self.concurrent = concurrent
+        self._streams = threading.local()
         self.block = args.dspark_block_size
         self.noise_id = args.dspark_noise_token_id
         self.window = args.sliding_window
@@ -172,15 +174,43 @@ class Drafter:
         return self.model.mtp
 
     @property
+    def stream(self) -> mx.Stream:
+        """This thread's stream for the propose pass."""
+        if not hasattr(self._streams, "main"):
+            device = mx.default_device()
+            self._streams.main = mx.new_stream(device)
+            self._streams.side = mx.new_stream(device) if self.concurrent else None
+        return self._streams.main
+
+    @property
+    def side_stream(self) -> mx.Stream | None:
+        """This thread's second stream (None when proposing serially)."""
+        self.stream
+        return self._streams.side
+
+    @property
     def fp8_head(self) -> Fp8Matrix:
         """The drafter's FP8 copy of the target's BF16 head, built on first use."""
         if self._fp8_head is None:
-            tic = time.perf_counter()
-            self._fp8_head = quantize_fp8_tiles_mx(self.model.head.weight)
-            mx.eval(self._fp8_head.codes, self._fp8_head.scales)
-            log.info("drafter FP8 head: %s, %.2f GB, built in %.2f s", "x".join(map(str, self._fp8_head.shape)),
-                     self._fp8_head.nbytes / 1e9, time.perf_counter() - tic)
+            self.build_fp8_head()
         return self._fp8_head
+
+    def build_fp8_head(self, progress: bool = False) -> None:
+        """Quantise the target's head to the release FP8 format (in 32-row-aligned chunks, so a
+        progress bar can follow and no fp32 copy of the whole head exists at once)."""
+        tic = time.perf_counter()
+        weight = self.model.head.weight
+        rows = weight.shape[0]
+        step = max(32, -(-rows // 16) // 32 * 32)
+        parts = []
+        for start in tqdm(range(0, rows, step), desc="drafter FP8 head", unit="chunk", disable=not progress):
+            part = quantize_fp8_tiles_mx(weight[start: start + step])
+            mx.eval(part.codes, part.scales)
+            parts.append(part)
+        self._fp8_head = Fp8Matrix(mx.concatenate([p.codes for p in parts]), mx.concatenate([p.scales for p in parts]))
+        mx.eval(self._fp8_head.codes, self._fp8_head.scales)
+        log.info("drafter FP8 head: %s, %.2f GB, built in %.2f s", "x".join(map(str, self._fp8_head.shape)),
+                 self._fp8_head.nbytes / 1e9, time.perf_counter() - tic)
 
     def make_cache(self) -> DraftCache:
         return DraftCache(len(self.stages), self.window, self.model.args.head_dim)

@@ -183,14 +183,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="how many drafts to verify per round (default: schedule)")
     parser.add_argument("--wire", action=argparse.BooleanOptionalAction, default=True,
                         help="keep the drafter (and the target if it fits) in wired memory (Metal)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars or log lines, only the text")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
     try:
-        model, tokenizer = load(args.model)
-        generate(model, tokenizer, args.prompt, verbose=True, max_tokens=args.max_tokens,
-                 temperature=args.temp, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                 prefill_chunk=args.prefill_chunk, draft=args.draft, verify=args.verify,
-                 confidence=args.confidence, wire=args.wire)
+        model, tokenizer = load(args.model, progress=not args.quiet)
+        drafting = args.draft if args.draft is not None else model.drafter is not None
+        if drafting and model.drafter is not None and model.drafter.head == "fp8":
+            model.drafter.build_fp8_head(progress=not args.quiet)
+        text = generate(model, tokenizer, args.prompt, verbose=not args.quiet, max_tokens=args.max_tokens,
+                        temperature=args.temp, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                        prefill_chunk=args.prefill_chunk, draft=args.draft, verify=args.verify,
+                        confidence=args.confidence, wire=args.wire)
+        if args.quiet:
+            print(text)
     except (CheckpointError, ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,182 @@
+"""The OpenAI-compatible server on the embedded default: replies, streaming, bad input, load."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import uvicorn
+from starlette.testclient import TestClient
+
+import dsv41_mlx
+from dsv41_mlx.chat import encode_chat
+from dsv41_mlx.generate import stream_generate
+from dsv41_mlx.server import Engine, create_app
+
+
+@pytest.fixture(scope="module")
+def engine():
+    model, tokenizer = dsv41_mlx.load()
+    return Engine(model, tokenizer, "dsv41-tiny")
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    with TestClient(create_app(engine)) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def live(engine):
+    """The app on a real loopback socket (for disconnects and concurrent clients)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def solo(engine, ids, **options) -> str:
+    """What the same request gives when run directly, alone."""
+    return "".join(r.text for r in stream_generate(engine.model, engine.tokenizer, ids, **options))
+
+
+CHAT = [{"role": "user", "content": "Tell me about lighthouses."}]
+
+
+# ---------------------------------------------------------------- replies
+
+def test_models_and_health(client):
+    assert client.get("/v1/models").json()["data"][0]["id"] == "dsv41-tiny"
+    health = client.get("/health").json()
+    assert health["status"] == "ok" and health["model"] == "dsv41-tiny"
+
+
+def test_chat_completion_equals_the_solo_reply_and_reports_usage_and_drafting(client, engine):
+    r = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 6, "seed": 3, "temperature": 0.9})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    ids = engine.tokenizer.encode(encode_chat(CHAT))
+    assert body["choices"][0]["message"]["content"] == solo(engine, ids, max_tokens=6, seed=3, temperature=0.9)
+    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 6, "total_tokens": len(ids) + 6}
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["drafting"]["rounds"] >= 1 and "acceptance_by_position" in body["drafting"]
+
+
+def test_streamed_completion_concatenates_to_the_plain_one(client):
+    request = {"prompt": "Once upon a time", "max_tokens": 7, "seed": 5, "temperature": 0.7}
+    plain = client.post("/v1/completions", json=request).json()
+    with client.stream("POST", "/v1/completions", json={**request, "stream": True}) as r:
+        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == plain["choices"][0]["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and chunks[-1]["usage"] == plain["usage"]
+
+
+def test_draft_false_gives_the_same_reply_without_drafting_stats(client):
+    request = {"prompt": [5, 6, 7, 8], "max_tokens": 5}
+    drafted = client.post("/v1/completions", json=request).json()
+    plain = client.post("/v1/completions", json={**request, "draft": False}).json()
+    assert plain["choices"][0]["text"] == drafted["choices"][0]["text"]
+    assert plain["drafting"] is None and drafted["drafting"] is not None
+
+
+def test_stop_sequence_ends_the_reply_before_it(client, engine):
+    full = solo(engine, [9, 10, 11], max_tokens=8)
+    stop = full[len(full) // 2: len(full) // 2 + 2]
+    assert stop and stop in full
+    body = client.post("/v1/completions", json={"prompt": [9, 10, 11], "max_tokens": 8, "stop": [stop]}).json()
+    assert body["choices"][0]["text"] == full[: full.index(stop)]
+    assert body["choices"][0]["finish_reason"] == "stop"
+
+
+# -------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("path, payload, status, names", [
+    ("/v1/chat/completions", b"{not json", 400, "not valid JSON"),
+    ("/v1/chat/completions", b"[1, 2]", 400, "JSON object"),
+    ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": "10"}, 400, "'max_tokens'"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": -3}, 400, "'max_tokens'"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 10**9}, 400, "'max_tokens'"),
+    ("/v1/chat/completions", {"messages": CHAT, "temperature": "hot"}, 400, "'temperature'"),
+    ("/v1/chat/completions", {"messages": CHAT, "top_p": 0}, 400, "'top_p'"),
+    ("/v1/chat/completions", {"messages": CHAT, "stop": 5}, 400, "'stop'"),
+    ("/v1/chat/completions", {"messages": CHAT, "stream": "yes"}, 400, "'stream'"),
+    ("/v1/chat/completions", {"messages": CHAT, "verify": "typical"}, 400, "'verify'"),
+    ("/v1/chat/completions", {"messages": CHAT, "confidence": "sometimes"}, 400, "confidence"),
+    ("/v1/chat/completions", {"messages": CHAT, "draft": False, "verify": "greedy"}, 400, "drafting"),
+    ("/v1/chat/completions", {"messages": CHAT, "n": 2}, 400, "'n'"),
+    ("/v1/chat/completions", {"messages": CHAT, "frobnicate": 1}, 400, "unknown field 'frobnicate'"),
+    ("/v1/chat/completions", {"messages": CHAT, "model": "gpt-4"}, 404, "'gpt-4' is not served"),
+    ("/v1/completions", {"prompt": [1] * 5000}, 400, "context is 4096 tokens"),
+    ("/v1/completions", {"prompt": [1, -1]}, 400, "'prompt'"),
+])
+def test_bad_requests_get_a_4xx_json_error_naming_the_problem(client, path, payload, status, names):
+    kwargs = {"content": payload} if isinstance(payload, bytes) else {"json": payload}
+    r = client.post(path, headers={"content-type": "application/json"}, **kwargs)
+    assert r.status_code == status, r.text
+    assert names in r.json()["error"]["message"]
+    assert client.post("/v1/completions", json={"prompt": "still up", "max_tokens": 1}).status_code == 200
+
+
+def test_client_disconnect_mid_stream_stops_generation_and_the_server_keeps_serving(live, engine):
+    before = engine.abandoned
+    with httpx.Client(base_url=live, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 2000, "stream": True,
+                                                          "draft": False}) as r:
+            next(line for line in r.iter_lines() if line.startswith("data: "))  # generation has started
+        deadline = time.time() + 30
+        while engine.abandoned == before and time.time() < deadline:
+            time.sleep(0.1)
+        assert engine.abandoned == before + 1  # stopped long before 2000 tokens
+        assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+# ------------------------------------------------------------ concurrency, load
+
+def _request_kinds():
+    kinds = []
+    for i in range(10):
+        body = {"prompt": [100 + 7 * i, 200 + i, 300], "max_tokens": 3, "seed": i}
+        if i % 2:
+            body["temperature"] = 0.8
+        if i % 3 == 0:
+            body["draft"] = False
+        kinds.append(body)
+    return kinds
+
+
+def test_load_200_requests_8_concurrent_every_reply_equals_its_solo_run(live, engine):
+    kinds = _request_kinds()
+    expected = [solo(engine, k["prompt"], max_tokens=3, seed=k["seed"], temperature=k.get("temperature", 0.0),
+                     draft=k.get("draft")) for k in kinds]
+    peaks = {}
+
+    def one(n):
+        body = kinds[n % len(kinds)]
+        with httpx.Client(base_url=live, timeout=120) as http:
+            r = http.post("/v1/completions", json=body)
+            if n + 1 in (20, 200):
+                peaks[n + 1] = http.get("/health").json()["peak_rss_gb"]
+        return n, r.status_code, r.json()
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(one, range(200)))
+    errors = [(n, s, b) for n, s, b in results if s != 200]
+    assert not errors, errors[:3]
+    wrong = [n for n, _, b in results if b["choices"][0]["text"] != expected[n % len(kinds)]]
+    assert not wrong, f"{len(wrong)} replies differ from their solo runs (first: request {wrong[0]})"
+    print(f"\npeak RSS at request 20: {peaks[20]:.3f} GB, at request 200: {peaks[200]:.3f} GB")
+    assert peaks[200] <= peaks[20] * 1.05 + 0.05
