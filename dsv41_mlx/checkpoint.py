@@ -372,10 +372,14 @@ def machine_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def _size(n: int) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
 def check_memory(needed: int, available: int, model_dir: Path) -> None:
     if needed > available:
-        raise CheckpointError(f"{model_dir}: its weights need {needed / 1e9:.1f} GB of memory (engram tables are "
-                              f"memory-mapped and not counted) and this machine has {available / 1e9:.1f} GB")
+        raise CheckpointError(f"{model_dir}: its weights need {_size(needed)} of memory (engram tables are "
+                              f"memory-mapped and not counted) and this machine has {_size(available)}")
 
 
 # ------------------------------------------------------------ into the model

@@ -548,3 +548,24 @@ def test_write_safetensors_rejects_reserved_name_and_bad_metadata(tmp_path):
         write_safetensors(tmp_path / "a", {"__metadata__": ("F32", np.zeros(1))})
     with pytest.raises(ValueError):
         write_safetensors(tmp_path / "b", {"x": ("F32", np.zeros(1))}, metadata={"n": 3})
+
+
+def test_a_checkpoint_larger_than_memory_is_refused_with_both_numbers(ckpt, monkeypatch):
+    import dsv41_mlx.checkpoint as checkpoint
+
+    monkeypatch.setattr(checkpoint, "machine_memory", lambda: 1_000_000)
+    headers = shard_headers(ckpt)
+    needed = checkpoint.resident_bytes(headers, check_tensors(ModelArgs.from_file(ckpt / "config.json"), headers))
+    msg = error(load, ckpt)
+    assert f"weights need {needed / 1e6:.1f} MB" in msg and "this machine has 1.0 MB" in msg
+
+
+def test_resident_bytes_leave_out_the_memory_mapped_engram_tables(ckpt):
+    import dsv41_mlx.checkpoint as checkpoint
+
+    headers = shard_headers(ckpt)
+    where = check_tensors(ModelArgs.from_file(ckpt / "config.json"), headers)
+    everything = sum(e["data_offsets"][1] - e["data_offsets"][0] for h in headers.values() for e in h.values())
+    tables = sum(e["data_offsets"][1] - e["data_offsets"][0] for h in headers.values() for n, e in h.items()
+                 if ".engram.embed." in n)
+    assert tables > 0 and checkpoint.resident_bytes(headers, where) == everything - tables

@@ -111,3 +111,12 @@ def test_cli_rejects_bad_drafting_flags_with_a_clear_error(cli_env, flags, messa
     out = subprocess.run([sys.executable, "-m", "dsv41_mlx.generate", "--max-tokens", "2"] + flags,
                          capture_output=True, text=True, env=cli_env, timeout=300)
     assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_cli_shows_progress_bars_and_quiet_hides_everything_but_the_text(cli_env):
+    base = [sys.executable, "-m", "dsv41_mlx.generate", "--prompt", "Hello", "--max-tokens", "3"]
+    loud = subprocess.run(base, capture_output=True, text=True, env=cli_env, timeout=300)
+    quiet = subprocess.run(base + ["--quiet"], capture_output=True, text=True, env=cli_env, timeout=300)
+    assert loud.returncode == quiet.returncode == 0
+    assert "loading weights" in loud.stderr and "drafter FP8 head" in loud.stderr
+    assert quiet.stderr == "" and quiet.stdout.strip() == loud.stdout.strip()

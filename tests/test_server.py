@@ -180,3 +180,38 @@ def test_load_200_requests_8_concurrent_every_reply_equals_its_solo_run(live, en
     assert not wrong, f"{len(wrong)} replies differ from their solo runs (first: request {wrong[0]})"
     print(f"\npeak RSS at request 20: {peaks[20]:.3f} GB, at request 200: {peaks[200]:.3f} GB")
     assert peaks[200] <= peaks[20] * 1.05 + 0.05
+
+
+# ---------------------------------------------------------- startup failures
+
+FIXTURE = __import__("pathlib").Path(__file__).parent / "fixtures" / "reference-v41-tiny"
+
+
+def _damaged(tmp_path, how: str):
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(FIXTURE, ckpt)
+    shard = ckpt / "model-00002-of-00002.safetensors"
+    if how == "missing shard":
+        shard.unlink()
+    elif how == "corrupt shard":
+        shard.write_bytes(shard.read_bytes()[:-4096])
+    else:  # a config of another model_type
+        config = json.loads((ckpt / "config.json").read_text())
+        config["model_type"] = "llama"
+        (ckpt / "config.json").write_text(json.dumps(config))
+    return ckpt
+
+
+@pytest.mark.parametrize("how, names", [("missing shard", "missing"), ("corrupt shard", "truncated"),
+                                        ("another model_type", "llama")])
+def test_server_refuses_a_bad_checkpoint_with_a_clear_message(tmp_path, how, names):
+    import subprocess
+    import sys
+
+    ckpt = _damaged(tmp_path, how)
+    out = subprocess.run([sys.executable, "-m", "dsv41_mlx.server", "--model", str(ckpt), "--quiet"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr and names in out.stderr and "error:" in out.stderr
