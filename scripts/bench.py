@@ -3,6 +3,7 @@
     python scripts/bench.py head               # FP8 head kernel vs BF16 / mxfp8 matmul at 129280 x 5120
     python scripts/bench.py drafts [--model M] # FP8 vs BF16 drafter head: changed drafts, acceptance
     python scripts/bench.py propose            # drafter propose (serial vs two streams) and ingest, release shapes
+    python scripts/bench.py e2e --model DIR    # end to end on a checkpoint (scripts/make_flash_shaped.py)
 
 Speed is measured here and nowhere else: ratios against baselines measured in
 the same run, and fractions of the memory-bandwidth floor (bytes that must
@@ -269,6 +270,147 @@ def print_propose(env: dict, res: dict) -> None:
     print()
 
 
+# ----------------------------------------------------------------------- e2e
+
+class OracleDrafter:
+    """Proposes the target's own continuation, each draft right with probability `rate`
+    (else a wrong token), from a fixed generator: what a drafter with that acceptance rate
+    would let the engine do. Labelled as such wherever it is reported."""
+
+    def __init__(self, drafter, sequence: list[int], rate: float, seed: int = 0):
+        import numpy as np
+
+        self.inner, self.sequence, self.rate = drafter, sequence, rate
+        self.block, self.window, self.head, self.verify_costs = drafter.block, drafter.window, "bf16", None
+        self.rng = np.random.default_rng(seed)
+
+    def make_cache(self):
+        return self.inner.make_cache()
+
+    def ingest(self, cache, features):
+        self.inner.ingest(cache, features)
+
+    def propose(self, cache, anchor, pick):
+        from dsv41_mlx.dspark import Proposal
+
+        drafts = []
+        for k in range(self.block):
+            pos = cache.end + 1 + k
+            token = self.sequence[pos] if pos < len(self.sequence) else 0
+            drafts.append(token if self.rng.random() < self.rate else (token + 1) % 129280)
+        return Proposal(mx.array(drafts, dtype=mx.int32), mx.zeros((self.block, 1)), mx.full((self.block,), 5.0))
+
+
+def decode_bytes(model) -> tuple[int, int]:
+    """(bytes a plain decode step must read, of which routed experts): every dense weight of the
+    backbone and the head once, the embedding row, and top-k routed experts per layer."""
+    args = model.args
+    total = experts = 0
+    for i, layer in enumerate(model.layers):
+        for name, v in tree_flatten(layer.parameters()):
+            if ".experts." in name:
+                per_expert = v.nbytes // v.shape[0]
+                experts += per_expert * args.moe_shape(i)[1]
+            else:
+                total += v.nbytes
+    total += experts + model.head.weight.nbytes + model.embed.weight.nbytes // args.vocab_size
+    return total, experts
+
+
+def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float) -> dict:
+    import hashlib
+
+    import dsv41_mlx
+    from dsv41_mlx.generate import generate_step, prefill
+    from dsv41_mlx.sampling import SamplingParams
+    from dsv41_mlx.speculative import SpeculativeDecoder, measure_verify_costs
+
+    tic = time.perf_counter()
+    model, tokenizer = dsv41_mlx.load(model_path)
+    out = {"load_s": time.perf_counter() - tic}
+    prompts = json.loads((ROOT / "scripts" / "prompts.json").read_text())
+    texts = prompts["prose"][:n_prompts] + prompts["code"][:n_prompts]
+    ids_list = [tokenizer.encode(t) for t in texts]
+    bw = copy_bandwidth()
+    out["copy_GBps"] = bw / 1e9
+    step_bytes, expert_bytes = decode_bytes(model)
+    out.update(bytes_per_token_GB=step_bytes / 1e9, routed_expert_GB=expert_bytes / 1e9,
+               floor_ms=step_bytes / bw * 1e3)
+
+    def hashed(tokens_):
+        return hashlib.sha256(json.dumps(tokens_).encode()).hexdigest()[:12]
+
+    # prefill (the first prompt once more to warm up)
+    prefill(model, ids_list[0], model.make_cache())
+    tic, n = time.perf_counter(), 0
+    for ids in ids_list:
+        prefill(model, ids, model.make_cache())
+        n += len(ids)
+    out["prefill_tok_s"] = n / (time.perf_counter() - tic)
+
+    # verify forwards of 1..6 rows on a cache holding one window
+    out["verify_ms"] = [c * 1e3 for c in measure_verify_costs(model, model.args.dspark_block_size + 1)]
+
+    runs = {}
+    greedy, coupled = SamplingParams(), SamplingParams(temperature=0.8, seed=7)
+    for label, params, make in [
+        ("plain greedy", greedy, None),
+        ("plain coupled", coupled, None),
+        ("drafted greedy", greedy, lambda p, seq: SpeculativeDecoder(model, model.drafter, p, confidence="off")),
+        ("drafted coupled", coupled, lambda p, seq: SpeculativeDecoder(model, model.drafter, p, confidence="off")),
+        (f"oracle {oracle_rate:.2f} greedy", greedy,
+         lambda p, seq: SpeculativeDecoder(model, OracleDrafter(model.drafter, seq, oracle_rate), p,
+                                           confidence="off")),
+    ]:
+        elapsed, produced, replies, stats = 0.0, 0, [], []
+        for i, ids in enumerate(ids_list):
+            reference = runs.get("plain greedy", {}).get("replies", [None] * len(ids_list))[i]
+            decoder = make(params, ids + (reference or [])) if make else None
+            steps = generate_step(model, ids, params, tokens, decoder=decoder)
+            first = next(steps)  # prefill and the first token stay out of the decode rate
+            tic = time.perf_counter()
+            rest = list(steps)
+            elapsed += time.perf_counter() - tic
+            produced += len(rest)
+            replies.append([first] + rest)
+            if decoder is not None:
+                stats.append(decoder.stats.as_dict())
+        run = {"tok_s": produced / elapsed, "replies": replies, "hash": hashed(replies)}
+        if stats:
+            run["proposed"] = sum(s["proposed"] for s in stats)
+            run["accepted"] = sum(s["accepted"] for s in stats)
+            run["propose_ms"] = statistics.mean(s["propose_ms_per_round"] for s in stats)
+            run["ingest_ms"] = statistics.mean(s["ingest_ms_per_round"] for s in stats)
+            run["verify_ms"] = statistics.mean(s["verify_ms_per_round"] for s in stats)
+        runs[label] = run
+        print(f"  {label}: {run['tok_s']:.2f} tok/s", flush=True)
+    for run in runs.values():
+        del run["replies"]
+    out["runs"] = runs
+    return out
+
+
+def print_e2e(env: dict, res: dict, model: str) -> None:
+    print(f"### End to end on {model} ({env['date']}, {env['device']}, {env['backend']}, MLX {env['mlx']}, "
+          f"commit {env['commit']})\n")
+    print(f"load {res['load_s']:.0f} s; copy bandwidth {res['copy_GBps']:.0f} GB/s; a decode step reads "
+          f"{res['bytes_per_token_GB']:.2f} GB ({res['routed_expert_GB']:.2f} GB routed experts): floor "
+          f"{res['floor_ms']:.2f} ms/token\n")
+    print(f"prefill {res['prefill_tok_s']:.1f} tok/s; verify forward ms at 1..6 rows: "
+          + ", ".join(f"{v:.1f}" for v in res["verify_ms"]) + "\n")
+    plain = res["runs"]["plain greedy"]["tok_s"]
+    print("| run | tok/s | x plain greedy | floor fraction | drafts accepted / proposed | propose ms | "
+          "verify ms | ingest ms | reply hash |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for label, r in res["runs"].items():
+        frac = (1e3 / res["floor_ms"]) and r["tok_s"] * res["floor_ms"] / 1e3
+        drafted = f"{r['accepted']} / {r['proposed']}" if "proposed" in r else "-"
+        ms = [f"{r[k]:.1f}" if k in r else "-" for k in ("propose_ms", "verify_ms", "ingest_ms")]
+        print(f"| {label} | {r['tok_s']:.2f} | {r['tok_s'] / plain:.2f} | {frac:.1%} | {drafted} | "
+              + " | ".join(ms) + f" | {r['hash']} |")
+    print()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="what", required=True)
@@ -282,6 +424,12 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--prompts", type=int, default=5, help="prose and code prompts each")
     p.add_argument("--json")
+    p = sub.add_parser("e2e")
+    p.add_argument("--model", required=True, help="checkpoint directory (scripts/make_flash_shaped.py) or hub id")
+    p.add_argument("--prompts", type=int, default=1, help="prose and code prompts each")
+    p.add_argument("--tokens", type=int, default=16, help="tokens generated per prompt and run")
+    p.add_argument("--oracle-rate", type=float, default=0.56)
+    p.add_argument("--json")
     p = sub.add_parser("propose")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--json")
@@ -290,6 +438,9 @@ def main() -> int:
     if args.what == "head":
         res = bench_head(args.vocab, args.dim, args.rows)
         print_head(env, res, args.vocab, args.dim)
+    elif args.what == "e2e":
+        res = bench_e2e(args.model, args.prompts, args.tokens, args.oracle_rate)
+        print_e2e(env, res, args.model)
     elif args.what == "propose":
         res = bench_propose(args.rounds)
         print_propose(env, res)
