@@ -75,7 +75,7 @@ def generate_step(model, prompt: list[int], params: SamplingParams, max_tokens: 
         position = cache.offset  # the new token's absolute position
         token = sample(logits[None], mx.array([position]), params).item()
         yield token
-        out, _ = model(mx.array([[token]], dtype=mx.int32), cache, last_logits_only=True)
+        out, _ = model.decode([token], cache)
         logits = out[0, -1]
 
 

@@ -100,8 +100,9 @@ def sparse_attention(q: mx.array, window_keys: mx.array, window_mask: mx.array,
                      sink: mx.array, scale: float) -> mx.array:
     """Single-latent attention with a per-head sink logit (reference `sparse_attn`).
 
-    q [S, H, D] bf16; window_keys [N, D] shared by every row, window_mask
-    [S, N]; picked_keys [S, K, D] per-row compressed keys, picked_mask [S, K].
+    q [S, H, D] bf16; window_keys [N, D] shared by every row (or [S, N, D],
+    each row's own), window_mask [S, N]; picked_keys [S, K, D] per-row
+    compressed keys, picked_mask [S, K].
     Keys are also the values. Scores and the softmax denominator are fp32; the
     probabilities are rounded to bf16 before they weight the values, relative
     to the row max (the reference does this per 64-key block; one block covers
@@ -109,7 +110,9 @@ def sparse_attention(q: mx.array, window_keys: mx.array, window_mask: mx.array,
     """
     qf = q.astype(F32)
     wk = window_keys.astype(F32)
-    scores = mx.where(window_mask[:, None, :], (qf @ wk.T) * scale, -mx.inf)  # [S, H, N]
+    per_row = wk.ndim == 3
+    window_scores = qf @ (wk.swapaxes(1, 2) if per_row else wk.T)
+    scores = mx.where(window_mask[:, None, :], window_scores * scale, -mx.inf)  # [S, H, N]
     if picked_keys is not None:
         pk = picked_keys.astype(F32)
         picked = mx.where(picked_mask[:, None, :], (qf @ pk.swapaxes(1, 2)) * scale, -mx.inf)
@@ -118,7 +121,7 @@ def sparse_attention(q: mx.array, window_keys: mx.array, window_mask: mx.array,
     p = mx.exp(scores - row_max)
     denom = p.sum(axis=-1, keepdims=True) + mx.exp(sink.astype(F32)[:, None] - row_max)
     pb = p.astype(BF16).astype(F32)
-    n = wk.shape[0]
+    n = wk.shape[-2]
     out = pb[..., :n] @ wk
     if picked_keys is not None:
         out = out + pb[..., n:] @ pk
@@ -329,6 +332,7 @@ class Attention(nn.Module):
         dim = args.hidden_size
 
         self.attn_sink = mx.zeros((self.n_heads,), dtype=F32)
+        self.row_invariant = False  # set through Model.decode_rows
         self.wq_a = Fp8Linear(dim, args.q_lora_rank)
         self.q_norm = RMSNorm(args.q_lora_rank, self.eps)
         self.wq_b = Fp8Linear(args.q_lora_rank, self.n_heads * self.head_dim)
@@ -378,8 +382,16 @@ class Attention(nn.Module):
         S = x.shape[0]
         q, qr = self.queries(x, positions)
         keys, first = cache.window.update(self.latent_kv(x, positions))
-        key_pos = first + mx.arange(keys.shape[0])
-        window_mask = (key_pos[None, :] <= positions[:, None]) & (key_pos[None, :] > positions[:, None] - self.window)
+        if self.row_invariant:
+            # each row gathers its own window, oldest first: the same array for a position
+            # whichever forward it is computed in, so its reductions run in the same order
+            key_pos = positions[:, None] - self.window + 1 + mx.arange(self.window)[None, :]  # [S, W]
+            window_mask = key_pos >= max(first, 0)
+            keys = keys[mx.clip(key_pos - first, 0, keys.shape[0] - 1)]  # [S, W, D]
+        else:
+            key_pos = first + mx.arange(keys.shape[0])
+            window_mask = (key_pos[None, :] <= positions[:, None]) & \
+                (key_pos[None, :] > positions[:, None] - self.window)
 
         picked = picked_mask = None
         if self.ratio:
@@ -572,6 +584,40 @@ class Model(nn.Module):
             self.mtp = [DSparkStage(args, k) for k in range(args.num_nextn_predict_layers)]
         # the drafter (a plain attribute, not a module: its weights are the mtp stages above)
         self.drafter = Drafter(self) if self.mtp else None
+        on_gpu = mx.default_device() == mx.gpu
+        self.decode_rows = -(-(args.dspark_block_size + 1) // 8) * 8 if on_gpu else None
+
+    @property
+    def decode_rows(self) -> int | None:
+        """Rows every decode / verify forward is padded to (None: no padding).
+
+        GPU matrix kernels pick their algorithm, and so their summation order,
+        by shape: a 1-row decode and a 6-row verify would then round a
+        position's logits differently and could pick different tokens. Padding
+        both to one row count, with each row attending over its own gathered
+        window, makes a position's logits the same bits in every forward
+        (the losslessness contract). The CPU needs none of this: its kernels
+        are row-invariant already (tests/test_model.py)."""
+        return self._decode_rows
+
+    @decode_rows.setter
+    def decode_rows(self, rows: int | None) -> None:
+        self._decode_rows = rows
+        for layer in self.layers:
+            layer.attn.row_invariant = rows is not None
+
+    def decode(self, ids: list[int], cache: ModelCache) -> tuple[mx.array, mx.array]:
+        """A decode or verify forward of a few tokens: logits [1, n, V], features [1, n, F].
+
+        Padded to `decode_rows` rows (the padding is trimmed off the cache again)."""
+        n = len(ids)
+        rows = self._decode_rows or n
+        if n > rows:
+            raise ValueError(f"a decode forward takes at most {rows} rows, got {n}")
+        padded = mx.array([ids + [ids[-1]] * (rows - n)], dtype=mx.int32)
+        logits, features = self(padded, cache)
+        cache.trim(rows - n)
+        return logits[:, :n], features[:, :n]
 
     def make_cache(self) -> ModelCache:
         return ModelCache([LayerCache(self.args.sliding_window,

@@ -106,11 +106,10 @@ def measure_verify_costs(model, rows: int, repeats: int = 3) -> list[float]:
     mx.eval(logits, cache.state())
     costs = []
     for n in range(1, rows + 1):
-        ids = mx.zeros((1, n), dtype=mx.int32)
         best = float("inf")
         for _ in range(repeats):
             tic = time.perf_counter()
-            logits, feats = model(ids, cache)
+            logits, feats = model.decode([0] * n, cache)
             mx.eval(logits, feats, cache.state())
             best = min(best, time.perf_counter() - tic)
             cache.trim(n)
@@ -229,8 +228,7 @@ class SpeculativeDecoder:
         confidence = mx.sigmoid(proposal.confidence).tolist()
         ell = min(self.policy.verify_length(confidence, self.costs), budget - 1)
         drafts = proposal.drafts[:ell]
-        ids = mx.concatenate([mx.array([anchor], dtype=mx.int32), drafts])[None]
-        logits, features = self.model(ids, cache)
+        logits, features = self.model.decode([anchor] + drafts.tolist(), cache)
         accepted, next_token = self.accept(logits[0], proposal, ell, anchor_pos + 1)
         mx.eval(features)
         tic = time.perf_counter()

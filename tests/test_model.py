@@ -58,3 +58,36 @@ def test_trim_restores_the_state_of_a_shorter_decode(fixture_model, golden, n):
 def test_rejects_bad_input_shape(fixture_model):
     with pytest.raises(ValueError, match=r"\[1, n\]"):
         fixture_model(mx.array([1, 2, 3], dtype=mx.int32))
+
+
+@pytest.fixture
+def padded_model(fixture_model):
+    """The fixture model in the GPU's row-invariant mode (every decode padded to 8 rows,
+    per-row window gathers), restored afterwards."""
+    fixture_model.decode_rows = 8
+    yield fixture_model
+    fixture_model.decode_rows = None
+
+
+def test_row_invariant_mode_gives_the_same_logits_and_cache(padded_model, golden):
+    """Padding to 8 rows and gathering each row's window changes no bit on the CPU: a decode
+    forward's logits equal the plain forward's, and the trimmed cache equals its cache."""
+    model = padded_model
+    ids = _ids(golden)
+    prompt, rest = ids[:41], ids[41:]
+    plain, padded = model.make_cache(), model.make_cache()
+    for c in (plain, padded):
+        model(mx.array([prompt], dtype=mx.int32), c)
+    for start in range(0, len(rest), 3):
+        chunk = rest[start: start + 3]
+        model.decode_rows = None
+        want, want_f = model(mx.array([chunk], dtype=mx.int32), plain)
+        model.decode_rows = 8
+        got, got_f = model.decode(chunk, padded)
+        assert mx.array_equal(want, got).item() and mx.array_equal(want_f, got_f).item()
+        _assert_same_state(plain, padded)
+
+
+def test_decode_refuses_more_rows_than_it_pads_to(padded_model):
+    with pytest.raises(ValueError, match="at most 8 rows"):
+        padded_model.decode(list(range(9)), padded_model.make_cache())
