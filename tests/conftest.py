@@ -27,3 +27,12 @@ def golden():
 @pytest.fixture(scope="session")
 def intermediates():
     return load_file(FIXTURE / "golden_intermediates.safetensors")
+
+
+@pytest.fixture
+def padded_model(fixture_model):
+    """The fixture model in the GPU's row-invariant mode (every decode padded to 8 rows,
+    per-row window gathers), restored afterwards."""
+    fixture_model.decode_rows = 8
+    yield fixture_model
+    fixture_model.decode_rows = None

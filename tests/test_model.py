@@ -60,15 +60,6 @@ def test_rejects_bad_input_shape(fixture_model):
         fixture_model(mx.array([1, 2, 3], dtype=mx.int32))
 
 
-@pytest.fixture
-def padded_model(fixture_model):
-    """The fixture model in the GPU's row-invariant mode (every decode padded to 8 rows,
-    per-row window gathers), restored afterwards."""
-    fixture_model.decode_rows = 8
-    yield fixture_model
-    fixture_model.decode_rows = None
-
-
 def test_row_invariant_mode_gives_the_same_logits_and_cache(padded_model, golden):
     """Padding to 8 rows and gathering each row's window changes no bit on the CPU: a decode
     forward's logits equal the plain forward's, and the trimmed cache equals its cache."""

@@ -69,6 +69,16 @@ def test_bf16_drafter_head_gives_the_same_replies_as_the_fp8_one(fixture_model, 
             assert _reply(fixture_model, PROMPTS[i], params, decoder, max_tokens=24) == expected[:24]
 
 
+def test_drafted_reply_equals_undrafted_in_the_row_invariant_mode(padded_model, plain_replies):
+    """The GPU's decode path (every forward padded to 8 rows) on the CPU: replies unchanged.
+    (On the H200, scripts/check_lossless.py: 0 of 8 replies diverge padded, 8 of 8 unpadded.)"""
+    for i in (1, 2):
+        for params, expected in ((GREEDY, plain_replies[0][i]), (COUPLED[i], plain_replies[1][i])):
+            assert list(generate_step(padded_model, PROMPTS[i], params, 24)) == expected[:24]
+            decoder = SpeculativeDecoder(padded_model, padded_model.drafter, params, confidence="off")
+            assert _reply(padded_model, PROMPTS[i], params, decoder, max_tokens=24) == expected[:24]
+
+
 class OracleDrafter:
     """Proposes the known continuation (a wrong token every `wrong_every` positions) with high confidence."""
 
