@@ -4,6 +4,7 @@
     python scripts/bench.py drafts [--model M] # FP8 vs BF16 drafter head: changed drafts, acceptance
     python scripts/bench.py propose            # drafter propose (serial vs two streams) and ingest, release shapes
     python scripts/bench.py e2e --model DIR    # end to end on a checkpoint (scripts/make_flash_shaped.py)
+    python scripts/bench.py ops [--model M]    # MLX operations per decoded token, by layer kind and op type
 
 Speed is measured here and nowhere else: ratios against baselines measured in
 the same run, and fractions of the memory-bandwidth floor (bytes that must
@@ -411,6 +412,84 @@ def print_e2e(env: dict, res: dict, model: str) -> None:
     print()
 
 
+# ----------------------------------------------------------------------- ops
+
+VIEWS = {"Broadcast", "Reshape", "Squeeze", "ExpandDims", "Slice", "View", "Transpose", "AsStrided", "Copy"}
+
+
+def graph_ops(*outputs) -> "collections.Counter":
+    """Primitive counts of the lazy graph behind outputs (nothing is evaluated)."""
+    import collections
+    import re
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+        mx.export_to_dot(f.name, *outputs)
+        labels = re.findall(r'label\s*=\s*"([^"]+)"', f.read())
+    return collections.Counter(label.split()[0] for label in labels)
+
+
+def bench_ops(model_path: str | None) -> dict:
+    """Count the operations one plain decode step (after a prompt) and one propose build."""
+    import dsv41_mlx
+    from dsv41_mlx.generate import prefill
+    from dsv41_mlx.model import SharedAttention, hc_pre
+
+    model, _ = dsv41_mlx.load(model_path)
+    args = model.args
+    cache = model.make_cache()
+    prefill(model, list(range(100, 100 + 3 * args.sliding_window)), cache)
+    token = 5
+    # the forward, layer by layer, so each layer's share can be counted
+    ids = mx.array([[token]], dtype=mx.int32)
+    positions = mx.array([cache.offset])
+    hashes = model.hasher(cache.tokens, [token]) if model.hasher is not None else None
+    cache.tokens.append(token)
+    h = mx.repeat(model.embed(ids[0])[:, None, :], args.hc_mult, axis=1)
+    pre = mx.zeros((1, args.hc_mult), dtype=mx.float32).at[:, 0].add(1.0)
+    shared = SharedAttention()
+    before = graph_ops(h, pre)
+    kinds: dict[str, list[int]] = {}
+    for i, layer in enumerate(model.layers):
+        if hasattr(layer, "engram"):
+            h = layer.engram(h, hashes[:, model.hasher.layer_index(i)])
+        h, pre = layer(h, pre, positions, cache.layers[i], cache.layers, shared)
+        now = graph_ops(h, pre)
+        attn = layer.attn
+        kind = ("engram + " if hasattr(layer, "engram") else "") + (
+            "window only" if not attn.ratio else
+            f"ratio {attn.ratio}" + (" KV source" if attn.is_kv_source else "") +
+            (" + indexer" if attn.is_index_source else ""))
+        kinds.setdefault(kind, []).append(sum(now.values()) - sum(before.values()))
+        before = now
+    logits = model.head(model.norm(hc_pre(h, pre)))
+    total = graph_ops(logits)
+    out = {"total": sum(total.values()), "kernels": sum(v for k, v in total.items() if k not in VIEWS),
+           "by_op": total.most_common(12), "by_layer_kind": {k: (len(v), statistics.mean(v)) for k, v in kinds.items()}}
+    if model.drafter is not None:
+        d = model.drafter
+        rings = d.make_cache()
+        rings.end = 1000
+        p = d.propose(rings, 5)
+        ops = graph_ops(p.drafts, p.logits, p.confidence)
+        out["propose"] = sum(ops.values())
+        out["propose_kernels"] = sum(v for k, v in ops.items() if k not in VIEWS)
+    return out
+
+
+def print_ops(env: dict, res: dict, model: str) -> None:
+    print(f"### MLX operations per decoded token on {model} ({env['date']}, MLX {env['mlx']}, "
+          f"commit {env['commit']})\n")
+    print(f"one plain decode step: {res['total']} graph nodes, {res['kernels']} of them not views; "
+          + (f"one propose: {res['propose']} ({res['propose_kernels']} not views)" if "propose" in res else "")
+          + "\n")
+    print("| layer kind | layers | nodes per layer |")
+    print("|---|---|---|")
+    for kind, (n, mean) in res["by_layer_kind"].items():
+        print(f"| {kind} | {n} | {mean:.0f} |")
+    print("\nmost frequent: " + ", ".join(f"{k} {v}" for k, v in res["by_op"]) + "\n")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="what", required=True)
@@ -430,6 +509,9 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=16, help="tokens generated per prompt and run")
     p.add_argument("--oracle-rate", type=float, default=0.56)
     p.add_argument("--json")
+    p = sub.add_parser("ops")
+    p.add_argument("--model", help="checkpoint (default: the embedded tiny one)")
+    p.add_argument("--json")
     p = sub.add_parser("propose")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--json")
@@ -441,6 +523,9 @@ def main() -> int:
     elif args.what == "e2e":
         res = bench_e2e(args.model, args.prompts, args.tokens, args.oracle_rate)
         print_e2e(env, res, args.model)
+    elif args.what == "ops":
+        res = bench_ops(args.model)
+        print_ops(env, res, args.model or "the embedded tiny checkpoint")
     elif args.what == "propose":
         res = bench_propose(args.rounds)
         print_propose(env, res)
