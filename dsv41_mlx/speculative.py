@@ -27,7 +27,7 @@ import mlx.core as mx
 
 from .cache import DraftCache, ModelCache
 from .dspark import Drafter, Proposal, argmax_picker
-from .sampling import (ACCEPT, DRAFT, RESAMPLE, SamplingParams, accept_or_resample, filtered_log_probs,
+from .sampling import (ACCEPT, DRAFT, RESAMPLE, TARGET, SamplingParams, accept_or_resample, filtered_log_probs,
                        gumbel_noise, sample, uniform_noise)
 
 VERIFY_MODES = ("greedy", "coupled", "rejection")
@@ -200,8 +200,7 @@ class SpeculativeDecoder:
         params = self.params
         if self.verify == "greedy":
             return argmax_picker
-        stream = 0 if self.verify == "coupled" else DRAFT
-
+        stream = TARGET if self.verify == "coupled" else DRAFT  # coupled: the very noise the target uses
         vocab = self.model.args.vocab_size
 
         def pick(logits: mx.array, k: int, candidates: mx.array | None = None) -> mx.array:
