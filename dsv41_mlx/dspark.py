@@ -34,7 +34,7 @@ from tqdm import tqdm
 from .cache import DraftCache
 from .config import ModelArgs
 from .kernels import fp8_rows_top64
-from .model import Attention, Block, Linear, RMSNorm, hc_pre, sparse_attention
+from .model import Attention, Block, Linear, RMSNorm, hc_expand, hc_pre, sparse_attention
 from .quant import Fp8Linear, Fp8Matrix, quantize_fp8_tiles_mx
 
 log = logging.getLogger(__name__)
@@ -50,13 +50,6 @@ class MarkovHead(nn.Module):
         self.embed = nn.Embedding(vocab, rank)
         self.embed.weight = self.embed.weight.astype(BF16)
         self.head = Linear(rank, vocab)
-
-    def __call__(self, prev_ids: mx.array, candidates: mx.array | None = None) -> tuple[mx.array, mx.array]:
-        """prev_ids [B] -> (logit bias [B, vocab] fp32, embedding [B, rank] bf16).
-
-        With candidates [B, n] token ids, the bias of those tokens only [B, n]."""
-        e = self.embed(prev_ids)
-        return self.bias(e, candidates), e
 
     def bias(self, e: mx.array, candidates: mx.array | None = None) -> mx.array:
         """Embeddings e [B, rank] -> logit bias [B, vocab] (or [B, n] at candidates [B, n]) in fp32."""
@@ -246,8 +239,7 @@ class Drafter:
         positions = mx.arange(cache.end, cache.end + B)
         anchor = mx.array(anchor, dtype=mx.int32).reshape(1)
         ids = mx.concatenate([anchor, mx.full((B - 1,), self.noise_id, dtype=mx.int32)])
-        h = mx.repeat(self.model.embed(ids)[:, None, :], self.hc, axis=1)  # [B, hc, dim]
-        pre = mx.zeros((B, self.hc), dtype=F32).at[:, 0].add(1.0)
+        h, pre = hc_expand(self.model.embed(ids), self.hc)  # [B, hc, dim], [B, hc]
         valid = cache.valid()
         for k, stage in enumerate(self.stages):
             h, pre = stage(h, pre, positions, cache.rings[k], valid)

@@ -94,6 +94,8 @@ def make_decoder(model, params: SamplingParams, draft: bool | None = None, verif
         return None
     if model.drafter is None:
         raise ValueError("drafting needs DSpark stages, and this checkpoint has none")
+    if model.drafter.head == "fp8":
+        model.drafter.fp8_head  # built (and logged) before the first token, not in the middle of a reply
     return SpeculativeDecoder(model, model.drafter, params, verify, confidence or "schedule")
 
 

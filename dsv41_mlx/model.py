@@ -154,6 +154,15 @@ def hc_mixes(x: mx.array, fn: mx.array, scale: mx.array, base: mx.array,
     return HcMixes(pre, post, comb)
 
 
+def hc_expand(x: mx.array, hc: int) -> tuple[mx.array, mx.array]:
+    """Embeddings [S, dim] -> the stream's hc identical copies [S, hc, dim] and the
+    one-hot pre-mix [S, hc] the first block collapses them with (reference: repeat,
+    make_identity_pre_mix)."""
+    h = mx.repeat(x[:, None, :], hc, axis=1)
+    pre = mx.zeros((x.shape[0], hc), dtype=F32).at[:, 0].add(1.0)
+    return h, pre
+
+
 def sum_copies(terms: mx.array) -> mx.array:
     """Sum over the hc axis (axis -2), adding the copies one by one in fp32.
 
@@ -636,8 +645,7 @@ class Model(nn.Module):
         hashes = self.hasher(cache.tokens, tokens) if self.hasher is not None else None
         cache.tokens.extend(tokens)
 
-        h = mx.repeat(self.embed(ids[0])[:, None, :], self.args.hc_mult, axis=1)  # [S, hc, dim]
-        pre = mx.zeros((S, self.args.hc_mult), dtype=F32).at[:, 0].add(1.0)
+        h, pre = hc_expand(self.embed(ids[0]), self.args.hc_mult)  # [S, hc, dim], [S, hc]
         shared = SharedAttention()
         features = []
         targets = self.args.dspark_target_layer_ids

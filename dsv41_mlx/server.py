@@ -37,7 +37,7 @@ from starlette.routing import Route
 from .chat import ChatFormatError, encode_chat
 from .generate import stream_generate
 from .sampling import SamplingParams
-from .speculative import VERIFY_MODES, ConfidencePolicy
+from .speculative import VERIFY_MODES, ConfidencePolicy, resolve_verify
 
 log = logging.getLogger(__name__)
 
@@ -156,13 +156,13 @@ def parse_request(body, kind: str, served: str, tokenizer, context: int) -> Job:
         except ValueError as e:
             raise RequestError(400, str(e), "confidence") from None
     try:
-        SamplingParams(options["temperature"], options["top_p"], options["top_k"], options["seed"])
+        params = SamplingParams(options["temperature"], options["top_p"], options["top_k"], options["seed"])
     except ValueError as e:
         raise RequestError(400, str(e)) from None
-    if options["verify"] == "greedy" and options["temperature"] > 0 or \
-            options["verify"] in ("coupled", "rejection") and options["temperature"] == 0:
-        raise RequestError(400, f"verify '{options['verify']}' does not go with temperature "
-                                f"{options['temperature']}", "verify")
+    try:
+        resolve_verify(options["verify"], params)
+    except ValueError as e:
+        raise RequestError(400, str(e), "verify") from None
     stop = body.get("stop")
     if stop is None:
         stop = []

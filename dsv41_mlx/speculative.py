@@ -190,8 +190,6 @@ class SpeculativeDecoder:
                 drafter.verify_costs = measure_verify_costs(model, drafter.block + 1)
             verify_costs = drafter.verify_costs
         self.costs = verify_costs
-        if getattr(drafter, "head", None) == "fp8":
-            drafter.fp8_head  # built (and logged) before the first token, not in the middle of a reply
         self.stats = DraftStats(drafter.block)
         self.draft_cache: DraftCache | None = None  # set by speculative_decode
 

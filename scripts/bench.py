@@ -183,13 +183,7 @@ def print_drafts(env: dict, res: dict, model: str) -> None:
 
 # ------------------------------------------------------------------- propose
 
-RELEASE_DRAFTER = {  # the release's text_config where the drafter is concerned
-    "vocab_size": 129280, "hidden_size": 5120, "moe_intermediate_size": 2304, "num_attention_heads": 64,
-    "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1280, "o_lora_rank": 1024, "o_groups": 8,
-    "sliding_window": 128, "index_n_heads": 32, "index_head_dim": 128, "index_topk": 512,
-    "num_nextn_predict_layers": 3, "dspark_block_size": 5, "dspark_noise_token_id": 128799,
-    "dspark_markov_rank": 256, "dspark_n_routed_experts": 128, "dspark_num_experts_per_tok": 3,
-}
+RELEASE_DSPARK_EXPERTS = {"dspark_n_routed_experts": 128, "dspark_num_experts_per_tok": 3}  # the release's
 
 
 def release_shaped_drafter_model(backbone_layers: int = 3):
@@ -201,8 +195,9 @@ def release_shaped_drafter_model(backbone_layers: int = 3):
     from dsv41_mlx.config import ModelArgs
     from dsv41_mlx.model import Model
     from dsv41_mlx.tiny import TINY_TEXT_CONFIG
+    from scripts.make_flash_shaped import RELEASE_TEXT
 
-    text = {**TINY_TEXT_CONFIG, **RELEASE_DRAFTER, "num_hidden_layers": backbone_layers,
+    text = {**TINY_TEXT_CONFIG, **RELEASE_TEXT, **RELEASE_DSPARK_EXPERTS, "num_hidden_layers": backbone_layers,
             "compress_ratios": [0] * (backbone_layers + 3), "kv_source_layer_ids": [],
             "index_source_layer_ids": [], "candidate_source_layer_id": -1, "engram_layer_ids": [],
             "engram_num_embeddings": [], "dspark_target_layer_ids": list(range(backbone_layers))[-3:],
@@ -282,7 +277,7 @@ class OracleDrafter:
         import numpy as np
 
         self.inner, self.sequence, self.rate = drafter, sequence, rate
-        self.block, self.window, self.head, self.verify_costs = drafter.block, drafter.window, "bf16", None
+        self.block, self.window, self.verify_costs = drafter.block, drafter.window, None
         self.rng = np.random.default_rng(seed)
 
     def make_cache(self):
@@ -433,7 +428,7 @@ def bench_ops(model_path: str | None) -> dict:
     """Count the operations one plain decode step (after a prompt) and one propose build."""
     import dsv41_mlx
     from dsv41_mlx.generate import prefill
-    from dsv41_mlx.model import SharedAttention, hc_pre
+    from dsv41_mlx.model import SharedAttention, hc_expand, hc_pre
 
     model, _ = dsv41_mlx.load(model_path)
     args = model.args
@@ -445,8 +440,7 @@ def bench_ops(model_path: str | None) -> dict:
     positions = mx.array([cache.offset])
     hashes = model.hasher(cache.tokens, [token]) if model.hasher is not None else None
     cache.tokens.append(token)
-    h = mx.repeat(model.embed(ids[0])[:, None, :], args.hc_mult, axis=1)
-    pre = mx.zeros((1, args.hc_mult), dtype=mx.float32).at[:, 0].add(1.0)
+    h, pre = hc_expand(model.embed(ids[0]), args.hc_mult)
     shared = SharedAttention()
     before = graph_ops(h, pre)
     kinds: dict[str, list[int]] = {}

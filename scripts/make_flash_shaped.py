@@ -19,7 +19,6 @@ shard at a time (one per layer), so the whole model never sits in host RAM.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import shutil
 import sys
@@ -34,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from dsv41_mlx.checkpoint import INDEX_FILE, expected_tensors, write_safetensors  # noqa: E402
 from dsv41_mlx.config import ModelArgs  # noqa: E402
 from dsv41_mlx.engram import bucket_primes  # noqa: E402
-from dsv41_mlx.tiny import TINY_TEXT_CONFIG, _values  # noqa: E402
+from dsv41_mlx.tiny import TINY_TEXT_CONFIG, _rng, _values  # noqa: E402
 from dsv41_mlx.tokenizer import default_tokenizer_json  # noqa: E402
 
 RELEASE_TEXT = {
@@ -70,10 +69,6 @@ def flash_config(experts: int = 24, top: int = 6, dspark_experts: int = 16, dspa
             "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
                                     "weight_block_size": [32, 32], "scale_fmt": "ue8m0", "expert_dtype": "fp4"},
             "text_config": text}
-
-
-def _rng(seed: int, name: str) -> np.random.Generator:
-    return np.random.default_rng(int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little"))
 
 
 def _scale_byte(spread: float, fan_in: int) -> int:

@@ -18,7 +18,7 @@ class Recording:
 
     def __init__(self, drafter: Drafter):
         self.inner = drafter
-        self.block, self.window, self.head, self.verify_costs = drafter.block, drafter.window, drafter.head, None
+        self.block, self.window, self.verify_costs = drafter.block, drafter.window, None
         self.proposals = []
 
     def make_cache(self):
@@ -26,10 +26,6 @@ class Recording:
 
     def ingest(self, cache, features):
         self.inner.ingest(cache, features)
-
-    @property
-    def fp8_head(self):
-        return self.inner.fp8_head
 
     def propose(self, cache, anchor, pick):
         p = self.inner.propose(cache, anchor, pick)
