@@ -1,5 +1,5 @@
-"""Custom kernels for the drafter: the FP8 vocabulary head (with a fused top-64)
-and the ring write.
+"""Custom kernels: the drafter's FP8 vocabulary head (with a fused top-64) and
+ring write, and the hyper-connection split (Sinkhorn) every sub-layer runs.
 
 Each kernel exists three ways, and one wrapper here picks:
 
@@ -73,6 +73,8 @@ FP8_ROWS = KernelSpec("fp8_rows_top64", ("x", "w", "scales"), ("top_vals", "top_
                       "fp8_rows.metal", "fp8_rows.cu")
 RING_WRITE = KernelSpec("ring_write", ("rings", "rows", "first"), ("out",), "ring_write.metal", "ring_write.cu",
                         header_files=())
+HC_SPLIT = KernelSpec("hc_split", ("mixes", "scale", "base", "eps"), ("pre", "post", "comb"),
+                      "hc_split.metal", "hc_split.cu", header_files=())
 
 
 @lru_cache(maxsize=None)
@@ -167,3 +169,42 @@ def ring_write(rings: mx.array, rows: mx.array, first: int, impl: str | None = N
                     grid=(-(-total // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
                     output_shapes=[rings.shape], output_dtypes=[mx.uint16])
     return out.view(rings.dtype)
+
+
+# -------------------------------------------------------------------- hc_split
+
+@mx.compile
+def hc_split_reference(mixes: mx.array, scale: mx.array, base: mx.array, hc: int, iters: int,
+                       eps: float) -> tuple[mx.array, mx.array, mx.array]:
+    """Pure-MLX spec (the reference's hc_split_sinkhorn, fp32): mixes [S, (2 + hc) * hc] ->
+    pre [S, hc] = sigmoid + eps, post [S, hc] = 2 sigmoid, comb [S, hc, hc] = softmax over
+    each row + eps, then `iters` alternations of column and row normalisation (column
+    first, each sum + eps), ending on a column pass."""
+    pre = mx.sigmoid(mixes[:, :hc] * scale[0] + base[:hc]) + eps
+    post = 2 * mx.sigmoid(mixes[:, hc: 2 * hc] * scale[1] + base[hc: 2 * hc])
+    comb = (mixes[:, 2 * hc:] * scale[2] + base[2 * hc:]).reshape(-1, hc, hc)
+    comb = mx.exp(comb - comb.max(axis=-1, keepdims=True))
+    comb = comb / comb.sum(axis=-1, keepdims=True) + eps
+    comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(axis=-1, keepdims=True) + eps)
+        comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
+    return pre, post, comb
+
+
+def hc_split(mixes: mx.array, scale: mx.array, base: mx.array, hc: int, iters: int, eps: float,
+             impl: str | None = None) -> tuple[mx.array, mx.array, mx.array]:
+    """One launch for what the spec does in about 4 * iters operations (see the reference)."""
+    S, M = mixes.shape
+    if M != (2 + hc) * hc or iters < 1:
+        raise ValueError(f"hc_split: mixes {mixes.shape} do not hold (2 + {hc}) * {hc} values per row")
+    impl = impl or backend()
+    if impl == "mlx":
+        return hc_split_reference(mixes, scale, base, hc, iters, eps)
+    kernel = _compiled(HC_SPLIT, impl)
+    threads = min(S, 64)
+    return tuple(kernel(inputs=[mixes.astype(mx.float32), scale, base, mx.array([eps], dtype=mx.float32)],
+                        template=[("S", S), ("HC", hc), ("ITERS", iters)],
+                        grid=(-(-S // threads) * threads, 1, 1), threadgroup=(threads, 1, 1),
+                        output_shapes=[(S, hc), (S, hc), (S, hc, hc)],
+                        output_dtypes=[mx.float32] * 3))

@@ -22,13 +22,21 @@ import numpy as np
 from .cache import LayerCache, ModelCache
 from .config import ModelArgs
 from .engram import Engram, NgramHasher
+from .kernels import hc_split
 from .quant import Fp8Linear, fp4_fake_quant, fp8_fake_quant
 
 F32, BF16 = mx.float32, mx.bfloat16
 
 
 # ------------------------------------------------------------------ primitives
+#
+# Pure functions of arrays are wrapped in `mx.compile`: MLX then runs each one's
+# element-wise chain as one fused kernel instead of dozens of small ones, which
+# is most of what a decode step costs on a GPU (scripts/bench.py ops). Fusion
+# keeps every intermediate in its own dtype, so the results are the same bits
+# (tests/test_model.py compares compiled and uncompiled forwards).
 
+@mx.compile
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     """fp32 RMSNorm scaled by `weight`, returned in x's dtype (reference RMSNorm)."""
     xf = x.astype(F32)
@@ -82,19 +90,27 @@ class Rope:
 
     def __call__(self, x: mx.array, positions: mx.array, inverse: bool = False) -> mx.array:
         """x [S, ..., F] with positions [S]; rotates x[..., -dims:]."""
-        angles = positions.astype(F32)[:, None] * self.freqs[None, :]  # [S, dims/2]
-        shape = (angles.shape[0],) + (1,) * (x.ndim - 2) + (angles.shape[1],)
-        cos, sin = mx.cos(angles).reshape(shape), mx.sin(angles).reshape(shape)
-        if inverse:
-            sin = -sin
-        head, tail = x[..., : -self.dims], x[..., -self.dims:]
-        pairs = tail.astype(F32).reshape(*tail.shape[:-1], self.dims // 2, 2)
-        x0, x1 = pairs[..., 0], pairs[..., 1]
-        rotated = mx.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1)
-        tail = rotated.reshape(tail.shape).astype(x.dtype)
-        return mx.concatenate([head, tail], axis=-1)
+        return rotate(x, positions, self.freqs, inverse)
 
 
+@mx.compile
+def rotate(x: mx.array, positions: mx.array, freqs: mx.array, inverse: bool) -> mx.array:
+    """Rope's rotation of the last 2 * len(freqs) features of x [S, ..., F]."""
+    dims = 2 * freqs.shape[0]
+    angles = positions.astype(F32)[:, None] * freqs[None, :]  # [S, dims/2]
+    shape = (angles.shape[0],) + (1,) * (x.ndim - 2) + (angles.shape[1],)
+    cos, sin = mx.cos(angles).reshape(shape), mx.sin(angles).reshape(shape)
+    if inverse:
+        sin = -sin
+    head, tail = x[..., :-dims], x[..., -dims:]
+    pairs = tail.astype(F32).reshape(*tail.shape[:-1], dims // 2, 2)
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    rotated = mx.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1)
+    tail = rotated.reshape(tail.shape).astype(x.dtype)
+    return mx.concatenate([head, tail], axis=-1)
+
+
+@mx.compile
 def sparse_attention(q: mx.array, window_keys: mx.array, window_mask: mx.array,
                      picked_keys: mx.array | None, picked_mask: mx.array | None,
                      sink: mx.array, scale: float) -> mx.array:
@@ -140,18 +156,21 @@ class HcMixes:
 def hc_mixes(x: mx.array, fn: mx.array, scale: mx.array, base: mx.array,
              hc: int, iters: int, norm_eps: float, eps: float) -> HcMixes:
     """x [S, hc, dim] -> pre/post/comb mixes (reference hc_mixes + hc_split_sinkhorn, fp32)."""
+    return HcMixes(*hc_split(_hc_project(x, fn, norm_eps), scale, base, hc, iters, eps))
+
+
+@mx.compile
+def _hc_project(x: mx.array, fn: mx.array, norm_eps: float) -> mx.array:
+    """The stream [S, hc, dim] projected to its (2 + hc) * hc mixes, RMS-scaled (fp32)."""
     xf = x.reshape(x.shape[0], -1).astype(F32)
-    mixes = (xf @ fn.T) * mx.rsqrt(mx.mean(xf * xf, axis=-1, keepdims=True) + norm_eps)
-    pre = mx.sigmoid(mixes[:, :hc] * scale[0] + base[:hc]) + eps
-    post = 2 * mx.sigmoid(mixes[:, hc: 2 * hc] * scale[1] + base[hc: 2 * hc])
-    comb = (mixes[:, 2 * hc:] * scale[2] + base[2 * hc:]).reshape(-1, hc, hc)
-    comb = mx.exp(comb - comb.max(axis=-1, keepdims=True))
-    comb = comb / comb.sum(axis=-1, keepdims=True) + eps
-    comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(axis=-1, keepdims=True) + eps)
-        comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
-    return HcMixes(pre, post, comb)
+    return (xf @ fn.T) * mx.rsqrt(mx.mean(xf * xf, axis=-1, keepdims=True) + norm_eps)
+
+
+def _add_all(terms: list[mx.array]) -> mx.array:
+    total = terms[0]
+    for t in terms[1:]:
+        total = total + t
+    return total
 
 
 def hc_expand(x: mx.array, hc: int) -> tuple[mx.array, mx.array]:
@@ -175,16 +194,22 @@ def sum_copies(terms: mx.array) -> mx.array:
     return total
 
 
+@mx.compile
 def hc_pre(x: mx.array, pre: mx.array) -> mx.array:
     """Collapse copies: [S, hc, dim] x [S, hc] -> [S, dim] (fp32 sum, x's dtype out)."""
-    return sum_copies(pre[..., None] * x.astype(F32)).astype(x.dtype)
+    return _add_all([pre[:, i, None] * x[:, i].astype(F32) for i in range(x.shape[1])]).astype(x.dtype)
 
 
 def hc_post(y: mx.array, residual: mx.array, mixes: HcMixes) -> mx.array:
     """Expand: copy j = post_j * y + sum_i comb[i, j] * residual_i; [S, dim] -> [S, hc, dim]."""
-    terms = mixes.comb[..., None] * residual.astype(F32)[:, :, None, :]  # [S, i, j, dim]
-    mixed = sum_copies(terms.swapaxes(1, 2))  # sum over i
-    return (mixes.post[..., None] * y.astype(F32)[:, None, :] + mixed).astype(y.dtype)
+    return _hc_post(y, residual, mixes.post, mixes.comb)
+
+
+@mx.compile
+def _hc_post(y: mx.array, residual: mx.array, post: mx.array, comb: mx.array) -> mx.array:
+    # sum over i of comb[i, j] * residual_i, one [S, j, dim] term per i, added in order
+    mixed = _add_all([comb[:, i, :, None] * residual[:, i, None, :].astype(F32) for i in range(comb.shape[1])])
+    return (post[..., None] * y.astype(F32)[:, None, :] + mixed).astype(y.dtype)
 
 
 class HyperConnection(nn.Module):
@@ -432,6 +457,7 @@ class Attention(nn.Module):
 
 # ------------------------------------------------------------------------- MoE
 
+@mx.compile
 def swiglu(gate: mx.array, up: mx.array, limit: float) -> mx.array:
     """SiLU(gate) * up in fp32, up clamped to +-limit and gate from above (limit > 0)."""
     if limit > 0:

@@ -51,6 +51,7 @@ def _e4m3_round(x: mx.array) -> mx.array:
     return mx.from_fp8(mx.to_fp8(x), dtype=mx.float32)
 
 
+@mx.compile
 def fp8_fake_quant(x: mx.array, block: int = 32) -> mx.array:
     """E4M3 quantise-dequantise over blocks of `block` along the last axis.
 
@@ -75,6 +76,7 @@ def e2m1_round(v: mx.array) -> mx.array:
     return mx.where(negative, -values, values)
 
 
+@mx.compile
 def fp4_fake_quant(x: mx.array, block: int = 32, scale_format: str = "e8m0") -> mx.array:
     """E2M1 quantise-dequantise over blocks of `block` along the last axis.
 
@@ -109,9 +111,15 @@ class Fp8Linear(nn.Module):
         self.scales = mx.zeros((out_dims, in_dims // 32), dtype=mx.uint8)
 
     def __call__(self, x: mx.array) -> mx.array:
-        xq = fp8_fake_quant(x).astype(mx.float32)
-        y = mx.quantized_matmul(xq, self.weight, self.scales, transpose=True, mode="mxfp8")
-        return y.astype(mx.bfloat16)
+        return fp8_linear(x, self.weight, self.scales)
+
+
+@mx.compile
+def fp8_linear(x: mx.array, weight: mx.array, scales: mx.array) -> mx.array:
+    """Fp8Linear's product: FP8 fake-quantised x times an `mxfp8` weight, bf16 out."""
+    xq = fp8_fake_quant(x).astype(mx.float32)
+    y = mx.quantized_matmul(xq, weight, scales, transpose=True, mode="mxfp8")
+    return y.astype(mx.bfloat16)
 
 
 @dataclass

@@ -4,7 +4,7 @@
     python scripts/bench.py drafts [--model M] # FP8 vs BF16 drafter head: changed drafts, acceptance
     python scripts/bench.py propose            # drafter propose (serial vs two streams) and ingest, release shapes
     python scripts/bench.py e2e --model DIR    # end to end on a checkpoint (scripts/make_flash_shaped.py)
-    python scripts/bench.py ops [--model M]    # MLX operations per decoded token, by layer kind and op type
+    python scripts/bench.py profile [--model M] # a decode step by layer: MLX operations and ms, compiled or not
 
 Speed is measured here and nowhere else: ratios against baselines measured in
 the same run, and fractions of the memory-bandwidth floor (bytes that must
@@ -407,9 +407,10 @@ def print_e2e(env: dict, res: dict, model: str) -> None:
     print()
 
 
-# ----------------------------------------------------------------------- ops
+# ------------------------------------------------------------------- profile
 
-VIEWS = {"Broadcast", "Reshape", "Squeeze", "ExpandDims", "Slice", "View", "Transpose", "AsStrided", "Copy"}
+VIEWS = {"Broadcast", "Reshape", "Squeeze", "ExpandDims", "Slice", "View", "Transpose", "AsStrided", "Copy",
+         "Flatten", "Unflatten"}
 
 
 def graph_ops(*outputs) -> "collections.Counter":
@@ -424,64 +425,112 @@ def graph_ops(*outputs) -> "collections.Counter":
     return collections.Counter(label.split()[0] for label in labels)
 
 
-def bench_ops(model_path: str | None) -> dict:
-    """Count the operations one plain decode step (after a prompt) and one propose build."""
-    import dsv41_mlx
-    from dsv41_mlx.generate import prefill
+def kernels(ops) -> int:
+    return sum(v for k, v in ops.items() if k not in VIEWS)
+
+
+def layer_kind(layer) -> str:
+    attn = layer.attn
+    return ("engram + " if hasattr(layer, "engram") else "") + (
+        "window only" if not attn.ratio else
+        f"ratio {attn.ratio}" + (" KV source" if attn.is_kv_source else "") + (" + indexer" if attn.is_index_source else ""))
+
+
+def decode_by_layer(model, token: int, cache, on_layer) -> mx.array:
+    """One decode step (padded as Model.decode pads it), calling on_layer(i, run) for each block,
+    where run() builds that block's outputs; returns the logits. Mirrors Model.__call__."""
     from dsv41_mlx.model import SharedAttention, hc_expand, hc_pre
 
-    model, _ = dsv41_mlx.load(model_path)
     args = model.args
-    cache = model.make_cache()
-    prefill(model, list(range(100, 100 + 3 * args.sliding_window)), cache)
-    token = 5
-    # the forward, layer by layer, so each layer's share can be counted
-    ids = mx.array([[token]], dtype=mx.int32)
-    positions = mx.array([cache.offset])
-    hashes = model.hasher(cache.tokens, [token]) if model.hasher is not None else None
-    cache.tokens.append(token)
-    h, pre = hc_expand(model.embed(ids[0]), args.hc_mult)
+    rows = model.decode_rows or 1
+    tokens = [token] * rows
+    positions = mx.arange(cache.offset, cache.offset + rows)
+    hashes = model.hasher(cache.tokens, tokens) if model.hasher is not None else None
+    cache.tokens.extend(tokens)
+    h, pre = hc_expand(model.embed(mx.array(tokens, dtype=mx.int32)), args.hc_mult)
     shared = SharedAttention()
-    before = graph_ops(h, pre)
-    kinds: dict[str, list[int]] = {}
     for i, layer in enumerate(model.layers):
-        if hasattr(layer, "engram"):
-            h = layer.engram(h, hashes[:, model.hasher.layer_index(i)])
-        h, pre = layer(h, pre, positions, cache.layers[i], cache.layers, shared)
-        now = graph_ops(h, pre)
-        attn = layer.attn
-        kind = ("engram + " if hasattr(layer, "engram") else "") + (
-            "window only" if not attn.ratio else
-            f"ratio {attn.ratio}" + (" KV source" if attn.is_kv_source else "") +
-            (" + indexer" if attn.is_index_source else ""))
-        kinds.setdefault(kind, []).append(sum(now.values()) - sum(before.values()))
-        before = now
+        def run(i=i, layer=layer, h=h, pre=pre):
+            if hasattr(layer, "engram"):
+                h = layer.engram(h, hashes[:, model.hasher.layer_index(i)])
+            return layer(h, pre, positions, cache.layers[i], cache.layers, shared)
+        h, pre = on_layer(i, run)
     logits = model.head(model.norm(hc_pre(h, pre)))
-    total = graph_ops(logits)
-    out = {"total": sum(total.values()), "kernels": sum(v for k, v in total.items() if k not in VIEWS),
-           "by_op": total.most_common(12), "by_layer_kind": {k: (len(v), statistics.mean(v)) for k, v in kinds.items()}}
-    if model.drafter is not None:
-        d = model.drafter
-        rings = d.make_cache()
-        rings.end = 1000
-        p = d.propose(rings, 5)
-        ops = graph_ops(p.drafts, p.logits, p.confidence)
-        out["propose"] = sum(ops.values())
-        out["propose_kernels"] = sum(v for k, v in ops.items() if k not in VIEWS)
+    cache.trim(rows - 1)
+    return logits
+
+
+def bench_profile(model_path: str | None, steps: int) -> dict:
+    """Where a plain decode step goes: MLX operations per layer (compiled and not) and, on the
+    device, each layer's time (evaluated one at a time) and the whole step's."""
+    import dsv41_mlx
+    from dsv41_mlx.generate import prefill
+
+    model, _ = dsv41_mlx.load(model_path)
+    out = {"layers": [layer_kind(layer) for layer in model.layers], "rows": model.decode_rows or 1}
+    for compiled in (True, False):
+        (mx.enable_compile if compiled else mx.disable_compile)()
+        cache = model.make_cache()
+        prefill(model, list(range(100, 100 + 256)), cache)
+        ops, times = [], [[] for _ in model.layers]
+
+        def count(i, run):  # each layer's inputs are evaluated: its graph is its own operations
+            h, pre = run()
+            ops.append(kernels(graph_ops(h, pre)))
+            mx.eval(h, pre)
+            return h, pre
+
+        logits = decode_by_layer(model, 7, cache, count)
+        total = sum(ops) + kernels(graph_ops(logits))
+
+        def timed_layer(i, run):
+            mx.synchronize()
+            tic = time.perf_counter()
+            h, pre = run()
+            mx.eval(h, pre)
+            mx.synchronize()
+            times[i].append(time.perf_counter() - tic)
+            return h, pre
+
+        for step in range(steps + 1):
+            if step == 1:  # the first step warms up
+                times = [[] for _ in model.layers]
+            mx.eval(decode_by_layer(model, 11 + step, cache, timed_layer))
+        step_ms = []
+        for step in range(steps + 1):
+            mx.synchronize()
+            tic = time.perf_counter()
+            logits, _ = model.decode([21 + step], cache)
+            mx.eval(logits)
+            mx.synchronize()
+            step_ms.append((time.perf_counter() - tic) * 1e3)
+        out["compiled" if compiled else "uncompiled"] = {
+            "ops_total": total, "ops_per_layer": ops, "step_ms": statistics.median(step_ms[1:]),
+            "layer_ms": [statistics.median(t) * 1e3 for t in times]}
+    mx.enable_compile()
     return out
 
 
-def print_ops(env: dict, res: dict, model: str) -> None:
-    print(f"### MLX operations per decoded token on {model} ({env['date']}, MLX {env['mlx']}, "
-          f"commit {env['commit']})\n")
-    print(f"one plain decode step: {res['total']} graph nodes, {res['kernels']} of them not views; "
-          + (f"one propose: {res['propose']} ({res['propose_kernels']} not views)" if "propose" in res else "")
-          + "\n")
-    print("| layer kind | layers | nodes per layer |")
-    print("|---|---|---|")
-    for kind, (n, mean) in res["by_layer_kind"].items():
-        print(f"| {kind} | {n} | {mean:.0f} |")
-    print("\nmost frequent: " + ", ".join(f"{k} {v}" for k, v in res["by_op"]) + "\n")
+def print_profile(env: dict, res: dict, model: str) -> None:
+    print(f"### Where a decode step goes on {model} ({env['date']}, {env['device']}, {env['backend']}, "
+          f"MLX {env['mlx']}, commit {env['commit']})\n")
+    c, u = res["compiled"], res["uncompiled"]
+    print(f"one decode step ({res['rows']} rows): compiled {c['step_ms']:.1f} ms, {c['ops_total']} operations; "
+          f"uncompiled (`mx.disable_compile`) {u['step_ms']:.1f} ms, {u['ops_total']} operations "
+          f"(operations exclude views)\n")
+    print("| layer kind | layers | ops per layer | ms per layer | us per op | ops uncompiled | ms uncompiled |")
+    print("|---|---|---|---|---|---|---|")
+    kinds: dict[str, list[int]] = {}
+    for i, kind in enumerate(res["layers"]):
+        kinds.setdefault(kind, []).append(i)
+    for kind, idx in kinds.items():
+        def mean(key, run):
+            return statistics.mean(run[key][i] for i in idx)
+        print(f"| {kind} | {len(idx)} | {mean('ops_per_layer', c):.0f} | {mean('layer_ms', c):.2f} | "
+              f"{1e3 * mean('layer_ms', c) / mean('ops_per_layer', c):.1f} | {mean('ops_per_layer', u):.0f} | "
+              f"{mean('layer_ms', u):.2f} |")
+    print(f"\nsum of layers evaluated one by one: compiled {sum(c['layer_ms']):.1f} ms, "
+          f"uncompiled {sum(u['layer_ms']):.1f} ms\n")
 
 
 def main() -> int:
@@ -503,8 +552,9 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=16, help="tokens generated per prompt and run")
     p.add_argument("--oracle-rate", type=float, default=0.56)
     p.add_argument("--json")
-    p = sub.add_parser("ops")
+    p = sub.add_parser("profile")
     p.add_argument("--model", help="checkpoint (default: the embedded tiny one)")
+    p.add_argument("--steps", type=int, default=5, help="decode steps timed")
     p.add_argument("--json")
     p = sub.add_parser("propose")
     p.add_argument("--rounds", type=int, default=10)
@@ -517,9 +567,9 @@ def main() -> int:
     elif args.what == "e2e":
         res = bench_e2e(args.model, args.prompts, args.tokens, args.oracle_rate)
         print_e2e(env, res, args.model)
-    elif args.what == "ops":
-        res = bench_ops(args.model)
-        print_ops(env, res, args.model or "the embedded tiny checkpoint")
+    elif args.what == "profile":
+        res = bench_profile(args.model, args.steps)
+        print_profile(env, res, args.model or "the embedded tiny checkpoint")
     elif args.what == "propose":
         res = bench_propose(args.rounds)
         print_propose(env, res)

@@ -8,6 +8,8 @@ fp8_rows: release head shape (129280 x 5120) and a small ragged one, rows 1, 2,
 that tile's 64 best by the spec's float32 logits (a swap is allowed only
 between values closer than the tolerance), with values matching the spec's.
 ring_write: random rings and rows, writes that wrap, byte equality.
+hc_split: random mixes at 1..300 rows, release hc 4 / 20 iterations, within
+2e-6 of the spec (the spec's exp and sigmoid are not bit for bit the kernel's).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ os.environ.setdefault("MLX_ENABLE_TF32", "0")  # the spec's matmul in true float
 import mlx.core as mx
 import numpy as np
 
-from dsv41_mlx.kernels import TILE, TOP_K, backend, fp8_rows_top64, fp8_rows_tiles, ring_write, ring_write_reference
+from dsv41_mlx.kernels import (TILE, TOP_K, backend, fp8_rows_tiles, fp8_rows_top64, hc_split, hc_split_reference,
+                               ring_write, ring_write_reference)
 from dsv41_mlx.quant import quantize_fp8_tiles_mx
 
 POISON = -12345.0
@@ -78,6 +81,25 @@ def check_ring_write(impl: str, seed: int) -> list[str]:
     return problems
 
 
+def check_hc_split(impl: str, seed: int) -> list[str]:
+    mx.random.seed(seed)
+    problems = []
+    hc, iters, eps = 4, 20, 1e-6
+    for rows in (1, 8, 37, 300):
+        mixes = mx.random.normal((rows, (2 + hc) * hc)) * 3
+        scale, base = mx.random.normal((3,)), mx.random.normal(((2 + hc) * hc,))
+        got = hc_split(mixes, scale, base, hc, iters, eps, impl)
+        ref = hc_split_reference(mixes, scale, base, hc, iters, eps)
+        for name, a, b in zip(("pre", "post", "comb"), got, ref):
+            err = mx.abs(a - b).max().item()
+            if not err <= 2e-6:
+                problems.append(f"hc_split rows={rows} {name} off by {err:.3g}")
+        sums = got[2].sum(axis=-2)  # the last pass normalised the columns
+        if not mx.allclose(sums, mx.ones_like(sums), atol=1e-4).item():
+            problems.append(f"hc_split rows={rows}: comb columns do not sum to 1")
+    return problems
+
+
 def main() -> int:
     impl = backend()
     if impl == "mlx":
@@ -93,6 +115,9 @@ def main() -> int:
     problems = check_ring_write(impl, seed=3)
     failures += bool(problems)
     print(f"ring_write: {'ok' if not problems else '; '.join(problems)}")
+    problems = check_hc_split(impl, seed=5)
+    failures += bool(problems)
+    print(f"hc_split: {'ok' if not problems else '; '.join(problems)}")
     print("ALL OK" if not failures else f"{failures} FAILED")
     return 1 if failures else 0
 

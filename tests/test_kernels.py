@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dsv41_mlx.cache import DraftCache
-from dsv41_mlx.kernels import FP8_ROWS, RING_WRITE, TOP_K, fp8_rows_top64, ring_write, ring_write_reference
+from dsv41_mlx.kernels import FP8_ROWS, HC_SPLIT, RING_WRITE, TOP_K, fp8_rows_top64, ring_write, ring_write_reference
 from dsv41_mlx.quant import e4m3_decode, e8m0_decode, quantize_fp8_tiles, quantize_fp8_tiles_mx
 
 from .metal_check import clang, syntax_check, wrap
@@ -85,6 +85,8 @@ CASES = {
                  {"top_vals": "float32", "top_ids": "int32"}, {"R": 5, "K": 5120, "N": 129280, "TILES": 505}),
     "ring_write": (RING_WRITE, {"rings": "uint16", "rows": "uint16", "first": "int32"}, {"out": "uint16"},
                    {"S": 3, "W": 128, "D": 512, "M": 6}),
+    "hc_split": (HC_SPLIT, {"mixes": "float32", "scale": "float32", "base": "float32", "eps": "float32"},
+                 {"pre": "float32", "post": "float32", "comb": "float32"}, {"S": 8, "HC": 4, "ITERS": 20}),
 }
 
 @pytest.fixture(autouse=True)
@@ -114,6 +116,7 @@ def test_metal_source_type_checks(case, rows, tmp_path):
     ("fp8_rows", ("const uint odd = E4M3_ODD(words[c]);", "const uint odd = E4M3_ODD(words[c])")),  # no semicolon
     ("fp8_rows", ("simdgroup_half8x8 a;", "simdgroup_float8x8 a;")),  # type error: float tile from half memory
     ("ring_write", ("src[chunk];", "src[chunck];")),  # misspelt variable
+    ("hc_split", ("metal::exp(c[i * HC + j] - row_max)", "metal::exp(c[i * HC + j] - row_max, 1)")),  # bad call
 ])
 def test_a_broken_metal_source_fails_the_check(case, breakage, tmp_path):
     spec = CASES[case][0]

@@ -82,3 +82,24 @@ def test_row_invariant_mode_gives_the_same_logits_and_cache(padded_model, golden
 def test_decode_refuses_more_rows_than_it_pads_to(padded_model):
     with pytest.raises(ValueError, match="at most 8 rows"):
         padded_model.decode(list(range(9)), padded_model.make_cache())
+
+
+def test_compiled_forward_equals_uncompiled(fixture_model, golden):
+    """The mx.compile'd primitives (fused element-wise chains) change no bit of the
+    logits, the DSpark features or the cache."""
+    ids = _ids(golden)
+    compiled = _run(fixture_model, ids, 5)
+    mx.disable_compile()
+    try:
+        plain = _run(fixture_model, ids, 5)
+    finally:
+        mx.enable_compile()
+    assert mx.array_equal(compiled[0], plain[0]).item() and mx.array_equal(compiled[1], plain[1]).item()
+    _assert_same_state(compiled[2], plain[2])
+
+
+def test_hc_split_checks_its_input():
+    from dsv41_mlx.kernels import hc_split
+
+    with pytest.raises(ValueError, match="hc_split"):
+        hc_split(mx.zeros((2, 23)), mx.ones((3,)), mx.zeros((24,)), 4, 20, 1e-6)

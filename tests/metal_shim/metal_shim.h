@@ -89,6 +89,10 @@ float simd_sum(float x);
 
 namespace metal {
 enum class mem_flags { mem_none, mem_device, mem_threadgroup };
+float exp(float x);
+float max(float a, float b);
+float rint(float x);
+float abs(float x);
 }
 using metal::mem_flags;
 void threadgroup_barrier(mem_flags flags);
