@@ -1,5 +1,6 @@
 """Custom kernels: the drafter's FP8 vocabulary head (with a fused top-64) and
-ring write, and the hyper-connection split (Sinkhorn) every sub-layer runs.
+ring write, and two that every target sub-layer runs: the hyper-connection
+split (Sinkhorn) and the FP8 activation fake-quantisation.
 
 Each kernel exists three ways, and one wrapper here picks:
 
@@ -17,10 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from .quant import Fp8Matrix
+if TYPE_CHECKING:  # quant imports this module
+    from .quant import Fp8Matrix
 
 TOP_K = 64  # candidates the drafter keeps per position
 TILE = 256  # outputs per threadgroup in fp8_rows (fixed in the kernel text)
@@ -73,6 +76,7 @@ FP8_ROWS = KernelSpec("fp8_rows_top64", ("x", "w", "scales"), ("top_vals", "top_
                       "fp8_rows.metal", "fp8_rows.cu")
 RING_WRITE = KernelSpec("ring_write", ("rings", "rows", "first"), ("out",), "ring_write.metal", "ring_write.cu",
                         header_files=())
+ACT_QUANT = KernelSpec("act_quant_fp8", ("x",), ("y",), "act_quant.metal", "act_quant.cu", header_files=())
 HC_SPLIT = KernelSpec("hc_split", ("mixes", "scale", "base", "eps"), ("pre", "post", "comb"),
                       "hc_split.metal", "hc_split.cu", header_files=())
 
@@ -208,3 +212,18 @@ def hc_split(mixes: mx.array, scale: mx.array, base: mx.array, hc: int, iters: i
                         grid=(-(-S // threads) * threads, 1, 1), threadgroup=(threads, 1, 1),
                         output_shapes=[(S, hc), (S, hc), (S, hc, hc)],
                         output_dtypes=[mx.float32] * 3))
+
+
+# ------------------------------------------------------------------- act_quant
+
+def act_quant_fp8(x: mx.array, impl: str) -> mx.array:
+    """The kernel for quant.fp8_fake_quant (its spec) with blocks of 32: x of any shape whose
+    last axis is a multiple of 32, bfloat16 or float32; the same shape and dtype back."""
+    if x.shape[-1] % 32 or x.dtype not in (mx.bfloat16, mx.float32):
+        raise ValueError(f"act_quant_fp8 takes bfloat16/float32 with a last axis multiple of 32, got "
+                         f"{x.dtype} {x.shape}")
+    kernel = _compiled(ACT_QUANT, impl)
+    (y,) = kernel(inputs=[x], template=[("T", x.dtype), ("N", x.size)],
+                  grid=(-(-x.size // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
+                  output_shapes=[x.shape], output_dtypes=[x.dtype])
+    return y

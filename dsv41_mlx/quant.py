@@ -22,6 +22,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from . import kernels
+
 FP8_MAX = 448.0
 FP4_MAX = 6.0
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
@@ -51,9 +53,21 @@ def _e4m3_round(x: mx.array) -> mx.array:
     return mx.from_fp8(mx.to_fp8(x), dtype=mx.float32)
 
 
+def fp8_fake_quant(x: mx.array, block: int = 32, impl: str | None = None) -> mx.array:
+    """E4M3 quantise-dequantise over blocks of `block` along the last axis (see the reference).
+
+    On a GPU, blocks of 32 run as one kernel launch (kernels.act_quant_fp8),
+    bit for bit the pure-MLX spec, which runs everywhere else.
+    """
+    impl = impl or kernels.backend()
+    if impl == "mlx" or block != 32 or x.shape[-1] % 32 or x.dtype not in (mx.bfloat16, mx.float32):
+        return fp8_fake_quant_reference(x, block)
+    return kernels.act_quant_fp8(x, impl)
+
+
 @mx.compile
-def fp8_fake_quant(x: mx.array, block: int = 32) -> mx.array:
-    """E4M3 quantise-dequantise over blocks of `block` along the last axis.
+def fp8_fake_quant_reference(x: mx.array, block: int = 32) -> mx.array:
+    """Pure-MLX spec: E4M3 quantise-dequantise over blocks of `block` along the last axis.
 
     Scale per block: power of two 2**ceil(log2(amax/448)), amax floored at 1e-4
     (the reference `act_quant` with scale_fmt ue8m0). Returns x's dtype.

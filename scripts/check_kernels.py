@@ -8,6 +8,8 @@ fp8_rows: release head shape (129280 x 5120) and a small ragged one, rows 1, 2,
 that tile's 64 best by the spec's float32 logits (a swap is allowed only
 between values closer than the tolerance), with values matching the spec's.
 ring_write: random rings and rows, writes that wrap, byte equality.
+act_quant: bf16 and fp32 activations over a wide range of magnitudes (with
+zero blocks and E4M3-subnormal values), bit equality with quant's spec.
 hc_split: random mixes at 1..300 rows, release hc 4 / 20 iterations, within
 2e-6 of the spec (the spec's exp and sigmoid are not bit for bit the kernel's).
 """
@@ -24,7 +26,8 @@ import numpy as np
 
 from dsv41_mlx.kernels import (TILE, TOP_K, backend, fp8_rows_tiles, fp8_rows_top64, hc_split, hc_split_reference,
                                ring_write, ring_write_reference)
-from dsv41_mlx.quant import quantize_fp8_tiles_mx
+from dsv41_mlx.kernels import act_quant_fp8
+from dsv41_mlx.quant import fp8_fake_quant_reference, quantize_fp8_tiles_mx
 
 POISON = -12345.0
 
@@ -81,6 +84,23 @@ def check_ring_write(impl: str, seed: int) -> list[str]:
     return problems
 
 
+def check_act_quant(impl: str, seed: int) -> list[str]:
+    mx.random.seed(seed)
+    problems = []
+    for shape in [(1, 512), (8, 5120), (8, 2304), (37, 4096), (8, 1, 6, 1, 2304)]:
+        for dtype in (mx.bfloat16, mx.float32):
+            blocks = shape[:-1] + (shape[-1] // 32, 32)  # one magnitude per block, from 2^-17 to 2^17
+            x = mx.random.normal(blocks) * mx.exp(mx.random.uniform(-12, 12, blocks[:-1] + (1,)))
+            x = x.reshape(shape) * (mx.random.uniform(shape=shape) > 0.05)  # some exact zeros
+            x = mx.concatenate([x[..., :-32], mx.zeros(shape[:-1] + (32,))], axis=-1).astype(dtype)
+            got, ref = act_quant_fp8(x, impl), fp8_fake_quant_reference(x)
+            same = (got.view(mx.uint16 if dtype == mx.bfloat16 else mx.uint32) ==
+                    ref.view(mx.uint16 if dtype == mx.bfloat16 else mx.uint32))
+            if not same.all().item():
+                problems.append(f"act_quant {shape} {dtype}: {(~same).sum().item()} values differ")
+    return problems
+
+
 def check_hc_split(impl: str, seed: int) -> list[str]:
     mx.random.seed(seed)
     problems = []
@@ -115,6 +135,9 @@ def main() -> int:
     problems = check_ring_write(impl, seed=3)
     failures += bool(problems)
     print(f"ring_write: {'ok' if not problems else '; '.join(problems)}")
+    problems = check_act_quant(impl, seed=9)
+    failures += bool(problems)
+    print(f"act_quant: {'ok' if not problems else '; '.join(problems)}")
     problems = check_hc_split(impl, seed=5)
     failures += bool(problems)
     print(f"hc_split: {'ok' if not problems else '; '.join(problems)}")

@@ -37,15 +37,18 @@ def wrap(name: str, body: str, header: str, inputs: dict[str, str], outputs: dic
          template: dict[str, int]) -> str:
     """The Metal library text MLX would build: header, the kernel function, its instantiation.
 
-    inputs/outputs: parameter name -> dtype name ('float32', 'uint8', ...)."""
+    inputs/outputs: parameter name -> dtype name ('float32', 'uint8', ...); template:
+    name -> int, or name -> dtype name for a type parameter."""
     params = [f"const device {TYPE_NAMES[t]}* {n} [[buffer({i})]]" for i, (n, t) in enumerate(inputs.items())]
     params += [f"device {TYPE_NAMES[t]}* {n} [[buffer({len(inputs) + i})]]" for i, (n, t) in enumerate(outputs.items())]
     params += [f"{t} {a} [[{a}]]" for a, t in ATTRIBUTES.items() if a in body]
     fn = f"custom_kernel_{name}"
-    args = ", ".join(str(v) for v in template.values())
+    # template values: an int constant, or a dtype name ('bfloat16', ...) for a type parameter
+    args = ", ".join(TYPE_NAMES[v] if isinstance(v, str) else str(v) for v in template.values())
     lines = ['#include "metal_shim.h"', "using namespace metal;", header]
     if template:
-        lines.append("template <" + ", ".join(f"int {k}" for k in template) + ">")
+        lines.append("template <" + ", ".join(f"typename {k}" if isinstance(v, str) else f"int {k}"
+                                              for k, v in template.items()) + ">")
     lines.append(f"[[kernel]] void {fn}(\n  " + ",\n  ".join(params) + ") {\n" + body + "\n}")
     if template:  # MLX's line also carries [[host_name(..)]] [[kernel]], which C++ does not allow there
         lines.append(f"template decltype({fn}<{args}>) {fn}<{args}>;")

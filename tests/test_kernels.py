@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dsv41_mlx.cache import DraftCache
-from dsv41_mlx.kernels import FP8_ROWS, HC_SPLIT, RING_WRITE, TOP_K, fp8_rows_top64, ring_write, ring_write_reference
+from dsv41_mlx.kernels import ACT_QUANT, FP8_ROWS, HC_SPLIT, RING_WRITE, TOP_K, fp8_rows_top64, ring_write, ring_write_reference
 from dsv41_mlx.quant import e4m3_decode, e8m0_decode, quantize_fp8_tiles, quantize_fp8_tiles_mx
 
 from .metal_check import clang, syntax_check, wrap
@@ -87,6 +87,8 @@ CASES = {
                    {"S": 3, "W": 128, "D": 512, "M": 6}),
     "hc_split": (HC_SPLIT, {"mixes": "float32", "scale": "float32", "base": "float32", "eps": "float32"},
                  {"pre": "float32", "post": "float32", "comb": "float32"}, {"S": 8, "HC": 4, "ITERS": 20}),
+    "act_quant": (ACT_QUANT, {"x": "bfloat16"}, {"y": "bfloat16"}, {"T": "bfloat16", "N": 8 * 5120}),
+    "act_quant_f32": (ACT_QUANT, {"x": "float32"}, {"y": "float32"}, {"T": "float32", "N": 8 * 4096}),
 }
 
 @pytest.fixture(autouse=True)
@@ -117,6 +119,8 @@ def test_metal_source_type_checks(case, rows, tmp_path):
     ("fp8_rows", ("simdgroup_half8x8 a;", "simdgroup_float8x8 a;")),  # type error: float tile from half memory
     ("ring_write", ("src[chunk];", "src[chunck];")),  # misspelt variable
     ("hc_split", ("metal::exp(c[i * HC + j] - row_max)", "metal::exp(c[i * HC + j] - row_max, 1)")),  # bad call
+    ("act_quant", ("const float q = v / scale;", "const float q = v / scal;")),  # misspelt variable
+    ("act_quant", ("simd_max(metal::abs(v))", "simd_max(metal::abs(v), 1)")),  # bad call
 ])
 def test_a_broken_metal_source_fails_the_check(case, breakage, tmp_path):
     spec = CASES[case][0]

@@ -22,6 +22,8 @@ struct half {
 };
 struct bfloat {
   unsigned short bits;
+  bfloat() = default;
+  explicit bfloat(float f);
   explicit operator float() const;
 };
 typedef bfloat bfloat16_t;
@@ -86,6 +88,7 @@ template <typename TD, typename TA, typename TB, typename TC, int C, int R, int 
 void simdgroup_multiply_accumulate(simdgroup_matrix<TD, C, R>& d, const simdgroup_matrix<TA, K, R>& a,
                                    const simdgroup_matrix<TB, C, K>& b, const simdgroup_matrix<TC, C, R>& c);
 float simd_sum(float x);
+float simd_max(float x);
 
 namespace metal {
 enum class mem_flags { mem_none, mem_device, mem_threadgroup };
@@ -93,6 +96,7 @@ float exp(float x);
 float max(float a, float b);
 float rint(float x);
 float abs(float x);
+uint max(uint a, uint b);
 }
 using metal::mem_flags;
 void threadgroup_barrier(mem_flags flags);
