@@ -216,14 +216,17 @@ def hc_split(mixes: mx.array, scale: mx.array, base: mx.array, hc: int, iters: i
 
 # ------------------------------------------------------------------- act_quant
 
-def act_quant_fp8(x: mx.array, impl: str) -> mx.array:
+def act_quant_fp8(x: mx.array, impl: str, dtype: mx.Dtype | None = None) -> mx.array:
     """The kernel for quant.fp8_fake_quant (its spec) with blocks of 32: x of any shape whose
-    last axis is a multiple of 32, bfloat16 or float32; the same shape and dtype back."""
-    if x.shape[-1] % 32 or x.dtype not in (mx.bfloat16, mx.float32):
+    last axis is a multiple of 32, bfloat16 or float32; the same shape back, rounded to x's
+    dtype and stored as `dtype` (default x's; float32 saves a cast before an FP8 GEMM)."""
+    floats = (mx.bfloat16, mx.float32)
+    dtype = dtype or x.dtype
+    if x.shape[-1] % 32 or x.dtype not in floats or dtype not in floats:
         raise ValueError(f"act_quant_fp8 takes bfloat16/float32 with a last axis multiple of 32, got "
-                         f"{x.dtype} {x.shape}")
+                         f"{x.dtype} {x.shape} -> {dtype}")
     kernel = _compiled(ACT_QUANT, impl)
-    (y,) = kernel(inputs=[x], template=[("T", x.dtype), ("N", x.size)],
+    (y,) = kernel(inputs=[x], template=[("T", x.dtype), ("O", dtype), ("N", x.size)],
                   grid=(-(-x.size // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
-                  output_shapes=[x.shape], output_dtypes=[x.dtype])
+                  output_shapes=[x.shape], output_dtypes=[dtype])
     return y

@@ -12,6 +12,7 @@ post and Sinkhorn-normalised comb mixes of its own.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -35,6 +36,25 @@ F32, BF16 = mx.float32, mx.bfloat16
 # is most of what a decode step costs on a GPU (scripts/bench.py ops). Fusion
 # keeps every intermediate in its own dtype, so the results are the same bits
 # (tests/test_model.py compares compiled and uncompiled forwards).
+
+def fused(method):
+    """Run a module method through `mx.compile`, with the module's parameters as
+    implicit inputs (read at every call, so loading weights later needs no retrace).
+
+    For methods that are pure functions of their array arguments and the module's
+    weights; Python attributes they read are frozen at the first call."""
+    name = f"_fused_{method.__name__}"
+
+    @functools.wraps(method)
+    def call(self, *args):
+        compiled = self.__dict__.get(name)
+        if compiled is None:
+            compiled = mx.compile(functools.partial(method, self), inputs=self)
+            object.__setattr__(self, name, compiled)
+        return compiled(*args)
+
+    return call
+
 
 @mx.compile
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
@@ -391,16 +411,19 @@ class Attention(nn.Module):
         else:  # window-only layers and DSpark stages: plain RoPE, no YaRN
             self.rope = Rope(rd, args.rope_theta)
 
+    @fused
     def queries(self, x: mx.array, positions: mx.array) -> tuple[mx.array, mx.array]:
         """q [S, H, D] with RoPE, and the normed low-rank qr [S, q_lora] the indexer reuses."""
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).reshape(x.shape[0], self.n_heads, self.head_dim)
         return self.rope(q, positions), qr
 
+    @fused
     def latent_kv(self, x: mx.array, positions: mx.array) -> mx.array:
         """Window keys [S, D]: normed, RoPE'd, FP8 fake-quantised over the whole latent."""
         return fp8_fake_quant(self.rope(self.kv_norm(self.wkv(x)), positions))
 
+    @fused
     def output(self, o: mx.array, positions: mx.array) -> mx.array:
         """Undo the query RoPE, then the grouped wo_a (block-diagonal) and wo_b."""
         S = o.shape[0]
@@ -538,14 +561,15 @@ class MoE(nn.Module):
         self.shared_experts = Expert(args.hidden_size, args.moe_intermediate_size, args.swiglu_limit)
         self.limit = args.swiglu_limit
 
+    @fused
     def __call__(self, x: mx.array) -> mx.array:
         """x [N, dim] bf16 -> [N, dim] bf16."""
         weights, ids = self.gate(x)
-        xq = fp8_fake_quant(x).astype(F32)[:, None, None, :]
+        xq = fp8_fake_quant(x, dtype=F32)[:, None, None, :]
         gate = self.experts.w1(xq, ids).astype(F32)
         up = self.experts.w3(xq, ids).astype(F32)
         h = (swiglu(gate, up, self.limit) * weights[:, :, None, None]).astype(BF16)
-        h = fp8_fake_quant(h).astype(F32)
+        h = fp8_fake_quant(h, dtype=F32)
         y = self.experts.w2(h, ids).astype(F32)[:, :, 0, :]  # [N, k, dim]
         out = y[:, 0]
         for j in range(1, y.shape[1]):
@@ -574,13 +598,25 @@ class Block(nn.Module):
 
     def __call__(self, h: mx.array, pre: mx.array, positions: mx.array, *attn_args) -> tuple[mx.array, mx.array]:
         """h [S, hc, dim] bf16, pre [S, hc] -> (h, pre for the next block)."""
-        attn_mix = self.hc_attn(h)
-        x = self.attn(self.attn_norm(hc_pre(h, pre)), positions, *attn_args)
-        h = hc_post(x, h, attn_mix)
-        ffn_mix = self.hc_ffn(h)
-        x = self.ffn(self.ffn_norm(hc_pre(h, attn_mix.pre)))
-        h = hc_post(x, h, ffn_mix)
-        return h, ffn_mix.pre
+        x, *attn_mix = self.attn_input(h, pre)
+        x = self.attn(x, positions, *attn_args)
+        h, x, *ffn_mix = self.ffn_input(x, h, *attn_mix)
+        h = hc_post(self.ffn(x), h, HcMixes(*ffn_mix))
+        return h, ffn_mix[0]
+
+    @fused
+    def attn_input(self, h: mx.array, pre: mx.array) -> tuple[mx.array, ...]:
+        """The attention's normed input and this sub-layer's mixes (pre, post, comb)."""
+        mix = self.hc_attn(h)
+        return self.attn_norm(hc_pre(h, pre)), mix.pre, mix.post, mix.comb
+
+    @fused
+    def ffn_input(self, x: mx.array, h: mx.array, *attn_mix: mx.array) -> tuple[mx.array, ...]:
+        """The attention's output expanded into the stream, then the MoE's normed input
+        and its sub-layer's mixes: (h, x, pre, post, comb)."""
+        h = hc_post(x, h, HcMixes(*attn_mix))
+        mix = self.hc_ffn(h)
+        return h, self.ffn_norm(hc_pre(h, attn_mix[0])), mix.pre, mix.post, mix.comb
 
 
 class Head(nn.Module):

@@ -53,16 +53,19 @@ def _e4m3_round(x: mx.array) -> mx.array:
     return mx.from_fp8(mx.to_fp8(x), dtype=mx.float32)
 
 
-def fp8_fake_quant(x: mx.array, block: int = 32, impl: str | None = None) -> mx.array:
-    """E4M3 quantise-dequantise over blocks of `block` along the last axis (see the reference).
+def fp8_fake_quant(x: mx.array, block: int = 32, dtype: mx.Dtype | None = None,
+                   impl: str | None = None) -> mx.array:
+    """E4M3 quantise-dequantise over blocks of `block` along the last axis (see the reference),
+    rounded to x's dtype and returned as `dtype` (default: x's).
 
     On a GPU, blocks of 32 run as one kernel launch (kernels.act_quant_fp8),
     bit for bit the pure-MLX spec, which runs everywhere else.
     """
     impl = impl or kernels.backend()
+    dtype = dtype or x.dtype
     if impl == "mlx" or block != 32 or x.shape[-1] % 32 or x.dtype not in (mx.bfloat16, mx.float32):
-        return fp8_fake_quant_reference(x, block)
-    return kernels.act_quant_fp8(x, impl)
+        return fp8_fake_quant_reference(x, block).astype(dtype)
+    return kernels.act_quant_fp8(x, impl, dtype)
 
 
 @mx.compile
@@ -131,7 +134,7 @@ class Fp8Linear(nn.Module):
 @mx.compile
 def fp8_linear(x: mx.array, weight: mx.array, scales: mx.array) -> mx.array:
     """Fp8Linear's product: FP8 fake-quantised x times an `mxfp8` weight, bf16 out."""
-    xq = fp8_fake_quant(x).astype(mx.float32)
+    xq = fp8_fake_quant(x, dtype=mx.float32)
     y = mx.quantized_matmul(xq, weight, scales, transpose=True, mode="mxfp8")
     return y.astype(mx.bfloat16)
 

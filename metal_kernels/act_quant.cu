@@ -16,4 +16,4 @@ const float scale = __uint_as_float(exponent << 23);
 const float q = v / scale;
 const unsigned int q_exponent = max((__float_as_uint(q) >> 23) & 0xFFu, 121u);  // E4M3 subnormals: 2^-6's step
 const float step = __uint_as_float((q_exponent - 3u) << 23);  // 3 mantissa bits
-y[idx] = static_cast<T>(rintf(q / step) * step * scale);
+y[idx] = static_cast<O>(static_cast<T>(rintf(q / step) * step * scale));

@@ -3,10 +3,11 @@
 // rounded to the nearest E4M3 value (ties to even) and scaled back; the
 // quantize-dequantize the reference applies before every FP8 GEMM.
 //
-// x, y [n] of type T (bfloat16 or float32), n a multiple of 32. One thread per
-// value; a SIMD group of 32 threads holds one block and takes its amax with one
-// reduction. |x / scale| <= 448 by construction, so no saturation is needed.
-// Bit for bit the spec, quant.fp8_fake_quant_reference. Template: T, N (= n).
+// x [n] of type T (bfloat16 or float32), n a multiple of 32; y [n] of type O:
+// the result rounded to T, then stored as O (float32 feeds the GEMM directly).
+// One thread per value; a SIMD group of 32 threads holds one block and takes
+// its amax with one reduction. |x / scale| <= 448 by construction, so no saturation is needed.
+// Bit for bit the spec, quant.fp8_fake_quant_reference. Template: T, O, N (= n).
 // CUDA twin: act_quant.cu.
 
 const uint idx = thread_position_in_grid.x;
@@ -21,4 +22,4 @@ const float scale = as_type<float>(exponent << 23);
 const float q = v / scale;
 const uint q_exponent = metal::max((as_type<uint>(q) >> 23) & 0xFFu, 121u);  // E4M3 subnormals: 2^-6's step
 const float step = as_type<float>((q_exponent - 3u) << 23);  // 3 mantissa bits
-y[idx] = static_cast<T>(metal::rint(q / step) * step * scale);
+y[idx] = static_cast<O>(static_cast<T>(metal::rint(q / step) * step * scale));

@@ -93,11 +93,12 @@ def check_act_quant(impl: str, seed: int) -> list[str]:
             x = mx.random.normal(blocks) * mx.exp(mx.random.uniform(-12, 12, blocks[:-1] + (1,)))
             x = x.reshape(shape) * (mx.random.uniform(shape=shape) > 0.05)  # some exact zeros
             x = mx.concatenate([x[..., :-32], mx.zeros(shape[:-1] + (32,))], axis=-1).astype(dtype)
-            got, ref = act_quant_fp8(x, impl), fp8_fake_quant_reference(x)
-            same = (got.view(mx.uint16 if dtype == mx.bfloat16 else mx.uint32) ==
-                    ref.view(mx.uint16 if dtype == mx.bfloat16 else mx.uint32))
-            if not same.all().item():
-                problems.append(f"act_quant {shape} {dtype}: {(~same).sum().item()} values differ")
+            for out in (dtype, mx.float32):
+                got, ref = act_quant_fp8(x, impl, out), fp8_fake_quant_reference(x).astype(out)
+                bits = mx.uint16 if out == mx.bfloat16 else mx.uint32
+                same = got.view(bits) == ref.view(bits)
+                if not same.all().item():
+                    problems.append(f"act_quant {shape} {dtype} -> {out}: {(~same).sum().item()} values differ")
     return problems
 
 

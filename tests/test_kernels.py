@@ -87,8 +87,8 @@ CASES = {
                    {"S": 3, "W": 128, "D": 512, "M": 6}),
     "hc_split": (HC_SPLIT, {"mixes": "float32", "scale": "float32", "base": "float32", "eps": "float32"},
                  {"pre": "float32", "post": "float32", "comb": "float32"}, {"S": 8, "HC": 4, "ITERS": 20}),
-    "act_quant": (ACT_QUANT, {"x": "bfloat16"}, {"y": "bfloat16"}, {"T": "bfloat16", "N": 8 * 5120}),
-    "act_quant_f32": (ACT_QUANT, {"x": "float32"}, {"y": "float32"}, {"T": "float32", "N": 8 * 4096}),
+    "act_quant": (ACT_QUANT, {"x": "bfloat16"}, {"y": "bfloat16"}, {"T": "bfloat16", "O": "bfloat16", "N": 8 * 5120}),
+    "act_quant_to_f32": (ACT_QUANT, {"x": "bfloat16"}, {"y": "float32"}, {"T": "bfloat16", "O": "float32", "N": 4096}),
 }
 
 @pytest.fixture(autouse=True)
