@@ -321,12 +321,26 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float) 
     from dsv41_mlx.sampling import SamplingParams
     from dsv41_mlx.speculative import SpeculativeDecoder, measure_verify_costs
 
-    tic = time.perf_counter()
-    model, tokenizer = dsv41_mlx.load(model_path)
-    out = {"load_s": time.perf_counter() - tic}
+    from dsv41_mlx.checkpoint import resolve_model_dir
+    from dsv41_mlx.tokenizer import load_tokenizer
+    from scripts.mlxlm_baseline import MlxLmUnavailable, bench_mlxlm
+
+    model_path = resolve_model_dir(model_path)
     prompts = json.loads((ROOT / "scripts" / "prompts.json").read_text())
     texts = prompts["prose"][:n_prompts] + prompts["code"][:n_prompts]
-    ids_list = [tokenizer.encode(t) for t in texts]
+    ids_list = [load_tokenizer(model_path).encode(t) for t in texts]
+    out = {}
+    # the baseline first, on the same prompts, so that each engine has the device to itself
+    try:
+        base = bench_mlxlm(model_path, ids_list, tokens)
+        out["mlxlm"] = {"prefill_tok_s": base.prefill_tok_s, "decode_tok_s": base.decode_tok_s,
+                        "weights_GB": base.weights_gb, "load_s": base.load_s}
+    except MlxLmUnavailable as e:
+        out["mlxlm"] = {"unavailable": str(e)}
+    print(f"  mlx-lm: {out['mlxlm']}", flush=True)
+    tic = time.perf_counter()
+    model, tokenizer = dsv41_mlx.load(model_path)
+    out["load_s"] = time.perf_counter() - tic
     bw = copy_bandwidth()
     out["copy_GBps"] = bw / 1e9
     step_bytes, expert_bytes = decode_bytes(model)
@@ -395,6 +409,19 @@ def print_e2e(env: dict, res: dict, model: str) -> None:
     print(f"prefill {res['prefill_tok_s']:.1f} tok/s; verify forward ms at 1..6 rows: "
           + ", ".join(f"{v:.1f}" for v in res["verify_ms"]) + "\n")
     plain = res["runs"]["plain greedy"]["tok_s"]
+    base = res["mlxlm"]
+    if "unavailable" in base:
+        print(f"side by side: {base['unavailable']}\n")
+    else:
+        print("side by side with mlx-lm (its deepseek_v41 on the same checkpoint, engram layers removed, which "
+              "it cannot run; ours runs them), same prompts, plain greedy:\n")
+        print("| | ours | mlx-lm | ours / mlx-lm |")
+        print("|---|---|---|---|")
+        print(f"| prefill tok/s | {res['prefill_tok_s']:.1f} | {base['prefill_tok_s']:.1f} | "
+              f"{res['prefill_tok_s'] / base['prefill_tok_s']:.2f} |")
+        print(f"| decode tok/s | {plain:.2f} | {base['decode_tok_s']:.2f} | {plain / base['decode_tok_s']:.2f} |")
+        print(f"| decode, fraction of the floor | {plain * res['floor_ms'] / 1e3:.1%} | "
+              f"{base['decode_tok_s'] * res['floor_ms'] / 1e3:.1%} | |\n")
     print("| run | tok/s | x plain greedy | floor fraction | drafts accepted / proposed | propose ms | "
           "verify ms | ingest ms | reply hash |")
     print("|---|---|---|---|---|---|---|---|---|")
