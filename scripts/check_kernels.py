@@ -10,6 +10,9 @@ between values closer than the tolerance), with values matching the spec's.
 ring_write: random rings and rows, writes that wrap, byte equality.
 act_quant: bf16 and fp32 activations over a wide range of magnitudes (with
 zero blocks and E4M3-subnormal values), bit equality with quant's spec.
+gather_qmm: MLX's own mxfp4 expert kernel fed bf16 equals the fp32-fed one rounded
+to bf16, bit for bit, at the release's expert shapes (model.expert_input_dtype
+relies on it on CUDA).
 hc_split: random mixes at 1..300 rows, release hc 4 / 20 iterations, within
 2e-6 of the spec (the spec's exp and sigmoid are not bit for bit the kernel's).
 """
@@ -102,6 +105,22 @@ def check_act_quant(impl: str, seed: int) -> list[str]:
     return problems
 
 
+def check_gather_qmm_bf16(seed: int) -> list[str]:
+    mx.random.seed(seed)
+    problems = []
+    for experts, d_in, d_out, rows, top in [(24, 5120, 2304, 8, 6), (24, 2304, 5120, 8, 6), (16, 5120, 2304, 5, 3)]:
+        w = mx.random.randint(0, 2**31, (experts, d_out, d_in // 8)).astype(mx.uint32)
+        s = mx.random.randint(112, 124, (experts, d_out, d_in // 32)).astype(mx.uint8)
+        ids = mx.random.randint(0, experts, (rows, top)).astype(mx.uint32)
+        x = fp8_fake_quant_reference(mx.random.normal((rows, 1, 1, d_in)).astype(mx.bfloat16))
+        wide = mx.gather_qmm(x.astype(mx.float32), w, s, rhs_indices=ids, transpose=True, mode="mxfp4")
+        narrow = mx.gather_qmm(x, w, s, rhs_indices=ids, transpose=True, mode="mxfp4")
+        same = wide.astype(mx.bfloat16).view(mx.uint16) == narrow.view(mx.uint16)
+        if not same.all().item():
+            problems.append(f"gather_qmm {experts}x{d_out}x{d_in}: {(~same).sum().item()} values differ")
+    return problems
+
+
 def check_hc_split(impl: str, seed: int) -> list[str]:
     mx.random.seed(seed)
     problems = []
@@ -139,6 +158,10 @@ def main() -> int:
     problems = check_act_quant(impl, seed=9)
     failures += bool(problems)
     print(f"act_quant: {'ok' if not problems else '; '.join(problems)}")
+    if impl == "cuda":
+        problems = check_gather_qmm_bf16(seed=11)
+        failures += bool(problems)
+        print(f"gather_qmm bf16 = fp32 rounded: {'ok' if not problems else '; '.join(problems)}")
     problems = check_hc_split(impl, seed=5)
     failures += bool(problems)
     print(f"hc_split: {'ok' if not problems else '; '.join(problems)}")
