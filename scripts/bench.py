@@ -5,6 +5,7 @@
     python scripts/bench.py propose            # drafter propose (serial vs two streams) and ingest, release shapes
     python scripts/bench.py e2e --model DIR    # end to end on a checkpoint (scripts/make_flash_shaped.py)
     python scripts/bench.py profile [--model M] # a decode step by layer: MLX operations and ms, compiled or not
+    python scripts/bench.py pieces [--model M]  # one block's pieces (attention, MoE, experts' GEMM...), ms each
 
 Speed is measured here and nowhere else: ratios against baselines measured in
 the same run, and fractions of the memory-bandwidth floor (bytes that must
@@ -541,6 +542,75 @@ def bench_profile(model_path: str | None, steps: int) -> dict:
     return out
 
 
+def bench_pieces(model_path: str | None, layer_ids: list[int]) -> dict:
+    """ms per call of each piece of a decode step's block (inputs fixed, many calls per
+    evaluation, so Python is out of it), and the routed experts' GEMM fed fp32 or bf16."""
+    import dsv41_mlx
+    from dsv41_mlx.generate import prefill
+    from dsv41_mlx.model import HcMixes, expert_input_dtype, hc_expand, hc_post, sparse_attention
+
+    model, _ = dsv41_mlx.load(model_path)
+    cache = model.make_cache()
+    prefill(model, list(range(100, 356)), cache)
+    rows = model.decode_rows or 1
+    positions = mx.arange(cache.offset, cache.offset + rows)
+    h, pre = hc_expand(model.embed(mx.array([7] * rows)), model.args.hc_mult)
+    out = {"rows": rows, "experts_fed": str(expert_input_dtype()).rsplit(".", 1)[-1], "layers": {}}
+    for li in layer_ids:
+        layer = model.layers[li]
+        attn, ffn = layer.attn, layer.ffn
+        x, *mix = layer.attn_input(h, pre)
+        q, _ = attn.queries(x, positions)
+        keys = mx.random.normal((rows, attn.window, attn.head_dim)).astype(mx.bfloat16)
+        mask = mx.ones((rows, attn.window), dtype=mx.bool_)
+        picked = mx.random.normal((rows, model.args.index_topk, attn.head_dim)).astype(mx.bfloat16)
+        picked_mask = mx.ones(picked.shape[:2], dtype=mx.bool_)
+        o = sparse_attention(q, keys, mask, None, None, attn.attn_sink, attn.scale)
+        y = attn.output(o, positions)
+        h2, x2, *ffn_mix = layer.ffn_input(y, h, *mix)
+        _, ids = ffn.gate(x2)
+        xe = mx.random.normal((rows, 1, 1, model.args.hidden_size)).astype(mx.bfloat16)
+        mx.eval(x, mix, q, o, y, h2, x2, ffn_mix, keys, picked, ids, xe)
+        w1 = ffn.experts.w1
+        pieces = {
+            "attn_input (hc mixes, collapse, norm)": lambda i: layer.attn_input(h, pre),
+            "queries": lambda i: attn.queries(x, positions),
+            "latent_kv": lambda i: attn.latent_kv(x, positions),
+            "sparse_attention, window": lambda i: sparse_attention(q, keys, mask, None, None, attn.attn_sink,
+                                                                   attn.scale),
+            "sparse_attention, window + top-k": lambda i: sparse_attention(q, keys, mask, picked, picked_mask,
+                                                                           attn.attn_sink, attn.scale),
+            "output (wo_a, wo_b)": lambda i: attn.output(o, positions),
+            "ffn_input (expand, hc mixes, collapse, norm)": lambda i: layer.ffn_input(y, h, *mix),
+            "moe": lambda i: ffn(x2),
+            "gate": lambda i: ffn.gate(x2),
+            "shared expert": lambda i: ffn.shared_experts(x2),
+            "one routed projection, fp32 in": lambda i: mx.gather_qmm(
+                xe.astype(mx.float32), w1.weight, w1.scales, rhs_indices=ids, transpose=True, mode="mxfp4"),
+            "one routed projection, bf16 in": lambda i: mx.gather_qmm(
+                xe, w1.weight, w1.scales, rhs_indices=ids, transpose=True, mode="mxfp4"),
+            "hc_post": lambda i: hc_post(y, h2, HcMixes(*ffn_mix)),
+        }
+        out["layers"][f"{li} ({layer_kind(layer)})"] = {name: timed(fn, calls=10, reps=5) * 1e3
+                                                         for name, fn in pieces.items()}
+    small = mx.ones((rows, 16))
+    out["tiny_op_ms"] = timed(lambda i: small + i) * 1e3
+    return out
+
+
+def print_pieces(env: dict, res: dict, model: str) -> None:
+    print(f"### A decode step's block, piece by piece, on {model} ({env['date']}, {env['device']}, "
+          f"{env['backend']}, MLX {env['mlx']}, commit {env['commit']})\n")
+    print(f"{res['rows']} rows; ms per call, 10 calls per evaluation; routed experts fed {res['experts_fed']}; "
+          f"a tiny element-wise op costs {res['tiny_op_ms']:.3f} ms\n")
+    names = list(next(iter(res["layers"].values())))
+    print("| piece | " + " | ".join(f"layer {k}" for k in res["layers"]) + " |")
+    print("|---|" + "---|" * len(res["layers"]))
+    for name in names:
+        print(f"| {name} | " + " | ".join(f"{v[name]:.3f}" for v in res["layers"].values()) + " |")
+    print()
+
+
 def print_profile(env: dict, res: dict, model: str) -> None:
     print(f"### Where a decode step goes on {model} ({env['date']}, {env['device']}, {env['backend']}, "
           f"MLX {env['mlx']}, commit {env['commit']})\n")
@@ -587,6 +657,10 @@ def main() -> int:
     p.add_argument("--model", help="checkpoint (default: the embedded tiny one)")
     p.add_argument("--steps", type=int, default=5, help="decode steps timed")
     p.add_argument("--json")
+    p = sub.add_parser("pieces")
+    p.add_argument("--model", help="checkpoint (default: the embedded tiny one)")
+    p.add_argument("--layers", type=int, nargs="+", default=[2, 3], help="layer ids to take apart")
+    p.add_argument("--json")
     p = sub.add_parser("propose")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--json")
@@ -601,6 +675,9 @@ def main() -> int:
     elif args.what == "profile":
         res = bench_profile(args.model, args.steps)
         print_profile(env, res, args.model or "the embedded tiny checkpoint")
+    elif args.what == "pieces":
+        res = bench_pieces(args.model, args.layers)
+        print_pieces(env, res, args.model or "the embedded tiny checkpoint")
     elif args.what == "propose":
         res = bench_propose(args.rounds)
         print_propose(env, res)
