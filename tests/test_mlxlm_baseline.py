@@ -26,10 +26,6 @@ def _script():
 
 
 baseline = _script()
-try:
-    baseline.require_mlxlm()
-except baseline.MlxLmUnavailable as e:
-    pytest.skip(str(e), allow_module_level=True)
 
 
 def _without_engram() -> dict:
