@@ -358,6 +358,7 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float) 
         prefill(model, ids, model.make_cache())
         n += len(ids)
     out["prefill_tok_s"] = n / (time.perf_counter() - tic)
+    print(f"  prefill: {out['prefill_tok_s']:.1f} tok/s", flush=True)
 
     # verify forwards of 1..6 rows on a cache holding one window
     out["verify_ms"] = [c * 1e3 for c in measure_verify_costs(model, model.args.dspark_block_size + 1)]
@@ -374,6 +375,9 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float) 
                                            confidence="off")),
     ]:
         elapsed, produced, replies, stats = 0.0, 0, [], []
+        warm = time.perf_counter()  # a short untimed run first: kernel builds and compile traces
+        list(generate_step(model, ids_list[0], params, 4, decoder=make(params, ids_list[0]) if make else None))
+        print(f"  {label}: warm-up {time.perf_counter() - warm:.1f} s", flush=True)
         for i, ids in enumerate(ids_list):
             reference = runs.get("plain greedy", {}).get("replies", [None] * len(ids_list))[i]
             decoder = make(params, ids + (reference or [])) if make else None
@@ -386,6 +390,7 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float) 
             replies.append([first] + rest)
             if decoder is not None:
                 stats.append(decoder.stats.as_dict())
+            print(f"  {label}, prompt {i}: {len(rest)} tokens in {time.perf_counter() - tic:.1f} s", flush=True)
         run = {"tok_s": produced / elapsed, "replies": replies, "hash": hashed(replies)}
         if stats:
             run["proposed"] = sum(s["proposed"] for s in stats)
