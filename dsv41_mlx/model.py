@@ -502,11 +502,12 @@ class Fp4Stack(nn.Module):
         self.weight = mx.zeros((n_experts, out_dims, in_dims // 8), dtype=mx.uint32)
         self.scales = mx.zeros((n_experts, out_dims, in_dims // 32), dtype=mx.uint8)
 
-    def __call__(self, x: mx.array, ids: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, ids: mx.array, sorted_ids: bool = False) -> mx.array:
         """x [N, 1|k, 1, in] FP8-rounded activations through experts ids [N, k] -> bf16
-        [N, k, 1, out]: the fp32 products summed in fp32, rounded to bf16 once."""
+        [N, k, 1, out]: the fp32 products summed in fp32, rounded to bf16 once. sorted_ids:
+        ids are in ascending order (MLX then runs each expert's rows as one GEMM)."""
         y = mx.gather_qmm(x.astype(expert_input_dtype()), self.weight, self.scales, rhs_indices=ids,
-                          transpose=True, mode="mxfp4")
+                          transpose=True, mode="mxfp4", sorted_indices=sorted_ids)
         return y.astype(BF16)
 
 
@@ -563,6 +564,9 @@ class Gate(nn.Module):
         return weights * self.route_scale, ids
 
 
+SORT_EXPERTS_AT = 64  # (row, expert) pairs from which the MoE groups them by expert (prefill)
+
+
 class MoE(nn.Module):
     def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
@@ -576,16 +580,27 @@ class MoE(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         """x [N, dim] bf16 -> [N, dim] bf16."""
         weights, ids = self.gate(x)
+        N, k = ids.shape
         xq = fp8_fake_quant(x, dtype=F32)[:, None, None, :]
-        gate = self.experts.w1(xq, ids).astype(F32)
-        up = self.experts.w3(xq, ids).astype(F32)
-        h = (swiglu(gate, up, self.limit) * weights[:, :, None, None]).astype(BF16)
-        h = fp8_fake_quant(h, dtype=F32)
-        y = self.experts.w2(h, ids).astype(F32)[:, :, 0, :]  # [N, k, dim]
+        if ids.size < SORT_EXPERTS_AT:  # decode and verify: each row through its own k experts
+            y = self._routed(xq, weights[:, :, None, None], ids, False)[:, :, 0, :]  # [N, k, dim]
+        else:  # prefill: the (row, expert) pairs grouped by expert, so each expert's rows form one GEMM
+            flat = ids.flatten()
+            order = mx.argsort(flat)
+            pairs = self._routed(xq[order // k, 0], weights.flatten()[order][:, None, None], flat[order], True)
+            y = pairs[mx.argsort(order)].reshape(N, k, -1)
         out = y[:, 0]
-        for j in range(1, y.shape[1]):
+        for j in range(1, k):  # in expert-id order, as the reference adds them
             out = out + y[:, j]
         return (out + self.shared_experts(x).astype(F32)).astype(BF16)
+
+    def _routed(self, xq: mx.array, weights: mx.array, ids: mx.array, sorted_ids: bool) -> mx.array:
+        """The routed experts' SwiGLU, weighted before the down projection (as the reference):
+        xq [N, 1|k, 1, dim] through experts ids [N, k] (or [N] sorted pairs) -> fp32 [.., 1, dim]."""
+        gate = self.experts.w1(xq, ids, sorted_ids).astype(F32)
+        up = self.experts.w3(xq, ids, sorted_ids).astype(F32)
+        h = fp8_fake_quant((swiglu(gate, up, self.limit) * weights).astype(BF16), dtype=F32)
+        return self.experts.w2(h, ids, sorted_ids).astype(F32)
 
 
 # ----------------------------------------------------------------------- block

@@ -103,3 +103,21 @@ def test_hc_split_checks_its_input():
 
     with pytest.raises(ValueError, match="hc_split"):
         hc_split(mx.zeros((2, 23)), mx.ones((3,)), mx.zeros((24,)), 4, 20, 1e-6)
+
+
+def test_moe_grouped_by_expert_equals_row_by_row(fixture_model, monkeypatch):
+    """Prefill groups (row, expert) pairs by expert; the result is the same bits as each
+    row through its own experts."""
+    import dsv41_mlx.model as model_module
+
+    moe = fixture_model.layers[3].ffn
+    x = (mx.random.normal((40, fixture_model.args.hidden_size), key=mx.random.key(3))).astype(mx.bfloat16)
+    grouped = moe(x)
+    assert x.shape[0] * moe.gate.top_k >= model_module.SORT_EXPERTS_AT
+    monkeypatch.setattr(model_module, "SORT_EXPERTS_AT", 10**9)
+    mx.disable_compile()  # the compiled MoE was traced with the threshold above
+    try:
+        row_by_row = moe(x)
+    finally:
+        mx.enable_compile()
+    assert mx.array_equal(grouped, row_by_row).item()
