@@ -38,23 +38,31 @@ F32, BF16 = mx.float32, mx.bfloat16
 # keeps every intermediate in its own dtype, so the results are the same bits
 # (tests/test_model.py compares compiled and uncompiled forwards).
 
-def fused(method):
-    """Run a module method through `mx.compile`, with the module's parameters as
-    implicit inputs (read at every call, so loading weights later needs no retrace).
+def fused(*parts: str):
+    """Run a module method through `mx.compile`, with the parameters of the named
+    submodules (default: the whole module) as implicit inputs, read at every call,
+    so loading weights later needs no retrace.
 
-    For methods that are pure functions of their array arguments and the module's
-    weights; Python attributes they read are frozen at the first call."""
-    name = f"_fused_{method.__name__}"
+    For methods that are pure functions of their array arguments and those
+    weights; Python attributes they read are frozen at the first call. Naming only
+    the parts a method uses matters: every call flattens them (a whole block costs
+    ~0.25 ms per call on the CPU, its two norms and mixes ~0.01 ms)."""
 
-    @functools.wraps(method)
-    def call(self, *args):
-        compiled = self.__dict__.get(name)
-        if compiled is None:
-            compiled = mx.compile(functools.partial(method, self), inputs=self)
-            object.__setattr__(self, name, compiled)
-        return compiled(*args)
+    def decorate(method):
+        name = f"_fused_{method.__name__}"
 
-    return call
+        @functools.wraps(method)
+        def call(self, *args):
+            compiled = self.__dict__.get(name)
+            if compiled is None:
+                inputs = [getattr(self, p) for p in parts] if parts else self
+                compiled = mx.compile(functools.partial(method, self), inputs=inputs)
+                object.__setattr__(self, name, compiled)
+            return compiled(*args)
+
+        return call
+
+    return decorate
 
 
 @mx.compile
@@ -412,19 +420,19 @@ class Attention(nn.Module):
         else:  # window-only layers and DSpark stages: plain RoPE, no YaRN
             self.rope = Rope(rd, args.rope_theta)
 
-    @fused
+    @fused("wq_a", "q_norm", "wq_b")
     def queries(self, x: mx.array, positions: mx.array) -> tuple[mx.array, mx.array]:
         """q [S, H, D] with RoPE, and the normed low-rank qr [S, q_lora] the indexer reuses."""
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).reshape(x.shape[0], self.n_heads, self.head_dim)
         return self.rope(q, positions), qr
 
-    @fused
+    @fused("wkv", "kv_norm")
     def latent_kv(self, x: mx.array, positions: mx.array) -> mx.array:
         """Window keys [S, D]: normed, RoPE'd, FP8 fake-quantised over the whole latent."""
         return fp8_fake_quant(self.rope(self.kv_norm(self.wkv(x)), positions))
 
-    @fused
+    @fused("wo_a", "wo_b")
     def output(self, o: mx.array, positions: mx.array) -> mx.array:
         """Undo the query RoPE, then the grouped wo_a (block-diagonal) and wo_b."""
         S = o.shape[0]
@@ -576,7 +584,7 @@ class MoE(nn.Module):
         self.shared_experts = Expert(args.hidden_size, args.moe_intermediate_size, args.swiglu_limit)
         self.limit = args.swiglu_limit
 
-    @fused
+    @fused()
     def __call__(self, x: mx.array) -> mx.array:
         """x [N, dim] bf16 -> [N, dim] bf16."""
         weights, ids = self.gate(x)
@@ -630,13 +638,13 @@ class Block(nn.Module):
         h = hc_post(self.ffn(x), h, HcMixes(*ffn_mix))
         return h, ffn_mix[0]
 
-    @fused
+    @fused("hc_attn", "attn_norm")
     def attn_input(self, h: mx.array, pre: mx.array) -> tuple[mx.array, ...]:
         """The attention's normed input and this sub-layer's mixes (pre, post, comb)."""
         mix = self.hc_attn(h)
         return self.attn_norm(hc_pre(h, pre)), mix.pre, mix.post, mix.comb
 
-    @fused
+    @fused("hc_ffn", "ffn_norm")
     def ffn_input(self, x: mx.array, h: mx.array, *attn_mix: mx.array) -> tuple[mx.array, ...]:
         """The attention's output expanded into the stream, then the MoE's normed input
         and its sub-layer's mixes: (h, x, pre, post, comb)."""
