@@ -6,6 +6,7 @@
     python scripts/bench.py e2e --model DIR    # end to end on a checkpoint (scripts/make_flash_shaped.py)
     python scripts/bench.py profile [--model M] # a decode step by layer: MLX operations and ms, compiled or not
     python scripts/bench.py pieces [--model M]  # one block's pieces (attention, MoE, experts' GEMM...), ms each
+    python scripts/bench.py gemms               # the decode step's quantised GEMMs fed fp32 vs bf16
 
 Speed is measured here and nowhere else: ratios against baselines measured in
 the same run, and fractions of the memory-bandwidth floor (bytes that must
@@ -603,6 +604,47 @@ def bench_pieces(model_path: str | None, layer_ids: list[int]) -> dict:
     return out
 
 
+def bench_gemms() -> dict:
+    """The quantised GEMMs of a decode step at the flash-shaped checkpoint's sizes (8 rows; 24
+    routed experts, top-6, mxfp4; a dense 1280 x 5120 mxfp8), fed fp32 or bf16: ms per call."""
+    mx.random.seed(0)
+    experts, dim, inter, rows, top = 24, 5120, 2304, 8, 6
+
+    def words(shape):
+        return mx.random.randint(0, 2**31, shape).astype(mx.uint32)
+
+    w13, s13 = words((experts, inter, dim // 8)), mx.full((experts, inter, dim // 32), 120, dtype=mx.uint8)
+    w2, s2 = words((experts, dim, inter // 8)), mx.full((experts, dim, inter // 32), 120, dtype=mx.uint8)
+    ids = mx.sort(mx.random.randint(0, experts, (rows, top)).astype(mx.uint32), axis=-1)
+    x, h = mx.random.normal((rows, 1, 1, dim)), mx.random.normal((rows, top, 1, inter))
+    wd, sd = words((1280, dim // 4)), mx.full((1280, dim // 32), 120, dtype=mx.uint8)
+    xd = mx.random.normal((rows, dim))
+    mx.eval(w13, s13, w2, s2, ids, x, h, wd, sd, xd)
+    out = {}
+    for dtype in (mx.float32, mx.bfloat16):
+        name = str(dtype).rsplit(".", 1)[-1]
+        xt, ht, xdt = x.astype(dtype), h.astype(dtype), xd.astype(dtype)
+        mx.eval(xt, ht, xdt)
+        out[f"routed up (5120 -> 2304), mxfp4, {name} in"] = timed(
+            lambda i: mx.gather_qmm(xt, w13, s13, rhs_indices=ids, transpose=True, mode="mxfp4"), 10, 3) * 1e3
+        out[f"routed down (2304 -> 5120), mxfp4, {name} in"] = timed(
+            lambda i: mx.gather_qmm(ht, w2, s2, rhs_indices=ids, transpose=True, mode="mxfp4"), 10, 3) * 1e3
+        out[f"dense 5120 -> 1280, mxfp8, {name} in"] = timed(
+            lambda i: mx.quantized_matmul(xdt, wd, sd, transpose=True, mode="mxfp8"), 10, 3) * 1e3
+    return out
+
+
+def print_gemms(env: dict, res: dict) -> None:
+    print(f"### Quantised GEMMs of a decode step, fp32 vs bf16 inputs ({env['date']}, {env['device']}, "
+          f"{env['backend']}, MLX {env['mlx']}, commit {env['commit']})\n")
+    print("8 rows; routed: top-6 of 24 experts\n")
+    print("| GEMM | ms per call |")
+    print("|---|---|")
+    for name, ms in res.items():
+        print(f"| {name} | {ms:.3f} |")
+    print()
+
+
 def print_pieces(env: dict, res: dict, model: str) -> None:
     print(f"### A decode step's block, piece by piece, on {model} ({env['date']}, {env['device']}, "
           f"{env['backend']}, MLX {env['mlx']}, commit {env['commit']})\n")
@@ -666,6 +708,8 @@ def main() -> int:
     p.add_argument("--model", help="checkpoint (default: the embedded tiny one)")
     p.add_argument("--layers", type=int, nargs="+", default=[2, 3], help="layer ids to take apart")
     p.add_argument("--json")
+    p = sub.add_parser("gemms")
+    p.add_argument("--json")
     p = sub.add_parser("propose")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--json")
@@ -683,6 +727,9 @@ def main() -> int:
     elif args.what == "pieces":
         res = bench_pieces(args.model, args.layers)
         print_pieces(env, res, args.model or "the embedded tiny checkpoint")
+    elif args.what == "gemms":
+        res = bench_gemms()
+        print_gemms(env, res)
     elif args.what == "propose":
         res = bench_propose(args.rounds)
         print_propose(env, res)

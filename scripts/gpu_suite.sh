@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Check and time everything on a GPU machine, writing each step's output to OUT_DIR.
 #
-#   bash scripts/gpu_suite.sh OUT_DIR [kernels] [head] [propose] [pieces] [profile] [e2e]
+#   bash scripts/gpu_suite.sh OUT_DIR [kernels] [head] [propose] [gemms] [pieces] [profile] [e2e]
 #
 # With no step named, runs them all. The steps that need a release-shaped
 # checkpoint (pieces, profile, e2e) write one to $FLASH_DIR (default
@@ -10,7 +10,7 @@
 set -euo pipefail
 out=${1:?usage: gpu_suite.sh OUT_DIR [steps...]}
 shift
-steps=${*:-kernels head propose pieces profile e2e}
+steps=${*:-kernels head propose gemms pieces profile e2e}
 flash=${FLASH_DIR:-/tmp/dsv41_flash}
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
@@ -37,6 +37,7 @@ for step in $steps; do
     kernels) run check_kernels python3 "$here/check_kernels.py" ;;
     head) run head python3 "$here/bench.py" head --json "$out/head.json" ;;
     propose) run propose python3 "$here/bench.py" propose --json "$out/propose.json" ;;
+    gemms) run gemms python3 "$here/bench.py" gemms --json "$out/gemms.json" ;;
     pieces) needs_flash; run pieces python3 "$here/bench.py" pieces --model "$flash" --json "$out/pieces.json" ;;
     profile) needs_flash; run profile python3 "$here/bench.py" profile --model "$flash" --steps 3 --json "$out/profile.json" ;;
     e2e) needs_flash; run e2e python3 "$here/bench.py" e2e --model "$flash" --prompts 1 --tokens 16 --json "$out/e2e.json" ;;
