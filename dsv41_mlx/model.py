@@ -22,9 +22,8 @@ import numpy as np
 
 from .cache import LayerCache, ModelCache
 from .config import ModelArgs
-from .engram import Engram, NgramHasher
 from . import kernels
-from .kernels import hc_split
+from .engram import Engram, NgramHasher
 from .quant import Fp8Linear, fp4_fake_quant, fp8_fake_quant
 
 F32, BF16 = mx.float32, mx.bfloat16
@@ -34,7 +33,7 @@ F32, BF16 = mx.float32, mx.bfloat16
 #
 # Pure functions of arrays are wrapped in `mx.compile`: MLX then runs each one's
 # element-wise chain as one fused kernel instead of dozens of small ones, which
-# is most of what a decode step costs on a GPU (scripts/bench.py ops). Fusion
+# is much of what a decode step costs on a GPU (scripts/bench.py profile). Fusion
 # keeps every intermediate in its own dtype, so the results are the same bits
 # (tests/test_model.py compares compiled and uncompiled forwards).
 
@@ -185,7 +184,7 @@ class HcMixes:
 def hc_mixes(x: mx.array, fn: mx.array, scale: mx.array, base: mx.array,
              hc: int, iters: int, norm_eps: float, eps: float) -> HcMixes:
     """x [S, hc, dim] -> pre/post/comb mixes (reference hc_mixes + hc_split_sinkhorn, fp32)."""
-    return HcMixes(*hc_split(_hc_project(x, fn, norm_eps), scale, base, hc, iters, eps))
+    return HcMixes(*kernels.hc_split(_hc_project(x, fn, norm_eps), scale, base, hc, iters, eps))
 
 
 @mx.compile
@@ -217,10 +216,7 @@ def sum_copies(terms: mx.array) -> mx.array:
     The reference's torch reduction accumulates a short outer axis in order;
     doing the same keeps every bf16 rounding that follows identical.
     """
-    total = terms[..., 0, :]
-    for i in range(1, terms.shape[-2]):
-        total = total + terms[..., i, :]
-    return total
+    return _add_all([terms[..., i, :] for i in range(terms.shape[-2])])
 
 
 @mx.compile

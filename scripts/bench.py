@@ -341,7 +341,7 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float) 
         out["mlxlm"] = {"unavailable": str(e)}
     print(f"  mlx-lm: {out['mlxlm']}", flush=True)
     tic = time.perf_counter()
-    model, tokenizer = dsv41_mlx.load(model_path)
+    model, _ = dsv41_mlx.load(model_path)
     out["load_s"] = time.perf_counter() - tic
     bw = copy_bandwidth()
     out["copy_GBps"] = bw / 1e9
