@@ -1,0 +1,39 @@
+"""scripts/bench.py runs on the CPU on the embedded checkpoint, and what it reports holds."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_profile_counts_fewer_operations_compiled(bench):
+    res = bench.bench_profile(None, steps=1)
+    compiled, plain = res["compiled"], res["uncompiled"]
+    assert len(compiled["ops_per_layer"]) == len(res["layers"]) == len(compiled["layer_ms"])
+    assert all(n > 0 for n in compiled["ops_per_layer"])
+    assert compiled["ops_total"] < plain["ops_total"]
+
+
+def test_e2e_drafted_replies_equal_undrafted_and_mlxlm_runs_beside(bench):
+    from dsv41_mlx.tiny import default_checkpoint
+
+    res = bench.bench_e2e(str(default_checkpoint()), n_prompts=1, tokens=3, oracle_rate=0.56)
+    runs = res["runs"]
+    assert runs["drafted greedy"]["hash"] == runs["plain greedy"]["hash"]
+    assert runs["drafted coupled"]["hash"] == runs["plain coupled"]["hash"]
+    assert runs["oracle 0.56 greedy"]["hash"] == runs["plain greedy"]["hash"]
+    assert res["mlxlm"]["decode_tok_s"] > 0 and res["prefill_tok_s"] > 0
