@@ -24,6 +24,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 from tqdm import tqdm
 
 from .config import ModelArgs
@@ -353,15 +354,23 @@ def check_tensors(args: ModelArgs, headers: dict[Path, dict[str, dict]]) -> dict
     return where
 
 
-def resident_bytes(headers: dict[Path, dict[str, dict]], where: dict[str, Path]) -> int:
+FLOAT_BYTES = {"BF16": 2, "F16": 2, "F32": 4}
+
+
+def resident_bytes(headers: dict[Path, dict[str, dict]], where: dict[str, Path],
+                   declared: dict[str, mx.Dtype] | None = None) -> int:
     """Bytes the loaded weights occupy in memory: every tensor to load but the engram
-    tables, which stay memory-mapped on disk."""
+    tables, which stay memory-mapped on disk; a float tensor the model declares wider
+    (`declared_floats`) counts at that width, as load_weights widens it."""
     total = 0
     for name, path in where.items():
         if ".engram.embed." in name:
             continue
-        start, end = headers[path][name]["data_offsets"]
-        total += end - start
+        entry = headers[path][name]
+        start, end = entry["data_offsets"]
+        dtype = (declared or {}).get(sanitize(name))
+        stored = FLOAT_BYTES.get(entry["dtype"])
+        total += (end - start) // stored * dtype.size if dtype and stored and dtype.size > stored else end - start
     return total
 
 
@@ -393,6 +402,11 @@ def sanitize(name: str) -> str:
     if name.endswith(".scale"):
         return name[: -len(".scale")] + ".scales"
     return name
+
+
+def declared_floats(model) -> dict[str, mx.Dtype]:
+    """Each floating-point parameter of the model with the dtype the model declares for it."""
+    return {name: v.dtype for name, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)}
 
 
 def load_weights(model, model_dir: Path, where: dict[str, Path], progress: bool = False) -> None:
@@ -427,6 +441,12 @@ def load_weights(model, model_dir: Path, where: dict[str, Path], progress: bool 
             params[sanitize(name)], params[sanitize(scale_name)] = fp8_tiles_to_mx(t, tensor(scale_name))
         else:
             params[sanitize(name)] = t
+    # a float tensor the model declares wider than the file stores it (the head, which makes
+    # fp32 logits on every call) is widened once here, exactly, rather than on every call
+    for name, dtype in declared_floats(model).items():
+        t = params.get(name)
+        if t is not None and mx.issubdtype(t.dtype, mx.floating) and dtype.size > t.dtype.size:
+            params[name] = t.astype(dtype)
     for name, per_expert in experts.items():
         params[name] = mx.stack([per_expert[e] for e in range(len(per_expert))])
     model.load_weights(list(params.items()), strict=True)
@@ -460,8 +480,8 @@ def load(path_or_repo: str | os.PathLike | None = None, progress: bool = False):
     args = ModelArgs.from_file(model_dir / "config.json")
     headers = shard_headers(model_dir)
     where = check_tensors(args, headers)
-    check_memory(resident_bytes(headers, where), machine_memory(), model_dir)
-    model = Model(args)
+    model = Model(args)  # nothing allocated until its parameters are evaluated
+    check_memory(resident_bytes(headers, where, declared_floats(model)), machine_memory(), model_dir)
     load_weights(model, model_dir, where, progress)
     tokenizer = load_tokenizer(model_dir)
     if model.hasher is not None:

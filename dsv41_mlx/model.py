@@ -650,14 +650,18 @@ class Block(nn.Module):
 
 
 class Head(nn.Module):
-    """Vocabulary projection: bf16 weight, fp32 logits."""
+    """Vocabulary projection: fp32 logits, as the reference computes them.
+
+    The release stores the weight in BF16; it is held in fp32 (widened once at load,
+    exactly), because casting it on every call would write and read a temporary twice
+    its size per decode step."""
 
     def __init__(self, vocab: int, dim: int):
         super().__init__()
-        self.weight = mx.zeros((vocab, dim), dtype=BF16)
+        self.weight = mx.zeros((vocab, dim), dtype=F32)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return x.astype(F32) @ self.weight.astype(F32).T
+        return x.astype(F32) @ self.weight.T
 
 
 class Model(nn.Module):

@@ -553,9 +553,12 @@ def test_write_safetensors_rejects_reserved_name_and_bad_metadata(tmp_path):
 def test_a_checkpoint_larger_than_memory_is_refused_with_both_numbers(ckpt, monkeypatch):
     import dsv41_mlx.checkpoint as checkpoint
 
+    from dsv41_mlx.model import Model
+
     monkeypatch.setattr(checkpoint, "machine_memory", lambda: 1_000_000)
     headers = shard_headers(ckpt)
-    needed = checkpoint.resident_bytes(headers, check_tensors(ModelArgs.from_file(ckpt / "config.json"), headers))
+    args = ModelArgs.from_file(ckpt / "config.json")
+    needed = checkpoint.resident_bytes(headers, check_tensors(args, headers), checkpoint.declared_floats(Model(args)))
     msg = error(load, ckpt)
     assert f"weights need {needed / 1e6:.1f} MB" in msg and "this machine has 1.0 MB" in msg
 
@@ -569,3 +572,20 @@ def test_resident_bytes_leave_out_the_memory_mapped_engram_tables(ckpt):
     tables = sum(e["data_offsets"][1] - e["data_offsets"][0] for h in headers.values() for n, e in h.items()
                  if ".engram.embed." in n)
     assert tables > 0 and checkpoint.resident_bytes(headers, where) == everything - tables
+
+
+def test_the_bf16_head_is_held_in_fp32_and_counted_so(ckpt):
+    """The head makes fp32 logits on every call: it is widened once at load (exactly) and
+    the memory check counts it at that width."""
+    import dsv41_mlx.checkpoint as checkpoint
+    from dsv41_mlx.model import Model
+
+    model, _ = load(ckpt)
+    assert model.head.weight.dtype == mx.float32
+    headers = shard_headers(ckpt)
+    where = check_tensors(model.args, headers)
+    stored = mx.load(str(where["head.weight"]))["head.weight"]
+    assert stored.dtype == mx.bfloat16 and mx.array_equal(stored.astype(mx.float32), model.head.weight).item()
+    as_stored = checkpoint.resident_bytes(headers, where)
+    assert checkpoint.resident_bytes(headers, where, checkpoint.declared_floats(Model(model.args))) == \
+        as_stored + stored.nbytes
