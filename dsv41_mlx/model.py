@@ -258,8 +258,9 @@ class HyperConnection(nn.Module):
 class Compressor(nn.Module):
     """Pools each full group of `ratio` positions into one latent (softmax gate over the group).
 
-    Ratio 1 is a plain bf16 projection. Ratio > 1 projects in fp32 and keeps the
-    rows of an unfinished group in the cache until the group completes.
+    Ratio 1 is a plain bf16 projection. Ratio > 1 projects in fp32 (its BF16
+    weights held in fp32, as the reference holds them) and keeps the rows of an
+    unfinished group in the cache until the group completes.
     Returns the new latents (bf16, normed, before RoPE) and their group ids.
     """
 
@@ -269,6 +270,8 @@ class Compressor(nn.Module):
         self.wkv = Linear(args.hidden_size, args.head_dim)
         if ratio > 1:
             self.wgate = Linear(args.hidden_size, args.head_dim)
+            for proj in (self.wkv, self.wgate):
+                proj.weight = proj.weight.astype(F32)  # widened at load
         self.norm = RMSNorm(args.head_dim, args.rms_norm_eps)
 
     def __call__(self, x: mx.array, state) -> tuple[mx.array | None, int]:
@@ -277,8 +280,8 @@ class Compressor(nn.Module):
             state.end += x.shape[0]
             return self.norm(self.wkv(x)), first_group
         xf = x.astype(F32)
-        kv = xf @ self.wkv.weight.astype(F32).T
-        score = xf @ self.wgate.weight.astype(F32).T
+        kv = xf @ self.wkv.weight.T
+        score = xf @ self.wgate.weight.T
         pending_kv, pending_score = state.pending()
         state.append_raw(kv, score)
         if pending_kv is not None and pending_kv.shape[0]:
@@ -549,7 +552,7 @@ class Gate(nn.Module):
 
     def __init__(self, args: ModelArgs, n_experts: int, top_k: int):
         super().__init__()
-        self.weight = mx.zeros((n_experts, args.hidden_size), dtype=BF16)
+        self.weight = mx.zeros((n_experts, args.hidden_size), dtype=F32)  # BF16 in the release, widened at load
         self.bias = mx.zeros((n_experts,), dtype=F32)
         self.top_k, self.temp = top_k, args.gate_temp
         self.normalize, self.route_scale = args.norm_topk_prob, args.routed_scaling_factor
@@ -558,7 +561,7 @@ class Gate(nn.Module):
 
     def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """x [N, dim] -> (weights [N, k] fp32, expert ids [N, k] in ascending order)."""
-        logits = (x.astype(F32) @ self.weight.astype(F32).T) / self.temp
+        logits = (x.astype(F32) @ self.weight.T) / self.temp
         scores = mx.sqrt(mx.where(logits > 20, logits, mx.log1p(mx.exp(mx.minimum(logits, 20)))))
         ids = mx.argpartition(-(scores + self.bias), kth=self.top_k - 1, axis=-1)[:, : self.top_k]
         ids = mx.sort(ids, axis=-1)  # the reference adds expert outputs in id order

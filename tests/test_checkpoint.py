@@ -574,18 +574,22 @@ def test_resident_bytes_leave_out_the_memory_mapped_engram_tables(ckpt):
     assert tables > 0 and checkpoint.resident_bytes(headers, where) == everything - tables
 
 
-def test_the_bf16_head_is_held_in_fp32_and_counted_so(ckpt):
-    """The head makes fp32 logits on every call: it is widened once at load (exactly) and
-    the memory check counts it at that width."""
+def test_bf16_tensors_the_model_computes_in_fp32_are_widened_once_and_counted_so(ckpt):
+    """The head, the routers and the ratio > 1 compressors are used in fp32 on every call:
+    they are widened at load (exactly) and the memory check counts them at that width."""
     import dsv41_mlx.checkpoint as checkpoint
     from dsv41_mlx.model import Model
 
     model, _ = load(ckpt)
-    assert model.head.weight.dtype == mx.float32
     headers = shard_headers(ckpt)
     where = check_tensors(model.args, headers)
-    stored = mx.load(str(where["head.weight"]))["head.weight"]
-    assert stored.dtype == mx.bfloat16 and mx.array_equal(stored.astype(mx.float32), model.head.weight).item()
-    as_stored = checkpoint.resident_bytes(headers, where)
-    assert checkpoint.resident_bytes(headers, where, checkpoint.declared_floats(Model(model.args))) == \
-        as_stored + stored.nbytes
+    params = dict(tree_flatten(model.parameters()))
+    widened = [n for n in where if headers[where[n]][n]["dtype"] == "BF16" and params[sanitize(n)].dtype == mx.float32]
+    assert {"head.weight", "layers.0.ffn.gate.weight", "layers.2.attn.compressor.wgate.weight"} <= set(widened)
+    extra = 0
+    for name in widened:
+        stored = mx.load(str(where[name]))[name]
+        assert mx.array_equal(stored.astype(mx.float32), params[sanitize(name)]).item(), name
+        extra += stored.nbytes
+    declared = checkpoint.declared_floats(Model(model.args))
+    assert checkpoint.resident_bytes(headers, where, declared) == checkpoint.resident_bytes(headers, where) + extra
