@@ -74,10 +74,12 @@ class KernelSpec:
 
 FP8_ROWS = KernelSpec("fp8_rows_top64", ("x", "w", "scales"), ("top_vals", "top_ids"),
                       "fp8_rows.metal", "fp8_rows.cu")
-RING_WRITE = KernelSpec("ring_write", ("rings", "rows", "first"), ("out",), "ring_write.metal", "ring_write.cu",
+# Sizes that change from call to call (rows, counts) are int32 inputs, not template
+# constants: each template combination is a separate build (seconds on CUDA).
+RING_WRITE = KernelSpec("ring_write", ("rings", "rows", "span"), ("out",), "ring_write.metal", "ring_write.cu",
                         header_files=())
-ACT_QUANT = KernelSpec("act_quant_fp8", ("x",), ("y",), "act_quant.metal", "act_quant.cu", header_files=())
-HC_SPLIT = KernelSpec("hc_split", ("mixes", "scale", "base", "eps"), ("pre", "post", "comb"),
+ACT_QUANT = KernelSpec("act_quant_fp8", ("x", "n"), ("y",), "act_quant.metal", "act_quant.cu", header_files=())
+HC_SPLIT = KernelSpec("hc_split", ("mixes", "scale", "base", "eps", "rows"), ("pre", "post", "comb"),
                       "hc_split.metal", "hc_split.cu", header_files=())
 
 
@@ -168,8 +170,8 @@ def ring_write(rings: mx.array, rows: mx.array, first: int, impl: str | None = N
     kernel = _compiled(RING_WRITE, impl)
     total = S * W * (D // 8)
     (out,) = kernel(inputs=[rings.view(mx.uint16), rows.astype(rings.dtype).view(mx.uint16),
-                            mx.array([first], dtype=mx.int32)],
-                    template=[("S", S), ("W", W), ("D", D), ("M", M)],
+                            mx.array([first, M], dtype=mx.int32)],
+                    template=[("S", S), ("W", W), ("D", D)],
                     grid=(-(-total // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
                     output_shapes=[rings.shape], output_dtypes=[mx.uint16])
     return out.view(rings.dtype)
@@ -207,8 +209,9 @@ def hc_split(mixes: mx.array, scale: mx.array, base: mx.array, hc: int, iters: i
         return hc_split_reference(mixes, scale, base, hc, iters, eps)
     kernel = _compiled(HC_SPLIT, impl)
     threads = min(S, 64)
-    return tuple(kernel(inputs=[mixes.astype(mx.float32), scale, base, mx.array([eps], dtype=mx.float32)],
-                        template=[("S", S), ("HC", hc), ("ITERS", iters)],
+    return tuple(kernel(inputs=[mixes.astype(mx.float32), scale, base, mx.array([eps], dtype=mx.float32),
+                                mx.array([S], dtype=mx.int32)],
+                        template=[("HC", hc), ("ITERS", iters)],
                         grid=(-(-S // threads) * threads, 1, 1), threadgroup=(threads, 1, 1),
                         output_shapes=[(S, hc), (S, hc), (S, hc, hc)],
                         output_dtypes=[mx.float32] * 3))
@@ -226,7 +229,7 @@ def act_quant_fp8(x: mx.array, impl: str, dtype: mx.Dtype | None = None) -> mx.a
         raise ValueError(f"act_quant_fp8 takes bfloat16/float32 with a last axis multiple of 32, got "
                          f"{x.dtype} {x.shape} -> {dtype}")
     kernel = _compiled(ACT_QUANT, impl)
-    (y,) = kernel(inputs=[x], template=[("T", x.dtype), ("O", dtype), ("N", x.size)],
+    (y,) = kernel(inputs=[x, mx.array([x.size], dtype=mx.int32)], template=[("T", x.dtype), ("O", dtype)],
                   grid=(-(-x.size // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
                   output_shapes=[x.shape], output_dtypes=[dtype])
     return y

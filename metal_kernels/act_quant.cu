@@ -1,8 +1,8 @@
 // CUDA twin of act_quant.metal (see there for what it computes).
 
 const unsigned int idx = blockIdx.x * blockDim.x + threadIdx.x;
-if (idx >= N) {
-  return;  // whole warps only: N is a multiple of 32
+if (idx >= (unsigned int)n[0]) {
+  return;  // whole warps only: n is a multiple of 32
 }
 const float v = static_cast<float>(x[idx]);
 float amax = fabsf(v);

@@ -3,16 +3,18 @@
 // rounded to the nearest E4M3 value (ties to even) and scaled back; the
 // quantize-dequantize the reference applies before every FP8 GEMM.
 //
-// x [n] of type T (bfloat16 or float32), n a multiple of 32; y [n] of type O:
+// x [n] of type T (bfloat16 or float32), n (a 1-element int32 input) a multiple of
+// 32; y [n] of type O:
 // the result rounded to T, then stored as O (float32 feeds the GEMM directly).
 // One thread per value; a SIMD group of 32 threads holds one block and takes
 // its amax with one reduction. |x / scale| <= 448 by construction, so no saturation is needed.
-// Bit for bit the spec, quant.fp8_fake_quant_reference. Template: T, O, N (= n).
+// Bit for bit the spec, quant.fp8_fake_quant_reference. Template: T, O (the size
+// is an input, so one build serves every activation size).
 // CUDA twin: act_quant.cu.
 
 const uint idx = thread_position_in_grid.x;
-if (idx >= N) {
-  return;  // whole SIMD groups only: N is a multiple of 32
+if (idx >= uint(n[0])) {
+  return;  // whole SIMD groups only: n is a multiple of 32
 }
 const float v = static_cast<float>(x[idx]);
 const float amax = metal::max(simd_max(metal::abs(v)), 1e-4f);

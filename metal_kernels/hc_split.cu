@@ -1,7 +1,7 @@
 // CUDA twin of hc_split.metal (see there for what it computes).
 
 const unsigned int row = blockIdx.x * blockDim.x + threadIdx.x;
-if (row >= S) {
+if (row >= (unsigned int)rows[0]) {
   return;
 }
 const float* m = mixes + row * (2 + HC) * HC;

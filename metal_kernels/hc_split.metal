@@ -6,10 +6,12 @@
 // base [(2 + HC) * HC], eps [1] float32. Outputs: pre [S, HC], post [S, HC],
 // comb [S, HC, HC] (row i, column j). Same operations in the same order as
 // kernels.hc_split_reference; sums run in index order.
-// Template constants: S (rows), HC (copies), ITERS. CUDA twin: hc_split.cu.
+// rows: a 1-element int32 input (the row count S, not a template constant, so
+// one build serves every S). Template constants: HC (copies), ITERS.
+// CUDA twin: hc_split.cu.
 
 const uint row = thread_position_in_grid.x;
-if (row >= S) {
+if (row >= uint(rows[0])) {
   return;
 }
 const device float* m = mixes + row * (2 + HC) * HC;

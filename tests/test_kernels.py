@@ -7,6 +7,8 @@ scripts/check_kernels.py (run through the device tool).
 
 from __future__ import annotations
 
+import sys
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -15,6 +17,7 @@ from dsv41_mlx.cache import DraftCache
 from dsv41_mlx.kernels import ACT_QUANT, FP8_ROWS, HC_SPLIT, RING_WRITE, TOP_K, fp8_rows_top64, ring_write, ring_write_reference
 from dsv41_mlx.quant import e4m3_decode, e8m0_decode, quantize_fp8_tiles, quantize_fp8_tiles_mx
 
+from . import cuda_check
 from .metal_check import clang, syntax_check, wrap
 
 
@@ -83,18 +86,22 @@ def test_draft_cache_writes_through_the_ring_kernel():
 CASES = {
     "fp8_rows": (FP8_ROWS, {"x": "uint16", "w": "uint8", "scales": "uint8"},
                  {"top_vals": "float32", "top_ids": "int32"}, {"R": 5, "K": 5120, "N": 129280, "TILES": 505}),
-    "ring_write": (RING_WRITE, {"rings": "uint16", "rows": "uint16", "first": "int32"}, {"out": "uint16"},
-                   {"S": 3, "W": 128, "D": 512, "M": 6}),
-    "hc_split": (HC_SPLIT, {"mixes": "float32", "scale": "float32", "base": "float32", "eps": "float32"},
-                 {"pre": "float32", "post": "float32", "comb": "float32"}, {"S": 8, "HC": 4, "ITERS": 20}),
-    "act_quant": (ACT_QUANT, {"x": "bfloat16"}, {"y": "bfloat16"}, {"T": "bfloat16", "O": "bfloat16", "N": 8 * 5120}),
-    "act_quant_to_f32": (ACT_QUANT, {"x": "bfloat16"}, {"y": "float32"}, {"T": "bfloat16", "O": "float32", "N": 4096}),
+    "ring_write": (RING_WRITE, {"rings": "uint16", "rows": "uint16", "span": "int32"}, {"out": "uint16"},
+                   {"S": 3, "W": 128, "D": 512}),
+    "hc_split": (HC_SPLIT, {"mixes": "float32", "scale": "float32", "base": "float32", "eps": "float32",
+                            "rows": "int32"}, {"pre": "float32", "post": "float32", "comb": "float32"},
+                 {"HC": 4, "ITERS": 20}),
+    "act_quant": (ACT_QUANT, {"x": "bfloat16", "n": "int32"}, {"y": "bfloat16"}, {"T": "bfloat16", "O": "bfloat16"}),
+    "act_quant_to_f32": (ACT_QUANT, {"x": "bfloat16", "n": "int32"}, {"y": "float32"},
+                         {"T": "bfloat16", "O": "float32"}),
 }
 
 @pytest.fixture(autouse=True)
-def _clang_present(request):
+def _compilers_present(request):
     if "metal" in request.node.name:
         assert clang() is not None, "clang++ is needed for the Metal check (.ci/run installs it)"
+    if "cuda" in request.node.name:
+        assert cuda_check.nvrtc() is not None, "the CUDA check needs the test extras' NVRTC wheels"
 
 
 def _wrapped(case: str, body: str | None = None) -> str:
@@ -130,3 +137,35 @@ def test_a_broken_metal_source_fails_the_check(case, breakage, tmp_path):
     out = syntax_check(_wrapped(case, body.replace(old, new, 1)), tmp_path)
     assert out.returncode != 0
     assert "error" in out.stderr
+
+
+# ------------------------------------------------------------- CUDA text check
+
+on_linux = pytest.mark.skipif(sys.platform != "linux", reason="NVRTC wheels are published for Linux only")
+
+
+def _cuda_wrapped(case: str, body: str | None = None) -> str:
+    spec, inputs, outputs, template = CASES[case]
+    return cuda_check.wrap(spec.name, body or spec.source("cuda"), spec.header("cuda"), inputs, outputs, template)
+
+
+@on_linux
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cuda_source_compiles(case):
+    ok, log = cuda_check.compile_cuda(_cuda_wrapped(case))
+    assert ok, log
+
+
+@on_linux
+@pytest.mark.parametrize("case, breakage", [
+    ("fp8_rows", ("__byte_perm(wq[mg][0][j], 0, 0x3120)", "__byte_perm(wq[mg][0][j], 0x3120)")),  # bad call
+    ("ring_write", ("src[chunk];", "src[chunck];")),  # misspelt variable
+    ("hc_split", ("expf(c[i * HC + j] - row_max)", "expf(c[i * HC + j] - row_max, 1)")),  # bad call
+    ("act_quant", ("__shfl_xor_sync(0xffffffffu, amax, offset)", "__shfl_xor_sync(amax, offset)")),  # bad call
+])
+def test_a_broken_cuda_source_fails_the_compile(case, breakage):
+    old, new = breakage
+    body = CASES[case][0].source("cuda")
+    assert old in body
+    ok, log = cuda_check.compile_cuda(_cuda_wrapped(case, body.replace(old, new, 1)))
+    assert not ok and "error" in log
