@@ -1,8 +1,9 @@
-"""The drafter's kernels: the pure-MLX spec against numpy float64, the FP8 head
-builder against the release quantiser, and the Metal text type-checked by clang.
+"""The custom kernels: the pure-MLX spec against numpy float64, the FP8 head
+builder against the release quantiser, the Metal text type-checked by clang and
+the CUDA text compiled by NVRTC (no GPU needed for either).
 
-The CUDA twins are checked against the same spec on the H200 by
-scripts/check_kernels.py (run through the device tool).
+The CUDA twins run against the same spec on the H200 in
+scripts/check_kernels.py (through the device tool).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import numpy as np
 import pytest
 
 from dsv41_mlx.cache import DraftCache
-from dsv41_mlx.kernels import ACT_QUANT, FP8_ROWS, HC_SPLIT, RING_WRITE, TOP_K, fp8_rows_top64, ring_write, ring_write_reference
+from dsv41_mlx.kernels import (ACT_QUANT, FP8_ROWS, HC_SPLIT, RING_WRITE, TOP_K, fp8_rows_top64, ring_write,
+                               ring_write_reference)
 from dsv41_mlx.quant import e4m3_decode, e8m0_decode, quantize_fp8_tiles, quantize_fp8_tiles_mx
 
 from . import cuda_check
