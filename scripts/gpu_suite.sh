@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Check and time everything on a GPU machine, writing each step's output to OUT_DIR.
 #
-#   bash scripts/gpu_suite.sh OUT_DIR [kernels] [head] [propose] [gemms] [pieces] [profile] [e2e]
+#   bash scripts/gpu_suite.sh OUT_DIR [kernels] [lossless] [head] [propose] [gemms] [pieces] [profile] [e2e]
 #
 # With no step named, runs them all. The steps that need a release-shaped
 # checkpoint (pieces, profile, e2e) write one to $FLASH_DIR (default
@@ -10,7 +10,7 @@
 set -euo pipefail
 out=${1:?usage: gpu_suite.sh OUT_DIR [steps...]}
 shift
-steps=${*:-kernels head propose gemms pieces profile e2e}
+steps=${*:-kernels lossless head propose gemms pieces profile e2e}
 flash=${FLASH_DIR:-/tmp/dsv41_flash}
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
@@ -35,6 +35,7 @@ needs_flash() {
 for step in $steps; do
   case $step in
     kernels) run check_kernels python3 "$here/check_kernels.py" ;;
+    lossless) run check_lossless python3 "$here/check_lossless.py" --model "$here/../tests/fixtures/reference-v41-tiny" ;;
     head) run head python3 "$here/bench.py" head --json "$out/head.json" ;;
     propose) run propose python3 "$here/bench.py" propose --json "$out/propose.json" ;;
     gemms) run gemms python3 "$here/bench.py" gemms --json "$out/gemms.json" ;;
