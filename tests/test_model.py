@@ -121,3 +121,25 @@ def test_moe_grouped_by_expert_equals_row_by_row(fixture_model, monkeypatch):
     finally:
         mx.enable_compile()
     assert mx.array_equal(grouped, row_by_row).item()
+
+
+def test_fused_methods_read_the_weights_at_every_call():
+    """A compiled method takes its module's current weights, so weights loaded after the
+    first call are used (no stale trace)."""
+    from dsv41_mlx.config import ModelArgs
+    from dsv41_mlx.model import Block
+    from dsv41_mlx.tiny import tiny_config
+
+    block = Block(ModelArgs.from_dict(tiny_config()), 0)
+    h = mx.random.normal((3, block.hc_attn._hc, block.attn_norm.weight.shape[0]), key=mx.random.key(1))
+    h, pre = h.astype(mx.bfloat16), mx.ones((3, block.hc_attn._hc)) / 4
+    first = block.attn_input(h, pre)[0]
+    block.load_weights([("attn_norm.weight", (2 * block.attn_norm.weight).astype(mx.bfloat16))], strict=False)
+    second = block.attn_input(h, pre)[0]
+    mx.disable_compile()
+    try:
+        expected = block.attn_input.__wrapped__(block, h, pre)[0]
+    finally:
+        mx.enable_compile()
+    assert not mx.array_equal(first, second).item()
+    assert mx.array_equal(second, expected).item()
