@@ -32,17 +32,7 @@ const float neg_inf = __uint_as_float(0xff800000u);
 
 // each warp: 32 outputs (one scale tile row) = 2 MMA row groups of 16
 const unsigned int w0 = tile * TILE + warp * 32;
-float acc[2][NH][4];
-#pragma unroll
-for (int mg = 0; mg < 2; mg++) {
-#pragma unroll
-  for (int h = 0; h < NH; h++) {
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-      acc[mg][h][i] = 0.0f;
-    }
-  }
-}
+float acc[2][NH][4] = {};  // [m group][row group][C fragment]
 if (w0 < N) {
   const unsigned char* srow = scales + (w0 / 32) * (K / 32);
   for (unsigned int kb = 0; kb < K; kb += 128) {
