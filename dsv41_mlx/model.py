@@ -24,7 +24,7 @@ from .cache import LayerCache, ModelCache
 from .config import ModelArgs
 from . import kernels
 from .engram import Engram, NgramHasher
-from .quant import Fp8Linear, fp4_fake_quant, fp8_fake_quant
+from .quant import Fp8Linear, fp4_fake_quant, fp8_fake_quant, gemm_input_dtype
 
 F32, BF16 = mx.float32, mx.bfloat16
 
@@ -439,7 +439,8 @@ class Attention(nn.Module):
         w = self.wo_a.weight.reshape(self.n_groups, self.o_lora_rank, -1)
         s = self.wo_a.scales.reshape(self.n_groups, self.o_lora_rank, -1)
         # wo_a is applied to bf16 activations as stored (the reference dequantises it, no act-quant)
-        o = mx.gather_qmm(o.astype(F32), w, s, rhs_indices=mx.arange(self.n_groups), transpose=True, mode="mxfp8")
+        o = mx.gather_qmm(o.astype(gemm_input_dtype()), w, s, rhs_indices=mx.arange(self.n_groups), transpose=True,
+                          mode="mxfp8")
         return self.wo_b(o.astype(BF16).reshape(S, -1))
 
     def __call__(self, x: mx.array, positions: mx.array, cache: LayerCache,
@@ -513,17 +514,9 @@ class Fp4Stack(nn.Module):
         """x [N, 1|k, 1, in] FP8-rounded activations through experts ids [N, k] -> bf16
         [N, k, 1, out]: the fp32 products summed in fp32, rounded to bf16 once. sorted_ids:
         ids are in ascending order (MLX then runs each expert's rows as one GEMM)."""
-        y = mx.gather_qmm(x.astype(expert_input_dtype()), self.weight, self.scales, rhs_indices=ids,
+        y = mx.gather_qmm(x.astype(gemm_input_dtype()), self.weight, self.scales, rhs_indices=ids,
                           transpose=True, mode="mxfp4", sorted_indices=sorted_ids)
         return y.astype(BF16)
-
-
-def expert_input_dtype() -> mx.Dtype:
-    """What the routed experts' gather_qmm is fed. FP8-rounded activations are exact in bf16,
-    and on CUDA MLX's bf16 kernel returns the fp32 kernel's result rounded to bf16, bit for
-    bit (scripts/check_kernels.py checks it at the release shapes), about 3x faster. The
-    CPU's bf16 kernel rounds along the way, and Metal's is not yet checked: fp32 there."""
-    return BF16 if kernels.backend() == "cuda" else F32
 
 
 class Fp4Experts(nn.Module):
@@ -584,21 +577,30 @@ class MoE(nn.Module):
         self.limit = args.swiglu_limit
 
     @fused()
-    def __call__(self, x: mx.array) -> mx.array:
-        """x [N, dim] bf16 -> [N, dim] bf16."""
+    def __call__(self, x: mx.array, rows: int | None = None) -> mx.array:
+        """x [N, dim] bf16 -> [N, dim] bf16.
+
+        rows: only the first `rows` rows are real (a padded decode forward, Model.decode);
+        the others get the shared expert alone. Each (row, expert) pair is its own
+        product, so a real row's output is the same bits whatever the padding, and
+        the padding reads no expert weights of its own."""
         weights, ids = self.gate(x)
         N, k = ids.shape
-        xq = fp8_fake_quant(x, dtype=F32)[:, None, None, :]
+        real = N if rows is None else rows
+        xq = fp8_fake_quant(x[:real], dtype=F32)[:, None, None, :]
+        weights, ids = weights[:real], ids[:real]
         if ids.size < SORT_EXPERTS_AT:  # decode and verify: each row through its own k experts
-            y = self._routed(xq, weights[:, :, None, None], ids, False)[:, :, 0, :]  # [N, k, dim]
+            y = self._routed(xq, weights[:, :, None, None], ids, False)[:, :, 0, :]  # [real, k, dim]
         else:  # prefill: the (row, expert) pairs grouped by expert, so each expert's rows form one GEMM
             flat = ids.flatten()
             order = mx.argsort(flat)
             pairs = self._routed(xq[order // k, 0], weights.flatten()[order][:, None, None], flat[order], True)
-            y = pairs[mx.argsort(order)].reshape(N, k, -1)
+            y = pairs[mx.argsort(order)].reshape(real, k, -1)
         out = y[:, 0]
         for j in range(1, k):  # in expert-id order, as the reference adds them
             out = out + y[:, j]
+        if real < N:
+            out = mx.concatenate([out, mx.zeros((N - real, out.shape[1]), dtype=out.dtype)])
         return (out + self.shared_experts(x).astype(F32)).astype(BF16)
 
     def _routed(self, xq: mx.array, weights: mx.array, ids: mx.array, sorted_ids: bool) -> mx.array:
@@ -629,12 +631,14 @@ class Block(nn.Module):
         if layer_id in args.engram_layer_ids:
             self.engram = Engram(args, layer_id)
 
-    def __call__(self, h: mx.array, pre: mx.array, positions: mx.array, *attn_args) -> tuple[mx.array, mx.array]:
-        """h [S, hc, dim] bf16, pre [S, hc] -> (h, pre for the next block)."""
+    def __call__(self, h: mx.array, pre: mx.array, positions: mx.array, *attn_args,
+                 rows: int | None = None) -> tuple[mx.array, mx.array]:
+        """h [S, hc, dim] bf16, pre [S, hc] -> (h, pre for the next block).
+        rows: how many of the S rows are real (the rest pad a decode forward)."""
         x, *attn_mix = self.attn_input(h, pre)
         x = self.attn(x, positions, *attn_args)
         h, x, *ffn_mix = self.ffn_input(x, h, *attn_mix)
-        h = hc_post(self.ffn(x), h, HcMixes(*ffn_mix))
+        h = hc_post(self.ffn(x, rows), h, HcMixes(*ffn_mix))
         return h, ffn_mix[0]
 
     @fused("hc_attn", "attn_norm")
@@ -723,7 +727,7 @@ class Model(nn.Module):
         if n > rows:
             raise ValueError(f"a decode forward takes at most {rows} rows, got {n}")
         padded = mx.array([ids + [ids[-1]] * (rows - n)], dtype=mx.int32)
-        logits, features = self(padded, cache)
+        logits, features = self(padded, cache, real_rows=n)
         cache.trim(rows - n)
         return logits[:, :n], features[:, :n]
 
@@ -732,8 +736,10 @@ class Model(nn.Module):
                                       self.args.compress_ratios[i] if layer.attn.is_kv_source else 0)
                            for i, layer in enumerate(self.layers)])
 
-    def __call__(self, ids: mx.array, cache: ModelCache | None = None,
-                 last_logits_only: bool = False) -> tuple[mx.array, mx.array]:
+    def __call__(self, ids: mx.array, cache: ModelCache | None = None, last_logits_only: bool = False,
+                 real_rows: int | None = None) -> tuple[mx.array, mx.array]:
+        """ids [1, S] -> (logits [1, S, V], features [1, S, F]). real_rows: only the first
+        real_rows positions matter (the rest pad a decode forward and are trimmed off again)."""
         if ids.ndim != 2 or ids.shape[0] != 1:
             raise ValueError(f"ids must have shape [1, n]; got {ids.shape}")
         cache = cache if cache is not None else self.make_cache()
@@ -753,7 +759,7 @@ class Model(nn.Module):
                 h = layer.engram(h, hashes[:, self.hasher.layer_index(i)])
             if i in targets:
                 features.append((sum_copies(h.astype(F32)) / h.shape[1]).astype(BF16))
-            h, pre = layer(h, pre, positions, cache.layers[i], cache.layers, shared)
+            h, pre = layer(h, pre, positions, cache.layers[i], cache.layers, shared, rows=real_rows)
         x = self.norm(hc_pre(h, pre))
         if last_logits_only:
             x = x[-1:]

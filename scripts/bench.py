@@ -488,7 +488,7 @@ def decode_by_layer(model, token: int, cache, on_layer) -> mx.array:
         def run(i=i, layer=layer, h=h, pre=pre):
             if hasattr(layer, "engram"):
                 h = layer.engram(h, hashes[:, model.hasher.layer_index(i)])
-            return layer(h, pre, positions, cache.layers[i], cache.layers, shared)
+            return layer(h, pre, positions, cache.layers[i], cache.layers, shared, rows=1)
         h, pre = on_layer(i, run)
     logits = model.head(model.norm(hc_pre(h, pre)))
     cache.trim(rows - 1)
@@ -551,10 +551,12 @@ def bench_profile(model_path: str | None, steps: int) -> dict:
 
 def bench_pieces(model_path: str | None, layer_ids: list[int]) -> dict:
     """ms per call of each piece of a decode step's block (inputs fixed, many calls per
-    evaluation, so Python is out of it), and the routed experts' GEMM fed fp32 or bf16."""
+    evaluation, so Python is out of it); the MoE with one real row (a plain decode step) and
+    with all rows real, and one routed projection over one row's experts and over all rows'."""
     import dsv41_mlx
     from dsv41_mlx.generate import prefill
-    from dsv41_mlx.model import HcMixes, expert_input_dtype, hc_expand, hc_post, sparse_attention
+    from dsv41_mlx.model import HcMixes, hc_expand, hc_post, sparse_attention
+    from dsv41_mlx.quant import gemm_input_dtype
 
     model, _ = dsv41_mlx.load(model_path)
     cache = model.make_cache()
@@ -562,7 +564,7 @@ def bench_pieces(model_path: str | None, layer_ids: list[int]) -> dict:
     rows = model.decode_rows or 1
     positions = mx.arange(cache.offset, cache.offset + rows)
     h, pre = hc_expand(model.embed(mx.array([7] * rows)), model.args.hc_mult)
-    out = {"rows": rows, "experts_fed": str(expert_input_dtype()).rsplit(".", 1)[-1], "layers": {}}
+    out = {"rows": rows, "gemms_fed": str(gemm_input_dtype()).rsplit(".", 1)[-1], "layers": {}}
     for li in layer_ids:
         layer = model.layers[li]
         attn, ffn = layer.attn, layer.ffn
@@ -576,7 +578,7 @@ def bench_pieces(model_path: str | None, layer_ids: list[int]) -> dict:
         y = attn.output(o, positions)
         h2, x2, *ffn_mix = layer.ffn_input(y, h, *mix)
         _, ids = ffn.gate(x2)
-        xe = mx.random.normal((rows, 1, 1, model.args.hidden_size)).astype(mx.bfloat16)
+        xe = mx.random.normal((rows, 1, 1, model.args.hidden_size)).astype(gemm_input_dtype())
         mx.eval(x, mix, q, o, y, h2, x2, ffn_mix, keys, picked, ids, xe)
         w1 = ffn.experts.w1
         pieces = {
@@ -589,12 +591,13 @@ def bench_pieces(model_path: str | None, layer_ids: list[int]) -> dict:
                                                                            attn.attn_sink, attn.scale),
             "output (wo_a, wo_b)": lambda i: attn.output(o, positions),
             "ffn_input (expand, hc mixes, collapse, norm)": lambda i: layer.ffn_input(y, h, *mix),
-            "moe": lambda i: ffn(x2),
+            "moe, 1 real row": lambda i: ffn(x2, 1),
+            f"moe, {rows} real rows": lambda i: ffn(x2),
             "gate": lambda i: ffn.gate(x2),
             "shared expert": lambda i: ffn.shared_experts(x2),
-            "one routed projection, fp32 in": lambda i: mx.gather_qmm(
-                xe.astype(mx.float32), w1.weight, w1.scales, rhs_indices=ids, transpose=True, mode="mxfp4"),
-            "one routed projection, bf16 in": lambda i: mx.gather_qmm(
+            "one routed projection, 1 row": lambda i: mx.gather_qmm(
+                xe[:1], w1.weight, w1.scales, rhs_indices=ids[:1], transpose=True, mode="mxfp4"),
+            f"one routed projection, {rows} rows": lambda i: mx.gather_qmm(
                 xe, w1.weight, w1.scales, rhs_indices=ids, transpose=True, mode="mxfp4"),
             "hc_post": lambda i: hc_post(y, h2, HcMixes(*ffn_mix)),
         }
@@ -649,7 +652,7 @@ def print_gemms(env: dict, res: dict) -> None:
 def print_pieces(env: dict, res: dict, model: str) -> None:
     print(f"### A decode step's block, piece by piece, on {model} ({env['date']}, {env['device']}, "
           f"{env['backend']}, MLX {env['mlx']}, commit {env['commit']})\n")
-    print(f"{res['rows']} rows; ms per call, 10 calls per evaluation; routed experts fed {res['experts_fed']}; "
+    print(f"{res['rows']} rows; ms per call, 10 calls per evaluation; quantised GEMMs fed {res['gemms_fed']}; "
           f"a tiny element-wise op costs {res['tiny_op_ms']:.3f} ms\n")
     names = list(next(iter(res["layers"].values())))
     print("| piece | " + " | ".join(f"layer {k}" for k in res["layers"]) + " |")

