@@ -342,10 +342,14 @@ class Indexer(nn.Module):
             shared.candidates = self._candidate_mask(scores, visible)
         elif self.uses_candidates:
             scores = mx.where(shared.candidates, scores, -mx.inf)
-        k = min(self.topk, n)
-        ids = mx.sort(mx.argpartition(-scores, kth=k - 1, axis=-1)[:, :k], axis=-1)
+        if n < self.topk:
+            # Fewer compressed positions than picks: pad with masked columns, so that every
+            # forward picks `topk` (the same shapes each step: no retrace of the compiled
+            # attention, whose result the masked picks do not change; tests/test_model.py)
+            scores = mx.concatenate([scores, mx.full((S, self.topk - n), -mx.inf)], axis=1)
+        ids = mx.sort(mx.argpartition(-scores, kth=self.topk - 1, axis=-1)[:, : self.topk], axis=-1)
         valid = mx.take_along_axis(scores, ids, axis=-1) > -mx.inf
-        return ids, valid
+        return mx.minimum(ids, n - 1), valid  # a padding pick reads the last position, masked
 
     def _candidate_mask(self, scores: mx.array, visible: mx.array) -> mx.array:
         """Level one of the two-level top-k: each row keeps its best blocks of positions,

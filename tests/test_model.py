@@ -156,3 +156,51 @@ def test_fused_methods_read_the_weights_at_every_call():
         mx.enable_compile()
     assert not mx.array_equal(first, second).item()
     assert mx.array_equal(second, expected).item()
+
+
+def test_masked_picks_change_no_bit_of_the_attention():
+    """The indexer pads its picks to index_topk with masked ones while the cache holds fewer
+    compressed positions; the attention over them is the same bits as over the real picks."""
+    from dsv41_mlx.model import sparse_attention
+
+    key = mx.random.key(11)
+    S, H, D, W, K, pad = 3, 4, 64, 16, 5, 27
+    q, keys, picked, sink = (mx.random.normal(shape, key=mx.random.key(i)).astype(mx.bfloat16)
+                             for i, shape in enumerate([(S, H, D), (W, D), (S, K, D), (H,)]))
+    sink = sink.astype(mx.float32)
+    window_mask = mx.random.uniform(shape=(S, W), key=key) > 0.3
+    picked_mask = mx.array([[True] * K, [True, False] * 2 + [True], [False] * K])
+    extra = mx.broadcast_to(picked[:, -1:], (S, pad, D))  # padding picks read the last position
+    padded = mx.concatenate([picked, extra], axis=1)
+    padded_mask = mx.concatenate([picked_mask, mx.zeros((S, pad), dtype=mx.bool_)], axis=1)
+    want = sparse_attention(q, keys, window_mask, picked, picked_mask, sink, 0.125)
+    got = sparse_attention(q, keys, window_mask, padded, padded_mask, sink, 0.125)
+    assert mx.array_equal(want, got).item()
+
+
+def test_decode_steps_keep_their_shapes_as_the_compressed_cache_grows(fixture_model, monkeypatch):
+    """With index_topk above the compressed positions cached, each decode step still picks
+    index_topk, so the compiled attention is traced once, not once per new length."""
+    import sys
+
+    from dsv41_mlx.generate import prefill
+
+    for layer in fixture_model.layers:
+        if hasattr(layer.attn, "indexer"):
+            monkeypatch.setattr(layer.attn.indexer, "topk", 64)
+    cache = fixture_model.make_cache()
+    logits, _ = prefill(fixture_model, list(range(100, 140)), cache)
+    traces = []
+
+    def count(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == "sparse_attention":
+            traces.append(cache.offset)
+
+    token = int(mx.argmax(logits).item())
+    for step in range(8):
+        out, _ = fixture_model.decode([token], cache)
+        token = int(mx.argmax(out[0, -1]).item())
+        if step == 0:  # the first step may trace the decode shapes
+            sys.setprofile(count)
+    sys.setprofile(None)
+    assert traces == []
