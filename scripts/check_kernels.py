@@ -10,10 +10,11 @@ between values closer than the tolerance), with values matching the spec's.
 ring_write: random rings and rows, writes that wrap, byte equality.
 act_quant: bf16 and fp32 activations over a wide range of magnitudes (with
 zero blocks and E4M3-subnormal values), bit equality with quant's spec.
-quantised GEMMs (MLX's own mxfp8 dense and grouped, mxfp4 experts): fed bf16,
-each equals the fp32-fed one rounded to bf16, bit for bit, at every shape of the
-flash-shaped model at 1, 5, 8 and 16 rows (quant.gemm_input_dtype relies on it
-on CUDA); an expert product of one row alone equals that row's inside 8.
+quantised GEMMs (MLX's own mxfp8 dense and grouped, mxfp4 experts) fed bf16 vs
+fed fp32, at every shape of the flash-shaped model, decode to prefill row counts
+(quant.gemm_input_dtype feeds bf16 on CUDA): at most 1 ulp apart, in at most 1
+of 10,000 values (another fp32 summation order), each such value listed; an
+expert product of one row alone equals that row's inside 8 rows.
 hc_split: random mixes at 1..300 rows, release hc 4 / 20 iterations, within
 2e-6 of the spec (the spec's exp and sigmoid are not bit for bit the kernel's).
 """
@@ -129,16 +130,29 @@ def quantised_gemm_shapes() -> tuple[set, set, set]:
     return dense, grouped, experts
 
 
-def check_gemms_bf16(seed: int, rows_list=(1, 5, 8, 16)) -> list[str]:
-    """MLX's quantised GEMMs fed bf16 must return the fp32-fed result rounded to bf16, bit
-    for bit, at every shape of a decode or verify forward (quant.gemm_input_dtype relies on
-    it on CUDA); and a gathered (row, expert) product must not depend on the other rows
-    (the MoE runs a padded forward's real rows alone)."""
+def check_gemms_bf16(seed: int, rows_list=(1, 5, 8, 16, 37, 256)) -> tuple[list[str], list[str]]:
+    """MLX's quantised GEMMs fed bf16 against the same GEMMs fed fp32, at every shape of the
+    flash-shaped model, at decode / verify and prefill row counts (quant.gemm_input_dtype
+    feeds bf16 on CUDA). The inputs are exact in bf16 and both kernels accumulate in fp32,
+    so the bf16 one may differ only where its fp32 sum, taken in another order, rounds to
+    the neighbouring bf16: at most 1 ulp, in rare values. Rounding anything on the way to
+    bf16 would put most values off, many by several ulps. Also: a gathered (row, expert)
+    product must not depend on the other rows (the MoE runs a padded forward's real rows
+    alone). Returns (problems, notes on the values that differ by one ulp)."""
     mx.random.seed(seed)
-    problems = []
+    problems, notes = [], []
 
-    def differ(a, b):
-        return (a.astype(mx.bfloat16).view(mx.uint16) != b.astype(mx.bfloat16).view(mx.uint16)).sum().item()
+    def compare(name, wide, narrow):
+        a = np.array(wide.astype(mx.bfloat16).view(mx.uint16)).astype(np.int32)
+        b = np.array(narrow.astype(mx.bfloat16).view(mx.uint16)).astype(np.int32)
+        ordered_a = np.where(a & 0x8000, -(a & 0x7FFF), a)  # bf16 bits in value order
+        ordered_b = np.where(b & 0x8000, -(b & 0x7FFF), b)
+        ulps = np.abs(ordered_a - ordered_b)
+        differ = int((ulps > 0).sum())
+        if ulps.max() > 1 or differ > max(1, a.size // 10_000):
+            problems.append(f"{name}: {differ} of {a.size} values differ, by up to {ulps.max()} ulp")
+        elif differ:
+            notes.append(f"{name}: {differ} of {a.size} values 1 ulp apart")
 
     def fp8_input(shape):
         return fp8_fake_quant_reference(mx.random.normal(shape).astype(mx.bfloat16))
@@ -146,41 +160,39 @@ def check_gemms_bf16(seed: int, rows_list=(1, 5, 8, 16)) -> list[str]:
     def words(shape):
         return mx.random.randint(0, 2**31, shape).astype(mx.uint32)
 
+    def scales(shape):
+        return mx.random.randint(112, 124, shape).astype(mx.uint8)
+
     dense, grouped, experts = quantised_gemm_shapes()
     for d_in, d_out in sorted(dense):
-        w, s = words((d_out, d_in // 4)), mx.random.randint(112, 124, (d_out, d_in // 32)).astype(mx.uint8)
+        w, s = words((d_out, d_in // 4)), scales((d_out, d_in // 32))
         for rows in rows_list:
             x = fp8_input((rows, d_in))
-            n = differ(mx.quantized_matmul(x.astype(mx.float32), w, s, transpose=True, mode="mxfp8"),
-                       mx.quantized_matmul(x, w, s, transpose=True, mode="mxfp8"))
-            if n:
-                problems.append(f"mxfp8 {d_in}->{d_out} rows={rows}: {n} values differ")
+            compare(f"mxfp8 {d_in}->{d_out} rows={rows}",
+                    mx.quantized_matmul(x.astype(mx.float32), w, s, transpose=True, mode="mxfp8"),
+                    mx.quantized_matmul(x, w, s, transpose=True, mode="mxfp8"))
     for groups, d_in, d_out in sorted(grouped):
-        w, s = words((groups, d_out, d_in // 4)), mx.random.randint(112, 124, (groups, d_out, d_in // 32))
-        s, g = s.astype(mx.uint8), mx.arange(groups)
+        w, s, g = words((groups, d_out, d_in // 4)), scales((groups, d_out, d_in // 32)), mx.arange(groups)
         for rows in rows_list:
             o = mx.random.normal((rows, groups, 1, d_in)).astype(mx.bfloat16)
-            n = differ(mx.gather_qmm(o.astype(mx.float32), w, s, rhs_indices=g, transpose=True, mode="mxfp8"),
-                       mx.gather_qmm(o, w, s, rhs_indices=g, transpose=True, mode="mxfp8"))
-            if n:
-                problems.append(f"grouped mxfp8 {groups}x{d_in}->{d_out} rows={rows}: {n} values differ")
+            compare(f"grouped mxfp8 {groups}x{d_in}->{d_out} rows={rows}",
+                    mx.gather_qmm(o.astype(mx.float32), w, s, rhs_indices=g, transpose=True, mode="mxfp8"),
+                    mx.gather_qmm(o, w, s, rhs_indices=g, transpose=True, mode="mxfp8"))
     top = 6
     for n_experts, d_in, d_out in sorted(experts):
-        w = words((n_experts, d_out, d_in // 8))
-        s = mx.random.randint(112, 124, (n_experts, d_out, d_in // 32)).astype(mx.uint8)
-        for rows in rows_list:
+        w, s = words((n_experts, d_out, d_in // 8)), scales((n_experts, d_out, d_in // 32))
+        for rows in (1, 5, 8, 16):  # decode and verify; prefill groups its pairs by expert (sorted)
             ids = mx.random.randint(0, n_experts, (rows, top)).astype(mx.uint32)
             x = fp8_input((rows, 1, 1, d_in))
             narrow = mx.gather_qmm(x, w, s, rhs_indices=ids, transpose=True, mode="mxfp4")
-            n = differ(mx.gather_qmm(x.astype(mx.float32), w, s, rhs_indices=ids, transpose=True, mode="mxfp4"),
-                       narrow)
-            if n:
-                problems.append(f"mxfp4 {n_experts}x{d_in}->{d_out} rows={rows}: {n} values differ")
+            compare(f"mxfp4 {n_experts}x{d_in}->{d_out} rows={rows}",
+                    mx.gather_qmm(x.astype(mx.float32), w, s, rhs_indices=ids, transpose=True, mode="mxfp4"),
+                    narrow)
             if rows > 1:
                 alone = mx.gather_qmm(x[:1], w, s, rhs_indices=ids[:1], transpose=True, mode="mxfp4")
-                if differ(alone, narrow[:1]):
+                if not mx.array_equal(alone, narrow[:1]).item():
                     problems.append(f"mxfp4 {n_experts}x{d_in}->{d_out}: row 0 alone differs from row 0 of {rows}")
-    return problems
+    return problems, notes
 
 
 def check_hc_split(impl: str, seed: int) -> list[str]:
@@ -221,9 +233,11 @@ def main() -> int:
     failures += bool(problems)
     print(f"act_quant: {'ok' if not problems else '; '.join(problems)}")
     if impl == "cuda":
-        problems = check_gemms_bf16(seed=11)
+        problems, notes = check_gemms_bf16(seed=11)
         failures += bool(problems)
-        print(f"quantised GEMMs, bf16-fed = fp32-fed rounded: {'ok' if not problems else '; '.join(problems[:5])}")
+        print(f"quantised GEMMs, bf16-fed vs fp32-fed: {'ok' if not problems else '; '.join(problems[:5])}")
+        for note in notes:
+            print(f"  {note}")
     problems = check_hc_split(impl, seed=5)
     failures += bool(problems)
     print(f"hc_split: {'ok' if not problems else '; '.join(problems)}")

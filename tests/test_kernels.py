@@ -171,3 +171,19 @@ def test_a_broken_cuda_source_fails_the_compile(case, breakage):
     assert old in body
     ok, log = cuda_check.compile_cuda(_cuda_wrapped(case, body.replace(old, new, 1)))
     assert not ok and "error" in log
+
+
+def test_gemm_check_flags_a_kernel_that_rounds_along_the_way(monkeypatch):
+    """scripts/check_kernels.py's bf16-vs-fp32 GEMM check, here on the CPU, whose bf16-fed
+    GEMMs do round along the way: it must report them (on CUDA they pass)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "check_kernels.py"
+    spec = importlib.util.spec_from_file_location("check_kernels", path)
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    monkeypatch.setattr(check, "quantised_gemm_shapes", lambda: ({(1024, 4096)}, {(2, 2048, 256)}, {(4, 2048, 256)}))
+    problems, _ = check.check_gemms_bf16(seed=1, rows_list=(8,))
+    assert any(p.startswith("mxfp8 1024->4096") for p in problems)
+    assert not any("alone differs" in p for p in problems)  # the CPU's expert rows are independent
