@@ -702,6 +702,10 @@ class Model(nn.Module):
         self.drafter = Drafter(self) if self.mtp else None
         on_gpu = mx.default_device() == mx.gpu
         self.decode_rows = -(-(args.dspark_block_size + 1) // 8) * 8 if on_gpu else None
+        # Start each block on the device as soon as its graph is built (mx.async_eval), so
+        # that Python builds block i+1 while the device runs block i, instead of building
+        # the whole forward first with the device idle. The same graph, the same bits.
+        self.overlap_build = on_gpu
 
     @property
     def decode_rows(self) -> int | None:
@@ -764,6 +768,8 @@ class Model(nn.Module):
             if i in targets:
                 features.append((sum_copies(h.astype(F32)) / h.shape[1]).astype(BF16))
             h, pre = layer(h, pre, positions, cache.layers[i], cache.layers, shared, rows=real_rows)
+            if self.overlap_build:
+                mx.async_eval(h, pre)
         x = self.norm(hc_pre(h, pre))
         if last_logits_only:
             x = x[-1:]

@@ -204,3 +204,17 @@ def test_decode_steps_keep_their_shapes_as_the_compressed_cache_grows(fixture_mo
             sys.setprofile(count)
     sys.setprofile(None)
     assert traces == []
+
+
+def test_overlapped_build_changes_no_bit(fixture_model, golden):
+    """Starting each block on the device while the next is built (the GPU default) gives
+    the same logits, features and cache as building the whole forward first."""
+    ids = _ids(golden)
+    fixture_model.overlap_build = True
+    try:
+        overlapped = _run(fixture_model, ids, 5)
+    finally:
+        fixture_model.overlap_build = False
+    whole = _run(fixture_model, ids, 5)
+    assert mx.array_equal(overlapped[0], whole[0]).item() and mx.array_equal(overlapped[1], whole[1]).item()
+    _assert_same_state(overlapped[2], whole[2])
