@@ -104,12 +104,13 @@ def tensor(name: str, dtype: str, shape: tuple[int, ...], rng) -> dict[str, tupl
 
 
 def shard_of(name: str) -> str:
-    """One shard per layer and DSpark stage; embedding, head and final norm together."""
+    """One shard per layer and DSpark stage; the embedding and the head (the two largest
+    tensors, the slowest to draw) one each, with the small rest beside the head."""
     if name.startswith("layers."):
         return f"layer-{int(name.split('.')[1]):02d}"
     if name.startswith("mtp."):
         return f"mtp-{int(name.split('.')[1])}"
-    return "embed-head"
+    return "embed" if name.startswith("embed.") else "head"
 
 
 def _write_shard(path: Path, items: list, seed: int) -> tuple[int, list[str]]:
