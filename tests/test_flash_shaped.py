@@ -39,7 +39,7 @@ def test_small_flash_shaped_checkpoint_loads_and_runs(tmp_path):
     script = _script()
     config = script.flash_config(experts=4, top=2, dspark_experts=4, dspark_top=2, dims=SMALL)
     written = script.write_checkpoint(tmp_path, config, log=lambda *_: None)
-    assert len(list(tmp_path.glob("model-*.safetensors"))) == 40 + 3 + 1  # one shard per layer / stage
+    assert len(list(tmp_path.glob("model-*.safetensors"))) == 40 + 3 + 2  # one shard per layer / stage, the embedding, the head
     model, _ = dsv41_mlx.load(tmp_path)
     logits, features = model(mx.array([[5, 6, 7, 8]], dtype=mx.int32))
     assert np.isfinite(np.array(logits)).all() and features.shape == (1, 4, 3 * 128)
