@@ -15,13 +15,14 @@ from typing import Iterator
 
 import mlx.core as mx
 
-from .cache import ModelCache
+from .cache import TRIM_SLACK, ModelCache
 from .residency import wired
 from .sampling import SamplingParams, sample
 from .speculative import VERIFY_MODES, DraftStats, SpeculativeDecoder, speculative_decode
 from .tokenizer import StreamingDetokenizer
 
 DEFAULT_PREFILL_CHUNK = 256
+PREFILL_ROUND = TRIM_SLACK  # a padded chunk's padding must be trimmable exactly
 
 
 @dataclass
@@ -41,6 +42,10 @@ def prefill(model, prompt: list[int], cache: ModelCache, chunk: int = DEFAULT_PR
             keep_features: int = 0) -> tuple[mx.array, mx.array | None]:
     """Run the prompt through the model in chunks.
 
+    A last, shorter chunk is padded to a multiple of PREFILL_ROUND rows (and the
+    padding trimmed off again), so prompts of most lengths share a few chunk shapes:
+    each new shape retraces the compiled pieces of every layer.
+
     Returns the last position's logits [vocab] and, when keep_features > 0, the
     DSpark features of the newest min(keep_features, len(prompt)) positions [n, 3*dim].
     """
@@ -49,9 +54,10 @@ def prefill(model, prompt: list[int], cache: ModelCache, chunk: int = DEFAULT_PR
     logits, kept = None, []
     first_kept = len(prompt) - keep_features
     for start in range(0, len(prompt), chunk):
-        ids = mx.array(prompt[start: start + chunk], dtype=mx.int32)[None]
-        logits, features = model(ids, cache, last_logits_only=True)
-        if keep_features and start + ids.shape[1] > first_kept:
+        ids = prompt[start: start + chunk]
+        rows = min(chunk, -(-len(ids) // PREFILL_ROUND) * PREFILL_ROUND)
+        logits, features = model.padded(ids, cache, rows, last_logits_only=True)
+        if keep_features and start + len(ids) > first_kept:
             kept.append(features[0, max(first_kept - start, 0):])
         mx.eval(logits, kept, cache.state())
     return logits[0, -1], mx.concatenate(kept) if kept else None

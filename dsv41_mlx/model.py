@@ -734,10 +734,18 @@ class Model(nn.Module):
         rows = self._decode_rows or n
         if n > rows:
             raise ValueError(f"a decode forward takes at most {rows} rows, got {n}")
+        return self.padded(ids, cache, rows)
+
+    def padded(self, ids: list[int], cache: ModelCache, rows: int,
+               last_logits_only: bool = False) -> tuple[mx.array, mx.array]:
+        """A forward of ids padded to `rows` rows (the last token repeated), the padding
+        trimmed off the cache again (rows - len(ids) <= cache.TRIM_SLACK): logits [1, n, V]
+        (or the last real row's [1, 1, V]) and features [1, n, F] of the n real rows."""
+        n = len(ids)
         padded = mx.array([ids + [ids[-1]] * (rows - n)], dtype=mx.int32)
-        logits, features = self(padded, cache, real_rows=n)
+        logits, features = self(padded, cache, last_logits_only, real_rows=n)
         cache.trim(rows - n)
-        return logits[:, :n], features[:, :n]
+        return (logits if last_logits_only else logits[:, :n]), features[:, :n]
 
     def make_cache(self) -> ModelCache:
         return ModelCache([LayerCache(self.args.sliding_window,
@@ -772,7 +780,8 @@ class Model(nn.Module):
                 mx.async_eval(h, pre)
         x = self.norm(hc_pre(h, pre))
         if last_logits_only:
-            x = x[-1:]
+            last = S if real_rows is None else real_rows
+            x = x[last - 1: last]
         logits = self.head(x)[None]
         feats = mx.concatenate(features, axis=-1)[None] if features else mx.zeros((1, S, 0), dtype=BF16)
         return logits, feats

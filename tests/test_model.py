@@ -178,13 +178,15 @@ def test_masked_picks_change_no_bit_of_the_attention():
     assert mx.array_equal(want, got).item()
 
 
-def test_decode_steps_keep_their_shapes_as_the_compressed_cache_grows(fixture_model, monkeypatch):
+def test_decode_steps_keep_their_shapes_as_the_compressed_cache_grows(padded_model, monkeypatch):
     """With index_topk above the compressed positions cached, each decode step still picks
-    index_topk, so the compiled attention is traced once, not once per new length."""
+    index_topk, so the compiled attention is traced once, not once per new length (in the
+    GPU's padded decode, whose per-row windows have a fixed size too)."""
     import sys
 
     from dsv41_mlx.generate import prefill
 
+    fixture_model = padded_model
     for layer in fixture_model.layers:
         if hasattr(layer.attn, "indexer"):
             monkeypatch.setattr(layer.attn.indexer, "topk", 64)
