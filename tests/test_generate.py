@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import mlx.core as mx
 import pytest
 
 import dsv41_mlx
@@ -120,3 +121,31 @@ def test_cli_shows_progress_bars_and_quiet_hides_everything_but_the_text(cli_env
     assert loud.returncode == quiet.returncode == 0
     assert "loading weights" in loud.stderr and "drafter FP8 head" in loud.stderr
     assert quiet.stderr == "" and quiet.stdout.strip() == loud.stdout.strip()
+
+
+def test_prefill_pads_its_last_chunk_without_changing_a_bit(fixture_model):
+    """A prompt of 41 tokens runs as chunks of 16, 16 and 9 padded to 16; its logits and
+    cache equal one unpadded forward's, and prompts of 35 and 41 tokens share a shape."""
+    import sys
+
+    from dsv41_mlx.generate import prefill
+
+    prompt = [(37 * i) % 900 + 50 for i in range(41)]
+    plain = fixture_model.make_cache()
+    want, _ = fixture_model(mx.array([prompt], dtype=mx.int32), plain)
+    padded = fixture_model.make_cache()
+    got, _ = prefill(fixture_model, prompt, padded, chunk=16)
+    assert mx.array_equal(want[0, -1], got).item()
+    assert padded.offset == len(prompt) and padded.tokens == plain.tokens
+    for a, b in zip(plain.snapshot(), padded.snapshot()):
+        assert mx.array_equal(a, b).item()
+
+    prefill(fixture_model, prompt[:35], fixture_model.make_cache(), chunk=16)  # traces the 16-row shape
+    traces = []
+    sys.setprofile(lambda frame, event, arg: traces.append(frame.f_code.co_name)
+                   if event == "call" and frame.f_code.co_name in ("sparse_attention", "attn_input") else None)
+    try:
+        prefill(fixture_model, prompt[:41], fixture_model.make_cache(), chunk=16)
+    finally:
+        sys.setprofile(None)
+    assert traces == []
