@@ -124,28 +124,28 @@ def test_cli_shows_progress_bars_and_quiet_hides_everything_but_the_text(cli_env
 
 
 def test_prefill_pads_its_last_chunk_without_changing_a_bit(fixture_model):
-    """A prompt of 41 tokens runs as chunks of 16, 16 and 9 padded to 16; its logits and
-    cache equal one unpadded forward's, and prompts of 35 and 41 tokens share a shape."""
+    """A prompt whose last chunk is short runs it padded to a multiple of 16 rows: prompts
+    of 59 and 61 tokens (chunks of 32, then 27 or 29 padded to 32) share their shapes, and
+    the logits and cache equal one unpadded forward's."""
     import sys
 
     from dsv41_mlx.generate import prefill
 
-    prompt = [(37 * i) % 900 + 50 for i in range(41)]
+    prompt = [(37 * i) % 900 + 50 for i in range(61)]
+    prefill(fixture_model, prompt[:59], fixture_model.make_cache(), chunk=32)  # traces the 32-row shape
+    traces = []
+    sys.setprofile(lambda frame, event, arg: traces.append(frame.f_code.co_name)
+                   if event == "call" and frame.f_code.co_name in ("sparse_attention", "attn_input") else None)
+    padded = fixture_model.make_cache()
+    try:
+        got, _ = prefill(fixture_model, prompt, padded, chunk=32)
+    finally:
+        sys.setprofile(None)
+    assert traces == []
+
     plain = fixture_model.make_cache()
     want, _ = fixture_model(mx.array([prompt], dtype=mx.int32), plain)
-    padded = fixture_model.make_cache()
-    got, _ = prefill(fixture_model, prompt, padded, chunk=16)
     assert mx.array_equal(want[0, -1], got).item()
     assert padded.offset == len(prompt) and padded.tokens == plain.tokens
     for a, b in zip(plain.snapshot(), padded.snapshot()):
         assert mx.array_equal(a, b).item()
-
-    prefill(fixture_model, prompt[:35], fixture_model.make_cache(), chunk=16)  # traces the 16-row shape
-    traces = []
-    sys.setprofile(lambda frame, event, arg: traces.append(frame.f_code.co_name)
-                   if event == "call" and frame.f_code.co_name in ("sparse_attention", "attn_input") else None)
-    try:
-        prefill(fixture_model, prompt[:41], fixture_model.make_cache(), chunk=16)
-    finally:
-        sys.setprofile(None)
-    assert traces == []
