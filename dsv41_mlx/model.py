@@ -115,27 +115,54 @@ class Rope:
             smooth = (1 - ramp).astype(np.float32)
             freqs = freqs / np.float32(factor) * (1 - smooth) + freqs * smooth
         self.freqs = mx.array(freqs.astype(np.float32))
+        self._tables: tuple | None = None  # (positions, cos, sin) of the last positions seen
 
     def __call__(self, x: mx.array, positions: mx.array, inverse: bool = False) -> mx.array:
-        """x [S, ..., F] with positions [S]; rotates x[..., -dims:]."""
-        return rotate(x, positions, self.freqs, inverse)
+        """x [S, ..., F] with positions [S]; rotates x[..., -dims:]. Inside a compiled
+        function use `apply` with tables computed outside it (so that they are shared)."""
+        return self.apply(x, self.tables(positions), inverse)
+
+    @staticmethod
+    def apply(x: mx.array, tables: tuple[mx.array, mx.array, mx.array], inverse: bool = False) -> mx.array:
+        """The rotation with `tables(positions)`."""
+        cos, sin, neg_sin = tables
+        return rotate(x, cos, neg_sin if inverse else sin)
+
+    def tables(self, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """Per-feature factors [S, dims] for positions [S]: cos of each pair's angle on both
+        of its features; its sin on the second, negated on the first; and that negated (the
+        inverse rotation). Kept for the last positions array, which every layer of a
+        forward shares: one set per forward instead of one per call."""
+        cached = self._tables  # one read: a forward in another thread may replace it
+        if cached is not None and cached[0] is positions:
+            return cached[1:]
+        angles = positions.astype(F32)[:, None] * self.freqs[None, :]  # [S, dims/2]
+        cos, sin = mx.cos(angles), mx.sin(angles)
+        signed = mx.stack([-sin, sin], axis=-1).reshape(positions.shape[0], -1)
+        tables = (mx.repeat(cos, 2, axis=-1), signed, -signed)
+        self._tables = (positions, *tables)
+        return tables
+
+
+@functools.lru_cache(maxsize=None)
+def shared_rope(dims: int, base: float, original_len: int = 0, factor: float = 1.0,
+                beta_fast: float = 32, beta_slow: float = 1) -> Rope:
+    """One Rope per set of parameters, shared by every layer that uses it, so that a forward
+    computes its tables once."""
+    return Rope(dims, base, original_len, factor, beta_fast, beta_slow)
 
 
 @mx.compile
-def rotate(x: mx.array, positions: mx.array, freqs: mx.array, inverse: bool) -> mx.array:
-    """Rope's rotation of the last 2 * len(freqs) features of x [S, ..., F]."""
-    dims = 2 * freqs.shape[0]
-    angles = positions.astype(F32)[:, None] * freqs[None, :]  # [S, dims/2]
-    shape = (angles.shape[0],) + (1,) * (x.ndim - 2) + (angles.shape[1],)
-    cos, sin = mx.cos(angles).reshape(shape), mx.sin(angles).reshape(shape)
-    if inverse:
-        sin = -sin
+def rotate(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    """Rope's rotation of the last cos.shape[-1] features of x [S, ..., F] (Rope.tables):
+    each pair (x0, x1) becomes (x0 cos - x1 sin, x1 cos + x0 sin), in fp32."""
+    dims = cos.shape[-1]
+    shape = (cos.shape[0],) + (1,) * (x.ndim - 2) + (dims,)
     head, tail = x[..., :-dims], x[..., -dims:]
-    pairs = tail.astype(F32).reshape(*tail.shape[:-1], dims // 2, 2)
-    x0, x1 = pairs[..., 0], pairs[..., 1]
-    rotated = mx.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1)
-    tail = rotated.reshape(tail.shape).astype(x.dtype)
-    return mx.concatenate([head, tail], axis=-1)
+    pairs = tail.reshape(*tail.shape[:-1], dims // 2, 2)
+    swapped = mx.stack([pairs[..., 1], pairs[..., 0]], axis=-1).reshape(tail.shape)  # (x1, x0) per pair
+    rotated = tail.astype(F32) * cos.reshape(shape) + swapped.astype(F32) * sin.reshape(shape)
+    return mx.concatenate([head, rotated.astype(x.dtype)], axis=-1)
 
 
 @mx.compile
@@ -418,28 +445,30 @@ class Attention(nn.Module):
 
         rd = args.qk_rope_head_dim
         if self.ratio:
-            self.rope = Rope(rd, args.compress_rope_theta, args.original_max_position_embeddings,
-                             args.rope_factor, args.beta_fast, args.beta_slow)
+            self.rope = shared_rope(rd, args.compress_rope_theta, args.original_max_position_embeddings,
+                                    args.rope_factor, args.beta_fast, args.beta_slow)
         else:  # window-only layers and DSpark stages: plain RoPE, no YaRN
-            self.rope = Rope(rd, args.rope_theta)
+            self.rope = shared_rope(rd, args.rope_theta)
 
+    # rope: self.rope.tables(positions), computed outside these compiled methods so that
+    # every layer of a forward shares them
     @fused("wq_a", "q_norm", "wq_b")
-    def queries(self, x: mx.array, positions: mx.array) -> tuple[mx.array, mx.array]:
+    def queries(self, x: mx.array, rope: tuple) -> tuple[mx.array, mx.array]:
         """q [S, H, D] with RoPE, and the normed low-rank qr [S, q_lora] the indexer reuses."""
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).reshape(x.shape[0], self.n_heads, self.head_dim)
-        return self.rope(q, positions), qr
+        return Rope.apply(q, rope), qr
 
     @fused("wkv", "kv_norm")
-    def latent_kv(self, x: mx.array, positions: mx.array) -> mx.array:
+    def latent_kv(self, x: mx.array, rope: tuple) -> mx.array:
         """Window keys [S, D]: normed, RoPE'd, FP8 fake-quantised over the whole latent."""
-        return fp8_fake_quant(self.rope(self.kv_norm(self.wkv(x)), positions))
+        return fp8_fake_quant(Rope.apply(self.kv_norm(self.wkv(x)), rope))
 
     @fused("wo_a", "wo_b")
-    def output(self, o: mx.array, positions: mx.array) -> mx.array:
+    def output(self, o: mx.array, rope: tuple) -> mx.array:
         """Undo the query RoPE, then the grouped wo_a (block-diagonal) and wo_b."""
         S = o.shape[0]
-        o = self.rope(o, positions, inverse=True).reshape(S, self.n_groups, 1, -1)
+        o = Rope.apply(o, rope, inverse=True).reshape(S, self.n_groups, 1, -1)
         w = self.wo_a.weight.reshape(self.n_groups, self.o_lora_rank, -1)
         s = self.wo_a.scales.reshape(self.n_groups, self.o_lora_rank, -1)
         # wo_a is applied to bf16 activations as stored (the reference dequantises it, no act-quant)
@@ -450,8 +479,9 @@ class Attention(nn.Module):
     def __call__(self, x: mx.array, positions: mx.array, cache: LayerCache,
                  caches: list[LayerCache], shared: SharedAttention) -> mx.array:
         S = x.shape[0]
-        q, qr = self.queries(x, positions)
-        keys, first = cache.window.update(self.latent_kv(x, positions))
+        rope = self.rope.tables(positions)
+        q, qr = self.queries(x, rope)
+        keys, first = cache.window.update(self.latent_kv(x, rope))
         if self.row_invariant:
             # each row gathers its own window, oldest first: the same array for a position
             # whichever forward it is computed in, so its reductions run in the same order
@@ -477,7 +507,7 @@ class Attention(nn.Module):
                 ids, picked_mask = shared.topk
                 picked = source.kv[ids]  # [S, k, D]
         o = sparse_attention(q, keys, window_mask, picked, picked_mask, self.attn_sink, self.scale)
-        return self.output(o, positions)
+        return self.output(o, rope)
 
     def _compress(self, x: mx.array, cache: LayerCache) -> None:
         """Pool finished groups; store their index keys and RoPE'd FP4 compressed KV."""

@@ -580,13 +580,14 @@ def bench_pieces(model_path: str | None, layer_ids: list[int]) -> dict:
         layer = model.layers[li]
         attn, ffn = layer.attn, layer.ffn
         x, *mix = layer.attn_input(h, pre)
-        q, _ = attn.queries(x, positions)
+        rope = attn.rope.tables(positions)
+        q, _ = attn.queries(x, rope)
         keys = mx.random.normal((rows, attn.window, attn.head_dim)).astype(mx.bfloat16)
         mask = mx.ones((rows, attn.window), dtype=mx.bool_)
         picked = mx.random.normal((rows, model.args.index_topk, attn.head_dim)).astype(mx.bfloat16)
         picked_mask = mx.ones(picked.shape[:2], dtype=mx.bool_)
         o = sparse_attention(q, keys, mask, None, None, attn.attn_sink, attn.scale)
-        y = attn.output(o, positions)
+        y = attn.output(o, rope)
         h2, x2, *ffn_mix = layer.ffn_input(y, h, *mix)
         _, ids = ffn.gate(x2)
         xe = mx.random.normal((rows, 1, 1, model.args.hidden_size)).astype(gemm_input_dtype())
@@ -594,13 +595,13 @@ def bench_pieces(model_path: str | None, layer_ids: list[int]) -> dict:
         w1 = ffn.experts.w1
         pieces = {
             "attn_input (hc mixes, collapse, norm)": lambda i: layer.attn_input(h, pre),
-            "queries": lambda i: attn.queries(x, positions),
-            "latent_kv": lambda i: attn.latent_kv(x, positions),
+            "queries": lambda i: attn.queries(x, rope),
+            "latent_kv": lambda i: attn.latent_kv(x, rope),
             "sparse_attention, window": lambda i: sparse_attention(q, keys, mask, None, None, attn.attn_sink,
                                                                    attn.scale),
             "sparse_attention, window + top-k": lambda i: sparse_attention(q, keys, mask, picked, picked_mask,
                                                                            attn.attn_sink, attn.scale),
-            "output (wo_a, wo_b)": lambda i: attn.output(o, positions),
+            "output (wo_a, wo_b)": lambda i: attn.output(o, rope),
             "ffn_input (expand, hc mixes, collapse, norm)": lambda i: layer.ffn_input(y, h, *mix),
             "moe, 1 real row": lambda i: ffn(x2, 1),
             f"moe, {rows} real rows": lambda i: ffn(x2),
