@@ -79,7 +79,7 @@ class DSparkAttention(Attention):
     def __call__(self, x: mx.array, positions: mx.array, ring: mx.array, ring_valid: mx.array) -> mx.array:
         """x [S, dim] block rows at `positions`; ring [window, D] bf16, ring_valid [window] bool."""
         S = x.shape[0]
-        rope = self.rope.tables(positions)
+        rope = self.rope.tables(positions, self.head_dim)
         with _on(self.side_stream):  # the key path needs only x: it runs beside the query path
             block_keys = self.latent_kv(x, rope)
         q, _ = self.queries(x, rope)
@@ -213,7 +213,7 @@ class Drafter:
         """Target features [n, 3*dim] of positions [n] -> every stage's ring rows [stages, n, D] bf16."""
         first = self.stages[0]
         main_x = first.main_norm(first.main_proj(features.astype(BF16)))
-        return mx.stack([stage.attn.latent_kv(main_x, stage.attn.rope.tables(positions)) for stage in self.stages])
+        return mx.stack([stage.attn.latent_kv(main_x, stage.attn.rope.tables(positions, stage.attn.head_dim)) for stage in self.stages])
 
     def ingest(self, cache: DraftCache, features: mx.array) -> None:
         """Write the committed positions cache.end .. cache.end+n-1 (features [n, 3*dim]) into the rings.

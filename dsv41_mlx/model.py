@@ -115,32 +115,38 @@ class Rope:
             smooth = (1 - ramp).astype(np.float32)
             freqs = freqs / np.float32(factor) * (1 - smooth) + freqs * smooth
         self.freqs = mx.array(freqs.astype(np.float32))
-        self._tables: tuple | None = None  # (positions, cos, sin) of the last positions seen
+        self._tables: dict[int, tuple] = {}  # feature width -> the last two (positions, tables)
 
     def __call__(self, x: mx.array, positions: mx.array, inverse: bool = False) -> mx.array:
         """x [S, ..., F] with positions [S]; rotates x[..., -dims:]. Inside a compiled
         function use `apply` with tables computed outside it (so that they are shared)."""
-        return self.apply(x, self.tables(positions), inverse)
+        return self.apply(x, self.tables(positions, x.shape[-1]), inverse)
 
     @staticmethod
-    def apply(x: mx.array, tables: tuple[mx.array, mx.array, mx.array], inverse: bool = False) -> mx.array:
-        """The rotation with `tables(positions)`."""
-        cos, sin, neg_sin = tables
-        return rotate(x, cos, neg_sin if inverse else sin)
+    def apply(x: mx.array, tables: tuple[mx.array, ...], inverse: bool = False) -> mx.array:
+        """The rotation with `tables(positions, x.shape[-1])`."""
+        cos, sin, neg_sin, rotated = tables
+        return rotate(x, cos, neg_sin if inverse else sin, rotated)
 
-    def tables(self, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """Per-feature factors [S, dims] for positions [S]: cos of each pair's angle on both
-        of its features; its sin on the second, negated on the first; and that negated (the
-        inverse rotation). Kept for the last positions array, which every layer of a
-        forward shares: one set per forward instead of one per call."""
-        cached = self._tables  # one read: a forward in another thread may replace it
-        if cached is not None and cached[0] is positions:
-            return cached[1:]
+    def tables(self, positions: mx.array, width: int) -> tuple[mx.array, ...]:
+        """Per-feature factors [S, width] for positions [S] and features of that width:
+        cos of each pair's angle on both of its features; its sin on the second, negated on
+        the first; that negated (the inverse rotation); and which features rotate [width]
+        (the last `dims`). Kept for the last two positions arrays per width (a forward's,
+        which all its layers share, and a compressor's group positions): one set per
+        forward instead of one per call."""
+        recent = self._tables.get(width, ())  # one read: a forward in another thread may replace it
+        for seen, tables in recent:
+            if seen is positions:
+                return tables
+        S, fixed = positions.shape[0], width - self.dims
         angles = positions.astype(F32)[:, None] * self.freqs[None, :]  # [S, dims/2]
         cos, sin = mx.cos(angles), mx.sin(angles)
-        signed = mx.stack([-sin, sin], axis=-1).reshape(positions.shape[0], -1)
-        tables = (mx.repeat(cos, 2, axis=-1), signed, -signed)
-        self._tables = (positions, *tables)
+        cos = mx.concatenate([mx.ones((S, fixed), dtype=F32), mx.repeat(cos, 2, axis=-1)], axis=-1)
+        sin = mx.concatenate([mx.zeros((S, fixed), dtype=F32),
+                              mx.stack([-sin, sin], axis=-1).reshape(S, -1)], axis=-1)
+        tables = (cos, sin, -sin, mx.arange(width) >= fixed)
+        self._tables[width] = ((positions, tables),) + recent[:1]  # a forward's and a compressor's
         return tables
 
 
@@ -153,16 +159,16 @@ def shared_rope(dims: int, base: float, original_len: int = 0, factor: float = 1
 
 
 @mx.compile
-def rotate(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-    """Rope's rotation of the last cos.shape[-1] features of x [S, ..., F] (Rope.tables):
-    each pair (x0, x1) becomes (x0 cos - x1 sin, x1 cos + x0 sin), in fp32."""
-    dims = cos.shape[-1]
-    shape = (cos.shape[0],) + (1,) * (x.ndim - 2) + (dims,)
-    head, tail = x[..., :-dims], x[..., -dims:]
-    pairs = tail.reshape(*tail.shape[:-1], dims // 2, 2)
-    swapped = mx.stack([pairs[..., 1], pairs[..., 0]], axis=-1).reshape(tail.shape)  # (x1, x0) per pair
-    rotated = tail.astype(F32) * cos.reshape(shape) + swapped.astype(F32) * sin.reshape(shape)
-    return mx.concatenate([head, rotated.astype(x.dtype)], axis=-1)
+def rotate(x: mx.array, cos: mx.array, sin: mx.array, rotated: mx.array) -> mx.array:
+    """Rope's rotation of x [S, ..., F] (contiguous) with Rope.tables: each rotated pair
+    (x0, x1) becomes (x0 cos - x1 sin, x1 cos + x0 sin), in fp32; the other features are
+    passed through as they are. One fused element-wise pass: the pair swap is a view."""
+    S, F = x.shape[0], x.shape[-1]
+    pairs = (S,) + (1,) * (x.ndim - 2) + (F // 2, 2)
+    x2 = x.reshape(*x.shape[:-1], F // 2, 2)
+    swapped = x2[..., ::-1]  # (x1, x0) per pair
+    out = x2.astype(F32) * cos.reshape(pairs) + swapped.astype(F32) * sin.reshape(pairs)
+    return mx.where(rotated.reshape(F // 2, 2), out.astype(x.dtype), x2).reshape(x.shape)
 
 
 @mx.compile
@@ -479,7 +485,7 @@ class Attention(nn.Module):
     def __call__(self, x: mx.array, positions: mx.array, cache: LayerCache,
                  caches: list[LayerCache], shared: SharedAttention) -> mx.array:
         S = x.shape[0]
-        rope = self.rope.tables(positions)
+        rope = self.rope.tables(positions, self.head_dim)
         q, qr = self.queries(x, rope)
         keys, first = cache.window.update(self.latent_kv(x, rope))
         if self.row_invariant:

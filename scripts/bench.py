@@ -580,7 +580,7 @@ def bench_pieces(model_path: str | None, layer_ids: list[int]) -> dict:
         layer = model.layers[li]
         attn, ffn = layer.attn, layer.ffn
         x, *mix = layer.attn_input(h, pre)
-        rope = attn.rope.tables(positions)
+        rope = attn.rope.tables(positions, attn.head_dim)
         q, _ = attn.queries(x, rope)
         keys = mx.random.normal((rows, attn.window, attn.head_dim)).astype(mx.bfloat16)
         mask = mx.ones((rows, attn.window), dtype=mx.bool_)
