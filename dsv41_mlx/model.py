@@ -72,6 +72,19 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     return (weight.astype(F32) * y).astype(x.dtype)
 
 
+SORT_EXPERTS_AT = 64  # (row, expert) pairs from which the MoE groups them by expert (prefill)
+MAX_CONSTANT_ROWS = 16  # forwards up to this many rows (decode, verify) take index constants
+
+
+def index_range(n: int) -> mx.array:
+    """mx.arange(n) as uint32, evaluated now: the gathered GEMMs' row and expert indices
+    on the decode path slice it, so that it is an input of each forward's graph, not an
+    operation in every layer of it (gather_qmm builds one when not given its indices)."""
+    ids = mx.arange(n, dtype=mx.uint32)
+    mx.eval(ids)
+    return ids
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dims: int, eps: float):
         super().__init__()
@@ -409,6 +422,24 @@ class SharedAttention:
     def __init__(self):
         self.topk: tuple[mx.array, mx.array] | None = None  # ids [S, k], valid [S, k]
         self.candidates: mx.array | None = None  # [S, T] bool
+        self._window: tuple | None = None
+
+    def window(self, positions: mx.array, first: int, n_keys: int, window: int,
+               row_invariant: bool) -> tuple[mx.array | None, mx.array]:
+        """Which window keys each row sees, the same for every layer of a forward (their
+        windows hold the same positions), so computed once: (gather index [S, W] of each
+        row's own window, oldest first, or None where rows share the keys [n_keys]; mask)."""
+        key = (first, n_keys, window, row_invariant)
+        if self._window is None or self._window[0] != key:
+            if row_invariant:
+                key_pos = positions[:, None] - window + 1 + mx.arange(window)[None, :]  # [S, W]
+                index, mask = mx.clip(key_pos - first, 0, n_keys - 1), key_pos >= max(first, 0)
+            else:
+                key_pos = first + mx.arange(n_keys)
+                index = None
+                mask = (key_pos[None, :] <= positions[:, None]) & (key_pos[None, :] > positions[:, None] - window)
+            self._window = (key, index, mask)
+        return self._window[1], self._window[2]
 
 
 class Attention(nn.Module):
@@ -439,6 +470,7 @@ class Attention(nn.Module):
         self.kv_norm = RMSNorm(self.head_dim, self.eps)
         self.wo_a = Fp8Linear(self.n_heads * self.head_dim // self.n_groups, self.n_groups * self.o_lora_rank)
         self.wo_b = Fp8Linear(self.n_groups * self.o_lora_rank, dim)
+        self._pair_ids = index_range(MAX_CONSTANT_ROWS * self.n_groups)  # wo_a's (row, group) pairs
 
         is_backbone = layer_id < args.num_hidden_layers
         self.is_kv_source = is_backbone and layer_id in args.kv_source_layer_ids
@@ -478,7 +510,9 @@ class Attention(nn.Module):
         w = self.wo_a.weight.reshape(self.n_groups, self.o_lora_rank, -1)
         s = self.wo_a.scales.reshape(self.n_groups, self.o_lora_rank, -1)
         # wo_a is applied to bf16 activations as stored (the reference dequantises it, no act-quant)
-        o = mx.gather_qmm(o.astype(gemm_input_dtype()), w, s, rhs_indices=mx.arange(self.n_groups), transpose=True,
+        groups = self._pair_ids[: self.n_groups]
+        pairs = self._pair_ids[: S * self.n_groups].reshape(S, -1) if S <= MAX_CONSTANT_ROWS else None
+        o = mx.gather_qmm(o.astype(gemm_input_dtype()), w, s, lhs_indices=pairs, rhs_indices=groups, transpose=True,
                           mode="mxfp8")
         return self.wo_b(o.astype(BF16).reshape(S, -1))
 
@@ -488,16 +522,11 @@ class Attention(nn.Module):
         rope = self.rope.tables(positions, self.head_dim)
         q, qr = self.queries(x, rope)
         keys, first = cache.window.update(self.latent_kv(x, rope))
-        if self.row_invariant:
-            # each row gathers its own window, oldest first: the same array for a position
-            # whichever forward it is computed in, so its reductions run in the same order
-            key_pos = positions[:, None] - self.window + 1 + mx.arange(self.window)[None, :]  # [S, W]
-            window_mask = key_pos >= max(first, 0)
-            keys = keys[mx.clip(key_pos - first, 0, keys.shape[0] - 1)]  # [S, W, D]
-        else:
-            key_pos = first + mx.arange(keys.shape[0])
-            window_mask = (key_pos[None, :] <= positions[:, None]) & \
-                (key_pos[None, :] > positions[:, None] - self.window)
+        # row_invariant: each row gathers its own window, oldest first: the same array for a
+        # position whichever forward it is computed in, so its reductions run in the same order
+        index, window_mask = shared.window(positions, first, keys.shape[0], self.window, self.row_invariant)
+        if index is not None:
+            keys = keys[index]  # [S, W, D]
 
         picked = picked_mask = None
         if self.ratio:
@@ -550,11 +579,12 @@ class Fp4Stack(nn.Module):
         self.weight = mx.zeros((n_experts, out_dims, in_dims // 8), dtype=mx.uint32)
         self.scales = mx.zeros((n_experts, out_dims, in_dims // 32), dtype=mx.uint8)
 
-    def __call__(self, x: mx.array, ids: mx.array, sorted_ids: bool = False) -> mx.array:
+    def __call__(self, x: mx.array, ids: mx.array, sorted_ids: bool = False, rows: mx.array | None = None) -> mx.array:
         """x [N, 1|k, 1, in] FP8-rounded activations through experts ids [N, k] -> bf16
         [N, k, 1, out]: the fp32 products summed in fp32, rounded to bf16 once. sorted_ids:
-        ids are in ascending order (MLX then runs each expert's rows as one GEMM)."""
-        y = mx.gather_qmm(x.astype(gemm_input_dtype()), self.weight, self.scales, rhs_indices=ids,
+        ids are in ascending order (MLX then runs each expert's rows as one GEMM). rows: which
+        x row each pair takes (default: x's own batch order)."""
+        y = mx.gather_qmm(x.astype(gemm_input_dtype()), self.weight, self.scales, lhs_indices=rows, rhs_indices=ids,
                           transpose=True, mode="mxfp4", sorted_indices=sorted_ids)
         return y.astype(BF16)
 
@@ -604,7 +634,6 @@ class Gate(nn.Module):
         return weights * self.route_scale, ids
 
 
-SORT_EXPERTS_AT = 64  # (row, expert) pairs from which the MoE groups them by expert (prefill)
 
 
 class MoE(nn.Module):
@@ -615,6 +644,7 @@ class MoE(nn.Module):
         self.experts = Fp4Experts(n_experts, args.hidden_size, args.moe_intermediate_size)
         self.shared_experts = Expert(args.hidden_size, args.moe_intermediate_size, args.swiglu_limit)
         self.limit = args.swiglu_limit
+        self._pair_ids = index_range(SORT_EXPERTS_AT)
 
     @fused()
     def __call__(self, x: mx.array, rows: int | None = None) -> mx.array:
@@ -646,10 +676,14 @@ class MoE(nn.Module):
     def _routed(self, xq: mx.array, weights: mx.array, ids: mx.array, sorted_ids: bool) -> mx.array:
         """The routed experts' SwiGLU, weighted before the down projection (as the reference):
         xq [N, 1|k, 1, dim] through experts ids [N, k] (or [N] sorted pairs) -> fp32 [.., 1, dim]."""
-        gate = self.experts.w1(xq, ids, sorted_ids).astype(F32)
-        up = self.experts.w3(xq, ids, sorted_ids).astype(F32)
+        rows = pairs = None  # each pair's row of x, then of h: index constants on the decode path
+        if not sorted_ids and ids.size <= self._pair_ids.size:
+            N, k = ids.shape
+            rows, pairs = self._pair_ids[:N, None], self._pair_ids[: N * k].reshape(N, k)
+        gate = self.experts.w1(xq, ids, sorted_ids, rows).astype(F32)
+        up = self.experts.w3(xq, ids, sorted_ids, rows).astype(F32)
         h = fp8_fake_quant((swiglu(gate, up, self.limit) * weights).astype(BF16), dtype=F32)
-        return self.experts.w2(h, ids, sorted_ids).astype(F32)
+        return self.experts.w2(h, ids, sorted_ids, pairs).astype(F32)
 
 
 # ----------------------------------------------------------------------- block
