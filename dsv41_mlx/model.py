@@ -66,29 +66,16 @@ def fused(*parts: str):
 
 @mx.compile
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
-    """fp32 RMSNorm scaled by `weight`, returned in x's dtype (reference RMSNorm)."""
-    xf = x.astype(F32)
-    y = xf * mx.rsqrt(mx.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (weight.astype(F32) * y).astype(x.dtype)
-
-
-SORT_EXPERTS_AT = 64  # (row, expert) pairs from which the MoE groups them by expert (prefill)
-MAX_CONSTANT_ROWS = 16  # forwards up to this many rows (decode, verify) take index constants
-
-
-def index_range(n: int) -> mx.array:
-    """mx.arange(n) as uint32, evaluated now: the gathered GEMMs' row and expert indices
-    on the decode path slice it, so that it is an input of each forward's graph, not an
-    operation in every layer of it (gather_qmm builds one when not given its indices)."""
-    ids = mx.arange(n, dtype=mx.uint32)
-    mx.eval(ids)
-    return ids
+    """fp32 RMSNorm scaled by `weight`, returned in x's dtype (reference RMSNorm):
+    x * rsqrt(mean(x^2) + eps) * weight in fp32. MLX's fused kernel on a GPU (one
+    operation instead of three); on the CPU it runs those same operations."""
+    return mx.fast.rms_norm(x.astype(F32), weight.astype(F32), eps).astype(x.dtype)
 
 
 class RMSNorm(nn.Module):
     def __init__(self, dims: int, eps: float):
         super().__init__()
-        self.weight = mx.ones((dims,), dtype=BF16)
+        self.weight = mx.ones((dims,), dtype=F32)  # BF16 in the release, widened at load
         self.eps = eps
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -634,6 +621,19 @@ class Gate(nn.Module):
         return weights * self.route_scale, ids
 
 
+
+
+SORT_EXPERTS_AT = 64  # (row, expert) pairs from which the MoE groups them by expert (prefill)
+MAX_CONSTANT_ROWS = 16  # forwards up to this many rows (decode, verify) take index constants
+
+
+def index_range(n: int) -> mx.array:
+    """mx.arange(n) as uint32, evaluated now: the gathered GEMMs' row and expert indices
+    on the decode path slice it, so that it is an input of each forward's graph, not an
+    operation in every layer of it (gather_qmm builds one when not given its indices)."""
+    ids = mx.arange(n, dtype=mx.uint32)
+    mx.eval(ids)
+    return ids
 
 
 class MoE(nn.Module):
