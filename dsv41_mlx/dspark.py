@@ -213,7 +213,8 @@ class Drafter:
         """Target features [n, 3*dim] of positions [n] -> every stage's ring rows [stages, n, D] bf16."""
         first = self.stages[0]
         main_x = first.main_norm(first.main_proj(features.astype(BF16)))
-        return mx.stack([stage.attn.latent_kv(main_x, stage.attn.rope.tables(positions, stage.attn.head_dim)) for stage in self.stages])
+        return mx.stack([stage.attn.latent_kv(main_x, stage.attn.rope.tables(positions, stage.attn.head_dim))
+                         for stage in self.stages])
 
     def ingest(self, cache: DraftCache, features: mx.array) -> None:
         """Write the committed positions cache.end .. cache.end+n-1 (features [n, 3*dim]) into the rings.

@@ -475,8 +475,8 @@ class Attention(nn.Module):
         else:  # window-only layers and DSpark stages: plain RoPE, no YaRN
             self.rope = shared_rope(rd, args.rope_theta)
 
-    # rope: self.rope.tables(positions), computed outside these compiled methods so that
-    # every layer of a forward shares them
+    # rope: self.rope.tables(positions, self.head_dim), computed outside these compiled
+    # methods so that every layer of a forward shares them
     @fused("wq_a", "q_norm", "wq_b")
     def queries(self, x: mx.array, rope: tuple) -> tuple[mx.array, mx.array]:
         """q [S, H, D] with RoPE, and the normed low-rank qr [S, q_lora] the indexer reuses."""
@@ -621,16 +621,16 @@ class Gate(nn.Module):
         return weights * self.route_scale, ids
 
 
-
-
 SORT_EXPERTS_AT = 64  # (row, expert) pairs from which the MoE groups them by expert (prefill)
 MAX_CONSTANT_ROWS = 16  # forwards up to this many rows (decode, verify) take index constants
 
 
+@functools.lru_cache(maxsize=None)
 def index_range(n: int) -> mx.array:
-    """mx.arange(n) as uint32, evaluated now: the gathered GEMMs' row and expert indices
-    on the decode path slice it, so that it is an input of each forward's graph, not an
-    operation in every layer of it (gather_qmm builds one when not given its indices)."""
+    """mx.arange(n) as uint32, evaluated once (one array per size, shared by every layer):
+    the gathered GEMMs' row and expert indices on the decode path slice it, so that it is
+    an input of each forward's graph, not an operation in every layer of it (gather_qmm
+    builds one when not given its indices). Called at construction, never while tracing."""
     ids = mx.arange(n, dtype=mx.uint32)
     mx.eval(ids)
     return ids
