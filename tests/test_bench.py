@@ -37,3 +37,17 @@ def test_e2e_drafted_replies_equal_undrafted_and_mlxlm_runs_beside(bench):
     assert runs["drafted coupled"]["hash"] == runs["plain coupled"]["hash"]
     assert runs["oracle 0.56 greedy"]["hash"] == runs["plain greedy"]["hash"]
     assert res["mlxlm"]["decode_tok_s"] > 0 and res["prefill_tok_s"] > 0 and res["prefill_seen_tok_s"] > 0
+    assert res["warm_up_s"] > 0
+
+
+def test_warm_up_prompt_takes_every_chunk_path(bench, fixture_model):
+    """The e2e warm-up prompt prefills a first chunk, a full chunk on a cache already holding
+    more than a window, and a shorter last chunk that gets padded."""
+    from dsv41_mlx.generate import PREFILL_ROUND
+
+    for chunk in (32, 256):
+        ids = bench.warm_up_prompt(fixture_model, chunk)
+        chunks = [ids[i: i + chunk] for i in range(0, len(ids), chunk)]
+        assert [len(c) for c in chunks[:-1]] == [chunk, chunk] and chunk > fixture_model.args.sliding_window
+        assert 0 < len(chunks[-1]) < chunk and len(chunks[-1]) % PREFILL_ROUND
+        assert all(0 <= t < fixture_model.args.vocab_size for t in ids)
