@@ -35,7 +35,7 @@ from .cache import DraftCache
 from .config import ModelArgs
 from .kernels import fp8_rows_top64
 from .model import Attention, Block, Linear, RMSNorm, hc_expand, hc_pre, sparse_attention
-from .quant import Fp8Linear, Fp8Matrix, quantize_fp8_tiles_mx
+from .quant import Fp8Linear, Fp8Matrix, fp8_input, quantize_fp8_tiles_mx
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +80,10 @@ class DSparkAttention(Attention):
         """x [S, dim] block rows at `positions`; ring [window, D] bf16, ring_valid [window] bool."""
         S = x.shape[0]
         rope = self.rope.tables(positions, self.head_dim)
-        with _on(self.side_stream):  # the key path needs only x: it runs beside the query path
-            block_keys = self.latent_kv(x, rope)
-        q, _ = self.queries(x, rope)
+        xq = fp8_input(x)  # once, for both paths
+        with _on(self.side_stream):  # the key path needs only xq: it runs beside the query path
+            block_keys = self.latent_kv(xq, rope)
+        q, _ = self.queries(xq, rope)
         keys = mx.concatenate([ring, block_keys])
         mask = mx.broadcast_to(mx.concatenate([ring_valid, mx.ones((S,), dtype=mx.bool_)])[None], (S, keys.shape[0]))
         o = sparse_attention(q, keys, mask, None, None, self.attn_sink, self.scale)
@@ -212,7 +213,7 @@ class Drafter:
     def ring_rows(self, features: mx.array, positions: mx.array) -> mx.array:
         """Target features [n, 3*dim] of positions [n] -> every stage's ring rows [stages, n, D] bf16."""
         first = self.stages[0]
-        main_x = first.main_norm(first.main_proj(features.astype(BF16)))
+        main_x = fp8_input(first.main_norm(first.main_proj(features.astype(BF16))))  # once for every stage
         return mx.stack([stage.attn.latent_kv(main_x, stage.attn.rope.tables(positions, stage.attn.head_dim))
                          for stage in self.stages])
 

@@ -24,7 +24,7 @@ from .cache import LayerCache, ModelCache
 from .config import ModelArgs
 from . import kernels
 from .engram import Engram, NgramHasher
-from .quant import Fp8Linear, fp4_fake_quant, fp8_fake_quant, gemm_input_dtype
+from .quant import Fp8Linear, fp4_fake_quant, fp8_fake_quant, fp8_input, gemm_input_dtype
 
 F32, BF16 = mx.float32, mx.bfloat16
 
@@ -360,11 +360,13 @@ class Indexer(nn.Module):
     def __call__(self, x, qr, positions, index_keys, visible, rope, shared) -> tuple[mx.array, mx.array]:
         """Top-k compressed ids per row [S, k] and their validity mask.
 
+        qr: the attention's normed low-rank query, through fp8_input (Attention.queries).
+
         visible [S]: how many groups each row may see (groups finished at or
         before its position).
         """
         S = x.shape[0]
-        q = self.wq_b(qr).reshape(S, self.n_heads, self.head_dim)
+        q = self.wq_b.quantized(qr).reshape(S, self.n_heads, self.head_dim)
         q = fp4_fake_quant(rope(q, positions), 32, "e8m0")
         w = (self.weights_proj(x).astype(F32) * self.weight_scale).astype(BF16)  # [S, Hi]
         dots = mx.maximum(q.astype(BF16) @ index_keys.astype(BF16).T, 0)  # [S, Hi, T] bf16
@@ -477,17 +479,19 @@ class Attention(nn.Module):
 
     # rope: self.rope.tables(positions, self.head_dim), computed outside these compiled
     # methods so that every layer of a forward shares them
+    # xq: the attention input through quant.fp8_input, once for both wq_a and wkv
     @fused("wq_a", "q_norm", "wq_b")
-    def queries(self, x: mx.array, rope: tuple) -> tuple[mx.array, mx.array]:
-        """q [S, H, D] with RoPE, and the normed low-rank qr [S, q_lora] the indexer reuses."""
-        qr = self.q_norm(self.wq_a(x))
-        q = self.wq_b(qr).reshape(x.shape[0], self.n_heads, self.head_dim)
+    def queries(self, xq: mx.array, rope: tuple) -> tuple[mx.array, mx.array]:
+        """q [S, H, D] with RoPE, and the normed low-rank qr [S, q_lora] through fp8_input,
+        as wq_b takes it and the indexer's wq_b reuses it."""
+        qr = fp8_input(self.q_norm(self.wq_a.quantized(xq)))
+        q = self.wq_b.quantized(qr).reshape(xq.shape[0], self.n_heads, self.head_dim)
         return Rope.apply(q, rope), qr
 
     @fused("wkv", "kv_norm")
-    def latent_kv(self, x: mx.array, rope: tuple) -> mx.array:
+    def latent_kv(self, xq: mx.array, rope: tuple) -> mx.array:
         """Window keys [S, D]: normed, RoPE'd, FP8 fake-quantised over the whole latent."""
-        return fp8_fake_quant(Rope.apply(self.kv_norm(self.wkv(x)), rope))
+        return fp8_fake_quant(Rope.apply(self.kv_norm(self.wkv.quantized(xq)), rope))
 
     @fused("wo_a", "wo_b")
     def output(self, o: mx.array, rope: tuple) -> mx.array:
@@ -507,8 +511,9 @@ class Attention(nn.Module):
                  caches: list[LayerCache], shared: SharedAttention) -> mx.array:
         S = x.shape[0]
         rope = self.rope.tables(positions, self.head_dim)
-        q, qr = self.queries(x, rope)
-        keys, first = cache.window.update(self.latent_kv(x, rope))
+        xq = fp8_input(x)
+        q, qr = self.queries(xq, rope)
+        keys, first = cache.window.update(self.latent_kv(xq, rope))
         # row_invariant: each row gathers its own window, oldest first: the same array for a
         # position whichever forward it is computed in, so its reductions run in the same order
         index, window_mask = shared.window(positions, first, keys.shape[0], self.window, self.row_invariant)
@@ -592,8 +597,9 @@ class Expert(nn.Module):
         self.w1, self.w2, self.w3 = Fp8Linear(dim, inter), Fp8Linear(inter, dim), Fp8Linear(dim, inter)
         self.limit = limit
 
-    def __call__(self, x: mx.array) -> mx.array:
-        h = swiglu(self.w1(x).astype(F32), self.w3(x).astype(F32), self.limit)
+    def __call__(self, xq: mx.array) -> mx.array:
+        """xq: the input through quant.fp8_input (shared with the routed experts)."""
+        h = swiglu(self.w1.quantized(xq).astype(F32), self.w3.quantized(xq).astype(F32), self.limit)
         return self.w2(h.astype(BF16))
 
 
@@ -657,7 +663,8 @@ class MoE(nn.Module):
         weights, ids = self.gate(x)
         N, k = ids.shape
         real = N if rows is None else rows
-        xq = fp8_fake_quant(x[:real], dtype=F32)[:, None, None, :]
+        x8 = fp8_input(x)  # once, for the routed experts and both shared-expert GEMMs
+        xq = x8[:real, None, None, :]
         weights, ids = weights[:real], ids[:real]
         if ids.size < SORT_EXPERTS_AT:  # decode and verify: each row through its own k experts
             y = self._routed(xq, weights[:, :, None, None], ids, False)[:, :, 0, :]  # [real, k, dim]
@@ -671,7 +678,7 @@ class MoE(nn.Module):
             out = out + y[:, j]
         if real < N:
             out = mx.concatenate([out, mx.zeros((N - real, out.shape[1]), dtype=out.dtype)])
-        return (out + self.shared_experts(x).astype(F32)).astype(BF16)
+        return (out + self.shared_experts(x8).astype(F32)).astype(BF16)
 
     def _routed(self, xq: mx.array, weights: mx.array, ids: mx.array, sorted_ids: bool) -> mx.array:
         """The routed experts' SwiGLU, weighted before the down projection (as the reference):

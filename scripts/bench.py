@@ -582,7 +582,7 @@ def bench_pieces(model_path: str | None, layer_ids: list[int]) -> dict:
     import dsv41_mlx
     from dsv41_mlx.generate import prefill
     from dsv41_mlx.model import HcMixes, hc_expand, hc_post, sparse_attention
-    from dsv41_mlx.quant import gemm_input_dtype
+    from dsv41_mlx.quant import fp8_input, gemm_input_dtype
 
     model, _ = dsv41_mlx.load(model_path)
     cache = model.make_cache()
@@ -595,8 +595,9 @@ def bench_pieces(model_path: str | None, layer_ids: list[int]) -> dict:
         layer = model.layers[li]
         attn, ffn = layer.attn, layer.ffn
         x, *mix = layer.attn_input(h, pre)
+        xq = fp8_input(x)
         rope = attn.rope.tables(positions, attn.head_dim)
-        q, _ = attn.queries(x, rope)
+        q, _ = attn.queries(xq, rope)
         keys = mx.random.normal((rows, attn.window, attn.head_dim)).astype(mx.bfloat16)
         mask = mx.ones((rows, attn.window), dtype=mx.bool_)
         picked = mx.random.normal((rows, model.args.index_topk, attn.head_dim)).astype(mx.bfloat16)
@@ -604,14 +605,16 @@ def bench_pieces(model_path: str | None, layer_ids: list[int]) -> dict:
         o = sparse_attention(q, keys, mask, None, None, attn.attn_sink, attn.scale)
         y = attn.output(o, rope)
         h2, x2, *ffn_mix = layer.ffn_input(y, h, *mix)
+        x2q = fp8_input(x2)
         _, ids = ffn.gate(x2)
         xe = mx.random.normal((rows, 1, 1, model.args.hidden_size)).astype(gemm_input_dtype())
-        mx.eval(x, mix, q, o, y, h2, x2, ffn_mix, keys, picked, ids, xe)
+        mx.eval(x, xq, mix, q, o, y, h2, x2, x2q, ffn_mix, keys, picked, ids, xe)
         w1 = ffn.experts.w1
         pieces = {
             "attn_input (hc mixes, collapse, norm)": lambda i: layer.attn_input(h, pre),
-            "queries": lambda i: attn.queries(x, rope),
-            "latent_kv": lambda i: attn.latent_kv(x, rope),
+            "attention input's FP8 quantisation": lambda i: fp8_input(x),
+            "queries": lambda i: attn.queries(xq, rope),
+            "latent_kv": lambda i: attn.latent_kv(xq, rope),
             "sparse_attention, window": lambda i: sparse_attention(q, keys, mask, None, None, attn.attn_sink,
                                                                    attn.scale),
             "sparse_attention, window + top-k": lambda i: sparse_attention(q, keys, mask, picked, picked_mask,
@@ -621,7 +624,7 @@ def bench_pieces(model_path: str | None, layer_ids: list[int]) -> dict:
             "moe, 1 real row": lambda i: ffn(x2, 1),
             f"moe, {rows} real rows": lambda i: ffn(x2),
             "gate": lambda i: ffn.gate(x2),
-            "shared expert": lambda i: ffn.shared_experts(x2),
+            "shared expert": lambda i: ffn.shared_experts(x2q),
             "one routed projection, 1 row": lambda i: mx.gather_qmm(
                 xe[:1], w1.weight, w1.scales, rhs_indices=ids[:1], transpose=True, mode="mxfp4"),
             f"one routed projection, {rows} rows": lambda i: mx.gather_qmm(
