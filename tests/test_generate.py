@@ -83,6 +83,20 @@ def test_cli_prints_text_and_one_stats_line(cli_env):
     assert out.stdout.strip()
 
 
+@pytest.mark.parametrize("preset, want", [(None, "0"), ("1", "1")])
+def test_import_asks_mlx_for_full_float32_products_unless_told_otherwise(preset, want):
+    """MLX runs float32 matmuls at TF32 precision on CUDA and newer Apple GPUs unless
+    MLX_ENABLE_TF32=0; importing the package sets that (the reference's fp32 head, routers
+    and mixes), and keeps a value the user set."""
+    env = {k: v for k, v in os.environ.items() if k != "MLX_ENABLE_TF32"}
+    if preset is not None:
+        env["MLX_ENABLE_TF32"] = preset
+    out = subprocess.run([sys.executable, "-c", "import os, dsv41_mlx; print(os.environ['MLX_ENABLE_TF32'])"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == want
+
+
 def test_cli_reports_a_bad_model_path_without_a_traceback(tmp_path):
     out = subprocess.run([sys.executable, "-m", "dsv41_mlx.generate", "--model", str(tmp_path / "nope")],
                          capture_output=True, text=True, timeout=120)
