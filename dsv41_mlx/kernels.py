@@ -81,6 +81,10 @@ RING_WRITE = KernelSpec("ring_write", ("rings", "rows", "span"), ("out",), "ring
 ACT_QUANT = KernelSpec("act_quant_fp8", ("x", "n"), ("y",), "act_quant.metal", "act_quant.cu", header_files=())
 HC_SPLIT = KernelSpec("hc_split", ("mixes", "scale", "base", "eps", "rows"), ("pre", "post", "comb"),
                       "hc_split.metal", "hc_split.cu", header_files=())
+MOE_GATE = KernelSpec("moe_gate", ("x", "w", "bias", "params", "rows"), ("weights", "ids"),
+                      "moe_gate.metal", "moe_gate.cu", header_files=())
+HC_INPUT = KernelSpec("hc_input", ("h", "pre_in", "fn", "scale", "base", "norm_w", "params", "rows"),
+                      ("x", "pre", "post", "comb"), "hc_input.metal", "hc_input.cu", header_files=())
 
 
 @lru_cache(maxsize=None)
@@ -233,3 +237,82 @@ def act_quant_fp8(x: mx.array, impl: str, dtype: mx.Dtype | None = None) -> mx.a
                   grid=(-(-x.size // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
                   output_shapes=[x.shape], output_dtypes=[dtype])
     return y
+
+
+# -------------------------------------------------------------------- moe_gate
+
+MOE_GATE_MAX_ROWS = 16  # decode and verify forwards; prefill's many rows take the spec (one matmul)
+MOE_GATE_MAX_SHARED = 40 * 1024  # bytes of threadgroup memory the kernel may take (the row, 2 x E scores)
+
+
+def moe_gate_reference(x: mx.array, w: mx.array, bias: mx.array, k: int, temp: float, route_scale: float,
+                       normalize: bool) -> tuple[mx.array, mx.array]:
+    """Pure-MLX spec of the sqrt-softplus router (reference Gate): x [N, dim], w [E, dim] fp32,
+    bias [E] -> (weights [N, k] fp32, expert ids [N, k] in ascending order). The bias picks
+    the experts, the unbiased scores weight them."""
+    logits = (x.astype(mx.float32) @ w.T) / temp
+    scores = mx.sqrt(mx.where(logits > 20, logits, mx.log1p(mx.exp(mx.minimum(logits, 20)))))
+    ids = mx.argpartition(-(scores + bias), kth=k - 1, axis=-1)[:, :k]
+    ids = mx.sort(ids, axis=-1)  # the reference adds expert outputs in id order
+    weights = mx.take_along_axis(scores, ids, axis=-1)
+    if normalize and k > 1:
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+    return weights * route_scale, ids
+
+
+def moe_gate(x: mx.array, w: mx.array, bias: mx.array, k: int, temp: float, route_scale: float,
+             normalize: bool, impl: str | None = None) -> tuple[mx.array, mx.array]:
+    """The router in one launch (a threadgroup per row) for up to MOE_GATE_MAX_ROWS rows on a
+    GPU; the spec otherwise. Its fp32 dot products are summed in another order than the
+    spec's matmul, so a near-tie between two experts may fall the other way; each row is
+    computed alone, the same bits in any forward (scripts/check_kernels.py compares the two)."""
+    impl = impl or backend()
+    N, D = x.shape
+    E = w.shape[0]
+    shared = 4 * (D + 2 * E)
+    if impl == "mlx" or N > MOE_GATE_MAX_ROWS or shared > MOE_GATE_MAX_SHARED or x.dtype not in (mx.bfloat16,
+                                                                                                 mx.float32):
+        return moe_gate_reference(x, w, bias, k, temp, route_scale, normalize)
+    kernel = _compiled(MOE_GATE, impl)
+    weights, ids = kernel(inputs=[x, w, bias, mx.array([temp, route_scale], dtype=mx.float32),
+                                  mx.array([N], dtype=mx.int32)],
+                          template=[("T", x.dtype), ("D", D), ("E", E), ("K", k), ("NORMALIZE", int(normalize))],
+                          grid=(N * 256, 1, 1), threadgroup=(256, 1, 1),
+                          output_shapes=[(N, k), (N, k)], output_dtypes=[mx.float32, mx.uint32])
+    return weights, ids
+
+
+# -------------------------------------------------------------------- hc_input
+
+HC_INPUT_MAX_ROWS = 16  # decode and verify forwards; prefill's many rows take the spec
+
+
+def hc_input_fits(h: mx.array, impl: str | None = None) -> bool:
+    """Whether hc_input runs for this stream [S, hc, dim]: a GPU, at most HC_INPUT_MAX_ROWS
+    rows, a bfloat16 stream and a row's collapse within 24 KB of threadgroup memory."""
+    impl = impl or backend()
+    return (impl != "mlx" and h.ndim == 3 and h.shape[0] <= HC_INPUT_MAX_ROWS and h.dtype == mx.bfloat16
+            and 4 * h.shape[2] <= 24 * 1024)
+
+
+def hc_input(h: mx.array, pre_in: mx.array, fn: mx.array, scale: mx.array, base: mx.array, norm_w: mx.array,
+             iters: int, hc_norm_eps: float, eps: float, norm_eps: float,
+             impl: str | None = None) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """A sub-layer's input from the stream in one launch (a threadgroup per row): the
+    collapse by pre_in, RMS-normed by norm_w -> x [S, dim] bf16, and this sub-layer's mixes
+    pre [S, hc], post [S, hc], comb [S, hc, hc]. Its spec is model.hc_sublayer_input's
+    composition of hc_pre, rms_norm, the mix projection and hc_split (scripts/check_kernels.py
+    compares them); only where hc_input_fits."""
+    impl = impl or backend()
+    if not hc_input_fits(h, impl):
+        raise ValueError(f"hc_input takes a bfloat16 stream [<= {HC_INPUT_MAX_ROWS}, hc, dim] on a GPU, "
+                         f"got {h.dtype} {h.shape} on {impl}")
+    S, hc, dim = h.shape
+    kernel = _compiled(HC_INPUT, impl)
+    return tuple(kernel(inputs=[h, pre_in.astype(mx.float32), fn, scale, base, norm_w,
+                                mx.array([hc_norm_eps, eps, norm_eps], dtype=mx.float32),
+                                mx.array([S], dtype=mx.int32)],
+                        template=[("D", dim), ("HC", hc), ("ITERS", iters)],
+                        grid=(S * 256, 1, 1), threadgroup=(256, 1, 1),
+                        output_shapes=[(S, dim), (S, hc), (S, hc), (S, hc, hc)],
+                        output_dtypes=[mx.bfloat16, mx.float32, mx.float32, mx.float32]))

@@ -285,6 +285,17 @@ class HyperConnection(nn.Module):
     def __call__(self, x: mx.array) -> HcMixes:
         return hc_mixes(x, self.fn, self.scale, self.base, self._hc, self._iters, self._norm_eps, self._eps)
 
+    def sublayer_input(self, h: mx.array, pre: mx.array, norm: RMSNorm) -> tuple[mx.array, HcMixes]:
+        """A sub-layer's input: the stream h [S, hc, dim] collapsed by the previous sub-layer's
+        pre [S, hc] and normed by `norm`, and this sub-layer's mixes of h. On a GPU, forwards
+        of up to 16 rows run it as one kernel (kernels.hc_input) instead of about eight
+        operations; this composition is the kernel's spec."""
+        if kernels.hc_input_fits(h):
+            x, *mixes = kernels.hc_input(h, pre, self.fn, self.scale, self.base, norm.weight, self._iters,
+                                         self._norm_eps, self._eps, norm.eps)
+            return x, HcMixes(*mixes)
+        return norm(hc_pre(h, pre)), self(h)
+
 
 # ------------------------------------------------------------------- attention
 
@@ -617,14 +628,7 @@ class Gate(nn.Module):
 
     def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """x [N, dim] -> (weights [N, k] fp32, expert ids [N, k] in ascending order)."""
-        logits = (x.astype(F32) @ self.weight.T) / self.temp
-        scores = mx.sqrt(mx.where(logits > 20, logits, mx.log1p(mx.exp(mx.minimum(logits, 20)))))
-        ids = mx.argpartition(-(scores + self.bias), kth=self.top_k - 1, axis=-1)[:, : self.top_k]
-        ids = mx.sort(ids, axis=-1)  # the reference adds expert outputs in id order
-        weights = mx.take_along_axis(scores, ids, axis=-1)
-        if self.normalize and self.top_k > 1:
-            weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
-        return weights * self.route_scale, ids
+        return kernels.moe_gate(x, self.weight, self.bias, self.top_k, self.temp, self.route_scale, self.normalize)
 
 
 SORT_EXPERTS_AT = 64  # (row, expert) pairs from which the MoE groups them by expert (prefill)
@@ -725,16 +729,16 @@ class Block(nn.Module):
     @fused("hc_attn", "attn_norm")
     def attn_input(self, h: mx.array, pre: mx.array) -> tuple[mx.array, ...]:
         """The attention's normed input and this sub-layer's mixes (pre, post, comb)."""
-        mix = self.hc_attn(h)
-        return self.attn_norm(hc_pre(h, pre)), mix.pre, mix.post, mix.comb
+        x, mix = self.hc_attn.sublayer_input(h, pre, self.attn_norm)
+        return x, mix.pre, mix.post, mix.comb
 
     @fused("hc_ffn", "ffn_norm")
     def ffn_input(self, x: mx.array, h: mx.array, *attn_mix: mx.array) -> tuple[mx.array, ...]:
         """The attention's output expanded into the stream, then the MoE's normed input
         and its sub-layer's mixes: (h, x, pre, post, comb)."""
         h = hc_post(x, h, HcMixes(*attn_mix))
-        mix = self.hc_ffn(h)
-        return h, self.ffn_norm(hc_pre(h, attn_mix[0])), mix.pre, mix.post, mix.comb
+        x, mix = self.hc_ffn.sublayer_input(h, attn_mix[0], self.ffn_norm)
+        return h, x, mix.pre, mix.post, mix.comb
 
 
 class Head(nn.Module):

@@ -17,6 +17,14 @@ of 10,000 values (another fp32 summation order), each such value listed; an
 expert product of one row alone equals that row's inside 8 rows.
 hc_split: random mixes at 1..300 rows, release hc 4 / 20 iterations, within
 2e-6 of the spec (the spec's exp and sigmoid are not bit for bit the kernel's).
+moe_gate: the router at 384 / 24 / 16 experts (top 6, 6, 3), rows 1..16: the
+same experts as the spec (but where the k-th and (k+1)-th biased scores are
+within float32 noise), weights within 1e-5; a row alone equals the same row
+among others.
+hc_input: a sub-layer's input from the stream at hc 4, dim 5120, rows 1..16, against
+model.HyperConnection.sublayer_input's pure-MLX composition: x within a bf16 step
+(equal in 99% of values), the mixes within 2e-5; a row alone equals the row among
+others.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ import numpy as np
 
 from dsv41_mlx.kernels import (TILE, TOP_K, backend, fp8_rows_tiles, fp8_rows_top64, hc_split, hc_split_reference,
                                ring_write, ring_write_reference)
-from dsv41_mlx.kernels import act_quant_fp8
+from dsv41_mlx.kernels import act_quant_fp8, hc_input, moe_gate, moe_gate_reference
 from dsv41_mlx.quant import fp8_fake_quant_reference, quantize_fp8_tiles_mx
 
 POISON = -12345.0
@@ -214,6 +222,81 @@ def check_hc_split(impl: str, seed: int) -> list[str]:
     return problems
 
 
+def check_moe_gate(impl: str, seed: int) -> list[str]:
+    """The router kernel against its spec at the release's and the flash checkpoint's shapes.
+    Its dot products are summed in another order, so the k-th and (k+1)-th experts may swap
+    where their biased scores are within float32 noise: such rows are counted apart; every
+    other row must pick the same experts, with weights within 1e-5 (relative)."""
+    rng = np.random.default_rng(seed)
+    problems = []
+    for E, k, normalize in ((384, 6, True), (24, 6, True), (16, 3, False)):
+        w = mx.array(rng.normal(0, 1 / np.sqrt(5120), (E, 5120)).astype(np.float32))
+        bias = mx.array(rng.normal(0, 0.05, E).astype(np.float32))
+        for rows in (1, 2, 5, 8, 16):
+            x = mx.array(rng.normal(0, 1, (rows, 5120)).astype(np.float32)).astype(mx.bfloat16)
+            got_w, got_ids = moe_gate(x, w, bias, k, 1.0, 2.5, normalize, impl=impl)
+            want_w, want_ids = moe_gate_reference(x, w, bias, k, 1.0, 2.5, normalize)
+            logits = np.array(x.astype(mx.float32)) @ np.array(w).T
+            biased = np.sqrt(np.where(logits > 20, logits, np.log1p(np.exp(np.minimum(logits, 20))))) + np.array(bias)
+            edge = -np.sort(-biased, axis=-1)[:, k - 1: k + 1]  # the k-th and (k+1)-th biased scores
+            for r in range(rows):
+                if np.array_equal(np.array(got_ids[r]), np.array(want_ids[r])):
+                    err = np.abs(np.array(got_w[r]) - np.array(want_w[r])) / np.abs(np.array(want_w[r]))
+                    if not err.max() <= 1e-5:
+                        problems.append(f"moe_gate E={E} k={k} rows={rows} row {r}: weights off by {err.max():.3g}")
+                elif not edge[r, 0] - edge[r, 1] <= 1e-5 * abs(edge[r, 0]):
+                    problems.append(f"moe_gate E={E} k={k} rows={rows} row {r}: other experts "
+                                    f"{np.array(got_ids[r]).tolist()} vs {np.array(want_ids[r]).tolist()}")
+            alone = moe_gate(x[-1:], w, bias, k, 1.0, 2.5, normalize, impl=impl)
+            if not (mx.array_equal(alone[0], got_w[-1:]).item() and mx.array_equal(alone[1], got_ids[-1:]).item()):
+                problems.append(f"moe_gate E={E} k={k} rows={rows}: the last row alone differs from the same row "
+                                f"among {rows}")
+    return problems
+
+
+def hc_input_spec(h, pre_in, fn, scale, base, norm_w, iters, hc_norm_eps, eps, norm_eps):
+    """What kernels.hc_input computes, by model.HyperConnection.sublayer_input's pure-MLX path."""
+    from dsv41_mlx.model import _hc_project, hc_pre, rms_norm
+
+    mixes = hc_split_reference(_hc_project(h, fn, hc_norm_eps), scale, base, h.shape[1], iters, eps)
+    return (rms_norm(hc_pre(h, pre_in), norm_w, norm_eps), *mixes)
+
+
+def check_hc_input(impl: str, seed: int) -> list[str]:
+    """The sub-layer input kernel against its spec at the release's shape (hc 4, dim 5120,
+    20 Sinkhorn passes), rows 1..16. Its sums run in another order, so: x (bf16) within one
+    bf16 step of the spec in every value and equal in at least 99% of them; the mixes within
+    2e-5. These tolerances are set before any GPU run of the kernel. A row alone equals the
+    same row among others."""
+    rng = np.random.default_rng(seed)
+    problems = []
+    hc, dim, iters = 4, 5120, 20
+    M = (2 + hc) * hc
+    fn = mx.array(rng.normal(0, 1 / np.sqrt(hc * dim), (M, hc * dim)).astype(np.float32))
+    scale = mx.array(rng.normal(0, 1, 3).astype(np.float32))
+    base = mx.array(rng.normal(0, 1, M).astype(np.float32))
+    norm_w = mx.array(rng.normal(1, 0.2, dim).astype(np.float32))
+    for rows in (1, 2, 5, 8, 16):
+        h = mx.array(rng.normal(0, 1, (rows, hc, dim)).astype(np.float32)).astype(mx.bfloat16)
+        pre_in = mx.array(rng.uniform(0, 1, (rows, hc)).astype(np.float32))
+        args = (fn, scale, base, norm_w, iters, 1e-6, 1e-6, 1e-6)
+        got = hc_input(h, pre_in, *args, impl=impl)
+        want = hc_input_spec(h, pre_in, *args)
+        gx, wx = np.array(got[0].astype(mx.float32)), np.array(want[0].astype(mx.float32))
+        step = np.abs(wx) * 2.0**-7 + 1e-30  # one bfloat16 step at the spec's value (at most)
+        if not (np.abs(gx - wx) <= step).all() or (gx != wx).mean() > 0.01:
+            problems.append(f"hc_input rows={rows} x: {(gx != wx).mean():.2%} of values differ, "
+                            f"{(np.abs(gx - wx) > step).sum()} by more than a bf16 step")
+        for name, a, b in zip(("pre", "post", "comb"), got[1:], want[1:]):
+            err = mx.abs(a - b).max().item()
+            if not err <= 2e-5:
+                problems.append(f"hc_input rows={rows} {name} off by {err:.3g}")
+        alone = hc_input(h[-1:], pre_in[-1:], *args, impl=impl)
+        if not all(mx.array_equal(a, b[-1:]).item() for a, b in zip(alone, got)):
+            problems.append(f"hc_input rows={rows}: the last row alone differs from the same row among {rows}")
+    return problems
+
+
 def main() -> int:
     impl = backend()
     if impl == "mlx":
@@ -241,6 +324,12 @@ def main() -> int:
     problems = check_hc_split(impl, seed=5)
     failures += bool(problems)
     print(f"hc_split: {'ok' if not problems else '; '.join(problems)}")
+    problems = check_hc_input(impl, seed=17)
+    failures += bool(problems)
+    print(f"hc_input: {'ok' if not problems else '; '.join(problems[:5])}")
+    problems = check_moe_gate(impl, seed=13)
+    failures += bool(problems)
+    print(f"moe_gate: {'ok' if not problems else '; '.join(problems[:5])}")
     print("ALL OK" if not failures else f"{failures} FAILED")
     return 1 if failures else 0
 

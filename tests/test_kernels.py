@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from dsv41_mlx.cache import DraftCache
-from dsv41_mlx.kernels import (ACT_QUANT, FP8_ROWS, HC_SPLIT, RING_WRITE, TOP_K, fp8_rows_top64, ring_write,
-                               ring_write_reference)
+from dsv41_mlx.kernels import (ACT_QUANT, FP8_ROWS, HC_INPUT, HC_SPLIT, MOE_GATE, RING_WRITE, TOP_K, fp8_rows_top64,
+                               moe_gate, moe_gate_reference, ring_write, ring_write_reference)
 from dsv41_mlx.quant import e4m3_decode, e8m0_decode, quantize_fp8_tiles, quantize_fp8_tiles_mx
 
 from . import cuda_check
@@ -76,6 +76,43 @@ def test_ring_write_spec_puts_position_p_in_slot_p_mod_window():
     assert np.array_equal(np.array(ring_write(rings, rows, 14).astype(mx.float32)), expected)
 
 
+def _gate_float64(x, w, bias, k, temp, route_scale, normalize):
+    logits = x.astype(np.float64) @ w.astype(np.float64).T / temp
+    scores = np.sqrt(np.where(logits > 20, logits, np.log1p(np.exp(np.minimum(logits, 20)))))
+    ids = np.sort(np.argsort(-(scores + bias), axis=-1, kind="stable")[:, :k], axis=-1)
+    weights = np.take_along_axis(scores, ids, axis=-1)
+    if normalize and k > 1:
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+    return weights * route_scale, ids
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_moe_gate_spec_matches_numpy_float64(normalize):
+    """The router spec the gate kernel is checked against: the experts of largest biased
+    score, in ascending id order, weighted by their unbiased sqrt-softplus scores."""
+    rng = np.random.default_rng(4)
+    x = rng.normal(0, 1, (9, 256)).astype(np.float32)
+    w = rng.normal(0, 0.5, (24, 256)).astype(np.float32)
+    w[3] *= 40  # large logits: the softplus's linear branch
+    bias = rng.normal(0, 0.3, 24).astype(np.float32)
+    got_w, got_ids = moe_gate_reference(mx.array(x), mx.array(w), mx.array(bias), 6, 1.5, 2.5, normalize)
+    want_w, want_ids = _gate_float64(x, w, bias, 6, 1.5, 2.5, normalize)
+    assert np.array_equal(np.array(got_ids), want_ids)
+    assert np.allclose(np.array(got_w), want_w, rtol=1e-5, atol=0)
+    assert (np.array(got_ids)[:, 1:] > np.array(got_ids)[:, :-1]).all()
+
+
+def test_moe_gate_takes_the_spec_where_the_kernel_cannot_run():
+    """On the CPU, and for more rows than a decode or verify forward has, the router is the spec."""
+    rng = np.random.default_rng(5)
+    x = mx.array(rng.normal(0, 1, (40, 64)).astype(np.float32)).astype(mx.bfloat16)
+    w, bias = mx.array(rng.normal(0, 1, (16, 64)).astype(np.float32)), mx.zeros((16,))
+    for impl in ("mlx", "cuda"):  # 40 rows: the spec even where a GPU kernel is asked for
+        got = moe_gate(x, w, bias, 3, 1.0, 1.5, True, impl=impl)
+        want = moe_gate_reference(x, w, bias, 3, 1.0, 1.5, True)
+        assert all(mx.array_equal(a, b).item() for a, b in zip(got, want))
+
+
 def test_draft_cache_writes_through_the_ring_kernel():
     cache = DraftCache(n_stages=3, window=4, head_dim=8)
     rows = mx.random.normal((3, 4, 8)).astype(mx.bfloat16)
@@ -96,6 +133,13 @@ CASES = {
     "act_quant": (ACT_QUANT, {"x": "bfloat16", "n": "int32"}, {"y": "bfloat16"}, {"T": "bfloat16", "O": "bfloat16"}),
     "act_quant_to_f32": (ACT_QUANT, {"x": "bfloat16", "n": "int32"}, {"y": "float32"},
                          {"T": "bfloat16", "O": "float32"}),
+    "hc_input": (HC_INPUT, {"h": "bfloat16", "pre_in": "float32", "fn": "float32", "scale": "float32",
+                            "base": "float32", "norm_w": "float32", "params": "float32", "rows": "int32"},
+                 {"x": "bfloat16", "pre": "float32", "post": "float32", "comb": "float32"},
+                 {"D": 5120, "HC": 4, "ITERS": 20}),
+    "moe_gate": (MOE_GATE, {"x": "bfloat16", "w": "float32", "bias": "float32", "params": "float32",
+                            "rows": "int32"}, {"weights": "float32", "ids": "uint32"},
+                 {"T": "bfloat16", "D": 5120, "E": 384, "K": 6, "NORMALIZE": 1}),
 }
 
 @pytest.fixture(autouse=True)
@@ -130,6 +174,10 @@ def test_metal_source_type_checks(case, rows, tmp_path):
     ("hc_split", ("metal::exp(c[i * HC + j] - row_max)", "metal::exp(c[i * HC + j] - row_max, 1)")),  # bad call
     ("act_quant", ("const float q = v / scale;", "const float q = v / scal;")),  # misspelt variable
     ("act_quant", ("simd_max(metal::abs(v))", "simd_max(metal::abs(v), 1)")),  # bad call
+    ("moe_gate", ("acc += simd_shuffle_xor(acc, offset);", "acc += simd_shuffle_xor(acc);")),  # bad call
+    ("moe_gate", ("threadgroup int picked[K];", "threadgroup int picked[K]")),  # no semicolon
+    ("hc_input", ("collapsed[d] = cb;", "collapsed[d] = cb")),  # no semicolon
+    ("hc_input", ("bfloat16_t(c)", "bfloat16_t(c, 1)")),  # bad conversion
 ])
 def test_a_broken_metal_source_fails_the_check(case, breakage, tmp_path):
     spec = CASES[case][0]
@@ -164,6 +212,8 @@ def test_cuda_source_compiles(case):
     ("ring_write", ("src[chunk];", "src[chunck];")),  # misspelt variable
     ("hc_split", ("expf(c[i * HC + j] - row_max)", "expf(c[i * HC + j] - row_max, 1)")),  # bad call
     ("act_quant", ("__shfl_xor_sync(0xffffffffu, amax, offset)", "__shfl_xor_sync(amax, offset)")),  # bad call
+    ("moe_gate", ("choice[bi] = neg_inf;", "choice[bi] = neg_infinity;")),  # misspelt variable
+    ("hc_input", ("__float2bfloat16(c)", "__float2bfloat16(c, 1)")),  # bad call
 ])
 def test_a_broken_cuda_source_fails_the_compile(case, breakage):
     old, new = breakage
@@ -173,9 +223,7 @@ def test_a_broken_cuda_source_fails_the_compile(case, breakage):
     assert not ok and "error" in log
 
 
-def test_gemm_check_flags_a_kernel_that_rounds_along_the_way(monkeypatch):
-    """scripts/check_kernels.py's bf16-vs-fp32 GEMM check, here on the CPU, whose bf16-fed
-    GEMMs do round along the way: it must report them (on CUDA they pass)."""
+def _check_kernels_script():
     import importlib.util
     from pathlib import Path
 
@@ -183,7 +231,82 @@ def test_gemm_check_flags_a_kernel_that_rounds_along_the_way(monkeypatch):
     spec = importlib.util.spec_from_file_location("check_kernels", path)
     check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(check)
+    return check
+
+
+def test_gemm_check_flags_a_kernel_that_rounds_along_the_way(monkeypatch):
+    """scripts/check_kernels.py's bf16-vs-fp32 GEMM check, here on the CPU, whose bf16-fed
+    GEMMs do round along the way: it must report them (on CUDA they pass)."""
+    check = _check_kernels_script()
     monkeypatch.setattr(check, "quantised_gemm_shapes", lambda: ({(1024, 4096)}, {(2, 2048, 256)}, {(4, 2048, 256)}))
     problems, _ = check.check_gemms_bf16(seed=1, rows_list=(8,))
     assert any(p.startswith("mxfp8 1024->4096") for p in problems)
     assert not any("alone differs" in p for p in problems)  # the CPU's expert rows are independent
+
+
+def test_gate_check_passes_the_spec_and_flags_a_wrong_router(monkeypatch):
+    """scripts/check_kernels.py's router check: the spec itself passes; a router whose
+    weights are off, or that picks another expert, or whose rows depend on each other, fails."""
+    check = _check_kernels_script()
+    assert check.check_moe_gate("mlx", seed=2) == []
+
+    def off_weights(x, *args, impl=None):
+        w, ids = moe_gate_reference(x, *args)
+        return w * 1.001, ids
+
+    def other_expert(x, *args, impl=None):
+        w, ids = moe_gate_reference(x, *args)
+        return w, mx.sort(mx.concatenate([ids[:, :-1], (ids[:, -1:] + 1) % args[0].shape[0]], axis=1), axis=1)
+
+    def coupled_rows(x, *args, impl=None):
+        w, ids = moe_gate_reference(x, *args)
+        return w * (1 + 1e-3 * (x.shape[0] > 1)), ids
+
+    for broken, message in ((off_weights, "weights off"), (other_expert, "other experts"),
+                            (coupled_rows, "alone differs")):
+        monkeypatch.setattr(check, "moe_gate", broken)
+        assert any(message in p for p in check.check_moe_gate("mlx", seed=2)), message
+
+
+def test_hc_input_runs_only_where_it_fits():
+    """The sub-layer input kernel takes a GPU, a bfloat16 stream and at most 16 rows (decode
+    and verify); elsewhere the model composes its spec, and a direct call says why not."""
+    from dsv41_mlx.kernels import hc_input, hc_input_fits
+
+    h = mx.zeros((8, 4, 512), dtype=mx.bfloat16)
+    assert not hc_input_fits(h)  # the CPU
+    assert hc_input_fits(h, impl="cuda") and hc_input_fits(h, impl="metal")
+    assert not hc_input_fits(mx.zeros((17, 4, 512), dtype=mx.bfloat16), impl="cuda")
+    assert not hc_input_fits(h.astype(mx.float32), impl="cuda")
+    with pytest.raises(ValueError, match="hc_input takes"):
+        hc_input(h, mx.zeros((8, 4)), mx.zeros((24, 2048)), mx.zeros((3,)), mx.zeros((24,)), mx.ones((512,)),
+                 20, 1e-6, 1e-6, 1e-6)
+
+
+def test_hc_input_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatch):
+    """scripts/check_kernels.py's sub-layer input check: the spec itself passes; a kernel
+    whose x is off by a bf16 step in many values, whose mixes are off, or whose rows depend
+    on each other, fails."""
+    check = _check_kernels_script()
+    spec = check.hc_input_spec
+
+    def exact(h, pre_in, *args, impl=None):
+        return spec(h, pre_in, *args)
+
+    def x_off(h, pre_in, *args, impl=None):
+        x, *mixes = spec(h, pre_in, *args)
+        return ((x.astype(mx.float32) * (1 + 2.0**-6)).astype(mx.bfloat16), *mixes)
+
+    def comb_off(h, pre_in, *args, impl=None):
+        x, pre, post, comb = spec(h, pre_in, *args)
+        return x, pre, post, comb + 1e-4
+
+    def coupled_rows(h, pre_in, *args, impl=None):
+        x, pre, post, comb = spec(h, pre_in, *args)
+        return x, pre + 1e-3 * (h.shape[0] > 1), post, comb
+
+    monkeypatch.setattr(check, "hc_input", exact)
+    assert check.check_hc_input("mlx", seed=3) == []
+    for broken, message in ((x_off, "x:"), (comb_off, "comb off"), (coupled_rows, "alone differs")):
+        monkeypatch.setattr(check, "hc_input", broken)
+        assert any(message in p for p in check.check_hc_input("mlx", seed=3)), message

@@ -89,11 +89,17 @@ void simdgroup_multiply_accumulate(simdgroup_matrix<TD, C, R>& d, const simdgrou
                                    const simdgroup_matrix<TB, C, K>& b, const simdgroup_matrix<TC, C, R>& c);
 float simd_sum(float x);
 float simd_max(float x);
+float simd_shuffle_xor(float x, ushort mask);
+int simd_shuffle_xor(int x, ushort mask);
 
 namespace metal {
 enum class mem_flags { mem_none, mem_device, mem_threadgroup };
 float exp(float x);
+float log(float x);
+float sqrt(float x);
+float rsqrt(float x);
 float max(float a, float b);
+float min(float a, float b);
 float rint(float x);
 float abs(float x);
 uint max(uint a, uint b);
