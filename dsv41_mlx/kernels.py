@@ -63,9 +63,11 @@ class KernelSpec:
     metal: str  # body file
     cuda: str
     header_files: tuple[str, ...] = ("fp8_common.h",)
+    twin_headers: tuple[str, ...] = ()  # a .h for Metal and a .cuh for CUDA each
 
     def header(self, language: str) -> str:
         files = list(self.header_files) + (["fp16_bits.cuh"] if language == "cuda" else [])
+        files += [f"{name}.cuh" if language == "cuda" else f"{name}.h" for name in self.twin_headers]
         return "\n".join(kernel_text(f) for f in files)
 
     def source(self, language: str) -> str:
@@ -80,11 +82,15 @@ RING_WRITE = KernelSpec("ring_write", ("rings", "rows", "span"), ("out",), "ring
                         header_files=())
 ACT_QUANT = KernelSpec("act_quant_fp8", ("x", "n"), ("y",), "act_quant.metal", "act_quant.cu", header_files=())
 HC_SPLIT = KernelSpec("hc_split", ("mixes", "scale", "base", "eps", "rows"), ("pre", "post", "comb"),
-                      "hc_split.metal", "hc_split.cu", header_files=())
+                      "hc_split.metal", "hc_split.cu", header_files=(), twin_headers=("hc_split_row",))
 MOE_GATE = KernelSpec("moe_gate", ("x", "w", "bias", "params", "rows"), ("weights", "ids"),
                       "moe_gate.metal", "moe_gate.cu", header_files=())
+SPARSE_ATTENTION = KernelSpec("sparse_attention", ("q", "ring", "index", "wmask", "kv", "ids", "pmask", "sink",
+                                                  "params", "rows"),
+                              ("out",), "sparse_attention.metal", "sparse_attention.cu", header_files=())
 HC_INPUT = KernelSpec("hc_input", ("h", "pre_in", "fn", "scale", "base", "norm_w", "params", "rows"),
-                      ("x", "pre", "post", "comb"), "hc_input.metal", "hc_input.cu", header_files=())
+                      ("x", "pre", "post", "comb"), "hc_input.metal", "hc_input.cu", header_files=(),
+                      twin_headers=("hc_split_row",))
 
 
 @lru_cache(maxsize=None)
@@ -316,3 +322,47 @@ def hc_input(h: mx.array, pre_in: mx.array, fn: mx.array, scale: mx.array, base:
                         grid=(S * 256, 1, 1), threadgroup=(256, 1, 1),
                         output_shapes=[(S, dim), (S, hc), (S, hc), (S, hc, hc)],
                         output_dtypes=[mx.bfloat16, mx.float32, mx.float32, mx.float32]))
+
+
+# ------------------------------------------------------------ sparse_attention
+
+ATTENTION_MAX_ROWS = 16  # decode and verify forwards; prefill's many rows take the spec
+ATTENTION_HEADS_PER_GROUP = 4  # heads of one row per threadgroup: each key row is read once for them
+
+
+def attention_fits(q: mx.array, n_window: int, n_picked: int, impl: str | None = None) -> bool:
+    """Whether sparse_attention_rows runs: a GPU, at most ATTENTION_MAX_ROWS rows of bfloat16
+    queries [S, H, D], heads a multiple of the group, and the group's queries and scores
+    within 24 KB of threadgroup memory."""
+    impl = impl or backend()
+    if impl == "mlx" or q.ndim != 3 or q.dtype != mx.bfloat16 or q.shape[0] > ATTENTION_MAX_ROWS:
+        return False
+    G = ATTENTION_HEADS_PER_GROUP
+    return q.shape[1] % G == 0 and 4 * (G * q.shape[2] + (G + 1) * (n_window + n_picked)) <= 24 * 1024
+
+
+def sparse_attention_rows(q: mx.array, ring: mx.array, index: mx.array, window_mask: mx.array,
+                          kv: mx.array | None, ids: mx.array | None, picked_mask: mx.array | None,
+                          sink: mx.array, scale: float, impl: str | None = None) -> mx.array:
+    """model.sparse_attention for rows that each gather their own window, in one launch,
+    without gathering the keys first: q [S, H, D] bf16, ring [R, D] and index [S, W] (each
+    row's window slots), window_mask [S, W]; kv [T, D], ids [S, K], picked_mask [S, K], or
+    None for none. -> [S, H, D] bf16. Only where attention_fits."""
+    impl = impl or backend()
+    S, H, D = q.shape
+    W = index.shape[1]
+    K = 0 if ids is None else ids.shape[1]
+    if not attention_fits(q, W, K, impl):
+        raise ValueError(f"sparse_attention_rows takes bfloat16 queries [<= {ATTENTION_MAX_ROWS}, H, D] on a GPU "
+                         f"within its threadgroup memory, got {q.dtype} {q.shape} with {W} + {K} keys on {impl}")
+    if K == 0:  # placeholders the kernel does not read
+        kv, ids, picked_mask = ring[:1], mx.zeros((S, 1), dtype=mx.uint32), mx.zeros((S, 1), dtype=mx.bool_)
+    kernel = _compiled(SPARSE_ATTENTION, impl)
+    G = ATTENTION_HEADS_PER_GROUP
+    (out,) = kernel(inputs=[q, ring.astype(mx.bfloat16), index.astype(mx.int32), window_mask, kv.astype(mx.bfloat16),
+                            ids.astype(mx.uint32), picked_mask, sink.astype(mx.float32),
+                            mx.array([scale], dtype=mx.float32), mx.array([S], dtype=mx.int32)],
+                    template=[("D", D), ("H", H), ("G", G), ("W", W), ("K", K)],
+                    grid=(S * (H // G) * 256, 1, 1), threadgroup=(256, 1, 1),
+                    output_shapes=[(S, H, D)], output_dtypes=[mx.bfloat16])
+    return out

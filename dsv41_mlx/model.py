@@ -528,10 +528,8 @@ class Attention(nn.Module):
         # row_invariant: each row gathers its own window, oldest first: the same array for a
         # position whichever forward it is computed in, so its reductions run in the same order
         index, window_mask = shared.window(positions, first, keys.shape[0], self.window, self.row_invariant)
-        if index is not None:
-            keys = keys[index]  # [S, W, D]
 
-        picked = picked_mask = None
+        kv = ids = picked_mask = None
         if self.ratio:
             if self.is_kv_source:
                 self._compress(x, cache)
@@ -542,9 +540,15 @@ class Attention(nn.Module):
                 if source.n_groups:
                     shared.topk = self.indexer(x, qr, positions, source.index_keys, visible, self.rope, shared)
             if shared.topk is not None:
-                ids, picked_mask = shared.topk
-                picked = source.kv[ids]  # [S, k, D]
-        o = sparse_attention(q, keys, window_mask, picked, picked_mask, self.attn_sink, self.scale)
+                kv, (ids, picked_mask) = source.kv, shared.topk
+        if index is not None and kernels.attention_fits(q, index.shape[1], 0 if ids is None else ids.shape[1]):
+            # one launch that gathers each row's keys itself (spec: the lines below)
+            o = kernels.sparse_attention_rows(q, keys, index, window_mask, kv, ids, picked_mask, self.attn_sink,
+                                              self.scale)
+        else:
+            window_keys = keys if index is None else keys[index]  # [N, D] shared, or [S, W, D] per row
+            picked = None if ids is None else kv[ids]  # [S, k, D]
+            o = sparse_attention(q, window_keys, window_mask, picked, picked_mask, self.attn_sink, self.scale)
         return self.output(o, rope)
 
     def _compress(self, x: mx.array, cache: LayerCache) -> None:

@@ -74,58 +74,12 @@ for (unsigned int d = tid; d < D; d += 32 * WARPS) {
   x[row * D + d] = __float2bfloat16(collapsed[d] * r * norm_w[d]);
 }
 
-if (tid == 0) {  // the split, as hc_split.cu
+if (tid == 0) {  // the split (hc_split_row.cuh)
   const float rs = rsqrtf(total[M] / float(HD) + params[0]);
   float mix[M];
   for (int m = 0; m < M; m++) {
     mix[m] = total[m] * rs;
   }
-  const float e = params[1];
-  for (int i = 0; i < HC; i++) {
-    pre[row * HC + i] = 1.0f / (1.0f + expf(-(mix[i] * scale[0] + base[i]))) + e;
-    post[row * HC + i] = 2.0f * (1.0f / (1.0f + expf(-(mix[HC + i] * scale[1] + base[HC + i]))));
-  }
-  float c[HC * HC];
-  for (int i = 0; i < HC; i++) {  // softmax over each row, then + eps
-    for (int j = 0; j < HC; j++) {
-      c[i * HC + j] = mix[2 * HC + i * HC + j] * scale[2] + base[2 * HC + i * HC + j];
-    }
-    float row_max = c[i * HC];
-    for (int j = 1; j < HC; j++) {
-      row_max = fmaxf(row_max, c[i * HC + j]);
-    }
-    float sum = 0.0f;
-    for (int j = 0; j < HC; j++) {
-      c[i * HC + j] = expf(c[i * HC + j] - row_max);
-      sum += c[i * HC + j];
-    }
-    for (int j = 0; j < HC; j++) {
-      c[i * HC + j] = c[i * HC + j] / sum + e;
-    }
-  }
-  for (int it = 0; it < ITERS; it++) {
-    if (it > 0) {  // rows (the first pass normalised them in the softmax)
-      for (int i = 0; i < HC; i++) {
-        float sum = 0.0f;
-        for (int j = 0; j < HC; j++) {
-          sum += c[i * HC + j];
-        }
-        for (int j = 0; j < HC; j++) {
-          c[i * HC + j] = c[i * HC + j] / (sum + e);
-        }
-      }
-    }
-    for (int j = 0; j < HC; j++) {  // columns
-      float sum = 0.0f;
-      for (int i = 0; i < HC; i++) {
-        sum += c[i * HC + j];
-      }
-      for (int i = 0; i < HC; i++) {
-        c[i * HC + j] = c[i * HC + j] / (sum + e);
-      }
-    }
-  }
-  for (int k = 0; k < HC * HC; k++) {
-    comb[row * HC * HC + k] = c[k];
-  }
+  hc_split_row<HC, ITERS>(mix, scale, base, params[1], pre + row * HC, post + row * HC,
+                          comb + row * HC * HC);
 }

@@ -15,8 +15,8 @@ import importlib.util
 from functools import lru_cache
 from pathlib import Path
 
-TYPE_NAMES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16", "uint8": "uint8_t",
-              "uint16": "uint16_t", "uint32": "uint32_t", "int32": "int32_t"}
+TYPE_NAMES = {"bool": "bool", "float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16",
+              "uint8": "uint8_t", "uint16": "uint16_t", "uint32": "uint32_t", "int32": "int32_t"}
 PRELUDE = """#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <vector_types.h>

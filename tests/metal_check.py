@@ -25,8 +25,8 @@ ATTRIBUTES = {  # the thread attributes MLX recognises, with their parameter typ
     "thread_index_in_simdgroup": "uint", "simdgroup_index_in_threadgroup": "uint",
     "threads_per_simdgroup": "uint", "simdgroups_per_threadgroup": "uint",
 }
-TYPE_NAMES = {"float32": "float", "float16": "float16_t", "bfloat16": "bfloat16_t", "uint8": "uint8_t",
-              "uint16": "uint16_t", "uint32": "uint32_t", "int32": "int32_t", "int64": "int64_t"}
+TYPE_NAMES = {"bool": "bool", "float32": "float", "float16": "float16_t", "bfloat16": "bfloat16_t",
+              "uint8": "uint8_t", "uint16": "uint16_t", "uint32": "uint32_t", "int32": "int32_t", "int64": "int64_t"}
 
 
 def clang() -> str | None:

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from dsv41_mlx.cache import DraftCache
-from dsv41_mlx.kernels import (ACT_QUANT, FP8_ROWS, HC_INPUT, HC_SPLIT, MOE_GATE, RING_WRITE, TOP_K, fp8_rows_top64,
-                               moe_gate, moe_gate_reference, ring_write, ring_write_reference)
+from dsv41_mlx.kernels import (ACT_QUANT, FP8_ROWS, HC_INPUT, HC_SPLIT, MOE_GATE, RING_WRITE, SPARSE_ATTENTION, TOP_K,
+                               fp8_rows_top64, moe_gate, moe_gate_reference, ring_write, ring_write_reference)
 from dsv41_mlx.quant import e4m3_decode, e8m0_decode, quantize_fp8_tiles, quantize_fp8_tiles_mx
 
 from . import cuda_check
@@ -137,6 +137,15 @@ CASES = {
                             "base": "float32", "norm_w": "float32", "params": "float32", "rows": "int32"},
                  {"x": "bfloat16", "pre": "float32", "post": "float32", "comb": "float32"},
                  {"D": 5120, "HC": 4, "ITERS": 20}),
+    "sparse_attention": (SPARSE_ATTENTION, {"q": "bfloat16", "ring": "bfloat16", "index": "int32", "wmask": "bool",
+                                            "kv": "bfloat16", "ids": "uint32", "pmask": "bool", "sink": "float32",
+                                            "params": "float32", "rows": "int32"}, {"out": "bfloat16"},
+                         {"D": 512, "H": 64, "G": 4, "W": 128, "K": 512}),
+    "sparse_attention_window_only": (SPARSE_ATTENTION, {"q": "bfloat16", "ring": "bfloat16", "index": "int32",
+                                                        "wmask": "bool", "kv": "bfloat16", "ids": "uint32",
+                                                        "pmask": "bool", "sink": "float32", "params": "float32",
+                                                        "rows": "int32"}, {"out": "bfloat16"},
+                                     {"D": 512, "H": 64, "G": 4, "W": 128, "K": 0}),
     "moe_gate": (MOE_GATE, {"x": "bfloat16", "w": "float32", "bias": "float32", "params": "float32",
                             "rows": "int32"}, {"weights": "float32", "ids": "uint32"},
                  {"T": "bfloat16", "D": 5120, "E": 384, "K": 6, "NORMALIZE": 1}),
@@ -171,13 +180,15 @@ def test_metal_source_type_checks(case, rows, tmp_path):
     ("fp8_rows", ("const uint odd = E4M3_ODD(words[c]);", "const uint odd = E4M3_ODD(words[c])")),  # no semicolon
     ("fp8_rows", ("simdgroup_half8x8 a;", "simdgroup_float8x8 a;")),  # type error: float tile from half memory
     ("ring_write", ("src[chunk];", "src[chunck];")),  # misspelt variable
-    ("hc_split", ("metal::exp(c[i * HC + j] - row_max)", "metal::exp(c[i * HC + j] - row_max, 1)")),  # bad call
+    ("hc_split", ("hc_split_row<HC, ITERS>(mix, scale, base, eps[0],", "hc_split_row<HC, ITERS>(mix, scale, eps[0],")),
     ("act_quant", ("const float q = v / scale;", "const float q = v / scal;")),  # misspelt variable
     ("act_quant", ("simd_max(metal::abs(v))", "simd_max(metal::abs(v), 1)")),  # bad call
     ("moe_gate", ("acc += simd_shuffle_xor(acc, offset);", "acc += simd_shuffle_xor(acc);")),  # bad call
     ("moe_gate", ("threadgroup int picked[K];", "threadgroup int picked[K]")),  # no semicolon
     ("hc_input", ("collapsed[d] = cb;", "collapsed[d] = cb")),  # no semicolon
     ("hc_input", ("bfloat16_t(c)", "bfloat16_t(c, 1)")),  # bad conversion
+    ("sparse_attention", ("threadgroup float denom[G];", "threadgroup float denom[G]")),  # no semicolon
+    ("sparse_attention", ("float(kv[ulong(key_row[j]) * D + d])", "float(kv[ulong(key_rows[j]) * D + d])")),
 ])
 def test_a_broken_metal_source_fails_the_check(case, breakage, tmp_path):
     spec = CASES[case][0]
@@ -210,10 +221,12 @@ def test_cuda_source_compiles(case):
 @pytest.mark.parametrize("case, breakage", [
     ("fp8_rows", ("__byte_perm(wq[mg][0][j], 0, 0x3120)", "__byte_perm(wq[mg][0][j], 0x3120)")),  # bad call
     ("ring_write", ("src[chunk];", "src[chunck];")),  # misspelt variable
-    ("hc_split", ("expf(c[i * HC + j] - row_max)", "expf(c[i * HC + j] - row_max, 1)")),  # bad call
+    ("hc_split", ("mix[k] = mixes[row * (2 + HC) * HC + k];", "mix[k] = mixes[row * (2 + HC) * HC + k]")),
     ("act_quant", ("__shfl_xor_sync(0xffffffffu, amax, offset)", "__shfl_xor_sync(amax, offset)")),  # bad call
     ("moe_gate", ("choice[bi] = neg_inf;", "choice[bi] = neg_infinity;")),  # misspelt variable
     ("hc_input", ("__float2bfloat16(c)", "__float2bfloat16(c, 1)")),  # bad call
+    ("sparse_attention", ("denom[g] = total + expf(sink[h0 + g] - row_max);",
+                          "denom[g] = total + expf(sinks[h0 + g]);")),  # misspelt variable
 ])
 def test_a_broken_cuda_source_fails_the_compile(case, breakage):
     old, new = breakage
@@ -310,3 +323,42 @@ def test_hc_input_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatch):
     for broken, message in ((x_off, "x:"), (comb_off, "comb off"), (coupled_rows, "alone differs")):
         monkeypatch.setattr(check, "hc_input", broken)
         assert any(message in p for p in check.check_hc_input("mlx", seed=3)), message
+
+
+def test_attention_kernel_runs_only_where_it_fits():
+    """The attention kernel takes a GPU, bfloat16 queries, at most 16 rows, heads in groups of
+    four and its threadgroup memory; elsewhere the model gathers the keys and runs the spec."""
+    from dsv41_mlx.kernels import attention_fits, sparse_attention_rows
+
+    q = mx.zeros((8, 64, 512), dtype=mx.bfloat16)
+    assert not attention_fits(q, 128, 512)  # the CPU
+    assert attention_fits(q, 128, 512, impl="cuda") and attention_fits(q, 128, 0, impl="metal")
+    assert not attention_fits(mx.zeros((17, 64, 512), dtype=mx.bfloat16), 128, 512, impl="cuda")
+    assert not attention_fits(mx.zeros((8, 6, 512), dtype=mx.bfloat16), 128, 512, impl="cuda")
+    assert not attention_fits(q, 128, 4096, impl="cuda")  # scores beyond the threadgroup memory
+    with pytest.raises(ValueError, match="sparse_attention_rows takes"):
+        sparse_attention_rows(q, mx.zeros((130, 512), dtype=mx.bfloat16), mx.zeros((8, 128), dtype=mx.int32),
+                              mx.ones((8, 128), dtype=mx.bool_), None, None, None, mx.zeros((64,)), 0.04)
+
+
+def test_attention_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatch):
+    """scripts/check_kernels.py's attention check: the spec itself passes; a kernel that
+    drops the sink, reads the wrong window slot, or couples rows, fails."""
+    check = _check_kernels_script()
+    spec = check.sparse_attention_spec
+
+    def no_sink(q, ring, index, wmask, kv, ids, pmask, sink, scale, impl=None):
+        return spec(q, ring, index, wmask, kv, ids, pmask, sink - 30, scale)
+
+    def shifted_slot(q, ring, index, wmask, kv, ids, pmask, sink, scale, impl=None):
+        return spec(q, ring, (index + 1) % ring.shape[0], wmask, kv, ids, pmask, sink, scale)
+
+    def coupled_rows(q, ring, index, wmask, kv, ids, pmask, sink, scale, impl=None):
+        out = spec(q, ring, index, wmask, kv, ids, pmask, sink, scale)
+        return (out.astype(mx.float32) * (1 + 0.01 * (q.shape[0] > 1))).astype(mx.bfloat16)
+
+    monkeypatch.setattr(check, "sparse_attention_rows", lambda *a, impl=None: spec(*a))
+    assert check.check_sparse_attention("mlx", seed=4) == []
+    for broken, message in ((no_sink, "off by"), (shifted_slot, "off by"), (coupled_rows, "alone differs")):
+        monkeypatch.setattr(check, "sparse_attention_rows", broken)
+        assert any(message in p for p in check.check_sparse_attention("mlx", seed=4)), broken.__name__

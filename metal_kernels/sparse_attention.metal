@@ -1,0 +1,136 @@
+// The attention of a decode or verify forward in one launch, for rows that each gather
+// their own window (the row-invariant path): a threadgroup per (row, group of G heads).
+// What model.sparse_attention computes on keys gathered first, with about fifteen
+// operations: per head, scores q . k * scale over the row's W window keys and K picked
+// compressed keys (-inf where masked), p = exp(score - max(row max, -1e30)), denominator
+// sum(p) + exp(sink - row max), and the keys weighted by p rounded to bfloat16 (window
+// keys, then picked keys, the two sums added), divided by the denominator; bfloat16 out.
+//
+// q [S, H, D] bfloat16; ring [R, D] bfloat16: the layer's window keys, index [S, W] int32:
+// each row's window slots, wmask [S, W] bool; kv [T, D] bfloat16: the compressed keys,
+// ids [S, K] uint32: each row's picks, pmask [S, K] bool (K = 0: none); sink [H] float32;
+// params [1] float32 = (scale,); rows [1] int32 = S. Output: out [S, H, D] bfloat16.
+// The sums run in another order than the spec's matmuls, so results match it to float32
+// noise (a probability may round to the neighbouring bfloat16), not bit for bit; each row
+// is computed alone, the same bits in any forward. Template constants: D, H, G, W, K.
+// 256 threads. CUDA twin: sparse_attention.cu.
+
+constexpr int WARPS = 8;
+constexpr int N = W + K;
+threadgroup float qs[G][D];
+threadgroup float sc[G][N];
+threadgroup int key_row[N];
+threadgroup float red[WARPS];
+threadgroup float denom[G];
+
+const uint groups = H / G;
+const uint s = threadgroup_position_in_grid.x / groups;
+const uint h0 = (threadgroup_position_in_grid.x % groups) * G;
+const uint tid = thread_position_in_threadgroup.x;
+const uint lane = thread_index_in_simdgroup;
+const uint warp = simdgroup_index_in_threadgroup;
+if (s >= uint(rows[0])) {
+  return;  // the whole threadgroup
+}
+const float neg_inf = as_type<float>(0xff800000u);
+const float scale = params[0];
+
+for (uint i = tid; i < G * D; i += 32 * WARPS) {
+  qs[i / D][i % D] = float(q[(s * H + h0) * D + i]);
+}
+for (uint j = tid; j < N; j += 32 * WARPS) {
+  key_row[j] = (j < W) ? int(index[s * W + j]) : int(ids[s * K + (j - W)]);
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+
+// scores: simdgroup w takes keys w, w + 8, ...; its lanes split the features
+for (uint j = warp; j < N; j += WARPS) {
+  const device bfloat16_t* key = ((j < W) ? ring : kv) + ulong(key_row[j]) * D;
+  const bool valid = (j < W) ? wmask[s * W + j] : pmask[s * K + (j - W)];
+  float dot[G];
+  for (int g = 0; g < G; g++) {
+    dot[g] = 0.0f;
+  }
+  for (uint d = lane; d < D; d += 32) {
+    const float kd = float(key[d]);
+    for (int g = 0; g < G; g++) {
+      dot[g] += qs[g][d] * kd;
+    }
+  }
+  for (int g = 0; g < G; g++) {
+    float a = dot[g];
+    for (int offset = 16; offset > 0; offset /= 2) {
+      a += simd_shuffle_xor(a, ushort(offset));
+    }
+    if (lane == 0) {
+      sc[g][j] = valid ? a * scale : neg_inf;
+    }
+  }
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+
+// per head: the row max, the probabilities (kept rounded to bf16) and their sum
+for (int g = 0; g < G; g++) {
+  float m = neg_inf;
+  for (uint j = tid; j < N; j += 32 * WARPS) {
+    m = metal::max(m, sc[g][j]);
+  }
+  for (int offset = 16; offset > 0; offset /= 2) {
+    m = metal::max(m, simd_shuffle_xor(m, ushort(offset)));
+  }
+  if (lane == 0) {
+    red[warp] = m;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float row_max = red[0];
+  for (int w = 1; w < WARPS; w++) {
+    row_max = metal::max(row_max, red[w]);
+  }
+  row_max = metal::max(row_max, -1e30f);
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // everyone has read red
+  float sum = 0.0f;
+  for (uint j = tid; j < N; j += 32 * WARPS) {
+    const float p = metal::exp(sc[g][j] - row_max);
+    sum += p;
+    sc[g][j] = float(bfloat16_t(p));
+  }
+  for (int offset = 16; offset > 0; offset /= 2) {
+    sum += simd_shuffle_xor(sum, ushort(offset));
+  }
+  if (lane == 0) {
+    red[warp] = sum;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (tid == 0) {
+    float total = red[0];
+    for (int w = 1; w < WARPS; w++) {
+      total += red[w];
+    }
+    denom[g] = total + metal::exp(sink[h0 + g] - row_max);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+}
+
+// the weighted keys: thread t takes features t, t + 256, ...; window keys, then picked ones
+for (uint d = tid; d < D; d += 32 * WARPS) {
+  float win[G], pick[G];
+  for (int g = 0; g < G; g++) {
+    win[g] = 0.0f;
+    pick[g] = 0.0f;
+  }
+  for (int j = 0; j < W; j++) {
+    const float kd = float(ring[ulong(key_row[j]) * D + d]);
+    for (int g = 0; g < G; g++) {
+      win[g] += sc[g][j] * kd;
+    }
+  }
+  for (int j = W; j < N; j++) {
+    const float kd = float(kv[ulong(key_row[j]) * D + d]);
+    for (int g = 0; g < G; g++) {
+      pick[g] += sc[g][j] * kd;
+    }
+  }
+  for (int g = 0; g < G; g++) {
+    out[(s * H + h0 + g) * D + d] = bfloat16_t((win[g] + pick[g]) / denom[g]);
+  }
+}
