@@ -88,6 +88,8 @@ MOE_GATE = KernelSpec("moe_gate", ("x", "w", "bias", "params", "rows"), ("weight
 SPARSE_ATTENTION = KernelSpec("sparse_attention", ("q", "ring", "index", "wmask", "kv", "ids", "pmask", "sink",
                                                   "params", "rows"),
                               ("out",), "sparse_attention.metal", "sparse_attention.cu", header_files=())
+RMS_NORM = KernelSpec("rms_norm_rows", ("x", "w", "eps", "sizes"), ("y",), "rms_norm.metal", "rms_norm.cu",
+                      header_files=())
 HC_INPUT = KernelSpec("hc_input", ("h", "pre_in", "fn", "scale", "base", "norm_w", "params", "rows"),
                       ("x", "pre", "post", "comb"), "hc_input.metal", "hc_input.cu", header_files=(),
                       twin_headers=("hc_split_row",))
@@ -366,3 +368,28 @@ def sparse_attention_rows(q: mx.array, ring: mx.array, index: mx.array, window_m
                     grid=(S * (H // G) * 256, 1, 1), threadgroup=(256, 1, 1),
                     output_shapes=[(S, H, D)], output_dtypes=[mx.bfloat16])
     return out
+
+
+# --------------------------------------------------------------------- rms_norm
+
+@mx.compile
+def rms_norm_reference(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    """Pure-MLX spec: fp32 RMSNorm scaled by `weight`, returned in x's dtype (reference
+    RMSNorm): x * rsqrt(mean(x^2) + eps) * weight in fp32, over the last axis."""
+    return mx.fast.rms_norm(x.astype(mx.float32), weight.astype(mx.float32), eps).astype(x.dtype)
+
+
+def rms_norm(x: mx.array, weight: mx.array, eps: float, impl: str | None = None) -> mx.array:
+    """RMSNorm over the last axis: on a GPU one launch (a threadgroup per row) for what the
+    spec does in three operations (the casts around MLX's fp32 RMSNorm); the spec elsewhere."""
+    impl = impl or backend()
+    if impl == "mlx" or x.dtype not in (mx.bfloat16, mx.float32) or x.size == 0:
+        return rms_norm_reference(x, weight, eps)
+    D = x.shape[-1]
+    rows = x.size // D
+    kernel = _compiled(RMS_NORM, impl)
+    (y,) = kernel(inputs=[x, weight.astype(mx.float32), mx.array([eps], dtype=mx.float32),
+                          mx.array([rows, D], dtype=mx.int32)],
+                  template=[("T", x.dtype)], grid=(rows * 256, 1, 1), threadgroup=(256, 1, 1),
+                  output_shapes=[x.shape], output_dtypes=[x.dtype])
+    return y

@@ -23,6 +23,7 @@ import numpy as np
 from .cache import LayerCache, ModelCache
 from .config import ModelArgs
 from . import kernels
+from .kernels import rms_norm
 from .engram import Engram, NgramHasher
 from .quant import Fp8Linear, fp4_fake_quant, fp8_fake_quant, fp8_input, gemm_input_dtype
 
@@ -62,14 +63,6 @@ def fused(*parts: str):
         return call
 
     return decorate
-
-
-@mx.compile
-def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
-    """fp32 RMSNorm scaled by `weight`, returned in x's dtype (reference RMSNorm):
-    x * rsqrt(mean(x^2) + eps) * weight in fp32. MLX's fused kernel on a GPU (one
-    operation instead of three); on the CPU it runs those same operations."""
-    return mx.fast.rms_norm(x.astype(F32), weight.astype(F32), eps).astype(x.dtype)
 
 
 class RMSNorm(nn.Module):

@@ -25,6 +25,9 @@ hc_input: a sub-layer's input from the stream at hc 4, dim 5120, rows 1..16, aga
 model.HyperConnection.sublayer_input's pure-MLX composition: x within a bf16 step
 (equal in 99% of values), the mixes within 2e-5; a row alone equals the row among
 others.
+rms_norm: RMSNorm at widths 128..5120, rows 1..300, bf16 and fp32, against the
+spec's casts around MLX's RMSNorm: bf16 within a bf16 step (equal in 99%), fp32
+within 1e-6; a row alone equals the row among others.
 sparse_attention: a decode forward's attention at 64 heads x 512, a 128-key window
 and 512 picks (or none), rows 1..16, masked keys and rows with none visible,
 against model.sparse_attention on gathered keys: each row-head within 1% of its
@@ -44,7 +47,8 @@ import numpy as np
 
 from dsv41_mlx.kernels import (TILE, TOP_K, backend, fp8_rows_tiles, fp8_rows_top64, hc_split, hc_split_reference,
                                ring_write, ring_write_reference)
-from dsv41_mlx.kernels import act_quant_fp8, hc_input, moe_gate, moe_gate_reference, sparse_attention_rows
+from dsv41_mlx.kernels import (act_quant_fp8, hc_input, moe_gate, moe_gate_reference, rms_norm, rms_norm_reference,
+                               sparse_attention_rows)
 from dsv41_mlx.quant import fp8_fake_quant_reference, quantize_fp8_tiles_mx
 
 POISON = -12345.0
@@ -260,10 +264,10 @@ def check_moe_gate(impl: str, seed: int) -> list[str]:
 
 def hc_input_spec(h, pre_in, fn, scale, base, norm_w, iters, hc_norm_eps, eps, norm_eps):
     """What kernels.hc_input computes, by model.HyperConnection.sublayer_input's pure-MLX path."""
-    from dsv41_mlx.model import _hc_project, hc_pre, rms_norm
+    from dsv41_mlx.model import _hc_project, hc_pre
 
     mixes = hc_split_reference(_hc_project(h, fn, hc_norm_eps), scale, base, h.shape[1], iters, eps)
-    return (rms_norm(hc_pre(h, pre_in), norm_w, norm_eps), *mixes)
+    return (rms_norm_reference(hc_pre(h, pre_in), norm_w, norm_eps), *mixes)
 
 
 def check_hc_input(impl: str, seed: int) -> list[str]:
@@ -350,6 +354,34 @@ def check_sparse_attention(impl: str, seed: int) -> list[str]:
     return problems
 
 
+def check_rms_norm(impl: str, seed: int) -> list[str]:
+    """The RMSNorm kernel against its spec at every width the model norms (128, 512, 1280,
+    5120), decode to prefill rows, bfloat16 and float32: bf16 out within one bf16 step and
+    equal in at least 99% of values, fp32 out within 1e-6 (relative). These tolerances are
+    set before any GPU run of the kernel. A row alone equals the same row among others."""
+    rng = np.random.default_rng(seed)
+    problems = []
+    for D in (128, 512, 1280, 5120):
+        w = mx.array(rng.normal(1, 0.3, D).astype(np.float32))
+        for rows in (1, 8, 300):
+            for dtype in (mx.bfloat16, mx.float32):
+                x = mx.array(rng.normal(0, 3, (rows, D)).astype(np.float32)).astype(dtype)
+                got = np.array(rms_norm(x, w, 1e-6, impl=impl).astype(mx.float32))
+                want = np.array(rms_norm_reference(x, w, 1e-6).astype(mx.float32))
+                if dtype == mx.bfloat16:
+                    step = np.abs(want) * 2.0**-7 + 1e-30
+                    bad = not (np.abs(got - want) <= step).all() or (got != want).mean() > 0.01
+                else:
+                    bad = not (np.abs(got - want) <= 1e-6 * np.abs(want) + 1e-30).all()
+                if bad:
+                    problems.append(f"rms_norm D={D} rows={rows} {dtype}: {(got != want).mean():.2%} of values "
+                                    f"differ, by up to {np.abs(got - want).max():.3g}")
+                alone = np.array(rms_norm(x[-1:], w, 1e-6, impl=impl).astype(mx.float32))
+                if not np.array_equal(alone, got[-1:]):
+                    problems.append(f"rms_norm D={D} rows={rows} {dtype}: the last row alone differs")
+    return problems
+
+
 def main() -> int:
     impl = backend()
     if impl == "mlx":
@@ -365,7 +397,7 @@ def main() -> int:
     checks = [("ring_write", check_ring_write, 3), ("act_quant", check_act_quant, 9)]
     if impl == "cuda":
         checks.append(("quantised GEMMs, bf16-fed vs fp32-fed", check_gemms_bf16, 11))
-    checks += [("hc_split", check_hc_split, 5), ("hc_input", check_hc_input, 17),
+    checks += [("hc_split", check_hc_split, 5), ("rms_norm", check_rms_norm, 23), ("hc_input", check_hc_input, 17),
                ("sparse_attention", check_sparse_attention, 19), ("moe_gate", check_moe_gate, 13)]
     for name, check, seed in checks:
         problems, notes = (check(seed=seed) if check is check_gemms_bf16 else (check(impl, seed=seed), []))

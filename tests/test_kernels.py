@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from dsv41_mlx.cache import DraftCache
-from dsv41_mlx.kernels import (ACT_QUANT, FP8_ROWS, HC_INPUT, HC_SPLIT, MOE_GATE, RING_WRITE, SPARSE_ATTENTION, TOP_K,
+from dsv41_mlx.kernels import (ACT_QUANT, FP8_ROWS, HC_INPUT, HC_SPLIT, MOE_GATE, RING_WRITE, RMS_NORM,
+                               SPARSE_ATTENTION, TOP_K,
                                fp8_rows_top64, moe_gate, moe_gate_reference, ring_write, ring_write_reference)
 from dsv41_mlx.quant import e4m3_decode, e8m0_decode, quantize_fp8_tiles, quantize_fp8_tiles_mx
 
@@ -146,6 +147,10 @@ CASES = {
                                                         "pmask": "bool", "sink": "float32", "params": "float32",
                                                         "rows": "int32"}, {"out": "bfloat16"},
                                      {"D": 512, "H": 64, "G": 4, "W": 128, "K": 0}),
+    "rms_norm": (RMS_NORM, {"x": "bfloat16", "w": "float32", "eps": "float32", "sizes": "int32"}, {"y": "bfloat16"},
+                 {"T": "bfloat16"}),
+    "rms_norm_f32": (RMS_NORM, {"x": "float32", "w": "float32", "eps": "float32", "sizes": "int32"},
+                     {"y": "float32"}, {"T": "float32"}),
     "moe_gate": (MOE_GATE, {"x": "bfloat16", "w": "float32", "bias": "float32", "params": "float32",
                             "rows": "int32"}, {"weights": "float32", "ids": "uint32"},
                  {"T": "bfloat16", "D": 5120, "E": 384, "K": 6, "NORMALIZE": 1}),
@@ -187,6 +192,7 @@ def test_metal_source_type_checks(case, rows, tmp_path):
     ("moe_gate", ("threadgroup int picked[K];", "threadgroup int picked[K]")),  # no semicolon
     ("hc_input", ("collapsed[d] = cb;", "collapsed[d] = cb")),  # no semicolon
     ("hc_input", ("bfloat16_t(c)", "bfloat16_t(c, 1)")),  # bad conversion
+    ("rms_norm", ("sq += v * v;", "sq += v * w;")),  # type error: w is a pointer
     ("sparse_attention", ("threadgroup float denom[G];", "threadgroup float denom[G]")),  # no semicolon
     ("sparse_attention", ("float(kv[ulong(key_row[j]) * D + d])", "float(kv[ulong(key_rows[j]) * D + d])")),
 ])
@@ -225,6 +231,7 @@ def test_cuda_source_compiles(case):
     ("act_quant", ("__shfl_xor_sync(0xffffffffu, amax, offset)", "__shfl_xor_sync(amax, offset)")),  # bad call
     ("moe_gate", ("choice[bi] = neg_inf;", "choice[bi] = neg_infinity;")),  # misspelt variable
     ("hc_input", ("__float2bfloat16(c)", "__float2bfloat16(c, 1)")),  # bad call
+    ("rms_norm", ("rsqrtf(total / (float)D + eps[0])", "rsqrtf(total / (float)D + eps)")),  # pointer + float
     ("sparse_attention", ("denom[g] = total + expf(sink[h0 + g] - row_max);",
                           "denom[g] = total + expf(sinks[h0 + g]);")),  # misspelt variable
 ])
@@ -362,3 +369,24 @@ def test_attention_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatch):
     for broken, message in ((no_sink, "off by"), (shifted_slot, "off by"), (coupled_rows, "alone differs")):
         monkeypatch.setattr(check, "sparse_attention_rows", broken)
         assert any(message in p for p in check.check_sparse_attention("mlx", seed=4)), broken.__name__
+
+
+def test_rms_norm_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatch):
+    """scripts/check_kernels.py's RMSNorm check: the spec itself passes; a kernel that rounds
+    twice (bf16 before the weight), drops eps, or couples rows, fails."""
+    from dsv41_mlx.kernels import rms_norm_reference
+
+    check = _check_kernels_script()
+
+    def rounds_twice(x, w, eps, impl=None):
+        normed = mx.fast.rms_norm(x.astype(mx.float32), mx.ones_like(w), eps).astype(x.dtype)
+        return (normed.astype(mx.float32) * w).astype(x.dtype)
+
+    def coupled_rows(x, w, eps, impl=None):
+        return rms_norm_reference(x, w * (1 + 1e-3 * (x.shape[0] > 1)), eps)
+
+    monkeypatch.setattr(check, "rms_norm", lambda x, w, eps, impl=None: rms_norm_reference(x, w, eps))
+    assert check.check_rms_norm("mlx", seed=6) == []
+    for broken, message in ((rounds_twice, "differ"), (coupled_rows, "alone differs")):
+        monkeypatch.setattr(check, "rms_norm", broken)
+        assert any(message in p for p in check.check_rms_norm("mlx", seed=6)), broken.__name__

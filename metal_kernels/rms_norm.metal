@@ -1,0 +1,43 @@
+// RMSNorm of each row in float32, a threadgroup per row: what kernels.rms_norm_reference
+// does with three operations (a cast to float32, MLX's RMSNorm, a cast back).
+//
+// x [rows, D] (T: bfloat16 or float32), w [D] float32, eps [1] float32, sizes [2] int32 =
+// (rows, D). Output y [rows, D] (T): x * rsqrt(mean(x^2) + eps) * w in float32, rounded
+// to T once. Threads sum every 256th square, each simdgroup its 32 partial sums in a
+// butterfly, then the 8 simdgroup sums in order: not the spec's order, so results match
+// it to float32 noise; each row is computed alone, the same bits in any forward.
+// Template constant: T. 256 threads. CUDA twin: rms_norm.cu.
+
+constexpr int WARPS = 8;
+threadgroup float partial[WARPS];
+
+const uint row = threadgroup_position_in_grid.x;
+const uint tid = thread_position_in_threadgroup.x;
+const uint lane = thread_index_in_simdgroup;
+const uint warp = simdgroup_index_in_threadgroup;
+const int D = sizes[1];
+if (row >= uint(sizes[0])) {
+  return;  // the whole threadgroup
+}
+const device T* xr = x + row * D;
+
+float sq = 0.0f;
+for (int d = int(tid); d < D; d += 32 * WARPS) {
+  const float v = float(xr[d]);
+  sq += v * v;
+}
+for (ushort offset = 16; offset > 0; offset /= 2) {
+  sq += simd_shuffle_xor(sq, offset);
+}
+if (lane == 0) {
+  partial[warp] = sq;
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+float total = partial[0];
+for (int g = 1; g < WARPS; g++) {
+  total += partial[g];
+}
+const float r = metal::rsqrt(total / float(D) + eps[0]);
+for (int d = int(tid); d < D; d += 32 * WARPS) {
+  y[row * D + d] = T(float(xr[d]) * r * w[d]);
+}
