@@ -83,8 +83,10 @@ RING_WRITE = KernelSpec("ring_write", ("rings", "rows", "span"), ("out",), "ring
 ACT_QUANT = KernelSpec("act_quant_fp8", ("x", "n"), ("y",), "act_quant.metal", "act_quant.cu", header_files=())
 HC_SPLIT = KernelSpec("hc_split", ("mixes", "scale", "base", "eps", "rows"), ("pre", "post", "comb"),
                       "hc_split.metal", "hc_split.cu", header_files=(), twin_headers=("hc_split_row",))
-MOE_GATE = KernelSpec("moe_gate", ("x", "w", "bias", "params", "rows"), ("weights", "ids"),
-                      "moe_gate.metal", "moe_gate.cu", header_files=())
+MOE_GATE_SCORES = KernelSpec("moe_gate_scores", ("x", "w", "params", "sizes"), ("scores",),
+                             "moe_gate_scores.metal", "moe_gate_scores.cu", header_files=())
+MOE_GATE_TOPK = KernelSpec("moe_gate_topk", ("scores", "bias", "params", "rows"), ("weights", "ids"),
+                           "moe_gate_topk.metal", "moe_gate_topk.cu", header_files=())
 SPARSE_ATTENTION = KernelSpec("sparse_attention", ("q", "ring", "index", "wmask", "kv", "ids", "pmask", "sink",
                                                   "params", "rows"),
                               ("out",), "sparse_attention.metal", "sparse_attention.cu", header_files=())
@@ -249,8 +251,8 @@ def act_quant_fp8(x: mx.array, impl: str, dtype: mx.Dtype | None = None) -> mx.a
 
 # -------------------------------------------------------------------- moe_gate
 
-MOE_GATE_MAX_ROWS = 16  # decode and verify forwards; prefill's many rows take the spec (one matmul)
-MOE_GATE_MAX_SHARED = 40 * 1024  # bytes of threadgroup memory the kernel may take (the row, 2 x E scores)
+MOE_GATE_MAX_ROWS = 16  # decode and verify forwards (the scores kernel's register rows); prefill takes the spec
+MOE_GATE_MAX_EXPERTS = 4096  # the top-k kernel's threadgroup memory: two floats per expert
 
 
 def moe_gate_reference(x: mx.array, w: mx.array, bias: mx.array, k: int, temp: float, route_scale: float,
@@ -270,23 +272,26 @@ def moe_gate_reference(x: mx.array, w: mx.array, bias: mx.array, k: int, temp: f
 
 def moe_gate(x: mx.array, w: mx.array, bias: mx.array, k: int, temp: float, route_scale: float,
              normalize: bool, impl: str | None = None) -> tuple[mx.array, mx.array]:
-    """The router in one launch (a threadgroup per row) for up to MOE_GATE_MAX_ROWS rows on a
-    GPU; the spec otherwise. Its fp32 dot products are summed in another order than the
-    spec's matmul, so a near-tie between two experts may fall the other way; each row is
-    computed alone, the same bits in any forward (scripts/check_kernels.py compares the two)."""
+    """The router in two launches on a GPU for up to MOE_GATE_MAX_ROWS rows: the scores (a
+    simdgroup per expert, its weights read once for all rows), then each row's top-k (a
+    threadgroup per row); the spec otherwise. The fp32 dot products are summed in another
+    order than the spec's matmul, so a near-tie between two experts may fall the other way;
+    each row is computed alone, the same bits in any forward (scripts/check_kernels.py
+    compares the two)."""
     impl = impl or backend()
     N, D = x.shape
     E = w.shape[0]
-    shared = 4 * (D + 2 * E)
-    if impl == "mlx" or N > MOE_GATE_MAX_ROWS or shared > MOE_GATE_MAX_SHARED or x.dtype not in (mx.bfloat16,
-                                                                                                 mx.float32):
+    if (impl == "mlx" or N > MOE_GATE_MAX_ROWS or E > MOE_GATE_MAX_EXPERTS
+            or x.dtype not in (mx.bfloat16, mx.float32)):
         return moe_gate_reference(x, w, bias, k, temp, route_scale, normalize)
-    kernel = _compiled(MOE_GATE, impl)
-    weights, ids = kernel(inputs=[x, w, bias, mx.array([temp, route_scale], dtype=mx.float32),
-                                  mx.array([N], dtype=mx.int32)],
-                          template=[("T", x.dtype), ("D", D), ("E", E), ("K", k), ("NORMALIZE", int(normalize))],
-                          grid=(N * 256, 1, 1), threadgroup=(256, 1, 1),
-                          output_shapes=[(N, k), (N, k)], output_dtypes=[mx.float32, mx.uint32])
+    (scores,) = _compiled(MOE_GATE_SCORES, impl)(
+        inputs=[x, w, mx.array([temp], dtype=mx.float32), mx.array([N, E, D], dtype=mx.int32)],
+        template=[("T", x.dtype)], grid=(-(-E // 8) * 256, 1, 1), threadgroup=(256, 1, 1),
+        output_shapes=[(N, E)], output_dtypes=[mx.float32])
+    weights, ids = _compiled(MOE_GATE_TOPK, impl)(
+        inputs=[scores, bias, mx.array([route_scale], dtype=mx.float32), mx.array([N], dtype=mx.int32)],
+        template=[("E", E), ("K", k), ("NORMALIZE", int(normalize))], grid=(N * 256, 1, 1), threadgroup=(256, 1, 1),
+        output_shapes=[(N, k), (N, k)], output_dtypes=[mx.float32, mx.uint32])
     return weights, ids
 
 

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from dsv41_mlx.cache import DraftCache
-from dsv41_mlx.kernels import (ACT_QUANT, FP8_ROWS, HC_INPUT, HC_SPLIT, MOE_GATE, RING_WRITE, RMS_NORM,
-                               SPARSE_ATTENTION, TOP_K,
-                               fp8_rows_top64, moe_gate, moe_gate_reference, ring_write, ring_write_reference)
+from dsv41_mlx.kernels import (ACT_QUANT, FP8_ROWS, HC_INPUT, HC_SPLIT, MOE_GATE_SCORES, MOE_GATE_TOPK, RING_WRITE,
+                               RMS_NORM, SPARSE_ATTENTION, TOP_K, fp8_rows_top64, moe_gate, moe_gate_reference,
+                               ring_write, ring_write_reference)
 from dsv41_mlx.quant import e4m3_decode, e8m0_decode, quantize_fp8_tiles, quantize_fp8_tiles_mx
 
 from . import cuda_check
@@ -151,9 +151,10 @@ CASES = {
                  {"T": "bfloat16"}),
     "rms_norm_f32": (RMS_NORM, {"x": "float32", "w": "float32", "eps": "float32", "sizes": "int32"},
                      {"y": "float32"}, {"T": "float32"}),
-    "moe_gate": (MOE_GATE, {"x": "bfloat16", "w": "float32", "bias": "float32", "params": "float32",
-                            "rows": "int32"}, {"weights": "float32", "ids": "uint32"},
-                 {"T": "bfloat16", "D": 5120, "E": 384, "K": 6, "NORMALIZE": 1}),
+    "moe_gate_scores": (MOE_GATE_SCORES, {"x": "bfloat16", "w": "float32", "params": "float32", "sizes": "int32"},
+                        {"scores": "float32"}, {"T": "bfloat16"}),
+    "moe_gate_topk": (MOE_GATE_TOPK, {"scores": "float32", "bias": "float32", "params": "float32", "rows": "int32"},
+                      {"weights": "float32", "ids": "uint32"}, {"E": 384, "K": 6, "NORMALIZE": 1}),
 }
 
 @pytest.fixture(autouse=True)
@@ -188,8 +189,8 @@ def test_metal_source_type_checks(case, rows, tmp_path):
     ("hc_split", ("hc_split_row<HC, ITERS>(mix, scale, base, eps[0],", "hc_split_row<HC, ITERS>(mix, scale, eps[0],")),
     ("act_quant", ("const float q = v / scale;", "const float q = v / scal;")),  # misspelt variable
     ("act_quant", ("simd_max(metal::abs(v))", "simd_max(metal::abs(v), 1)")),  # bad call
-    ("moe_gate", ("acc += simd_shuffle_xor(acc, offset);", "acc += simd_shuffle_xor(acc);")),  # bad call
-    ("moe_gate", ("threadgroup int picked[K];", "threadgroup int picked[K]")),  # no semicolon
+    ("moe_gate_scores", ("a += simd_shuffle_xor(a, offset);", "a += simd_shuffle_xor(a);")),  # bad call
+    ("moe_gate_topk", ("threadgroup int picked[K];", "threadgroup int picked[K]")),  # no semicolon
     ("hc_input", ("collapsed[d] = cb;", "collapsed[d] = cb")),  # no semicolon
     ("hc_input", ("bfloat16_t(c)", "bfloat16_t(c, 1)")),  # bad conversion
     ("rms_norm", ("sq += v * v;", "sq += v * w;")),  # type error: w is a pointer
@@ -229,7 +230,8 @@ def test_cuda_source_compiles(case):
     ("ring_write", ("src[chunk];", "src[chunck];")),  # misspelt variable
     ("hc_split", ("mix[k] = mixes[row * (2 + HC) * HC + k];", "mix[k] = mixes[row * (2 + HC) * HC + k]")),
     ("act_quant", ("__shfl_xor_sync(0xffffffffu, amax, offset)", "__shfl_xor_sync(amax, offset)")),  # bad call
-    ("moe_gate", ("choice[bi] = neg_inf;", "choice[bi] = neg_infinity;")),  # misspelt variable
+    ("moe_gate_topk", ("choice[bi] = neg_inf;", "choice[bi] = neg_infinity;")),  # misspelt variable
+    ("moe_gate_scores", ("const float wd = we[d];", "const float wd = we;")),  # pointer to float
     ("hc_input", ("__float2bfloat16(c)", "__float2bfloat16(c, 1)")),  # bad call
     ("rms_norm", ("rsqrtf(total / (float)D + eps[0])", "rsqrtf(total / (float)D + eps)")),  # pointer + float
     ("sparse_attention", ("denom[g] = total + expf(sink[h0 + g] - row_max);",

@@ -1,7 +1,6 @@
-// CUDA twin of moe_gate.metal (see there for what it computes). 256 threads per block.
+// CUDA twin of moe_gate_topk.metal (see there for what it computes). 256 threads per block.
 
 constexpr int WARPS = 8;
-__shared__ float xs[D];
 __shared__ float score[E];
 __shared__ float choice[E];
 __shared__ float best_v[WARPS];
@@ -17,29 +16,9 @@ if (row >= (unsigned int)rows[0]) {
 }
 const float neg_inf = __uint_as_float(0xff800000u);
 
-for (unsigned int d = tid; d < D; d += 32 * WARPS) {
-  xs[d] = static_cast<float>(x[row * D + d]);
-}
-__syncthreads();
-
-for (unsigned int e = warp; e < E; e += WARPS) {
-  const float* we = w + e * D;
-  float acc = 0.0f;
-  for (unsigned int d = lane; d < D; d += 32) {
-    acc += xs[d] * we[d];
-  }
-  for (int offset = 16; offset > 0; offset /= 2) {
-    acc += __shfl_xor_sync(0xffffffffu, acc, offset);
-  }
-  if (lane == 0) {
-    const float l = acc / params[0];
-    // log(1 + v) without losing a small v to the rounding of 1 + v
-    const float v = expf(fminf(l, 20.0f));
-    const float u = 1.0f + v;
-    const float soft = (u == 1.0f) ? v : logf(u) * (v / (u - 1.0f));
-    score[e] = sqrtf(l > 20.0f ? l : soft);
-    choice[e] = score[e] + bias[e];
-  }
+for (unsigned int e = tid; e < E; e += 32 * WARPS) {
+  score[e] = scores[row * E + e];
+  choice[e] = score[e] + bias[e];
 }
 __syncthreads();
 
@@ -96,7 +75,7 @@ if (tid == 0) {
   }
   for (int k = 0; k < K; k++) {
     const float s = score[order[k]];
-    weights[row * K + k] = ((NORMALIZE && K > 1) ? s / (total + 1e-20f) : s) * params[1];
+    weights[row * K + k] = ((NORMALIZE && K > 1) ? s / (total + 1e-20f) : s) * params[0];
     ids[row * K + k] = (uint32_t)order[k];
   }
 }
