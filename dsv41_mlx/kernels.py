@@ -15,6 +15,7 @@ The bodies share `fp8_common.h` (integer bit tricks valid in both languages).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -43,14 +44,23 @@ def kernel_text(filename: str) -> str:
     return (_kernel_dir() / filename).read_text()
 
 
-def backend() -> str:
-    """'metal', 'cuda' or 'mlx' (pure MLX): what the kernels run on for the default device."""
+def device_backend() -> str:
+    """'metal', 'cuda' or 'mlx' (the CPU): what the default device runs on."""
     if mx.default_device() == mx.gpu:
         if mx.metal.is_available():
             return "metal"
         if mx.cuda.is_available():
             return "cuda"
     return "mlx"
+
+
+def backend() -> str:
+    """'metal', 'cuda' or 'mlx' (pure MLX): what the kernels run on for the default device.
+    DSV41_MLX_KERNELS=0 in the environment runs the pure-MLX specs on a GPU too (to compare
+    or time the two: scripts/bench.py profile, once with it and once without)."""
+    if os.environ.get("DSV41_MLX_KERNELS", "1") == "0":
+        return "mlx"
+    return device_backend()
 
 
 @dataclass(frozen=True)

@@ -146,7 +146,7 @@ def gemm_input_dtype() -> mx.Dtype:
     204,800 at the engram's 1024 -> 25600 at 8 rows; scripts/check_kernels.py
     checks every shape of the model). The CPU's bf16 kernels round along the way
     (hundreds of ulps), and Metal's are not yet checked on a Mac: fp32 there."""
-    return mx.bfloat16 if kernels.backend() == "cuda" else mx.float32
+    return mx.bfloat16 if kernels.device_backend() == "cuda" else mx.float32
 
 
 def fp8_input(x: mx.array) -> mx.array:

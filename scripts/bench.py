@@ -33,7 +33,7 @@ from mlx.utils import tree_flatten
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dsv41_mlx.kernels import backend, fp8_rows_tiles, fp8_rows_top64  # noqa: E402
+from dsv41_mlx.kernels import backend, device_backend, fp8_rows_tiles, fp8_rows_top64  # noqa: E402
 from dsv41_mlx.quant import quantize_fp8_tiles_mx  # noqa: E402
 
 
@@ -49,7 +49,8 @@ def environment() -> dict:
             commit = "unknown"
     info = mx.device_info() if hasattr(mx, "device_info") else {}
     device = info.get("device_name") or info.get("architecture") or platform.processor() or platform.machine()
-    return {"date": datetime.date.today().isoformat(), "device": str(device), "backend": backend(),
+    kernels_note = "" if backend() == device_backend() else " (custom kernels off: DSV41_MLX_KERNELS=0)"
+    return {"date": datetime.date.today().isoformat(), "device": str(device), "backend": device_backend() + kernels_note,
             "mlx": mx.__version__, "commit": commit}
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Check and time everything on a GPU machine, writing each step's output to OUT_DIR.
 #
-#   bash scripts/gpu_suite.sh OUT_DIR [kernels] [lossless] [head] [propose] [gemms] [pieces] [profile] [e2e]
+#   bash scripts/gpu_suite.sh OUT_DIR [kernels] [lossless] [head] [propose] [gemms] [pieces] [profile]
+#                                     [profile-nokernels] [e2e]
 #
 # With no step named, runs them all. The steps that need a release-shaped
 # checkpoint (pieces, profile, e2e) write one to $FLASH_DIR (default
@@ -69,6 +70,10 @@ for step in $steps; do
     gemms) run gemms python3 "$here/bench.py" gemms --json "$out/gemms.json" ;;
     pieces) needs_flash; run pieces python3 "$here/bench.py" pieces --model "$flash" --json "$out/pieces.json" ;;
     profile) needs_flash; run profile python3 "$here/bench.py" profile --model "$flash" --steps 3 --json "$out/profile.json" ;;
+    profile-nokernels)  # the same with the pure-MLX specs in place of the custom kernels
+      needs_flash
+      run profile_nokernels env DSV41_MLX_KERNELS=0 python3 "$here/bench.py" profile --model "$flash" --steps 3 \
+        --json "$out/profile_nokernels.json" ;;
     e2e) needs_flash; run e2e python3 "$here/bench.py" e2e --model "$flash" --prompts 1 --tokens 16 --json "$out/e2e.json" ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac

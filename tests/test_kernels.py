@@ -392,3 +392,16 @@ def test_rms_norm_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatch):
     for broken, message in ((rounds_twice, "differ"), (coupled_rows, "alone differs")):
         monkeypatch.setattr(check, "rms_norm", broken)
         assert any(message in p for p in check.check_rms_norm("mlx", seed=6)), broken.__name__
+
+
+def test_custom_kernels_can_be_switched_off_on_a_gpu(monkeypatch):
+    """DSV41_MLX_KERNELS=0 runs the pure-MLX specs on a GPU (to compare or time the two);
+    what the device is, and so the GEMMs' input dtype, stays."""
+    from dsv41_mlx import kernels, quant
+
+    monkeypatch.setattr(kernels, "device_backend", lambda: "cuda")
+    monkeypatch.delenv("DSV41_MLX_KERNELS", raising=False)
+    assert kernels.backend() == "cuda"
+    monkeypatch.setenv("DSV41_MLX_KERNELS", "0")
+    assert kernels.backend() == "mlx"
+    assert quant.gemm_input_dtype() == mx.bfloat16
