@@ -262,7 +262,7 @@ def act_quant_fp8(x: mx.array, impl: str, dtype: mx.Dtype | None = None) -> mx.a
 # -------------------------------------------------------------------- moe_gate
 
 MOE_GATE_MAX_ROWS = 16  # decode and verify forwards (the scores kernel's register rows); prefill takes the spec
-MOE_GATE_MAX_EXPERTS = 4096  # the top-k kernel's threadgroup memory: two floats per expert
+MOE_GATE_MAX_EXPERTS = 3072  # two floats per expert in the top-k kernel's threadgroup memory (Metal: 32 KB)
 
 
 def moe_gate_reference(x: mx.array, w: mx.array, bias: mx.array, k: int, temp: float, route_scale: float,
