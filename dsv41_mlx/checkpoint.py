@@ -409,6 +409,15 @@ def declared_floats(model) -> dict[str, mx.Dtype]:
     return {name: v.dtype for name, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)}
 
 
+def stack_gate_up(params: dict[str, mx.array]) -> None:
+    """Replace each expert projection pair w1 (gate) and w3 (up), routed stacks and shared
+    experts alike, by w13: the two stacked along the outputs, so that one GEMM makes both
+    (model.Fp4Experts, model.Expert). Exact: each output is its own row of weights."""
+    for name in [n for n in params if ".w1." in n and "experts." in n]:
+        up = name.replace(".w1.", ".w3.")
+        params[name.replace(".w1.", ".w13.")] = mx.concatenate([params.pop(name), params.pop(up)], axis=-2)
+
+
 def load_weights(model, model_dir: Path, where: dict[str, Path], progress: bool = False) -> None:
     """Load every checked tensor into `model`, repacking FP8/FP4 into MLX layouts, and
     attach the engram tables as memory maps. progress: a tqdm bar over the blocks."""
@@ -441,14 +450,15 @@ def load_weights(model, model_dir: Path, where: dict[str, Path], progress: bool 
             params[sanitize(name)], params[sanitize(scale_name)] = fp8_tiles_to_mx(t, tensor(scale_name))
         else:
             params[sanitize(name)] = t
+    for name, per_expert in experts.items():
+        params[name] = mx.stack([per_expert[e] for e in range(len(per_expert))])
+    stack_gate_up(params)
     # a float tensor the model declares wider than the file stores it (the head, which makes
     # fp32 logits on every call) is widened once here, exactly, rather than on every call
     for name, dtype in declared_floats(model).items():
         t = params.get(name)
         if t is not None and mx.issubdtype(t.dtype, mx.floating) and dtype.size > t.dtype.size:
             params[name] = t.astype(dtype)
-    for name, per_expert in experts.items():
-        params[name] = mx.stack([per_expert[e] for e in range(len(per_expert))])
     model.load_weights(list(params.items()), strict=True)
     parts = [model.embed, *model.layers, *model.mtp, model.norm, model.head]
     for part in tqdm(parts, desc="loading weights", unit="block", disable=not progress):

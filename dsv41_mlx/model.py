@@ -590,25 +590,29 @@ class Fp4Stack(nn.Module):
 
 
 class Fp4Experts(nn.Module):
+    """Every routed expert's SwiGLU projections: w13, the release's w1 (gate) and w3 (up)
+    stacked along the outputs at load (one GEMM for both), and w2 (down)."""
+
     def __init__(self, n_experts: int, dim: int, inter: int):
         super().__init__()
-        self.w1 = Fp4Stack(n_experts, dim, inter)
+        self.w13 = Fp4Stack(n_experts, dim, 2 * inter)
         self.w2 = Fp4Stack(n_experts, inter, dim)
-        self.w3 = Fp4Stack(n_experts, dim, inter)
 
 
 class Expert(nn.Module):
-    """The shared expert: FP8 SwiGLU."""
+    """The shared expert: FP8 SwiGLU, w1 (gate) and w3 (up) stacked as w13 at load."""
 
     def __init__(self, dim: int, inter: int, limit: float):
         super().__init__()
-        self.w1, self.w2, self.w3 = Fp8Linear(dim, inter), Fp8Linear(inter, dim), Fp8Linear(dim, inter)
+        self.w13, self.w2 = Fp8Linear(dim, 2 * inter), Fp8Linear(inter, dim)
         self.limit = limit
 
     def __call__(self, xq: mx.array) -> mx.array:
         """xq: the input through quant.fp8_input (shared with the routed experts)."""
-        h = swiglu(self.w1.quantized(xq).astype(F32), self.w3.quantized(xq).astype(F32), self.limit)
-        return self.w2(h.astype(BF16))
+        gate_up = self.w13.quantized(xq)
+        inter = gate_up.shape[-1] // 2
+        return self.w2(swiglu(gate_up[..., :inter].astype(F32), gate_up[..., inter:].astype(F32),
+                              self.limit).astype(BF16))
 
 
 class Gate(nn.Module):
@@ -688,8 +692,9 @@ class MoE(nn.Module):
         if not sorted_ids and ids.size <= self._pair_ids.size:
             N, k = ids.shape
             rows, pairs = self._pair_ids[:N, None], self._pair_ids[: N * k].reshape(N, k)
-        gate = self.experts.w1(xq, ids, sorted_ids, rows).astype(F32)
-        up = self.experts.w3(xq, ids, sorted_ids, rows).astype(F32)
+        gate_up = self.experts.w13(xq, ids, sorted_ids, rows)
+        inter = gate_up.shape[-1] // 2  # views, so that the casts fuse into the SwiGLU
+        gate, up = gate_up[..., :inter].astype(F32), gate_up[..., inter:].astype(F32)
         h = fp8_fake_quant((swiglu(gate, up, self.limit) * weights).astype(BF16), dtype=F32)
         return self.experts.w2(h, ids, sorted_ids, pairs).astype(F32)
 

@@ -610,7 +610,7 @@ def bench_pieces(model_path: str | None, layer_ids: list[int]) -> dict:
         _, ids = ffn.gate(x2)
         xe = mx.random.normal((rows, 1, 1, model.args.hidden_size)).astype(gemm_input_dtype())
         mx.eval(x, xq, mix, q, o, y, h2, x2, x2q, ffn_mix, keys, picked, ids, xe)
-        w1 = ffn.experts.w1
+        w13 = ffn.experts.w13
         pieces = {
             "attn_input (hc mixes, collapse, norm)": lambda i: layer.attn_input(h, pre),
             "attention input's FP8 quantisation": lambda i: fp8_input(x),
@@ -626,10 +626,10 @@ def bench_pieces(model_path: str | None, layer_ids: list[int]) -> dict:
             f"moe, {rows} real rows": lambda i: ffn(x2),
             "gate": lambda i: ffn.gate(x2),
             "shared expert": lambda i: ffn.shared_experts(x2q),
-            "one routed projection, 1 row": lambda i: mx.gather_qmm(
-                xe[:1], w1.weight, w1.scales, rhs_indices=ids[:1], transpose=True, mode="mxfp4"),
-            f"one routed projection, {rows} rows": lambda i: mx.gather_qmm(
-                xe, w1.weight, w1.scales, rhs_indices=ids, transpose=True, mode="mxfp4"),
+            "routed gate + up projection, 1 row": lambda i: mx.gather_qmm(
+                xe[:1], w13.weight, w13.scales, rhs_indices=ids[:1], transpose=True, mode="mxfp4"),
+            f"routed gate + up projection, {rows} rows": lambda i: mx.gather_qmm(
+                xe, w13.weight, w13.scales, rhs_indices=ids, transpose=True, mode="mxfp4"),
             "hc_post": lambda i: hc_post(y, h2, HcMixes(*ffn_mix)),
         }
         out["layers"][f"{li} ({layer_kind(layer)})"] = {name: timed(fn, calls=10, reps=5) * 1e3

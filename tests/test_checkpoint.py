@@ -155,11 +155,17 @@ def test_load_fixture_puts_every_tensor_into_the_model(loaded, fixture_tensors):
     for name, (dtype, stored) in fixture_tensors.items():
         if ".engram.embed." in name or name.endswith(".scale"):
             continue  # tables: below; scales: checked with their weights
+        # an expert's w1 (gate) and w3 (up) are the first and second halves of the model's w13
+        gate_up = "experts." in name and name.rsplit(".", 2)[-2] in ("w1", "w3")
+        rows = slice(None)
+        if gate_up:
+            n = stored.shape[0]
+            rows = slice(0, n) if name.rsplit(".", 2)[-2] == "w1" else slice(n, 2 * n)
         if ".ffn.experts." in name:
             prefix, rest = name.split(".ffn.experts.")
             e, proj, _ = rest.split(".")
-            key = f"{prefix}.ffn.experts.{proj}"
-            w, s = params[f"{key}.weight"][int(e)], params[f"{key}.scales"][int(e)]
+            key = f"{prefix}.ffn.experts.{'w13' if gate_up else proj}"
+            w, s = params[f"{key}.weight"][int(e)][rows], params[f"{key}.scales"][int(e)][rows]
             got = np.array(mx.dequantize(w, s, mode="mxfp4", dtype=mx.float32))
             scale_codes = fixture_tensors[name[: -len("weight")] + "scale"][1]
             b = stored.view(np.uint8).astype(np.int64)
@@ -172,11 +178,11 @@ def test_load_fixture_puts_every_tensor_into_the_model(loaded, fixture_tensors):
             scale_codes = fixture_tensors[name[: -len("weight")] + "scale"][1]
             tile = np.repeat(np.repeat(2.0 ** (scale_codes.astype(np.float64) - 127), 32, 0), 32, 1)
             want = (E4M3[stored] * tile[: stored.shape[0], : stored.shape[1]]).astype(np.float32)
-            key = sanitize(name)
-            w = params[key]
+            key = sanitize(name.replace(".w1.", ".w13.").replace(".w3.", ".w13.") if gate_up else name)
+            w = params[key][rows]
             if w.dtype == mx.uint32:  # kept in MLX mxfp8 layout
-                scales_key = sanitize(name[: -len("weight")] + "scale")
-                got = np.array(mx.dequantize(w, params[scales_key], mode="mxfp8", dtype=mx.float32))
+                scales_key = key[: -len("weight")] + "scales"
+                got = np.array(mx.dequantize(w, params[scales_key][rows], mode="mxfp8", dtype=mx.float32))
                 filled.add(scales_key)
             else:  # dequantised at load time
                 got = np.array(w.astype(mx.float32))
@@ -219,7 +225,7 @@ def test_one_fp8_and_one_fp4_weight_by_hand(loaded, fixture_tensors):
 
     packed = fixture_tensors["layers.2.ffn.experts.3.w1.weight"][1].view(np.uint8)  # [64, 64]
     scales = fixture_tensors["layers.2.ffn.experts.3.w1.scale"][1]  # [64, 4]
-    ex = model.layers[2].ffn.experts.w1
+    ex = model.layers[2].ffn.experts.w13  # w1's rows first
     got = np.array(mx.dequantize(ex.weight[3], ex.scales[3], mode="mxfp4", dtype=mx.float32))
     for r in (0, 17, 63):
         for c in (0, 1, 62, 63, 64, 127):
