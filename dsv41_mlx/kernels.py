@@ -102,6 +102,7 @@ SPARSE_ATTENTION = KernelSpec("sparse_attention", ("q", "ring", "index", "wmask"
                               ("out",), "sparse_attention.metal", "sparse_attention.cu", header_files=())
 RMS_NORM = KernelSpec("rms_norm_rows", ("x", "w", "eps", "sizes"), ("y",), "rms_norm.metal", "rms_norm.cu",
                       header_files=())
+FP4_QUANT = KernelSpec("fp4_quant", ("x", "n"), ("y",), "fp4_quant.metal", "fp4_quant.cu", header_files=())
 HC_INPUT = KernelSpec("hc_input", ("h", "pre_in", "fn", "scale", "base", "norm_w", "params", "rows"),
                       ("x", "pre", "post", "comb"), "hc_input.metal", "hc_input.cu", header_files=(),
                       twin_headers=("hc_split_row",))
@@ -407,4 +408,20 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float, impl: str | None = None)
                           mx.array([rows, D], dtype=mx.int32)],
                   template=[("T", x.dtype)], grid=(rows * 256, 1, 1), threadgroup=(256, 1, 1),
                   output_shapes=[x.shape], output_dtypes=[x.dtype])
+    return y
+
+
+# ------------------------------------------------------------------- fp4_quant
+
+def fp4_quant(x: mx.array, block: int, e4m3_scale: bool, impl: str) -> mx.array:
+    """The kernel for quant.fp4_fake_quant (its spec: quant.fp4_fake_quant_reference): x of any
+    shape, bfloat16 or float32, x.size a multiple of 32 and the last axis of `block` (16 or 32);
+    the same shape and dtype back. e4m3_scale: the scale format (E4M3 or a power of two)."""
+    if block not in (16, 32) or x.shape[-1] % block or x.size % 32 or x.dtype not in (mx.bfloat16, mx.float32):
+        raise ValueError(f"fp4_quant takes bfloat16/float32 in blocks of 16 or 32 (size a multiple of 32), "
+                         f"got {x.dtype} {x.shape} in blocks of {block}")
+    (y,) = _compiled(FP4_QUANT, impl)(
+        inputs=[x, mx.array([x.size], dtype=mx.int32)],
+        template=[("T", x.dtype), ("BLOCK", block), ("SCALE_E4M3", int(e4m3_scale))],
+        grid=(-(-x.size // 256) * 256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[x.shape], output_dtypes=[x.dtype])
     return y

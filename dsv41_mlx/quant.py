@@ -93,9 +93,20 @@ def e2m1_round(v: mx.array) -> mx.array:
     return mx.where(negative, -values, values)
 
 
+def fp4_fake_quant(x: mx.array, block: int = 32, scale_format: str = "e8m0", impl: str | None = None) -> mx.array:
+    """E2M1 quantise-dequantise over blocks of `block` along the last axis (see the spec,
+    fp4_fake_quant_reference). On a GPU one kernel launch (kernels.fp4_quant), bit for bit
+    the spec, which runs everywhere else."""
+    impl = impl or kernels.backend()
+    if (impl == "mlx" or block not in (16, 32) or x.shape[-1] % block or x.size % 32
+            or x.dtype not in (mx.bfloat16, mx.float32) or scale_format not in ("e4m3", "e8m0")):
+        return fp4_fake_quant_reference(x, block, scale_format)
+    return kernels.fp4_quant(x, block, scale_format == "e4m3", impl)
+
+
 @mx.compile
-def fp4_fake_quant(x: mx.array, block: int = 32, scale_format: str = "e8m0") -> mx.array:
-    """E2M1 quantise-dequantise over blocks of `block` along the last axis.
+def fp4_fake_quant_reference(x: mx.array, block: int = 32, scale_format: str = "e8m0") -> mx.array:
+    """Pure-MLX spec: E2M1 quantise-dequantise over blocks of `block` along the last axis.
 
     scale_format "e8m0": power-of-two scale 2**ceil(log2(amax/6)) (index keys
     and queries, block 32). "e4m3": scale = E4M3(amax/6), amax floored at

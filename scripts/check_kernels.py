@@ -15,6 +15,9 @@ fed fp32, at every shape of the flash-shaped model, decode to prefill row counts
 (quant.gemm_input_dtype feeds bf16 on CUDA): at most 1 ulp apart, in at most 1
 of 10,000 values (another fp32 summation order), each such value listed; an
 expert product of one row alone equals that row's inside 8 rows.
+fp4_quant: the indexer's and the compressed KV's FP4 fake-quant (blocks of 32 with
+power-of-two scales, of 16 with E4M3 scales), bf16 and fp32, a wide range of
+magnitudes, zeros and E2M1 ties: bit equality with quant's spec.
 hc_split: random mixes at 1..300 rows, release hc 4 / 20 iterations, within
 2e-6 of the spec (the spec's exp and sigmoid are not bit for bit the kernel's).
 moe_gate: the router at 384 / 24 / 16 experts (top 6, 6, 3), rows 1..16: the
@@ -47,9 +50,9 @@ import numpy as np
 
 from dsv41_mlx.kernels import (TILE, TOP_K, backend, fp8_rows_tiles, fp8_rows_top64, hc_split, hc_split_reference,
                                ring_write, ring_write_reference)
-from dsv41_mlx.kernels import (act_quant_fp8, hc_input, moe_gate, moe_gate_reference, rms_norm, rms_norm_reference,
-                               sparse_attention_rows)
-from dsv41_mlx.quant import fp8_fake_quant_reference, quantize_fp8_tiles_mx
+from dsv41_mlx.kernels import (act_quant_fp8, fp4_quant, hc_input, moe_gate, moe_gate_reference, rms_norm,
+                               rms_norm_reference, sparse_attention_rows)
+from dsv41_mlx.quant import fp4_fake_quant_reference, fp8_fake_quant_reference, quantize_fp8_tiles_mx
 
 POISON = -12345.0
 
@@ -121,6 +124,31 @@ def check_act_quant(impl: str, seed: int) -> list[str]:
                 same = got.view(bits) == ref.view(bits)
                 if not same.all().item():
                     problems.append(f"act_quant {shape} {dtype} -> {out}: {(~same).sum().item()} values differ")
+    return problems
+
+
+def check_fp4_quant(impl: str, seed: int) -> list[str]:
+    """The FP4 fake-quant kernel against its spec, bit for bit: the indexer's queries and keys
+    (blocks of 32, power-of-two scales) and the compressed KV (blocks of 16, E4M3 scales),
+    bfloat16 and float32, block magnitudes from 2^-17 to 2^17 (the E4M3 scales' subnormals
+    and their saturation), exact zeros, whole zero blocks and the E2M1 ties."""
+    mx.random.seed(seed)
+    problems = []
+    for shape, block, e4m3 in [((8, 32, 128), 32, False), ((1, 128), 32, False), ((37, 512), 16, True),
+                               ((8, 512), 16, True), ((8, 4096), 32, True)]:
+        for dtype in (mx.bfloat16, mx.float32):
+            blocks = shape[:-1] + (shape[-1] // block, block)
+            x = mx.random.normal(blocks) * mx.exp(mx.random.uniform(-12, 12, blocks[:-1] + (1,)))
+            x = x.reshape(shape) * (mx.random.uniform(shape=shape) > 0.05)  # some exact zeros
+            ties = mx.array([0.75, 1.75, 3.5, -0.25, 2.5, 5.0, 6.0, -6.0] * (block // 8))  # E2M1 ties at scale 1
+            x = mx.concatenate([x[..., :-2 * block], mx.zeros(shape[:-1] + (block,)),
+                                mx.broadcast_to(ties, shape[:-1] + (block,))], axis=-1).astype(dtype)
+            fmt = "e4m3" if e4m3 else "e8m0"
+            got, ref = fp4_quant(x, block, e4m3, impl), fp4_fake_quant_reference(x, block, fmt)
+            bits = mx.uint16 if dtype == mx.bfloat16 else mx.uint32
+            same = got.view(bits) == ref.view(bits)
+            if not same.all().item():
+                problems.append(f"fp4_quant {shape} block {block} {fmt} {dtype}: {(~same).sum().item()} values differ")
     return problems
 
 
@@ -394,7 +422,8 @@ def main() -> int:
             problems = check_fp8_rows(n, k, rows, impl, seed=rows * 7 + k)
             failures += bool(problems)
             print(f"fp8_rows N={n} K={k} rows={rows}: {'ok' if not problems else '; '.join(problems[:3])}")
-    checks = [("ring_write", check_ring_write, 3), ("act_quant", check_act_quant, 9)]
+    checks = [("ring_write", check_ring_write, 3), ("act_quant", check_act_quant, 9),
+              ("fp4_quant", check_fp4_quant, 29)]
     if impl == "cuda":
         checks.append(("quantised GEMMs, bf16-fed vs fp32-fed", check_gemms_bf16, 11))
     checks += [("hc_split", check_hc_split, 5), ("rms_norm", check_rms_norm, 23), ("hc_input", check_hc_input, 17),

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from dsv41_mlx.cache import DraftCache
-from dsv41_mlx.kernels import (ACT_QUANT, FP8_ROWS, HC_INPUT, HC_SPLIT, MOE_GATE_SCORES, MOE_GATE_TOPK, RING_WRITE,
-                               RMS_NORM, SPARSE_ATTENTION, TOP_K, fp8_rows_top64, moe_gate, moe_gate_reference,
-                               ring_write, ring_write_reference)
+from dsv41_mlx.kernels import (ACT_QUANT, FP4_QUANT, FP8_ROWS, HC_INPUT, HC_SPLIT, MOE_GATE_SCORES, MOE_GATE_TOPK,
+                               RING_WRITE, RMS_NORM, SPARSE_ATTENTION, TOP_K, fp8_rows_top64, moe_gate,
+                               moe_gate_reference, ring_write, ring_write_reference)
 from dsv41_mlx.quant import e4m3_decode, e8m0_decode, quantize_fp8_tiles, quantize_fp8_tiles_mx
 
 from . import cuda_check
@@ -151,6 +151,10 @@ CASES = {
                  {"T": "bfloat16"}),
     "rms_norm_f32": (RMS_NORM, {"x": "float32", "w": "float32", "eps": "float32", "sizes": "int32"},
                      {"y": "float32"}, {"T": "float32"}),
+    "fp4_quant_kv": (FP4_QUANT, {"x": "bfloat16", "n": "int32"}, {"y": "bfloat16"},
+                     {"T": "bfloat16", "BLOCK": 16, "SCALE_E4M3": 1}),
+    "fp4_quant_index": (FP4_QUANT, {"x": "float32", "n": "int32"}, {"y": "float32"},
+                        {"T": "float32", "BLOCK": 32, "SCALE_E4M3": 0}),
     "moe_gate_scores": (MOE_GATE_SCORES, {"x": "bfloat16", "w": "float32", "params": "float32", "sizes": "int32"},
                         {"scores": "float32"}, {"T": "bfloat16"}),
     "moe_gate_topk": (MOE_GATE_TOPK, {"scores": "float32", "bias": "float32", "params": "float32", "rows": "int32"},
@@ -193,6 +197,7 @@ def test_metal_source_type_checks(case, rows, tmp_path):
     ("moe_gate_topk", ("threadgroup int picked[K];", "threadgroup int picked[K]")),  # no semicolon
     ("hc_input", ("collapsed[d] = cb;", "collapsed[d] = cb")),  # no semicolon
     ("hc_input", ("bfloat16_t(c)", "bfloat16_t(c, 1)")),  # bad conversion
+    ("fp4_quant_kv", ("simd_shuffle_xor(amax, offset)", "simd_shuffle_xor(amax)")),  # bad call
     ("rms_norm", ("sq += v * v;", "sq += v * w;")),  # type error: w is a pointer
     ("sparse_attention", ("threadgroup float denom[G];", "threadgroup float denom[G]")),  # no semicolon
     ("sparse_attention", ("float(kv[ulong(key_row[j]) * D + d])", "float(kv[ulong(key_rows[j]) * D + d])")),
@@ -233,6 +238,7 @@ def test_cuda_source_compiles(case):
     ("moe_gate_topk", ("choice[bi] = neg_inf;", "choice[bi] = neg_infinity;")),  # misspelt variable
     ("moe_gate_scores", ("const float wd = we[d];", "const float wd = we;")),  # pointer to float
     ("hc_input", ("__float2bfloat16(c)", "__float2bfloat16(c, 1)")),  # bad call
+    ("fp4_quant_kv", ("const float mag = fabsf(q);", "const float mag = fabsf(q)")),  # no semicolon
     ("rms_norm", ("rsqrtf(total / (float)D + eps[0])", "rsqrtf(total / (float)D + eps)")),  # pointer + float
     ("sparse_attention", ("denom[g] = total + expf(sink[h0 + g] - row_max);",
                           "denom[g] = total + expf(sinks[h0 + g]);")),  # misspelt variable
@@ -405,3 +411,28 @@ def test_custom_kernels_can_be_switched_off_on_a_gpu(monkeypatch):
     monkeypatch.setenv("DSV41_MLX_KERNELS", "0")
     assert kernels.backend() == "mlx"
     assert quant.gemm_input_dtype() == mx.bfloat16
+
+
+def test_fp4_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatch):
+    """scripts/check_kernels.py's FP4 check: the spec itself passes bit for bit; a kernel that
+    breaks the E2M1 ties the other way, or drops the E4M3 scale's rounding, fails."""
+    from dsv41_mlx.quant import fp4_fake_quant_reference
+
+    check = _check_kernels_script()
+
+    def spec(x, block, e4m3, impl=None):
+        return fp4_fake_quant_reference(x, block, "e4m3" if e4m3 else "e8m0")
+
+    def ties_down(x, block, e4m3, impl=None):
+        y = spec(x, block, e4m3)
+        return mx.where(mx.abs(x.astype(mx.float32)) == 1.75, mx.sign(x) * 1.5, y).astype(x.dtype)
+
+    def raw_scale(x, block, e4m3, impl=None):
+        y = spec(x, block, e4m3)
+        return (y.astype(mx.float32) * (1 + 2.0**-10 * e4m3)).astype(x.dtype)
+
+    monkeypatch.setattr(check, "fp4_quant", spec)
+    assert check.check_fp4_quant("mlx", seed=2) == []
+    for broken in (ties_down, raw_scale):
+        monkeypatch.setattr(check, "fp4_quant", broken)
+        assert any("values differ" in p for p in check.check_fp4_quant("mlx", seed=2)), broken.__name__
