@@ -678,16 +678,17 @@ class MoE(nn.Module):
             order = mx.argsort(flat)
             pairs = self._routed(xq[order // k, 0], weights.flatten()[order][:, None, None], flat[order], True)
             y = pairs[mx.argsort(order)].reshape(real, k, -1)
-        out = y[:, 0]
+        shared = self.shared_experts(x8)  # bf16
+        out = y[:, 0].astype(F32)  # each expert's bf16 product cast where it is added: one fused pass
         for j in range(1, k):  # in expert-id order, as the reference adds them
-            out = out + y[:, j]
-        if real < N:
-            out = mx.concatenate([out, mx.zeros((N - real, out.shape[1]), dtype=out.dtype)])
-        return (out + self.shared_experts(x8).astype(F32)).astype(BF16)
+            out = out + y[:, j].astype(F32)
+        out = (out + shared[:real].astype(F32)).astype(BF16)
+        # padding rows: the shared expert alone (its bf16 output, which the sum with zeros rounds back to)
+        return out if real == N else mx.concatenate([out, shared[real:]])
 
     def _routed(self, xq: mx.array, weights: mx.array, ids: mx.array, sorted_ids: bool) -> mx.array:
         """The routed experts' SwiGLU, weighted before the down projection (as the reference):
-        xq [N, 1|k, 1, dim] through experts ids [N, k] (or [N] sorted pairs) -> fp32 [.., 1, dim]."""
+        xq [N, 1|k, 1, dim] through experts ids [N, k] (or [N] sorted pairs) -> bf16 [.., 1, dim]."""
         rows = pairs = None  # each pair's row of x, then of h: index constants on the decode path
         if not sorted_ids and ids.size <= self._pair_ids.size:
             N, k = ids.shape
@@ -695,8 +696,8 @@ class MoE(nn.Module):
         gate_up = self.experts.w13(xq, ids, sorted_ids, rows)
         inter = gate_up.shape[-1] // 2  # views, so that the casts fuse into the SwiGLU
         gate, up = gate_up[..., :inter].astype(F32), gate_up[..., inter:].astype(F32)
-        h = fp8_fake_quant((swiglu(gate, up, self.limit) * weights).astype(BF16), dtype=F32)
-        return self.experts.w2(h, ids, sorted_ids, pairs).astype(F32)
+        h = fp8_input((swiglu(gate, up, self.limit) * weights).astype(BF16))
+        return self.experts.w2(h, ids, sorted_ids, pairs)  # bf16
 
 
 # ----------------------------------------------------------------------- block
