@@ -51,3 +51,22 @@ def test_warm_up_prompt_takes_every_chunk_path(bench, fixture_model):
         assert [len(c) for c in chunks[:-1]] == [chunk, chunk] and chunk > fixture_model.args.sliding_window
         assert 0 < len(chunks[-1]) < chunk and len(chunks[-1]) % PREFILL_ROUND
         assert all(0 <= t < fixture_model.args.vocab_size for t in ids)
+
+
+def test_count_ops_counts_the_gpu_path_with_its_kernels():
+    """scripts/count_ops.py builds a decode step as a GPU runs it (the custom kernels stubbed,
+    one operation each) on the CPU: every layer's attention through the attention kernel,
+    every MoE through the router kernels, and nothing of the patch left behind."""
+    from dsv41_mlx import kernels
+    from dsv41_mlx.tiny import default_checkpoint
+
+    spec = importlib.util.spec_from_file_location("count_ops", SCRIPT.parent / "count_ops.py")
+    count_ops = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(count_ops)
+    res = count_ops.count(str(default_checkpoint()), rows=8, prompt=40)
+    layers = sum(len(v) for v in res["per_kind"].values())
+    calls = res["kernel_calls"]
+    assert calls["sparse_attention"] == calls["moe_gate_scores"] == calls["moe_gate_topk"] == layers
+    assert calls["hc_input"] == 2 * layers
+    assert 0 < res["total"] < 200 * layers
+    assert kernels.backend() == "mlx" and kernels.device_backend() == "mlx"
