@@ -395,19 +395,34 @@ def rms_norm_reference(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     return mx.fast.rms_norm(x.astype(mx.float32), weight.astype(mx.float32), eps).astype(x.dtype)
 
 
-def rms_norm(x: mx.array, weight: mx.array, eps: float, impl: str | None = None) -> mx.array:
-    """RMSNorm over the last axis: on a GPU one launch (a threadgroup per row) for what the
-    spec does in three operations (the casts around MLX's fp32 RMSNorm); the spec elsewhere."""
+def rms_norm_fits(x: mx.array, impl: str | None = None, quantized: bool = False) -> bool:
+    """Whether the RMSNorm kernel runs for x: a GPU, bfloat16 or float32, and for the
+    quantised form a last axis of whole FP8 blocks (32)."""
     impl = impl or backend()
-    if impl == "mlx" or x.dtype not in (mx.bfloat16, mx.float32) or x.size == 0:
+    return (impl != "mlx" and x.dtype in (mx.bfloat16, mx.float32) and x.size > 0
+            and not (quantized and x.shape[-1] % 32))
+
+
+def rms_norm(x: mx.array, weight: mx.array, eps: float, impl: str | None = None,
+             quantize_to: mx.Dtype | None = None) -> mx.array:
+    """RMSNorm over the last axis: on a GPU one launch (a threadgroup per row) for what the
+    spec does in three operations (the casts around MLX's fp32 RMSNorm); the spec elsewhere.
+    quantize_to: the result also FP8 fake-quantised per 32 values and stored as this dtype, in
+    the same launch (what quant.fp8_input does after the spec; GPU only, see rms_norm_fits)."""
+    impl = impl or backend()
+    if not rms_norm_fits(x, impl, quantize_to is not None):
+        if quantize_to is not None:
+            raise ValueError(f"the quantised RMSNorm kernel takes bfloat16/float32 rows of whole 32-blocks on a "
+                             f"GPU, got {x.dtype} {x.shape} on {impl}")
         return rms_norm_reference(x, weight, eps)
     D = x.shape[-1]
     rows = x.size // D
+    out = quantize_to or x.dtype
     kernel = _compiled(RMS_NORM, impl)
     (y,) = kernel(inputs=[x, weight.astype(mx.float32), mx.array([eps], dtype=mx.float32),
                           mx.array([rows, D], dtype=mx.int32)],
-                  template=[("T", x.dtype)], grid=(rows * 256, 1, 1), threadgroup=(256, 1, 1),
-                  output_shapes=[x.shape], output_dtypes=[x.dtype])
+                  template=[("T", x.dtype), ("O", out), ("QUANT", int(quantize_to is not None))],
+                  grid=(rows * 256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[x.shape], output_dtypes=[out])
     return y
 
 

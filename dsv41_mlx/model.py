@@ -74,6 +74,12 @@ class RMSNorm(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         return rms_norm(x, self.weight, self.eps)
 
+    def quantized(self, x: mx.array) -> mx.array:
+        """The norm through quant.fp8_input, as an FP8 GEMM takes it: one launch on a GPU."""
+        if kernels.rms_norm_fits(x, quantized=True):
+            return rms_norm(x, self.weight, self.eps, quantize_to=gemm_input_dtype())
+        return fp8_input(self(x))
+
 
 class Linear(nn.Module):
     """BF16 weight [out, in], no bias; bf16 in and out (fp32 accumulation)."""
@@ -488,7 +494,7 @@ class Attention(nn.Module):
     def queries(self, xq: mx.array, rope: tuple) -> tuple[mx.array, mx.array]:
         """q [S, H, D] with RoPE, and the normed low-rank qr [S, q_lora] through fp8_input,
         as wq_b takes it and the indexer's wq_b reuses it."""
-        qr = fp8_input(self.q_norm(self.wq_a.quantized(xq)))
+        qr = self.q_norm.quantized(self.wq_a.quantized(xq))
         q = self.wq_b.quantized(qr).reshape(xq.shape[0], self.n_heads, self.head_dim)
         return Rope.apply(q, rope), qr
 

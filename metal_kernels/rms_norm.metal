@@ -2,11 +2,13 @@
 // does with three operations (a cast to float32, MLX's RMSNorm, a cast back).
 //
 // x [rows, D] (T: bfloat16 or float32), w [D] float32, eps [1] float32, sizes [2] int32 =
-// (rows, D). Output y [rows, D] (T): x * rsqrt(mean(x^2) + eps) * w in float32, rounded
+// (rows, D). Output y [rows, D] (O): x * rsqrt(mean(x^2) + eps) * w in float32, rounded
 // to T once. Threads sum every 256th square, each simdgroup its 32 partial sums in a
 // butterfly, then the 8 simdgroup sums in order: not the spec's order, so results match
 // it to float32 noise; each row is computed alone, the same bits in any forward.
-// Template constant: T. 256 threads. CUDA twin: rms_norm.cu.
+// QUANT 1: the result also FP8 fake-quantised per 32 values (act_quant.metal, bit for bit
+// on the rounded norm; D a multiple of 32), as an FP8 GEMM takes it, stored as O.
+// Template constants: T, O, QUANT. 256 threads. CUDA twin: rms_norm.cu.
 
 constexpr int WARPS = 8;
 threadgroup float partial[WARPS];
@@ -39,5 +41,17 @@ for (int g = 1; g < WARPS; g++) {
 }
 const float r = metal::rsqrt(total / float(D) + eps[0]);
 for (int d = int(tid); d < D; d += 32 * WARPS) {
-  y[row * D + d] = T(float(xr[d]) * r * w[d]);
+  const float v = float(T(float(xr[d]) * r * w[d]));  // the norm, rounded to T
+  if (QUANT) {  // then act_quant.metal's FP8 fake-quant: lanes hold a block's 32 consecutive values
+    const float amax = metal::max(simd_max(metal::abs(v)), 1e-4f);
+    const uint t = as_type<uint>(amax * (1.0f / 448.0f));
+    const uint exponent = ((t >> 23) & 0xFFu) + ((t & 0x7FFFFFu) != 0u ? 1u : 0u);  // biased ceil(log2)
+    const float scale = as_type<float>(exponent << 23);
+    const float q = v / scale;
+    const uint q_exponent = metal::max((as_type<uint>(q) >> 23) & 0xFFu, 121u);  // E4M3 subnormals
+    const float step = as_type<float>((q_exponent - 3u) << 23);  // 3 mantissa bits
+    y[row * D + d] = static_cast<O>(static_cast<T>(metal::rint(q / step) * step * scale));
+  } else {
+    y[row * D + d] = static_cast<O>(v);
+  }
 }

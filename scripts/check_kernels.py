@@ -30,7 +30,8 @@ model.HyperConnection.sublayer_input's pure-MLX composition: x within a bf16 ste
 others.
 rms_norm: RMSNorm at widths 128..5120, rows 1..300, bf16 and fp32, against the
 spec's casts around MLX's RMSNorm: bf16 within a bf16 step (equal in 99%), fp32
-within 1e-6; a row alone equals the row among others.
+within 1e-6; a row alone equals the row among others; the quantised form bit for
+bit the FP8 fake-quant of the kernel's own norm.
 sparse_attention: a decode forward's attention at 64 heads x 512, a 128-key window
 and 512 picks (or none), rows 1..16, masked keys and rows with none visible,
 against model.sparse_attention on gathered keys: each row-head within 1% of its
@@ -407,6 +408,15 @@ def check_rms_norm(impl: str, seed: int) -> list[str]:
                 alone = np.array(rms_norm(x[-1:], w, 1e-6, impl=impl).astype(mx.float32))
                 if not np.array_equal(alone, got[-1:]):
                     problems.append(f"rms_norm D={D} rows={rows} {dtype}: the last row alone differs")
+                for out in (mx.bfloat16, mx.float32):  # the quantised form: act_quant on the kernel's own norm
+                    quantised = rms_norm(x, w, 1e-6, impl=impl, quantize_to=out)
+                    plain = rms_norm(x, w, 1e-6, impl=impl)
+                    want_q = fp8_fake_quant_reference(plain).astype(out)
+                    bits = mx.uint16 if out == mx.bfloat16 else mx.uint32
+                    same = quantised.view(bits) == want_q.view(bits)
+                    if not same.all().item():
+                        problems.append(f"rms_norm D={D} rows={rows} {dtype} quantised to {out}: "
+                                        f"{(~same).sum().item()} values differ from act_quant of the norm")
     return problems
 
 

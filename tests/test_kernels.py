@@ -148,9 +148,11 @@ CASES = {
                                                         "rows": "int32"}, {"out": "bfloat16"},
                                      {"D": 512, "H": 64, "G": 4, "W": 128, "K": 0}),
     "rms_norm": (RMS_NORM, {"x": "bfloat16", "w": "float32", "eps": "float32", "sizes": "int32"}, {"y": "bfloat16"},
-                 {"T": "bfloat16"}),
+                 {"T": "bfloat16", "O": "bfloat16", "QUANT": 0}),
     "rms_norm_f32": (RMS_NORM, {"x": "float32", "w": "float32", "eps": "float32", "sizes": "int32"},
-                     {"y": "float32"}, {"T": "float32"}),
+                     {"y": "float32"}, {"T": "float32", "O": "float32", "QUANT": 0}),
+    "rms_norm_quantised": (RMS_NORM, {"x": "bfloat16", "w": "float32", "eps": "float32", "sizes": "int32"},
+                           {"y": "float32"}, {"T": "bfloat16", "O": "float32", "QUANT": 1}),
     "fp4_quant_kv": (FP4_QUANT, {"x": "bfloat16", "n": "int32"}, {"y": "bfloat16"},
                      {"T": "bfloat16", "BLOCK": 16, "SCALE_E4M3": 1}),
     "fp4_quant_index": (FP4_QUANT, {"x": "float32", "n": "int32"}, {"y": "float32"},
@@ -199,6 +201,7 @@ def test_metal_source_type_checks(case, rows, tmp_path):
     ("hc_input", ("bfloat16_t(c)", "bfloat16_t(c, 1)")),  # bad conversion
     ("fp4_quant_kv", ("simd_shuffle_xor(amax, offset)", "simd_shuffle_xor(amax)")),  # bad call
     ("rms_norm", ("sq += v * v;", "sq += v * w;")),  # type error: w is a pointer
+    ("rms_norm_quantised", ("simd_max(metal::abs(v))", "simd_max(metal::abs(v), 1)")),  # bad call
     ("sparse_attention", ("threadgroup float denom[G];", "threadgroup float denom[G]")),  # no semicolon
     ("sparse_attention", ("float(kv[ulong(key_row[j]) * D + d])", "float(kv[ulong(key_rows[j]) * D + d])")),
 ])
@@ -381,23 +384,36 @@ def test_attention_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatch):
 
 def test_rms_norm_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatch):
     """scripts/check_kernels.py's RMSNorm check: the spec itself passes; a kernel that rounds
-    twice (bf16 before the weight), drops eps, or couples rows, fails."""
+    twice (bf16 before the weight), couples rows, or quantises other values than its own
+    norm, fails."""
     from dsv41_mlx.kernels import rms_norm_reference
+    from dsv41_mlx.quant import fp8_fake_quant_reference
 
     check = _check_kernels_script()
 
-    def rounds_twice(x, w, eps, impl=None):
+    def kernel_like(norm):  # a norm as the kernel computes it, with the quantised form on top
+        def run(x, w, eps, impl=None, quantize_to=None):
+            y = norm(x, w, eps)
+            return y if quantize_to is None else fp8_fake_quant_reference(y).astype(quantize_to)
+        return run
+
+    def rounds_twice(x, w, eps):
         normed = mx.fast.rms_norm(x.astype(mx.float32), mx.ones_like(w), eps).astype(x.dtype)
         return (normed.astype(mx.float32) * w).astype(x.dtype)
 
-    def coupled_rows(x, w, eps, impl=None):
+    def coupled_rows(x, w, eps):
         return rms_norm_reference(x, w * (1 + 1e-3 * (x.shape[0] > 1)), eps)
 
-    monkeypatch.setattr(check, "rms_norm", lambda x, w, eps, impl=None: rms_norm_reference(x, w, eps))
+    def quantises_unrounded(x, w, eps, impl=None, quantize_to=None):
+        y = rms_norm_reference(x.astype(mx.float32), w, eps)  # skips the rounding to x's dtype
+        return (y if quantize_to is None else fp8_fake_quant_reference(y)).astype(quantize_to or x.dtype)
+
+    monkeypatch.setattr(check, "rms_norm", kernel_like(rms_norm_reference))
     assert check.check_rms_norm("mlx", seed=6) == []
-    for broken, message in ((rounds_twice, "differ"), (coupled_rows, "alone differs")):
+    for broken, message in ((kernel_like(rounds_twice), "differ"), (kernel_like(coupled_rows), "alone differs"),
+                            (quantises_unrounded, "differ from act_quant")):
         monkeypatch.setattr(check, "rms_norm", broken)
-        assert any(message in p for p in check.check_rms_norm("mlx", seed=6)), broken.__name__
+        assert any(message in p for p in check.check_rms_norm("mlx", seed=6)), broken
 
 
 def test_custom_kernels_can_be_switched_off_on_a_gpu(monkeypatch):
