@@ -76,11 +76,13 @@ class DSparkAttention(Attention):
 
     side_stream: mx.Stream | None = None  # set by Drafter: where the key path runs beside the queries
 
-    def __call__(self, x: mx.array, positions: mx.array, ring: mx.array, ring_valid: mx.array) -> mx.array:
-        """x [S, dim] block rows at `positions`; ring [window, D] bf16, ring_valid [window] bool."""
+    def __call__(self, x: mx.array, positions: mx.array, ring: mx.array, ring_valid: mx.array,
+                 xq: mx.array | None = None) -> mx.array:
+        """x [S, dim] block rows at `positions`; ring [window, D] bf16, ring_valid [window] bool;
+        xq: x through quant.fp8_input, where the caller has it."""
         S = x.shape[0]
         rope = self.rope.tables(positions, self.head_dim)
-        xq = fp8_input(x)  # once, for both paths
+        xq = fp8_input(x) if xq is None else xq  # once, for both paths
         with _on(self.side_stream):  # the key path needs only xq: it runs beside the query path
             block_keys = self.latent_kv(xq, rope)
         q, _ = self.queries(xq, rope)

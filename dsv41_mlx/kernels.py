@@ -104,7 +104,7 @@ RMS_NORM = KernelSpec("rms_norm_rows", ("x", "w", "eps", "sizes"), ("y",), "rms_
                       header_files=())
 FP4_QUANT = KernelSpec("fp4_quant", ("x", "n"), ("y",), "fp4_quant.metal", "fp4_quant.cu", header_files=())
 HC_INPUT = KernelSpec("hc_input", ("h", "pre_in", "fn", "scale", "base", "norm_w", "params", "rows"),
-                      ("x", "pre", "post", "comb"), "hc_input.metal", "hc_input.cu", header_files=(),
+                      ("x", "xq", "pre", "post", "comb"), "hc_input.metal", "hc_input.cu", header_files=(),
                       twin_headers=("hc_split_row",))
 
 
@@ -313,20 +313,22 @@ HC_INPUT_MAX_ROWS = 16  # decode and verify forwards; prefill's many rows take t
 
 def hc_input_fits(h: mx.array, impl: str | None = None) -> bool:
     """Whether hc_input runs for this stream [S, hc, dim]: a GPU, at most HC_INPUT_MAX_ROWS
-    rows, a bfloat16 stream and a row's collapse within 24 KB of threadgroup memory."""
+    rows, a bfloat16 stream, dim a multiple of 32 (whole FP8 blocks) and a row's collapse
+    within 24 KB of threadgroup memory."""
     impl = impl or backend()
     return (impl != "mlx" and h.ndim == 3 and h.shape[0] <= HC_INPUT_MAX_ROWS and h.dtype == mx.bfloat16
-            and 4 * h.shape[2] <= 24 * 1024)
+            and h.shape[2] % 32 == 0 and 4 * h.shape[2] <= 24 * 1024)
 
 
 def hc_input(h: mx.array, pre_in: mx.array, fn: mx.array, scale: mx.array, base: mx.array, norm_w: mx.array,
-             iters: int, hc_norm_eps: float, eps: float, norm_eps: float,
-             impl: str | None = None) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+             iters: int, hc_norm_eps: float, eps: float, norm_eps: float, quantize_to: mx.Dtype,
+             impl: str | None = None) -> tuple[mx.array, ...]:
     """A sub-layer's input from the stream in one launch (a threadgroup per row): the
-    collapse by pre_in, RMS-normed by norm_w -> x [S, dim] bf16, and this sub-layer's mixes
-    pre [S, hc], post [S, hc], comb [S, hc, hc]. Its spec is model.hc_sublayer_input's
-    composition of hc_pre, rms_norm, the mix projection and hc_split (scripts/check_kernels.py
-    compares them); only where hc_input_fits."""
+    collapse by pre_in, RMS-normed by norm_w -> x [S, dim] bf16, x FP8 fake-quantised as
+    quantize_to (what quant.fp8_input makes of x, for the sub-layer's FP8 GEMMs), and this
+    sub-layer's mixes pre [S, hc], post [S, hc], comb [S, hc, hc]. Its spec is
+    model.HyperConnection.sublayer_input's composition of hc_pre, rms_norm, fp8_input, the mix
+    projection and hc_split (scripts/check_kernels.py compares them); only where hc_input_fits."""
     impl = impl or backend()
     if not hc_input_fits(h, impl):
         raise ValueError(f"hc_input takes a bfloat16 stream [<= {HC_INPUT_MAX_ROWS}, hc, dim] on a GPU, "
@@ -336,10 +338,10 @@ def hc_input(h: mx.array, pre_in: mx.array, fn: mx.array, scale: mx.array, base:
     return tuple(kernel(inputs=[h, pre_in.astype(mx.float32), fn, scale, base, norm_w,
                                 mx.array([hc_norm_eps, eps, norm_eps], dtype=mx.float32),
                                 mx.array([S], dtype=mx.int32)],
-                        template=[("D", dim), ("HC", hc), ("ITERS", iters)],
+                        template=[("D", dim), ("HC", hc), ("ITERS", iters), ("O", quantize_to)],
                         grid=(S * 256, 1, 1), threadgroup=(256, 1, 1),
-                        output_shapes=[(S, dim), (S, hc), (S, hc), (S, hc, hc)],
-                        output_dtypes=[mx.bfloat16, mx.float32, mx.float32, mx.float32]))
+                        output_shapes=[(S, dim), (S, dim), (S, hc), (S, hc), (S, hc, hc)],
+                        output_dtypes=[mx.bfloat16, quantize_to, mx.float32, mx.float32, mx.float32]))
 
 
 # ------------------------------------------------------------ sparse_attention

@@ -284,16 +284,18 @@ class HyperConnection(nn.Module):
     def __call__(self, x: mx.array) -> HcMixes:
         return hc_mixes(x, self.fn, self.scale, self.base, self._hc, self._iters, self._norm_eps, self._eps)
 
-    def sublayer_input(self, h: mx.array, pre: mx.array, norm: RMSNorm) -> tuple[mx.array, HcMixes]:
+    def sublayer_input(self, h: mx.array, pre: mx.array, norm: RMSNorm) -> tuple[mx.array, mx.array, HcMixes]:
         """A sub-layer's input: the stream h [S, hc, dim] collapsed by the previous sub-layer's
-        pre [S, hc] and normed by `norm`, and this sub-layer's mixes of h. On a GPU, forwards
-        of up to 16 rows run it as one kernel (kernels.hc_input) instead of about eight
-        operations; this composition is the kernel's spec."""
+        pre [S, hc] and normed by `norm` (x), x through quant.fp8_input (for the sub-layer's FP8
+        GEMMs), and this sub-layer's mixes of h. On a GPU, forwards of up to 16 rows run it as
+        one kernel (kernels.hc_input) instead of about nine operations; this composition is
+        the kernel's spec."""
         if kernels.hc_input_fits(h):
-            x, *mixes = kernels.hc_input(h, pre, self.fn, self.scale, self.base, norm.weight, self._iters,
-                                         self._norm_eps, self._eps, norm.eps)
-            return x, HcMixes(*mixes)
-        return norm(hc_pre(h, pre)), self(h)
+            x, xq, *mixes = kernels.hc_input(h, pre, self.fn, self.scale, self.base, norm.weight, self._iters,
+                                             self._norm_eps, self._eps, norm.eps, gemm_input_dtype())
+            return x, xq, HcMixes(*mixes)
+        x = norm(hc_pre(h, pre))
+        return x, fp8_input(x), self(h)
 
 
 # ------------------------------------------------------------------- attention
@@ -518,10 +520,11 @@ class Attention(nn.Module):
         return self.wo_b(o.astype(BF16).reshape(S, -1))
 
     def __call__(self, x: mx.array, positions: mx.array, cache: LayerCache,
-                 caches: list[LayerCache], shared: SharedAttention) -> mx.array:
+                 caches: list[LayerCache], shared: SharedAttention, xq: mx.array | None = None) -> mx.array:
+        """xq: x through quant.fp8_input, where the caller has it already."""
         S = x.shape[0]
         rope = self.rope.tables(positions, self.head_dim)
-        xq = fp8_input(x)
+        xq = fp8_input(x) if xq is None else xq
         q, qr = self.queries(xq, rope)
         keys, first = cache.window.update(self.latent_kv(xq, rope))
         # row_invariant: each row gathers its own window, oldest first: the same array for a
@@ -664,8 +667,8 @@ class MoE(nn.Module):
         self._pair_ids = index_range(SORT_EXPERTS_AT)
 
     @fused()
-    def __call__(self, x: mx.array, rows: int | None = None) -> mx.array:
-        """x [N, dim] bf16 -> [N, dim] bf16.
+    def __call__(self, x: mx.array, rows: int | None = None, x8: mx.array | None = None) -> mx.array:
+        """x [N, dim] bf16 -> [N, dim] bf16. x8: x through quant.fp8_input, where the caller has it.
 
         rows: only the first `rows` rows are real (a padded decode forward, Model.decode);
         the others get the shared expert alone. Each (row, expert) pair is its own
@@ -674,7 +677,7 @@ class MoE(nn.Module):
         weights, ids = self.gate(x)
         N, k = ids.shape
         real = N if rows is None else rows
-        x8 = fp8_input(x)  # once, for the routed experts and both shared-expert GEMMs
+        x8 = fp8_input(x) if x8 is None else x8  # once, for the routed experts and the shared expert
         xq = x8[:real, None, None, :]
         weights, ids = weights[:real], ids[:real]
         if ids.size < SORT_EXPERTS_AT:  # decode and verify: each row through its own k experts
@@ -729,25 +732,26 @@ class Block(nn.Module):
                  rows: int | None = None) -> tuple[mx.array, mx.array]:
         """h [S, hc, dim] bf16, pre [S, hc] -> (h, pre for the next block).
         rows: how many of the S rows are real (the rest pad a decode forward)."""
-        x, *attn_mix = self.attn_input(h, pre)
-        x = self.attn(x, positions, *attn_args)
-        h, x, *ffn_mix = self.ffn_input(x, h, *attn_mix)
-        h = hc_post(self.ffn(x, rows), h, HcMixes(*ffn_mix))
+        x, xq, *attn_mix = self.attn_input(h, pre)
+        x = self.attn(x, positions, *attn_args, xq=xq)
+        h, x, xq, *ffn_mix = self.ffn_input(x, h, *attn_mix)
+        h = hc_post(self.ffn(x, rows, xq), h, HcMixes(*ffn_mix))
         return h, ffn_mix[0]
 
     @fused("hc_attn", "attn_norm")
     def attn_input(self, h: mx.array, pre: mx.array) -> tuple[mx.array, ...]:
-        """The attention's normed input and this sub-layer's mixes (pre, post, comb)."""
-        x, mix = self.hc_attn.sublayer_input(h, pre, self.attn_norm)
-        return x, mix.pre, mix.post, mix.comb
+        """The attention's normed input, that through fp8_input, and this sub-layer's mixes
+        (pre, post, comb)."""
+        x, xq, mix = self.hc_attn.sublayer_input(h, pre, self.attn_norm)
+        return x, xq, mix.pre, mix.post, mix.comb
 
     @fused("hc_ffn", "ffn_norm")
     def ffn_input(self, x: mx.array, h: mx.array, *attn_mix: mx.array) -> tuple[mx.array, ...]:
-        """The attention's output expanded into the stream, then the MoE's normed input
-        and its sub-layer's mixes: (h, x, pre, post, comb)."""
+        """The attention's output expanded into the stream, then the MoE's normed input, that
+        through fp8_input, and its sub-layer's mixes: (h, x, xq, pre, post, comb)."""
         h = hc_post(x, h, HcMixes(*attn_mix))
-        x, mix = self.hc_ffn.sublayer_input(h, attn_mix[0], self.ffn_norm)
-        return h, x, mix.pre, mix.post, mix.comb
+        x, xq, mix = self.hc_ffn.sublayer_input(h, attn_mix[0], self.ffn_norm)
+        return h, x, xq, mix.pre, mix.post, mix.comb
 
 
 class Head(nn.Module):

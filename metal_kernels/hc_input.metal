@@ -9,12 +9,14 @@
 // Outputs: x [S, D] bfloat16, the collapsed and normed input:
 //   c_d = sum_i pre_in_i * h_id (fp32, i in order), rounded to bfloat16;
 //   x_d = c_d * rsqrt(mean(c^2) + eps) * norm_w_d;
+// xq [S, D] (O): x FP8 fake-quantised per 32 values (act_quant.metal, bit for bit on x),
+// as the sub-layer's FP8 GEMMs take it;
 // pre [S, HC], post [S, HC], comb [S, HC, HC] float32: this sub-layer's mixes, split
 // (sigmoids, softmax and ITERS Sinkhorn passes, as hc_split.metal) from
 //   mix_m = (h . fn_m) * rsqrt(mean(h^2) + hc norm eps)   over the flattened row.
 // The products are summed in another order than the spec's matmul and reductions,
 // so results match the spec to float32 noise, not bit for bit; each row is computed
-// alone, the same bits in any forward. Template constants: D, HC, ITERS. 256 threads.
+// alone, the same bits in any forward. Template constants: D, HC, ITERS, O. 256 threads.
 // CUDA twin: hc_input.cu.
 
 constexpr int WARPS = 8;
@@ -87,8 +89,19 @@ for (int g = 1; g < WARPS; g++) {
   sq_all += partial[g][0];
 }
 const float r = metal::rsqrt(sq_all / float(D) + params[2]);
-for (uint d = tid; d < D; d += 32 * WARPS) {
-  x[row * D + d] = bfloat16_t(collapsed[d] * r * norm_w[d]);
+for (uint d = tid; d < D; d += 32 * WARPS) {  // D a multiple of 32: lanes hold a block's 32 values
+  const bfloat16_t xb = bfloat16_t(collapsed[d] * r * norm_w[d]);
+  x[row * D + d] = xb;
+  // xq: act_quant.metal's FP8 fake-quant of the rounded x, as the FP8 GEMMs take it
+  const float v = float(xb);
+  const float amax = metal::max(simd_max(metal::abs(v)), 1e-4f);
+  const uint t = as_type<uint>(amax * (1.0f / 448.0f));
+  const uint exponent = ((t >> 23) & 0xFFu) + ((t & 0x7FFFFFu) != 0u ? 1u : 0u);  // biased ceil(log2)
+  const float scale = as_type<float>(exponent << 23);
+  const float q = v / scale;
+  const uint q_exponent = metal::max((as_type<uint>(q) >> 23) & 0xFFu, 121u);  // E4M3 subnormals
+  const float step = as_type<float>((q_exponent - 3u) << 23);  // 3 mantissa bits
+  xq[row * D + d] = static_cast<O>(bfloat16_t(metal::rint(q / step) * step * scale));
 }
 
 if (tid == 0) {  // the split (hc_split_row.h)

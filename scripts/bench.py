@@ -595,8 +595,7 @@ def bench_pieces(model_path: str | None, layer_ids: list[int]) -> dict:
     for li in layer_ids:
         layer = model.layers[li]
         attn, ffn = layer.attn, layer.ffn
-        x, *mix = layer.attn_input(h, pre)
-        xq = fp8_input(x)
+        x, xq, *mix = layer.attn_input(h, pre)
         rope = attn.rope.tables(positions, attn.head_dim)
         q, _ = attn.queries(xq, rope)
         keys = mx.random.normal((rows, attn.window, attn.head_dim)).astype(mx.bfloat16)
@@ -605,8 +604,7 @@ def bench_pieces(model_path: str | None, layer_ids: list[int]) -> dict:
         picked_mask = mx.ones(picked.shape[:2], dtype=mx.bool_)
         o = sparse_attention(q, keys, mask, None, None, attn.attn_sink, attn.scale)
         y = attn.output(o, rope)
-        h2, x2, *ffn_mix = layer.ffn_input(y, h, *mix)
-        x2q = fp8_input(x2)
+        h2, x2, x2q, *ffn_mix = layer.ffn_input(y, h, *mix)
         _, ids = ffn.gate(x2)
         xe = mx.random.normal((rows, 1, 1, model.args.hidden_size)).astype(gemm_input_dtype())
         mx.eval(x, xq, mix, q, o, y, h2, x2, x2q, ffn_mix, keys, picked, ids, xe)
@@ -622,8 +620,8 @@ def bench_pieces(model_path: str | None, layer_ids: list[int]) -> dict:
                                                                            attn.attn_sink, attn.scale),
             "output (wo_a, wo_b)": lambda i: attn.output(o, rope),
             "ffn_input (expand, hc mixes, collapse, norm)": lambda i: layer.ffn_input(y, h, *mix),
-            "moe, 1 real row": lambda i: ffn(x2, 1),
-            f"moe, {rows} real rows": lambda i: ffn(x2),
+            "moe, 1 real row": lambda i: ffn(x2, 1, x2q),
+            f"moe, {rows} real rows": lambda i: ffn(x2, None, x2q),
             "gate": lambda i: ffn.gate(x2),
             "shared expert": lambda i: ffn.shared_experts(x2q),
             "routed gate + up projection, 1 row": lambda i: mx.gather_qmm(

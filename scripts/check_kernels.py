@@ -291,12 +291,13 @@ def check_moe_gate(impl: str, seed: int) -> list[str]:
     return problems
 
 
-def hc_input_spec(h, pre_in, fn, scale, base, norm_w, iters, hc_norm_eps, eps, norm_eps):
+def hc_input_spec(h, pre_in, fn, scale, base, norm_w, iters, hc_norm_eps, eps, norm_eps, quantize_to):
     """What kernels.hc_input computes, by model.HyperConnection.sublayer_input's pure-MLX path."""
     from dsv41_mlx.model import _hc_project, hc_pre
 
     mixes = hc_split_reference(_hc_project(h, fn, hc_norm_eps), scale, base, h.shape[1], iters, eps)
-    return (rms_norm_reference(hc_pre(h, pre_in), norm_w, norm_eps), *mixes)
+    x = rms_norm_reference(hc_pre(h, pre_in), norm_w, norm_eps)
+    return (x, fp8_fake_quant_reference(x).astype(quantize_to), *mixes)
 
 
 def check_hc_input(impl: str, seed: int) -> list[str]:
@@ -316,7 +317,7 @@ def check_hc_input(impl: str, seed: int) -> list[str]:
     for rows in (1, 2, 5, 8, 16):
         h = mx.array(rng.normal(0, 1, (rows, hc, dim)).astype(np.float32)).astype(mx.bfloat16)
         pre_in = mx.array(rng.uniform(0, 1, (rows, hc)).astype(np.float32))
-        args = (fn, scale, base, norm_w, iters, 1e-6, 1e-6, 1e-6)
+        args = (fn, scale, base, norm_w, iters, 1e-6, 1e-6, 1e-6, mx.bfloat16 if rows % 2 else mx.float32)
         got = hc_input(h, pre_in, *args, impl=impl)
         want = hc_input_spec(h, pre_in, *args)
         gx, wx = np.array(got[0].astype(mx.float32)), np.array(want[0].astype(mx.float32))
@@ -324,7 +325,11 @@ def check_hc_input(impl: str, seed: int) -> list[str]:
         if not (np.abs(gx - wx) <= step).all() or (gx != wx).mean() > 0.01:
             problems.append(f"hc_input rows={rows} x: {(gx != wx).mean():.2%} of values differ, "
                             f"{(np.abs(gx - wx) > step).sum()} by more than a bf16 step")
-        for name, a, b in zip(("pre", "post", "comb"), got[1:], want[1:]):
+        own_q = fp8_fake_quant_reference(got[0]).astype(args[-1])  # xq: act_quant of the kernel's own x
+        if not mx.array_equal(got[1], own_q).item():
+            problems.append(f"hc_input rows={rows} xq: {(got[1] != own_q).sum().item()} values differ from "
+                            f"act_quant of its x")
+        for name, a, b in zip(("pre", "post", "comb"), got[2:], want[2:]):
             err = mx.abs(a - b).max().item()
             if not err <= 2e-5:
                 problems.append(f"hc_input rows={rows} {name} off by {err:.3g}")

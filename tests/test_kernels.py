@@ -136,8 +136,8 @@ CASES = {
                          {"T": "bfloat16", "O": "float32"}),
     "hc_input": (HC_INPUT, {"h": "bfloat16", "pre_in": "float32", "fn": "float32", "scale": "float32",
                             "base": "float32", "norm_w": "float32", "params": "float32", "rows": "int32"},
-                 {"x": "bfloat16", "pre": "float32", "post": "float32", "comb": "float32"},
-                 {"D": 5120, "HC": 4, "ITERS": 20}),
+                 {"x": "bfloat16", "xq": "bfloat16", "pre": "float32", "post": "float32", "comb": "float32"},
+                 {"D": 5120, "HC": 4, "ITERS": 20, "O": "bfloat16"}),
     "sparse_attention": (SPARSE_ATTENTION, {"q": "bfloat16", "ring": "bfloat16", "index": "int32", "wmask": "bool",
                                             "kv": "bfloat16", "ids": "uint32", "pmask": "bool", "sink": "float32",
                                             "params": "float32", "rows": "int32"}, {"out": "bfloat16"},
@@ -311,13 +311,15 @@ def test_hc_input_runs_only_where_it_fits():
     assert not hc_input_fits(h.astype(mx.float32), impl="cuda")
     with pytest.raises(ValueError, match="hc_input takes"):
         hc_input(h, mx.zeros((8, 4)), mx.zeros((24, 2048)), mx.zeros((3,)), mx.zeros((24,)), mx.ones((512,)),
-                 20, 1e-6, 1e-6, 1e-6)
+                 20, 1e-6, 1e-6, 1e-6, mx.bfloat16)
 
 
 def test_hc_input_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatch):
     """scripts/check_kernels.py's sub-layer input check: the spec itself passes; a kernel
-    whose x is off by a bf16 step in many values, whose mixes are off, or whose rows depend
-    on each other, fails."""
+    whose x is off by a bf16 step in many values, whose quantised x is not its x's, whose
+    mixes are off, or whose rows depend on each other, fails."""
+    from dsv41_mlx.quant import fp8_fake_quant_reference
+
     check = _check_kernels_script()
     spec = check.hc_input_spec
 
@@ -325,20 +327,26 @@ def test_hc_input_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatch):
         return spec(h, pre_in, *args)
 
     def x_off(h, pre_in, *args, impl=None):
-        x, *mixes = spec(h, pre_in, *args)
-        return ((x.astype(mx.float32) * (1 + 2.0**-6)).astype(mx.bfloat16), *mixes)
+        x, xq, *mixes = spec(h, pre_in, *args)
+        x = (x.astype(mx.float32) * (1 + 2.0**-6)).astype(mx.bfloat16)
+        return (x, fp8_fake_quant_reference(x).astype(args[-1]), *mixes)
+
+    def xq_of_unrounded(h, pre_in, *args, impl=None):
+        x, xq, *mixes = spec(h, pre_in, *args)
+        return (x, (xq.astype(mx.float32) * (1 + 2.0**-4)).astype(xq.dtype), *mixes)
 
     def comb_off(h, pre_in, *args, impl=None):
-        x, pre, post, comb = spec(h, pre_in, *args)
-        return x, pre, post, comb + 1e-4
+        x, xq, pre, post, comb = spec(h, pre_in, *args)
+        return x, xq, pre, post, comb + 1e-4
 
     def coupled_rows(h, pre_in, *args, impl=None):
-        x, pre, post, comb = spec(h, pre_in, *args)
-        return x, pre + 1e-3 * (h.shape[0] > 1), post, comb
+        x, xq, pre, post, comb = spec(h, pre_in, *args)
+        return x, xq, pre + 1e-3 * (h.shape[0] > 1), post, comb
 
     monkeypatch.setattr(check, "hc_input", exact)
     assert check.check_hc_input("mlx", seed=3) == []
-    for broken, message in ((x_off, "x:"), (comb_off, "comb off"), (coupled_rows, "alone differs")):
+    for broken, message in ((x_off, "x:"), (xq_of_unrounded, "xq:"), (comb_off, "comb off"),
+                            (coupled_rows, "alone differs")):
         monkeypatch.setattr(check, "hc_input", broken)
         assert any(message in p for p in check.check_hc_input("mlx", seed=3)), message
 
