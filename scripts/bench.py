@@ -50,8 +50,8 @@ def environment() -> dict:
     info = mx.device_info() if hasattr(mx, "device_info") else {}
     device = info.get("device_name") or info.get("architecture") or platform.processor() or platform.machine()
     kernels_note = "" if backend() == device_backend() else " (custom kernels off: DSV41_MLX_KERNELS=0)"
-    return {"date": datetime.date.today().isoformat(), "device": str(device), "backend": device_backend() + kernels_note,
-            "mlx": mx.__version__, "commit": commit}
+    return {"date": datetime.date.today().isoformat(), "device": str(device),
+            "backend": device_backend() + kernels_note, "mlx": mx.__version__, "commit": commit}
 
 
 def timed(make_outputs, calls: int = 20, reps: int = 7) -> float:
