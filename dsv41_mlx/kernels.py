@@ -296,11 +296,12 @@ def moe_gate(x: mx.array, w: mx.array, bias: mx.array, k: int, temp: float, rout
             or x.dtype not in (mx.bfloat16, mx.float32)):
         return moe_gate_reference(x, w, bias, k, temp, route_scale, normalize)
     (scores,) = _compiled(MOE_GATE_SCORES, impl)(
-        inputs=[x, w, mx.array([temp], dtype=mx.float32), mx.array([N, E, D], dtype=mx.int32)],
+        inputs=[x, w.astype(mx.float32), mx.array([temp], dtype=mx.float32), mx.array([N, E, D], dtype=mx.int32)],
         template=[("T", x.dtype)], grid=(-(-E // 8) * 256, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[(N, E)], output_dtypes=[mx.float32])
     weights, ids = _compiled(MOE_GATE_TOPK, impl)(
-        inputs=[scores, bias, mx.array([route_scale], dtype=mx.float32), mx.array([N], dtype=mx.int32)],
+        inputs=[scores, bias.astype(mx.float32), mx.array([route_scale], dtype=mx.float32),
+                mx.array([N], dtype=mx.int32)],
         template=[("E", E), ("K", k), ("NORMALIZE", int(normalize))], grid=(N * 256, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[(N, k), (N, k)], output_dtypes=[mx.float32, mx.uint32])
     return weights, ids
@@ -335,7 +336,9 @@ def hc_input(h: mx.array, pre_in: mx.array, fn: mx.array, scale: mx.array, base:
                          f"got {h.dtype} {h.shape} on {impl}")
     S, hc, dim = h.shape
     kernel = _compiled(HC_INPUT, impl)
-    return tuple(kernel(inputs=[h, pre_in.astype(mx.float32), fn, scale, base, norm_w,
+    f32 = mx.float32  # the body reads these as float32 (a build is keyed by its template values only)
+    return tuple(kernel(inputs=[h, pre_in.astype(f32), fn.astype(f32), scale.astype(f32), base.astype(f32),
+                                norm_w.astype(f32),
                                 mx.array([hc_norm_eps, eps, norm_eps], dtype=mx.float32),
                                 mx.array([S], dtype=mx.int32)],
                         template=[("D", dim), ("HC", hc), ("ITERS", iters), ("O", quantize_to)],
@@ -379,8 +382,9 @@ def sparse_attention_rows(q: mx.array, ring: mx.array, index: mx.array, window_m
         kv, ids, picked_mask = ring[:1], mx.zeros((S, 1), dtype=mx.uint32), mx.zeros((S, 1), dtype=mx.bool_)
     kernel = _compiled(SPARSE_ATTENTION, impl)
     G = ATTENTION_HEADS_PER_GROUP
-    (out,) = kernel(inputs=[q, ring.astype(mx.bfloat16), index.astype(mx.int32), window_mask, kv.astype(mx.bfloat16),
-                            ids.astype(mx.uint32), picked_mask, sink.astype(mx.float32),
+    (out,) = kernel(inputs=[q, ring.astype(mx.bfloat16), index.astype(mx.int32), window_mask.astype(mx.bool_),
+                            kv.astype(mx.bfloat16), ids.astype(mx.uint32), picked_mask.astype(mx.bool_),
+                            sink.astype(mx.float32),
                             mx.array([scale], dtype=mx.float32), mx.array([S], dtype=mx.int32)],
                     template=[("D", D), ("H", H), ("G", G), ("W", W), ("K", K)],
                     grid=(S * (H // G) * 256, 1, 1), threadgroup=(256, 1, 1),

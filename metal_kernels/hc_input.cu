@@ -82,11 +82,11 @@ for (unsigned int d = tid; d < D; d += 32 * WARPS) {  // D a multiple of 32: lan
   amax = fmaxf(amax, 1e-4f);
   const unsigned int t = __float_as_uint(amax * (1.0f / 448.0f));
   const unsigned int exponent = ((t >> 23) & 0xFFu) + ((t & 0x7FFFFFu) != 0u ? 1u : 0u);  // biased ceil(log2)
-  const float scale = __uint_as_float(exponent << 23);
-  const float q = v / scale;
+  const float fp8_scale = __uint_as_float(exponent << 23);
+  const float q = v / fp8_scale;
   const unsigned int q_exponent = max((__float_as_uint(q) >> 23) & 0xFFu, 121u);  // E4M3 subnormals
   const float step = __uint_as_float((q_exponent - 3u) << 23);  // 3 mantissa bits
-  xq[row * D + d] = static_cast<O>(__float2bfloat16(rintf(q / step) * step * scale));
+  xq[row * D + d] = static_cast<O>(__float2bfloat16(rintf(q / step) * step * fp8_scale));
 }
 
 if (tid == 0) {  // the split (hc_split_row.cuh)

@@ -1,5 +1,5 @@
 // A sub-layer's input from the hyper-connection stream in one launch, a threadgroup per
-// row (decode and verify forwards): what model.hc_sublayer_input computes with about
+// row (decode and verify forwards): what model.HyperConnection.sublayer_input computes with about
 // eight operations.
 //
 // h [S, HC, D] bfloat16: the stream; pre_in [S, HC] float32: the collapse weights the
@@ -97,11 +97,11 @@ for (uint d = tid; d < D; d += 32 * WARPS) {  // D a multiple of 32: lanes hold 
   const float amax = metal::max(simd_max(metal::abs(v)), 1e-4f);
   const uint t = as_type<uint>(amax * (1.0f / 448.0f));
   const uint exponent = ((t >> 23) & 0xFFu) + ((t & 0x7FFFFFu) != 0u ? 1u : 0u);  // biased ceil(log2)
-  const float scale = as_type<float>(exponent << 23);
-  const float q = v / scale;
+  const float fp8_scale = as_type<float>(exponent << 23);
+  const float q = v / fp8_scale;
   const uint q_exponent = metal::max((as_type<uint>(q) >> 23) & 0xFFu, 121u);  // E4M3 subnormals
   const float step = as_type<float>((q_exponent - 3u) << 23);  // 3 mantissa bits
-  xq[row * D + d] = static_cast<O>(bfloat16_t(metal::rint(q / step) * step * scale));
+  xq[row * D + d] = static_cast<O>(bfloat16_t(metal::rint(q / step) * step * fp8_scale));
 }
 
 if (tid == 0) {  // the split (hc_split_row.h)

@@ -1,12 +1,15 @@
 // One row's hyper-connection split (hc_split.metal, hc_input.metal): mixes mix [(2 + HC) * HC]
 // -> pre [HC] = sigmoid(mix * scale0 + base) + e, post [HC] = 2 sigmoid(mix * scale1 + base),
 // comb [HC, HC] (row i, column j) = a row softmax + e, then ITERS alternating
-// normalisations (columns first; the first pass's rows were the softmax's). Same
-// operations in the same order as kernels.hc_split_reference; sums run in index order.
+// normalisations (columns first; the first pass's rows were the softmax's). The
+// operations of kernels.hc_split_reference in its order (the sigmoid written out as
+// 1 / (1 + e^-x)); sums run in index order.
+// scale and base keep the address space MLX gives them: a kernel input of fewer than 8
+// values arrives in `constant` memory (scale), a larger one in `device` memory (base).
 // CUDA twin: hc_split_row.cuh.
-template <int HC, int ITERS>
-inline void hc_split_row(thread const float* mix, const device float* scale, const device float* base, float e,
-                         device float* pre, device float* post, device float* comb) {
+template <int HC, int ITERS, typename ScalePtr, typename BasePtr>
+inline void hc_split_row(thread const float* mix, ScalePtr scale, BasePtr base, float e, device float* pre,
+                         device float* post, device float* comb) {
   for (int i = 0; i < HC; i++) {
     pre[i] = 1.0f / (1.0f + metal::exp(-(mix[i] * scale[0] + base[i]))) + e;
     post[i] = 2.0f * (1.0f / (1.0f + metal::exp(-(mix[HC + i] * scale[1] + base[HC + i]))));

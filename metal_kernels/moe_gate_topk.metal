@@ -62,6 +62,17 @@ for (int k = 0; k < K; k++) {
         bi = best_i[g];
       }
     }
+    if (bi >= E) {  // no finite score left (NaN or -inf input): the lowest id not yet picked
+      for (bi = 0; bi < E; bi++) {
+        bool used = false;
+        for (int p = 0; p < k; p++) {
+          used = used || picked[p] == bi;
+        }
+        if (!used) {
+          break;
+        }
+      }
+    }
     picked[k] = bi;
     choice[bi] = neg_inf;
   }

@@ -21,7 +21,7 @@ const int D = sizes[1];
 if (row >= uint(sizes[0])) {
   return;  // the whole threadgroup
 }
-const device T* xr = x + row * D;
+const device T* xr = x + ulong(row) * D;
 
 float sq = 0.0f;
 for (int d = int(tid); d < D; d += 32 * WARPS) {
@@ -50,8 +50,8 @@ for (int d = int(tid); d < D; d += 32 * WARPS) {
     const float q = v / scale;
     const uint q_exponent = metal::max((as_type<uint>(q) >> 23) & 0xFFu, 121u);  // E4M3 subnormals
     const float step = as_type<float>((q_exponent - 3u) << 23);  // 3 mantissa bits
-    y[row * D + d] = static_cast<O>(static_cast<T>(metal::rint(q / step) * step * scale));
+    y[ulong(row) * D + d] = static_cast<O>(static_cast<T>(metal::rint(q / step) * step * scale));
   } else {
-    y[row * D + d] = static_cast<O>(v);
+    y[ulong(row) * D + d] = static_cast<O>(v);
   }
 }

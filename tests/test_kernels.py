@@ -460,3 +460,33 @@ def test_fp4_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatch):
     for broken in (ties_down, raw_scale):
         monkeypatch.setattr(check, "fp4_quant", broken)
         assert any("values differ" in p for p in check.check_fp4_quant("mlx", seed=2)), broken.__name__
+
+
+def test_metal_hc_split_row_takes_scale_from_constant_memory(tmp_path):
+    """MLX's metal_kernel passes an input of fewer than 8 values in `constant` memory (the
+    mixes' scale has 3) and larger ones in `device` memory, and Metal does not convert
+    pointers between the two: hc_split_row.h must take either. Checked with clang's address
+    spaces (the shim's `device` and `constant` are plain C++, so the kernel checks cannot)."""
+    import subprocess
+
+    from dsv41_mlx.kernels import kernel_text
+
+    prelude = """
+#define device __attribute__((address_space(1)))
+#define constant __attribute__((address_space(2))) const
+#define thread
+namespace metal { float exp(float x); float max(float a, float b); }
+"""
+    caller = """
+void split(constant float* scale, const device float* base, device float* pre, device float* post,
+           device float* comb) {
+  float mix[24] = {};
+  hc_split_row<4, 20>(mix, scale, base, 1e-6f, pre, post, comb);
+}
+"""
+    for header, ok in ((kernel_text("hc_split_row.h"), True),
+                       (kernel_text("hc_split_row.h").replace("ScalePtr scale", "const device float* scale"), False)):
+        src = tmp_path / "split.cpp"
+        src.write_text(prelude + header + caller)
+        out = subprocess.run([clang(), "-std=c++17", "-fsyntax-only", str(src)], capture_output=True, text=True)
+        assert (out.returncode == 0) == ok, out.stderr
