@@ -90,7 +90,8 @@ FP8_ROWS = KernelSpec("fp8_rows_top64", ("x", "w", "scales"), ("top_vals", "top_
 # constants: each template combination is a separate build (seconds on CUDA).
 RING_WRITE = KernelSpec("ring_write", ("rings", "rows", "span"), ("out",), "ring_write.metal", "ring_write.cu",
                         header_files=())
-ACT_QUANT = KernelSpec("act_quant_fp8", ("x", "n"), ("y",), "act_quant.metal", "act_quant.cu", header_files=())
+ACT_QUANT = KernelSpec("act_quant_fp8", ("x", "n"), ("y",), "act_quant.metal", "act_quant.cu", header_files=(),
+                       twin_headers=("fp8_lane",))
 HC_SPLIT = KernelSpec("hc_split", ("mixes", "scale", "base", "eps", "rows"), ("pre", "post", "comb"),
                       "hc_split.metal", "hc_split.cu", header_files=(), twin_headers=("hc_split_row",))
 MOE_GATE_SCORES = KernelSpec("moe_gate_scores", ("x", "w", "params", "sizes"), ("scores",),
@@ -101,11 +102,11 @@ SPARSE_ATTENTION = KernelSpec("sparse_attention", ("q", "ring", "index", "wmask"
                                                   "params", "rows"),
                               ("out",), "sparse_attention.metal", "sparse_attention.cu", header_files=())
 RMS_NORM = KernelSpec("rms_norm_rows", ("x", "w", "eps", "sizes"), ("y",), "rms_norm.metal", "rms_norm.cu",
-                      header_files=())
+                      header_files=(), twin_headers=("fp8_lane",))
 FP4_QUANT = KernelSpec("fp4_quant", ("x", "n"), ("y",), "fp4_quant.metal", "fp4_quant.cu", header_files=())
 HC_INPUT = KernelSpec("hc_input", ("h", "pre_in", "fn", "scale", "base", "norm_w", "params", "rows"),
                       ("x", "xq", "pre", "post", "comb"), "hc_input.metal", "hc_input.cu", header_files=(),
-                      twin_headers=("hc_split_row",))
+                      twin_headers=("hc_split_row", "fp8_lane"))
 
 
 @lru_cache(maxsize=None)

@@ -5,15 +5,4 @@ if (idx >= (unsigned int)n[0]) {
   return;  // whole warps only: n is a multiple of 32
 }
 const float v = static_cast<float>(x[idx]);
-float amax = fabsf(v);
-for (int offset = 16; offset > 0; offset /= 2) {
-  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-}
-amax = fmaxf(amax, 1e-4f);
-const unsigned int t = __float_as_uint(amax * (1.0f / 448.0f));
-const unsigned int exponent = ((t >> 23) & 0xFFu) + ((t & 0x7FFFFFu) != 0u ? 1u : 0u);  // biased ceil(log2)
-const float scale = __uint_as_float(exponent << 23);
-const float q = v / scale;
-const unsigned int q_exponent = max((__float_as_uint(q) >> 23) & 0xFFu, 121u);  // E4M3 subnormals: 2^-6's step
-const float step = __uint_as_float((q_exponent - 3u) << 23);  // 3 mantissa bits
-y[idx] = static_cast<O>(static_cast<T>(rintf(q / step) * step * scale));
+y[idx] = static_cast<O>(static_cast<T>(fp8_fake_quant_lane(v)));

@@ -17,11 +17,4 @@ if (idx >= uint(n[0])) {
   return;  // whole SIMD groups only: n is a multiple of 32
 }
 const float v = static_cast<float>(x[idx]);
-const float amax = metal::max(simd_max(metal::abs(v)), 1e-4f);
-const uint t = as_type<uint>(amax * (1.0f / 448.0f));
-const uint exponent = ((t >> 23) & 0xFFu) + ((t & 0x7FFFFFu) != 0u ? 1u : 0u);  // biased ceil(log2)
-const float scale = as_type<float>(exponent << 23);
-const float q = v / scale;
-const uint q_exponent = metal::max((as_type<uint>(q) >> 23) & 0xFFu, 121u);  // E4M3 subnormals: 2^-6's step
-const float step = as_type<float>((q_exponent - 3u) << 23);  // 3 mantissa bits
-y[idx] = static_cast<O>(static_cast<T>(metal::rint(q / step) * step * scale));
+y[idx] = static_cast<O>(static_cast<T>(fp8_fake_quant_lane(v)));  // fp8_lane.h

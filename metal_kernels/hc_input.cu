@@ -73,20 +73,7 @@ const float r = rsqrtf(sq_all / float(D) + params[2]);
 for (unsigned int d = tid; d < D; d += 32 * WARPS) {  // D a multiple of 32: lanes hold a block's 32 values
   const __nv_bfloat16 xb = __float2bfloat16(collapsed[d] * r * norm_w[d]);
   x[row * D + d] = xb;
-  // xq: act_quant.cu's FP8 fake-quant of the rounded x, as the FP8 GEMMs take it
-  const float v = __bfloat162float(xb);
-  float amax = fabsf(v);
-  for (int offset = 16; offset > 0; offset /= 2) {
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-  }
-  amax = fmaxf(amax, 1e-4f);
-  const unsigned int t = __float_as_uint(amax * (1.0f / 448.0f));
-  const unsigned int exponent = ((t >> 23) & 0xFFu) + ((t & 0x7FFFFFu) != 0u ? 1u : 0u);  // biased ceil(log2)
-  const float fp8_scale = __uint_as_float(exponent << 23);
-  const float q = v / fp8_scale;
-  const unsigned int q_exponent = max((__float_as_uint(q) >> 23) & 0xFFu, 121u);  // E4M3 subnormals
-  const float step = __uint_as_float((q_exponent - 3u) << 23);  // 3 mantissa bits
-  xq[row * D + d] = static_cast<O>(__float2bfloat16(rintf(q / step) * step * fp8_scale));
+  xq[row * D + d] = static_cast<O>(__float2bfloat16(fp8_fake_quant_lane(__bfloat162float(xb))));
 }
 
 if (tid == 0) {  // the split (hc_split_row.cuh)

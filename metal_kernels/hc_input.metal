@@ -92,16 +92,7 @@ const float r = metal::rsqrt(sq_all / float(D) + params[2]);
 for (uint d = tid; d < D; d += 32 * WARPS) {  // D a multiple of 32: lanes hold a block's 32 values
   const bfloat16_t xb = bfloat16_t(collapsed[d] * r * norm_w[d]);
   x[row * D + d] = xb;
-  // xq: act_quant.metal's FP8 fake-quant of the rounded x, as the FP8 GEMMs take it
-  const float v = float(xb);
-  const float amax = metal::max(simd_max(metal::abs(v)), 1e-4f);
-  const uint t = as_type<uint>(amax * (1.0f / 448.0f));
-  const uint exponent = ((t >> 23) & 0xFFu) + ((t & 0x7FFFFFu) != 0u ? 1u : 0u);  // biased ceil(log2)
-  const float fp8_scale = as_type<float>(exponent << 23);
-  const float q = v / fp8_scale;
-  const uint q_exponent = metal::max((as_type<uint>(q) >> 23) & 0xFFu, 121u);  // E4M3 subnormals
-  const float step = as_type<float>((q_exponent - 3u) << 23);  // 3 mantissa bits
-  xq[row * D + d] = static_cast<O>(bfloat16_t(metal::rint(q / step) * step * fp8_scale));
+  xq[row * D + d] = static_cast<O>(bfloat16_t(fp8_fake_quant_lane(float(xb))));  // fp8_lane.h
 }
 
 if (tid == 0) {  // the split (hc_split_row.h)

@@ -32,19 +32,8 @@ for (int g = 1; g < WARPS; g++) {
 const float r = rsqrtf(total / (float)D + eps[0]);
 for (int d = (int)tid; d < D; d += 32 * WARPS) {
   const float v = static_cast<float>(static_cast<T>(static_cast<float>(xr[d]) * r * w[d]));  // rounded to T
-  if (QUANT) {  // then act_quant.cu's FP8 fake-quant: lanes hold a block's 32 consecutive values
-    float amax = fabsf(v);
-    for (int offset = 16; offset > 0; offset /= 2) {
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-    }
-    amax = fmaxf(amax, 1e-4f);
-    const unsigned int t = __float_as_uint(amax * (1.0f / 448.0f));
-    const unsigned int exponent = ((t >> 23) & 0xFFu) + ((t & 0x7FFFFFu) != 0u ? 1u : 0u);  // biased ceil(log2)
-    const float scale = __uint_as_float(exponent << 23);
-    const float q = v / scale;
-    const unsigned int q_exponent = max((__float_as_uint(q) >> 23) & 0xFFu, 121u);  // E4M3 subnormals
-    const float step = __uint_as_float((q_exponent - 3u) << 23);  // 3 mantissa bits
-    y[(size_t)row * D + d] = static_cast<O>(static_cast<T>(rintf(q / step) * step * scale));
+  if (QUANT) {  // then the FP8 fake-quant (fp8_lane.cuh): lanes hold a block's 32 consecutive values
+    y[(size_t)row * D + d] = static_cast<O>(static_cast<T>(fp8_fake_quant_lane(v)));
   } else {
     y[(size_t)row * D + d] = static_cast<O>(v);
   }

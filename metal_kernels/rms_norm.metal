@@ -42,15 +42,8 @@ for (int g = 1; g < WARPS; g++) {
 const float r = metal::rsqrt(total / float(D) + eps[0]);
 for (int d = int(tid); d < D; d += 32 * WARPS) {
   const float v = float(T(float(xr[d]) * r * w[d]));  // the norm, rounded to T
-  if (QUANT) {  // then act_quant.metal's FP8 fake-quant: lanes hold a block's 32 consecutive values
-    const float amax = metal::max(simd_max(metal::abs(v)), 1e-4f);
-    const uint t = as_type<uint>(amax * (1.0f / 448.0f));
-    const uint exponent = ((t >> 23) & 0xFFu) + ((t & 0x7FFFFFu) != 0u ? 1u : 0u);  // biased ceil(log2)
-    const float scale = as_type<float>(exponent << 23);
-    const float q = v / scale;
-    const uint q_exponent = metal::max((as_type<uint>(q) >> 23) & 0xFFu, 121u);  // E4M3 subnormals
-    const float step = as_type<float>((q_exponent - 3u) << 23);  // 3 mantissa bits
-    y[ulong(row) * D + d] = static_cast<O>(static_cast<T>(metal::rint(q / step) * step * scale));
+  if (QUANT) {  // then the FP8 fake-quant (fp8_lane.h): lanes hold a block's 32 consecutive values
+    y[ulong(row) * D + d] = static_cast<O>(static_cast<T>(fp8_fake_quant_lane(v)));
   } else {
     y[ulong(row) * D + d] = static_cast<O>(v);
   }

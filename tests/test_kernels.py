@@ -193,15 +193,15 @@ def test_metal_source_type_checks(case, rows, tmp_path):
     ("fp8_rows", ("simdgroup_half8x8 a;", "simdgroup_float8x8 a;")),  # type error: float tile from half memory
     ("ring_write", ("src[chunk];", "src[chunck];")),  # misspelt variable
     ("hc_split", ("hc_split_row<HC, ITERS>(mix, scale, base, eps[0],", "hc_split_row<HC, ITERS>(mix, scale, eps[0],")),
-    ("act_quant", ("const float q = v / scale;", "const float q = v / scal;")),  # misspelt variable
-    ("act_quant", ("simd_max(metal::abs(v))", "simd_max(metal::abs(v), 1)")),  # bad call
+    ("act_quant", ("const float v = static_cast<float>(x[idx]);", "const float v = static_cast<float>(x[idx])")),
+    ("act_quant", ("fp8_fake_quant_lane(v)", "fp8_fake_quant_lane(v, 1)")),  # bad call
     ("moe_gate_scores", ("a += simd_shuffle_xor(a, offset);", "a += simd_shuffle_xor(a);")),  # bad call
     ("moe_gate_topk", ("threadgroup int picked[K];", "threadgroup int picked[K]")),  # no semicolon
     ("hc_input", ("collapsed[d] = cb;", "collapsed[d] = cb")),  # no semicolon
     ("hc_input", ("bfloat16_t(c)", "bfloat16_t(c, 1)")),  # bad conversion
     ("fp4_quant_kv", ("simd_shuffle_xor(amax, offset)", "simd_shuffle_xor(amax)")),  # bad call
     ("rms_norm", ("sq += v * v;", "sq += v * w;")),  # type error: w is a pointer
-    ("rms_norm_quantised", ("simd_max(metal::abs(v))", "simd_max(metal::abs(v), 1)")),  # bad call
+    ("rms_norm_quantised", ("fp8_fake_quant_lane(v)", "fp8_fake_quant_lanes(v)")),  # misspelt function
     ("sparse_attention", ("threadgroup float denom[G];", "threadgroup float denom[G]")),  # no semicolon
     ("sparse_attention", ("float(kv[ulong(key_row[j]) * D + d])", "float(kv[ulong(key_rows[j]) * D + d])")),
 ])
@@ -237,7 +237,7 @@ def test_cuda_source_compiles(case):
     ("fp8_rows", ("__byte_perm(wq[mg][0][j], 0, 0x3120)", "__byte_perm(wq[mg][0][j], 0x3120)")),  # bad call
     ("ring_write", ("src[chunk];", "src[chunck];")),  # misspelt variable
     ("hc_split", ("mix[k] = mixes[row * (2 + HC) * HC + k];", "mix[k] = mixes[row * (2 + HC) * HC + k]")),
-    ("act_quant", ("__shfl_xor_sync(0xffffffffu, amax, offset)", "__shfl_xor_sync(amax, offset)")),  # bad call
+    ("act_quant", ("fp8_fake_quant_lane(v)", "fp8_fake_quant_lane()")),  # bad call
     ("moe_gate_topk", ("choice[bi] = neg_inf;", "choice[bi] = neg_infinity;")),  # misspelt variable
     ("moe_gate_scores", ("const float wd = we[d];", "const float wd = we;")),  # pointer to float
     ("hc_input", ("__float2bfloat16(c)", "__float2bfloat16(c, 1)")),  # bad call
