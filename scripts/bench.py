@@ -579,10 +579,13 @@ def bench_profile(model_path: str | None, steps: int) -> dict:
 def bench_pieces(model_path: str | None, layer_ids: list[int]) -> dict:
     """ms per call of each piece of a decode step's block (inputs fixed, many calls per
     evaluation, so Python is out of it); the MoE with one real row (a plain decode step) and
-    with all rows real, and one routed projection over one row's experts and over all rows'."""
+    with all rows real, and one routed projection over one row's experts and over all rows'.
+    On a GPU also each custom kernel of the decode path beside the MLX operations it stands
+    for (its spec)."""
     import dsv41_mlx
+    from dsv41_mlx import kernels
     from dsv41_mlx.generate import prefill
-    from dsv41_mlx.model import HcMixes, hc_expand, hc_post, sparse_attention
+    from dsv41_mlx.model import HcMixes, hc_expand, hc_post, hc_pre, sparse_attention
     from dsv41_mlx.quant import fp8_input, gemm_input_dtype
 
     model, _ = dsv41_mlx.load(model_path)
@@ -598,17 +601,21 @@ def bench_pieces(model_path: str | None, layer_ids: list[int]) -> dict:
         x, xq, *mix = layer.attn_input(h, pre)
         rope = attn.rope.tables(positions, attn.head_dim)
         q, _ = attn.queries(xq, rope)
-        keys = mx.random.normal((rows, attn.window, attn.head_dim)).astype(mx.bfloat16)
-        mask = mx.ones((rows, attn.window), dtype=mx.bool_)
-        picked = mx.random.normal((rows, model.args.index_topk, attn.head_dim)).astype(mx.bfloat16)
-        picked_mask = mx.ones(picked.shape[:2], dtype=mx.bool_)
+        W, K = attn.window, model.args.index_topk  # each row's window slots and picks, as a decode step has
+        ring = mx.random.normal((W + rows, attn.head_dim)).astype(mx.bfloat16)
+        kv = mx.random.normal((4 * K, attn.head_dim)).astype(mx.bfloat16)
+        index = mx.random.randint(0, W + rows, (rows, W))
+        picks = mx.random.randint(0, 4 * K, (rows, K)).astype(mx.uint32)
+        mask, picked_mask = mx.ones((rows, W), dtype=mx.bool_), mx.ones((rows, K), dtype=mx.bool_)
+        keys, picked = ring[index], kv[picks]
         o = sparse_attention(q, keys, mask, None, None, attn.attn_sink, attn.scale)
         y = attn.output(o, rope)
         h2, x2, x2q, *ffn_mix = layer.ffn_input(y, h, *mix)
         _, ids = ffn.gate(x2)
         xe = mx.random.normal((rows, 1, 1, model.args.hidden_size)).astype(gemm_input_dtype())
-        mx.eval(x, xq, mix, q, o, y, h2, x2, x2q, ffn_mix, keys, picked, ids, xe)
+        mx.eval(x, xq, mix, q, o, y, h2, x2, x2q, ffn_mix, keys, picked, ids, xe, ring, kv, index, picks)
         w13 = ffn.experts.w13
+        gate, hc = ffn.gate, layer.hc_attn
         pieces = {
             "attn_input (hc mixes, collapse, norm)": lambda i: layer.attn_input(h, pre),
             "attention input's FP8 quantisation": lambda i: fp8_input(x),
@@ -629,7 +636,23 @@ def bench_pieces(model_path: str | None, layer_ids: list[int]) -> dict:
             f"routed gate + up projection, {rows} rows": lambda i: mx.gather_qmm(
                 xe, w13.weight, w13.scales, rhs_indices=ids, transpose=True, mode="mxfp4"),
             "hc_post": lambda i: hc_post(y, h2, HcMixes(*ffn_mix)),
+            "sub-layer input, its MLX operations": lambda i: (
+                layer.attn_norm(hc_pre(h, pre)), fp8_input(layer.attn_norm(hc_pre(h, pre))), hc(h)),
+            "attention, gathers + MLX operations": lambda i: sparse_attention(
+                q, ring[index], mask, kv[picks], picked_mask, attn.attn_sink, attn.scale),
+            "router, MLX operations": lambda i: kernels.moe_gate_reference(
+                x2, gate.weight, gate.bias, gate.top_k, gate.temp, gate.route_scale, gate.normalize),
         }
+        if kernels.hc_input_fits(h):
+            pieces["sub-layer input, hc_input kernel"] = lambda i: kernels.hc_input(
+                h, pre, hc.fn, hc.scale, hc.base, layer.attn_norm.weight, hc._iters, hc._norm_eps, hc._eps,
+                layer.attn_norm.eps, gemm_input_dtype())
+        if kernels.attention_fits(q, W, K):
+            pieces["attention, sparse_attention kernel"] = lambda i: kernels.sparse_attention_rows(
+                q, ring, index, mask, kv, picks, picked_mask, attn.attn_sink, attn.scale)
+        if kernels.backend() != "mlx":
+            pieces["router, moe_gate kernels"] = lambda i: kernels.moe_gate(
+                x2, gate.weight, gate.bias, gate.top_k, gate.temp, gate.route_scale, gate.normalize)
         out["layers"][f"{li} ({layer_kind(layer)})"] = {name: timed(fn, calls=10, reps=5) * 1e3
                                                          for name, fn in pieces.items()}
     small = mx.ones((rows, 16))

@@ -33,7 +33,9 @@ from dsv41_mlx.generate import prefill  # noqa: E402
 @contextlib.contextmanager
 def gpu_path_with_stub_kernels(calls: collections.Counter):
     """Inside: the kernels' dispatch takes the CUDA path, and every custom kernel is one
-    operation over all of its inputs (counted in calls). Restored on exit."""
+    operation over all of its inputs (counted in calls). Restored on exit, but the graphs
+    traced inside stay in MLX's compile cache (module-level compiled functions): use it in a
+    process of its own, as this script does."""
 
     def compiled(spec, language):
         def run(inputs, output_shapes, output_dtypes, **_):

@@ -53,20 +53,56 @@ def test_warm_up_prompt_takes_every_chunk_path(bench, fixture_model):
         assert all(0 <= t < fixture_model.args.vocab_size for t in ids)
 
 
+def _in_own_process(code: str) -> dict:
+    """Run code (which prints one JSON line last) in a fresh interpreter: the GPU path's stubbed
+    kernels get traced into MLX's compiled functions, whose traces this process must not reuse."""
+    import json
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         cwd=SCRIPT.parent.parent)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_pieces_times_each_decode_kernel_beside_its_spec_on_a_gpu():
+    """On a GPU, `bench.py pieces` times the sub-layer input, attention and router kernels
+    beside the MLX operations they stand for; here on the CPU with the GPU path's kernels
+    stubbed (scripts/count_ops.py), so the rows and the calls that fill them are checked."""
+    res = _in_own_process("""
+import collections, json, sys
+sys.path.insert(0, "scripts")
+import bench, count_ops
+calls = collections.Counter()
+with count_ops.gpu_path_with_stub_kernels(calls):
+    res = bench.bench_pieces(None, [3])
+print(json.dumps({"times": next(iter(res["layers"].values())), "calls": calls}))
+""")
+    times, calls = res["times"], res["calls"]
+    for kernel, spec in (("sub-layer input, hc_input kernel", "sub-layer input, its MLX operations"),
+                         ("attention, sparse_attention kernel", "attention, gathers + MLX operations"),
+                         ("router, moe_gate kernels", "router, MLX operations")):
+        assert times[kernel] > 0 and times[spec] > 0
+    assert calls["hc_input"] and calls["sparse_attention"] and calls["moe_gate_topk"]
+
+
 def test_count_ops_counts_the_gpu_path_with_its_kernels():
     """scripts/count_ops.py builds a decode step as a GPU runs it (the custom kernels stubbed,
     one operation each) on the CPU: every layer's attention through the attention kernel,
     every MoE through the router kernels, and nothing of the patch left behind."""
-    from dsv41_mlx import kernels
-    from dsv41_mlx.tiny import default_checkpoint
-
-    spec = importlib.util.spec_from_file_location("count_ops", SCRIPT.parent / "count_ops.py")
-    count_ops = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(count_ops)
-    res = count_ops.count(str(default_checkpoint()), rows=8, prompt=40)
+    res = _in_own_process("""
+import json, sys
+sys.path.insert(0, "scripts")
+import count_ops
+from dsv41_mlx import kernels
+from dsv41_mlx.tiny import default_checkpoint
+res = count_ops.count(str(default_checkpoint()), rows=8, prompt=40)
+res["restored"] = kernels.backend() == "mlx" and kernels.device_backend() == "mlx"
+print(json.dumps(res))
+""")
     layers = sum(len(v) for v in res["per_kind"].values())
     calls = res["kernel_calls"]
     assert calls["sparse_attention"] == calls["moe_gate_scores"] == calls["moe_gate_topk"] == layers
     assert calls["hc_input"] == 2 * layers
     assert 0 < res["total"] < 200 * layers
-    assert kernels.backend() == "mlx" and kernels.device_backend() == "mlx"
+    assert res["restored"]
