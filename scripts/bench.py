@@ -382,6 +382,17 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float) 
 
     # verify forwards of 1..6 rows on a cache holding one window
     out["verify_ms"] = [c * 1e3 for c in measure_verify_costs(model, model.args.dspark_block_size + 1)]
+    # a plain decode step without the generation loop around it (the forward, then the greedy
+    # token read back), beside the loop's own rate below: what the loop adds per token
+    cache = model.make_cache()
+    logits, _ = prefill(model, ids_list[0], cache)
+    token, steps = int(mx.argmax(logits).item()), []
+    for _ in range(9):
+        tic = time.perf_counter()
+        out_logits, _ = model.decode([token], cache)
+        token = int(mx.argmax(out_logits[0, -1]).item())
+        steps.append(time.perf_counter() - tic)
+    out["bare_step_ms"] = statistics.median(steps[1:]) * 1e3
 
     runs = {}
     greedy, coupled = SamplingParams(), SamplingParams(temperature=0.8, seed=7)
@@ -435,7 +446,8 @@ def print_e2e(env: dict, res: dict, model: str) -> None:
     print(f"warm-up prefill {res['warm_up_s']:.1f} s (on CUDA it builds the GPU kernels: minutes the first time "
           f"on a machine, cached on disk after); prefill {res['prefill_tok_s']:.1f} tok/s "
           f"({res['prefill_seen_tok_s']:.1f} for prompts seen before: "
-          f"no new shapes to trace); verify forward ms at 1..6 rows: "
+          f"no new shapes to trace); a bare decode step (forward + greedy token, no generation loop) "
+          f"{res['bare_step_ms']:.1f} ms; verify forward ms at 1..6 rows: "
           + ", ".join(f"{v:.1f}" for v in res["verify_ms"]) + "\n")
     plain = res["runs"]["plain greedy"]["tok_s"]
     base = res["mlxlm"]
