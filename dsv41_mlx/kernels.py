@@ -261,9 +261,16 @@ def act_quant_fp8(x: mx.array, impl: str, dtype: mx.Dtype | None = None) -> mx.a
     return y
 
 
+# ------------------------------------------------------- decode-step kernels
+
+# The router, hc_input and sparse_attention kernels run for the forwards of a decode or
+# verify step, up to this many rows (the router's scores kernel keeps one register per row);
+# prefill's many rows take their specs.
+DECODE_MAX_ROWS = 16
+
+
 # -------------------------------------------------------------------- moe_gate
 
-MOE_GATE_MAX_ROWS = 16  # decode and verify forwards (the scores kernel's register rows); prefill takes the spec
 MOE_GATE_MAX_EXPERTS = 3072  # two floats per expert in the top-k kernel's threadgroup memory (Metal: 32 KB)
 
 
@@ -284,7 +291,7 @@ def moe_gate_reference(x: mx.array, w: mx.array, bias: mx.array, k: int, temp: f
 
 def moe_gate(x: mx.array, w: mx.array, bias: mx.array, k: int, temp: float, route_scale: float,
              normalize: bool, impl: str | None = None) -> tuple[mx.array, mx.array]:
-    """The router in two launches on a GPU for up to MOE_GATE_MAX_ROWS rows: the scores (a
+    """The router in two launches on a GPU for up to DECODE_MAX_ROWS rows: the scores (a
     simdgroup per expert, its weights read once for all rows), then each row's top-k (a
     threadgroup per row); the spec otherwise. The fp32 dot products are summed in another
     order than the spec's matmul, so a near-tie between two experts may fall the other way;
@@ -293,7 +300,7 @@ def moe_gate(x: mx.array, w: mx.array, bias: mx.array, k: int, temp: float, rout
     impl = impl or backend()
     N, D = x.shape
     E = w.shape[0]
-    if (impl == "mlx" or N > MOE_GATE_MAX_ROWS or E > MOE_GATE_MAX_EXPERTS
+    if (impl == "mlx" or N > DECODE_MAX_ROWS or E > MOE_GATE_MAX_EXPERTS
             or x.dtype not in (mx.bfloat16, mx.float32)):
         return moe_gate_reference(x, w, bias, k, temp, route_scale, normalize)
     (scores,) = _compiled(MOE_GATE_SCORES, impl)(
@@ -310,15 +317,12 @@ def moe_gate(x: mx.array, w: mx.array, bias: mx.array, k: int, temp: float, rout
 
 # -------------------------------------------------------------------- hc_input
 
-HC_INPUT_MAX_ROWS = 16  # decode and verify forwards; prefill's many rows take the spec
-
-
 def hc_input_fits(h: mx.array, impl: str | None = None) -> bool:
-    """Whether hc_input runs for this stream [S, hc, dim]: a GPU, at most HC_INPUT_MAX_ROWS
+    """Whether hc_input runs for this stream [S, hc, dim]: a GPU, at most DECODE_MAX_ROWS
     rows, a bfloat16 stream, dim a multiple of 32 (whole FP8 blocks) and a row's collapse
     within 24 KB of threadgroup memory."""
     impl = impl or backend()
-    return (impl != "mlx" and h.ndim == 3 and h.shape[0] <= HC_INPUT_MAX_ROWS and h.dtype == mx.bfloat16
+    return (impl != "mlx" and h.ndim == 3 and h.shape[0] <= DECODE_MAX_ROWS and h.dtype == mx.bfloat16
             and h.shape[2] % 32 == 0 and 4 * h.shape[2] <= 24 * 1024)
 
 
@@ -333,7 +337,7 @@ def hc_input(h: mx.array, pre_in: mx.array, fn: mx.array, scale: mx.array, base:
     projection and hc_split (scripts/check_kernels.py compares them); only where hc_input_fits."""
     impl = impl or backend()
     if not hc_input_fits(h, impl):
-        raise ValueError(f"hc_input takes a bfloat16 stream [<= {HC_INPUT_MAX_ROWS}, hc, dim] on a GPU, "
+        raise ValueError(f"hc_input takes a bfloat16 stream [<= {DECODE_MAX_ROWS}, hc, dim] on a GPU, "
                          f"got {h.dtype} {h.shape} on {impl}")
     S, hc, dim = h.shape
     kernel = _compiled(HC_INPUT, impl)
@@ -350,16 +354,15 @@ def hc_input(h: mx.array, pre_in: mx.array, fn: mx.array, scale: mx.array, base:
 
 # ------------------------------------------------------------ sparse_attention
 
-ATTENTION_MAX_ROWS = 16  # decode and verify forwards; prefill's many rows take the spec
 ATTENTION_HEADS_PER_GROUP = 4  # heads of one row per threadgroup: each key row is read once for them
 
 
 def attention_fits(q: mx.array, n_window: int, n_picked: int, impl: str | None = None) -> bool:
-    """Whether sparse_attention_rows runs: a GPU, at most ATTENTION_MAX_ROWS rows of bfloat16
+    """Whether sparse_attention_rows runs: a GPU, at most DECODE_MAX_ROWS rows of bfloat16
     queries [S, H, D], heads a multiple of the group, and the group's queries and scores
     within 24 KB of threadgroup memory."""
     impl = impl or backend()
-    if impl == "mlx" or q.ndim != 3 or q.dtype != mx.bfloat16 or q.shape[0] > ATTENTION_MAX_ROWS:
+    if impl == "mlx" or q.ndim != 3 or q.dtype != mx.bfloat16 or q.shape[0] > DECODE_MAX_ROWS:
         return False
     G = ATTENTION_HEADS_PER_GROUP
     return q.shape[1] % G == 0 and 4 * (G * q.shape[2] + (G + 1) * (n_window + n_picked)) <= 24 * 1024
@@ -377,7 +380,7 @@ def sparse_attention_rows(q: mx.array, ring: mx.array, index: mx.array, window_m
     W = index.shape[1]
     K = 0 if ids is None else ids.shape[1]
     if not attention_fits(q, W, K, impl):
-        raise ValueError(f"sparse_attention_rows takes bfloat16 queries [<= {ATTENTION_MAX_ROWS}, H, D] on a GPU "
+        raise ValueError(f"sparse_attention_rows takes bfloat16 queries [<= {DECODE_MAX_ROWS}, H, D] on a GPU "
                          f"within its threadgroup memory, got {q.dtype} {q.shape} with {W} + {K} keys on {impl}")
     if K == 0:  # placeholders the kernel does not read
         kv, ids, picked_mask = ring[:1], mx.zeros((S, 1), dtype=mx.uint32), mx.zeros((S, 1), dtype=mx.bool_)
@@ -435,13 +438,21 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float, impl: str | None = None,
 
 # ------------------------------------------------------------------- fp4_quant
 
+def fp4_quant_fits(x: mx.array, block: int, impl: str | None = None) -> bool:
+    """Whether the FP4 kernel runs for x: a GPU, bfloat16 or float32, blocks of 16 or 32 along
+    the last axis and x.size a multiple of 32 (whole SIMD groups)."""
+    impl = impl or backend()
+    return (impl != "mlx" and block in (16, 32) and not x.shape[-1] % block and not x.size % 32
+            and x.dtype in (mx.bfloat16, mx.float32))
+
+
 def fp4_quant(x: mx.array, block: int, e4m3_scale: bool, impl: str) -> mx.array:
     """The kernel for quant.fp4_fake_quant (its spec: quant.fp4_fake_quant_reference): x of any
     shape, bfloat16 or float32, x.size a multiple of 32 and the last axis of `block` (16 or 32);
     the same shape and dtype back. e4m3_scale: the scale format (E4M3 or a power of two)."""
-    if block not in (16, 32) or x.shape[-1] % block or x.size % 32 or x.dtype not in (mx.bfloat16, mx.float32):
+    if not fp4_quant_fits(x, block, impl):
         raise ValueError(f"fp4_quant takes bfloat16/float32 in blocks of 16 or 32 (size a multiple of 32), "
-                         f"got {x.dtype} {x.shape} in blocks of {block}")
+                         f"got {x.dtype} {x.shape} in blocks of {block} on {impl}")
     (y,) = _compiled(FP4_QUANT, impl)(
         inputs=[x, mx.array([x.size], dtype=mx.int32)],
         template=[("T", x.dtype), ("BLOCK", block), ("SCALE_E4M3", int(e4m3_scale))],

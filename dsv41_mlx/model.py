@@ -294,6 +294,10 @@ class HyperConnection(nn.Module):
             x, xq, *mixes = kernels.hc_input(h, pre, self.fn, self.scale, self.base, norm.weight, self._iters,
                                              self._norm_eps, self._eps, norm.eps, gemm_input_dtype())
             return x, xq, HcMixes(*mixes)
+        return self.sublayer_input_unfused(h, pre, norm)
+
+    def sublayer_input_unfused(self, h: mx.array, pre: mx.array, norm: RMSNorm) -> tuple[mx.array, mx.array, HcMixes]:
+        """sublayer_input as separate operations (prefill, the CPU; bench.py pieces times it)."""
         x = norm(hc_pre(h, pre))
         return x, fp8_input(x), self(h)
 
@@ -642,7 +646,7 @@ class Gate(nn.Module):
 
 
 SORT_EXPERTS_AT = 64  # (row, expert) pairs from which the MoE groups them by expert (prefill)
-MAX_CONSTANT_ROWS = 16  # forwards up to this many rows (decode, verify) take index constants
+MAX_CONSTANT_ROWS = kernels.DECODE_MAX_ROWS  # forwards up to this many rows (decode, verify) take index constants
 
 
 @functools.lru_cache(maxsize=None)

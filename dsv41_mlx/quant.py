@@ -98,8 +98,7 @@ def fp4_fake_quant(x: mx.array, block: int = 32, scale_format: str = "e8m0", imp
     fp4_fake_quant_reference). On a GPU one kernel launch (kernels.fp4_quant), bit for bit
     the spec, which runs everywhere else."""
     impl = impl or kernels.backend()
-    if (impl == "mlx" or block not in (16, 32) or x.shape[-1] % block or x.size % 32
-            or x.dtype not in (mx.bfloat16, mx.float32) or scale_format not in ("e4m3", "e8m0")):
+    if scale_format not in ("e4m3", "e8m0") or not kernels.fp4_quant_fits(x, block, impl):
         return fp4_fake_quant_reference(x, block, scale_format)
     return kernels.fp4_quant(x, block, scale_format == "e4m3", impl)
 

@@ -597,7 +597,7 @@ def bench_pieces(model_path: str | None, layer_ids: list[int]) -> dict:
     import dsv41_mlx
     from dsv41_mlx import kernels
     from dsv41_mlx.generate import prefill
-    from dsv41_mlx.model import HcMixes, hc_expand, hc_post, hc_pre, sparse_attention
+    from dsv41_mlx.model import HcMixes, hc_expand, hc_post, sparse_attention
     from dsv41_mlx.quant import fp8_input, gemm_input_dtype
 
     model, _ = dsv41_mlx.load(model_path)
@@ -648,8 +648,7 @@ def bench_pieces(model_path: str | None, layer_ids: list[int]) -> dict:
             f"routed gate + up projection, {rows} rows": lambda i: mx.gather_qmm(
                 xe, w13.weight, w13.scales, rhs_indices=ids, transpose=True, mode="mxfp4"),
             "hc_post": lambda i: hc_post(y, h2, HcMixes(*ffn_mix)),
-            "sub-layer input, its MLX operations": lambda i: (
-                layer.attn_norm(hc_pre(h, pre)), fp8_input(layer.attn_norm(hc_pre(h, pre))), hc(h)),
+            "sub-layer input, its MLX operations": lambda i: hc.sublayer_input_unfused(h, pre, layer.attn_norm),
             "attention, gathers + MLX operations": lambda i: sparse_attention(
                 q, ring[index], mask, kv[picks], picked_mask, attn.attn_sink, attn.scale),
             "router, MLX operations": lambda i: kernels.moe_gate_reference(

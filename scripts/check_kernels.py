@@ -110,6 +110,23 @@ def check_ring_write(impl: str, seed: int) -> list[str]:
     return problems
 
 
+def bits_differ(got: mx.array, want: mx.array) -> int:
+    """How many values of two bfloat16 or float32 arrays of one dtype differ in their bits."""
+    bits = {mx.bfloat16: mx.uint16, mx.float32: mx.uint32}[want.dtype]
+    return (got.view(bits) != want.view(bits)).sum().item()
+
+
+def bf16_step_problem(got: mx.array, want: mx.array) -> str | None:
+    """None where bfloat16 got equals want in at least 99% of the values and is nowhere more
+    than one bfloat16 step (at want's value) away; else what is wrong."""
+    g, w = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
+    step = np.abs(w) * 2.0**-7 + 1e-30
+    beyond, differ = (np.abs(g - w) > step).sum(), (g != w).mean()
+    if beyond or differ > 0.01:
+        return f"{differ:.2%} of values differ, {beyond} by more than a bf16 step"
+    return None
+
+
 def check_act_quant(impl: str, seed: int) -> list[str]:
     mx.random.seed(seed)
     problems = []
@@ -120,11 +137,9 @@ def check_act_quant(impl: str, seed: int) -> list[str]:
             x = x.reshape(shape) * (mx.random.uniform(shape=shape) > 0.05)  # some exact zeros
             x = mx.concatenate([x[..., :-32], mx.zeros(shape[:-1] + (32,))], axis=-1).astype(dtype)
             for out in (dtype, mx.float32):
-                got, ref = act_quant_fp8(x, impl, out), fp8_fake_quant_reference(x).astype(out)
-                bits = mx.uint16 if out == mx.bfloat16 else mx.uint32
-                same = got.view(bits) == ref.view(bits)
-                if not same.all().item():
-                    problems.append(f"act_quant {shape} {dtype} -> {out}: {(~same).sum().item()} values differ")
+                differ = bits_differ(act_quant_fp8(x, impl, out), fp8_fake_quant_reference(x).astype(out))
+                if differ:
+                    problems.append(f"act_quant {shape} {dtype} -> {out}: {differ} values differ")
     return problems
 
 
@@ -145,11 +160,9 @@ def check_fp4_quant(impl: str, seed: int) -> list[str]:
             x = mx.concatenate([x[..., :-2 * block], mx.zeros(shape[:-1] + (block,)),
                                 mx.broadcast_to(ties, shape[:-1] + (block,))], axis=-1).astype(dtype)
             fmt = "e4m3" if e4m3 else "e8m0"
-            got, ref = fp4_quant(x, block, e4m3, impl), fp4_fake_quant_reference(x, block, fmt)
-            bits = mx.uint16 if dtype == mx.bfloat16 else mx.uint32
-            same = got.view(bits) == ref.view(bits)
-            if not same.all().item():
-                problems.append(f"fp4_quant {shape} block {block} {fmt} {dtype}: {(~same).sum().item()} values differ")
+            differ = bits_differ(fp4_quant(x, block, e4m3, impl), fp4_fake_quant_reference(x, block, fmt))
+            if differ:
+                problems.append(f"fp4_quant {shape} block {block} {fmt} {dtype}: {differ} values differ")
     return problems
 
 
@@ -320,15 +333,12 @@ def check_hc_input(impl: str, seed: int) -> list[str]:
         args = (fn, scale, base, norm_w, iters, 1e-6, 1e-6, 1e-6, mx.bfloat16 if rows % 2 else mx.float32)
         got = hc_input(h, pre_in, *args, impl=impl)
         want = hc_input_spec(h, pre_in, *args)
-        gx, wx = np.array(got[0].astype(mx.float32)), np.array(want[0].astype(mx.float32))
-        step = np.abs(wx) * 2.0**-7 + 1e-30  # one bfloat16 step at the spec's value (at most)
-        if not (np.abs(gx - wx) <= step).all() or (gx != wx).mean() > 0.01:
-            problems.append(f"hc_input rows={rows} x: {(gx != wx).mean():.2%} of values differ, "
-                            f"{(np.abs(gx - wx) > step).sum()} by more than a bf16 step")
-        own_q = fp8_fake_quant_reference(got[0]).astype(args[-1])  # xq: act_quant of the kernel's own x
-        if not mx.array_equal(got[1], own_q).item():
-            problems.append(f"hc_input rows={rows} xq: {(got[1] != own_q).sum().item()} values differ from "
-                            f"act_quant of its x")
+        problem = bf16_step_problem(got[0], want[0])
+        if problem:
+            problems.append(f"hc_input rows={rows} x: {problem}")
+        differ = bits_differ(got[1], fp8_fake_quant_reference(got[0]).astype(args[-1]))  # act_quant of its own x
+        if differ:
+            problems.append(f"hc_input rows={rows} xq: {differ} values differ from act_quant of its x")
         for name, a, b in zip(("pre", "post", "comb"), got[2:], want[2:]):
             err = mx.abs(a - b).max().item()
             if not err <= 2e-5:
@@ -400,28 +410,25 @@ def check_rms_norm(impl: str, seed: int) -> list[str]:
         for rows in (1, 8, 300):
             for dtype in (mx.bfloat16, mx.float32):
                 x = mx.array(rng.normal(0, 3, (rows, D)).astype(np.float32)).astype(dtype)
-                got = np.array(rms_norm(x, w, 1e-6, impl=impl).astype(mx.float32))
-                want = np.array(rms_norm_reference(x, w, 1e-6).astype(mx.float32))
+                plain = rms_norm(x, w, 1e-6, impl=impl)
+                spec = rms_norm_reference(x, w, 1e-6)
                 if dtype == mx.bfloat16:
-                    step = np.abs(want) * 2.0**-7 + 1e-30
-                    bad = not (np.abs(got - want) <= step).all() or (got != want).mean() > 0.01
+                    problem = bf16_step_problem(plain, spec)
                 else:
-                    bad = not (np.abs(got - want) <= 1e-6 * np.abs(want) + 1e-30).all()
-                if bad:
-                    problems.append(f"rms_norm D={D} rows={rows} {dtype}: {(got != want).mean():.2%} of values "
-                                    f"differ, by up to {np.abs(got - want).max():.3g}")
-                alone = np.array(rms_norm(x[-1:], w, 1e-6, impl=impl).astype(mx.float32))
-                if not np.array_equal(alone, got[-1:]):
+                    got, want = np.array(plain), np.array(spec)
+                    far = (np.abs(got - want) > 1e-6 * np.abs(want) + 1e-30).sum()
+                    problem = f"{far} values differ by more than 1e-6 (relative)" if far else None
+                if problem:
+                    problems.append(f"rms_norm D={D} rows={rows} {dtype}: {problem}")
+                alone = rms_norm(x[-1:], w, 1e-6, impl=impl)
+                if bits_differ(alone, plain[-1:]):
                     problems.append(f"rms_norm D={D} rows={rows} {dtype}: the last row alone differs")
                 for out in (mx.bfloat16, mx.float32):  # the quantised form: act_quant on the kernel's own norm
-                    quantised = rms_norm(x, w, 1e-6, impl=impl, quantize_to=out)
-                    plain = rms_norm(x, w, 1e-6, impl=impl)
-                    want_q = fp8_fake_quant_reference(plain).astype(out)
-                    bits = mx.uint16 if out == mx.bfloat16 else mx.uint32
-                    same = quantised.view(bits) == want_q.view(bits)
-                    if not same.all().item():
+                    differ = bits_differ(rms_norm(x, w, 1e-6, impl=impl, quantize_to=out),
+                                         fp8_fake_quant_reference(plain).astype(out))
+                    if differ:
                         problems.append(f"rms_norm D={D} rows={rows} {dtype} quantised to {out}: "
-                                        f"{(~same).sum().item()} values differ from act_quant of the norm")
+                                        f"{differ} values differ from act_quant of the norm")
     return problems
 
 
