@@ -275,6 +275,31 @@ def test_gemm_check_flags_a_kernel_that_rounds_along_the_way(monkeypatch):
     assert not any("alone differs" in p for p in problems)  # the CPU's expert rows are independent
 
 
+def test_gemm_agreement_allows_only_summation_order_differences():
+    """The bf16-vs-fp32 GEMM comparison: a near-cancelling sum may land a few bf16 steps
+    away within the fp32 summation-order bound; a value off by more than that bound, or
+    many values one step off, are problems."""
+    check = _check_kernels_script()
+    k = 1024
+    wide = mx.array(np.linspace(-40, 40, 20_000).astype(np.float32))
+    magnitude = mx.full(wide.shape, 800.0)  # k products of ~0.8 in absolute value
+    narrow = wide.astype(mx.bfloat16)
+    assert check.gemm_agreement("same", wide, narrow, magnitude, k) == (None, None)
+
+    def moved(index, value):
+        return mx.array(np.where(np.arange(wide.size) == index, np.float32(value), np.array(wide))).astype(mx.bfloat16)
+
+    # A sum that cancels to 1e-3: 3 bf16 steps apart is 2e-5, inside 2k * 2**-24 * 800 ~ 1e-1.
+    near_zero = mx.array(np.where(np.arange(wide.size) == 7, np.float32(1e-3), np.array(wide)))
+    problem, note = check.gemm_agreement("cancel", near_zero, moved(7, 1e-3 * (1 + 3 * 2**-7)), magnitude, k)
+    assert problem is None and "within the summation-order bound" in note
+    problem, _ = check.gemm_agreement("wrong", wide, moved(7, float(wide[7].item()) + 1.0), magnitude, k)
+    assert problem is not None and "beyond the fp32 summation-order bound" in problem
+    one_step = (wide * (1 + 2**-7)).astype(mx.bfloat16)
+    problem, _ = check.gemm_agreement("rounded", wide, one_step, magnitude, k)
+    assert problem is not None and "values differ" in problem
+
+
 def test_gate_check_passes_the_spec_and_flags_a_wrong_router(monkeypatch):
     """scripts/check_kernels.py's router check: the spec itself passes; a router whose
     weights are off, or that picks another expert, or whose rows depend on each other, fails."""
