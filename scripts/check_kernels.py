@@ -13,10 +13,9 @@ act_quant: bf16 and fp32 activations over a wide range of magnitudes (with
 zero blocks and E4M3-subnormal values), bit equality with quant's spec.
 quantised GEMMs (MLX's own mxfp8 dense and grouped, mxfp4 experts) fed bf16 vs
 fed fp32, at every shape of the flash-shaped model, decode to prefill row counts
-(quant.gemm_input_dtype feeds bf16 on CUDA): at most 1 of 10,000 values apart
-(another fp32 summation order), more than 1 ulp only within the fp32
-summation-order bound (sums that nearly cancel), each listed; NaN-free weight
-codes; an expert product of one row alone equals that row's inside 8 rows.
+(quant.gemm_input_dtype feeds bf16 on CUDA): at most 1% of values apart, each
+within the bound of another fp32 summation order (several ulps where a sum
+nearly cancels); NaN-free weight codes; an expert product of one row alone equals that row's inside 8 rows.
 fp4_quant: the indexer's and the compressed KV's FP4 fake-quant (blocks of 32 with
 power-of-two scales, of 16 with E4M3 scales), bf16 and fp32, a wide range of
 magnitudes, zeros and E2M1 ties: bit equality with quant's spec.
@@ -202,13 +201,15 @@ def gemm_agreement(name: str, wide: mx.array, narrow: mx.array, magnitude: mx.ar
     """(problem or None, note or None) for a bf16-fed GEMM's output `narrow` against the
     fp32-fed one's `wide` (fp32), both sums of k products whose absolute values sum to
     `magnitude`. Two fp32 sums of the same k products taken in different orders are each
-    within k * 2**-24 * magnitude of the exact sum, so where the sum nearly cancels they may
-    round to bf16 values several steps apart. So: at most 1 in 10,000 values may differ at
-    all (a kernel that rounds to bf16 along the way puts most values off), and a value more
-    than one step apart must be within that bound plus one bf16 step."""
+    within k * 2**-24 * magnitude of the exact sum, and they round to different bf16 values
+    where the exact sum lies that close to a rounding boundary: for random products about
+    sqrt(k) * 2**-24 / 2**-8 of the values (0.05% at k = 1024; the H200 showed 126 of
+    204,800 at 8 rows), many bf16 steps apart where the sum nearly cancels. So: at most 1%
+    of the values may differ at all (a kernel that rounds to bf16 along the way puts most
+    values off), and each value that differs must be within that bound plus one bf16 step."""
     ulps = bf16_ulps_apart(wide, narrow)
     differ = int((ulps > 0).sum())
-    if differ > max(1, ulps.size // 10_000):
+    if differ > max(1, ulps.size // 100):
         return f"{name}: {differ} of {ulps.size} values differ, by up to {ulps.max()} ulp", None
     if not differ:
         return None, None
@@ -217,9 +218,9 @@ def gemm_agreement(name: str, wide: mx.array, narrow: mx.array, magnitude: mx.ar
     bound = step + 2 * k * 2.0**-24 * np.array(magnitude.astype(mx.float32))
     gap = np.abs(np.array(narrow.astype(mx.float32)) - wide32)
     far = ulps > 1
-    if (gap[far] > bound[far]).any():
-        return (f"{name}: {int(far.sum())} values more than 1 ulp apart, beyond the fp32 summation-order "
-                f"bound (largest {float(np.max(gap[far] / bound[far])):.3g}x it)"), None
+    if (gap > bound).any():
+        return (f"{name}: {int((gap > bound).sum())} values apart beyond the fp32 summation-order bound "
+                f"(largest {float(np.max(gap / bound)):.3g}x it)"), None
     if far.any():
         worst = np.argmax(np.where(far, ulps, 0))
         return None, (f"{name}: {differ} of {ulps.size} values differ, by up to {ulps.max()} ulp; those beyond 1 "
