@@ -51,6 +51,11 @@ def prefill(model, prompt: list[int], cache: ModelCache, chunk: int = DEFAULT_PR
     """
     if chunk < 1:
         raise ValueError(f"prefill chunk must be >= 1, got {chunk}")
+    vocab = model.args.vocab_size
+    outside = next((t for t in prompt if not 0 <= t < vocab), None)
+    if outside is not None:  # an embedding gather past the table reads no error, only garbage
+        raise ValueError(f"token id {outside} is outside the model's vocabulary of {vocab} ids "
+                         "(a tokenizer that does not belong to this checkpoint?)")
     logits, kept = None, []
     first_kept = len(prompt) - keep_features
     for start in range(0, len(prompt), chunk):

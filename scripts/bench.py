@@ -282,6 +282,7 @@ class OracleDrafter:
         self.inner, self.sequence, self.rate = drafter, sequence, rate
         self.block, self.window, self.verify_costs = drafter.block, drafter.window, None
         self.rng = np.random.default_rng(seed)
+        self.right = self.made = 0  # drafts made equal to the continuation, of all made
 
     def make_cache(self):
         return self.inner.make_cache()
@@ -296,7 +297,9 @@ class OracleDrafter:
         for k in range(self.block):
             pos = cache.end + 1 + k
             token = self.sequence[pos] if pos < len(self.sequence) else 0
-            drafts.append(token if self.rng.random() < self.rate else (token + 1) % 129280)
+            right = self.rng.random() < self.rate
+            drafts.append(token if right else (token + 1) % 129280)
+            self.right, self.made = self.right + right, self.made + 1
         return Proposal(mx.array(drafts, dtype=mx.int32), mx.zeros((self.block, 1)), mx.full((self.block,), 5.0))
 
 
@@ -333,6 +336,7 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float) 
     from dsv41_mlx.speculative import SpeculativeDecoder, measure_verify_costs
 
     from dsv41_mlx.checkpoint import resolve_model_dir
+    from dsv41_mlx.config import ModelArgs
     from dsv41_mlx.tokenizer import load_tokenizer
     from scripts.mlxlm_baseline import MlxLmUnavailable, bench_mlxlm
 
@@ -340,6 +344,10 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float) 
     prompts = json.loads((ROOT / "scripts" / "prompts.json").read_text())
     texts = prompts["prose"][:n_prompts] + prompts["code"][:n_prompts]
     ids_list = [load_tokenizer(model_path).encode(t) for t in texts]
+    vocab = ModelArgs.from_file(model_path / "config.json").vocab_size
+    if max(max(ids) for ids in ids_list) >= vocab:  # before mlx-lm, which would gather past its table
+        raise SystemExit(f"{model_path}: its tokenizer makes ids past the model's vocabulary of {vocab}: "
+                         "the prompts cannot run on it")
     out = {}
     # the baseline first, on the same prompts, so that each engine has the device to itself
     try:
@@ -362,12 +370,14 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float) 
         return hashlib.sha256(json.dumps(tokens_).encode()).hexdigest()[:12]
 
     # prefill: a warm-up prompt that takes every chunk path (a first chunk, a chunk on a cache
-    # holding positions, a padded last chunk), so the GPU kernels those paths need are built
-    # before anything is timed (on CUDA each is seconds of NVRTC the first time on a machine);
+    # holding positions, a padded last chunk), then two decode steps (the path of forwards of
+    # up to kernels.DECODE_MAX_ROWS rows, which a prompt's short last chunk takes too), so the
+    # GPU kernels are built and loaded before anything is timed (on CUDA: seconds of NVRTC
+    # per kernel the first time on a machine, and seconds of loading in every new process);
     # then every prompt (a new prompt's last chunk may be a shape not traced yet, as for a
     # user), then every prompt again (all traced)
     tic = time.perf_counter()
-    prefill(model, warm_up_prompt(model, DEFAULT_PREFILL_CHUNK), model.make_cache())
+    list(generate_step(model, warm_up_prompt(model, DEFAULT_PREFILL_CHUNK), SamplingParams(), 3))
     out["warm_up_s"] = time.perf_counter() - tic
     print(f"  warm-up prefill (kernel builds included): {out['warm_up_s']:.1f} s", flush=True)
     for key in ("prefill_tok_s", "prefill_seen_tok_s"):
@@ -402,10 +412,10 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float) 
         ("drafted greedy", greedy, lambda p, seq: SpeculativeDecoder(model, model.drafter, p, confidence="off")),
         ("drafted coupled", coupled, lambda p, seq: SpeculativeDecoder(model, model.drafter, p, confidence="off")),
         (f"oracle {oracle_rate:.2f} greedy", greedy,
-         lambda p, seq: SpeculativeDecoder(model, OracleDrafter(model.drafter, seq, oracle_rate), p,
+         lambda p, seq: SpeculativeDecoder(model, OracleDrafter(model.drafter, seq, oracle_rate, seed=len(seq)), p,
                                            confidence="off")),
     ]:
-        elapsed, produced, replies, stats = 0.0, 0, [], []
+        elapsed, produced, replies, stats, oracle = 0.0, 0, [], [], [0, 0]
         warm = time.perf_counter()  # a short untimed run first: kernel builds and compile traces
         list(generate_step(model, ids_list[0], params, 4, decoder=make(params, ids_list[0]) if make else None))
         print(f"  {label}: warm-up {time.perf_counter() - warm:.1f} s", flush=True)
@@ -421,6 +431,8 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float) 
             replies.append([first] + rest)
             if decoder is not None:
                 stats.append(decoder.stats.as_dict())
+            if isinstance(getattr(decoder, "drafter", None), OracleDrafter):
+                oracle = [oracle[0] + decoder.drafter.right, oracle[1] + decoder.drafter.made]
             print(f"  {label}, prompt {i}: {len(rest)} tokens in {time.perf_counter() - tic:.1f} s", flush=True)
         run = {"tok_s": produced / elapsed, "replies": replies, "hash": hashed(replies)}
         if stats:
@@ -429,6 +441,9 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float) 
             run["propose_ms"] = statistics.mean(s["propose_ms_per_round"] for s in stats)
             run["ingest_ms"] = statistics.mean(s["ingest_ms_per_round"] for s in stats)
             run["verify_ms"] = statistics.mean(s["verify_ms_per_round"] for s in stats)
+            run["rounds"] = sum(s["rounds"] for s in stats)
+        if oracle[1]:
+            run["oracle_right_rate"] = oracle[0] / oracle[1]  # the rate its draws realised
         runs[label] = run
         print(f"  {label}: {run['tok_s']:.2f} tok/s", flush=True)
     for run in runs.values():
@@ -443,8 +458,9 @@ def print_e2e(env: dict, res: dict, model: str) -> None:
     print(f"load {res['load_s']:.0f} s; copy bandwidth {res['copy_GBps']:.0f} GB/s; a decode step reads "
           f"{res['bytes_per_token_GB']:.2f} GB ({res['routed_expert_GB']:.2f} GB routed experts): floor "
           f"{res['floor_ms']:.2f} ms/token\n")
-    print(f"warm-up prefill {res['warm_up_s']:.1f} s (on CUDA it builds the GPU kernels: minutes the first time "
-          f"on a machine, cached on disk after); prefill {res['prefill_tok_s']:.1f} tok/s "
+    print(f"warm-up {res['warm_up_s']:.1f} s (a prefill through every chunk path and two decode steps; on CUDA "
+          f"it builds the GPU kernels, minutes the first time on a machine and cached on disk after, and loads "
+          f"them, seconds in every new process); prefill {res['prefill_tok_s']:.1f} tok/s "
           f"({res['prefill_seen_tok_s']:.1f} for prompts seen before: "
           f"no new shapes to trace); a bare decode step (forward + greedy token, no generation loop) "
           f"{res['bare_step_ms']:.1f} ms; verify forward ms at 1..6 rows: "
@@ -473,6 +489,11 @@ def print_e2e(env: dict, res: dict, model: str) -> None:
         print(f"| {label} | {r['tok_s']:.2f} | {r['tok_s'] / plain:.2f} | {frac:.1%} | {drafted} | "
               + " | ".join(ms) + f" | {r['hash']} |")
     print()
+    for label, r in res["runs"].items():
+        if "oracle_right_rate" in r:
+            print(f"{label}: {r['rounds']} rounds, {(r['accepted'] + r['rounds']) / r['rounds']:.2f} tokens per "
+                  f"round; its drafts were right at a rate of {r['oracle_right_rate']:.2f} (the rate it stands "
+                  f"for drawn per draft)\n")
 
 
 # ------------------------------------------------------------------- profile

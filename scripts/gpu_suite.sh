@@ -74,7 +74,7 @@ for step in $steps; do
       needs_flash
       run profile_nokernels env DSV41_MLX_KERNELS=0 python3 "$here/bench.py" profile --model "$flash" --steps 3 \
         --json "$out/profile_nokernels.json" ;;
-    e2e) needs_flash; run e2e python3 "$here/bench.py" e2e --model "$flash" --prompts 1 --tokens 16 --json "$out/e2e.json" ;;
+    e2e) needs_flash; run e2e python3 "$here/bench.py" e2e --model "$flash" --prompts 1 --tokens 48 --json "$out/e2e.json" ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done

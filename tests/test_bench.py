@@ -28,7 +28,7 @@ def test_profile_counts_fewer_operations_compiled(bench):
     assert compiled["ops_total"] < plain["ops_total"]
 
 
-def test_e2e_drafted_replies_equal_undrafted_and_mlxlm_runs_beside(bench):
+def test_e2e_drafted_replies_equal_undrafted_and_mlxlm_runs_beside(bench, capsys):
     from dsv41_mlx.tiny import default_checkpoint
 
     res = bench.bench_e2e(str(default_checkpoint()), n_prompts=1, tokens=3, oracle_rate=0.56)
@@ -38,6 +38,26 @@ def test_e2e_drafted_replies_equal_undrafted_and_mlxlm_runs_beside(bench):
     assert runs["oracle 0.56 greedy"]["hash"] == runs["plain greedy"]["hash"]
     assert res["mlxlm"]["decode_tok_s"] > 0 and res["prefill_tok_s"] > 0 and res["prefill_seen_tok_s"] > 0
     assert res["warm_up_s"] > 0 and res["bare_step_ms"] > 0
+    oracle = runs["oracle 0.56 greedy"]
+    assert oracle["rounds"] > 0 and 0 <= oracle["oracle_right_rate"] <= 1
+    bench.print_e2e(bench.environment(), res, "tiny")
+    assert "tokens per round; its drafts were right at a rate of" in capsys.readouterr().out
+
+
+def test_oracle_drafts_are_right_at_its_rate(bench, fixture_model):
+    """The oracle drafter's drafts equal the continuation at the rate it stands for, and it
+    counts how often its draws did."""
+    sequence = list(range(1000, 1000 + 4000))
+    oracle = bench.OracleDrafter(fixture_model.drafter, sequence, 0.56, seed=3)
+    cache = oracle.make_cache()
+    right = made = 0
+    for end in range(0, 3000, oracle.block):
+        cache.end = end
+        drafts = oracle.propose(cache, 0, None).drafts.tolist()
+        right += sum(d == sequence[end + 1 + k] for k, d in enumerate(drafts))
+        made += len(drafts)
+    assert (right, made) == (oracle.right, oracle.made)
+    assert abs(oracle.right / oracle.made - 0.56) < 0.03
 
 
 def test_warm_up_prompt_takes_every_chunk_path(bench, fixture_model):

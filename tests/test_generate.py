@@ -73,6 +73,15 @@ def test_bad_sampling_arguments_are_rejected(default_model, kwargs, message):
         list(stream_generate(model, tokenizer, "x", **kwargs))
 
 
+def test_token_ids_outside_the_vocabulary_are_rejected(default_model):
+    """An id past the embedding table would be gathered silently as garbage: the prompt is refused."""
+    model, tokenizer = default_model
+    vocab = model.args.vocab_size
+    for bad in (vocab, vocab + 7, -1):
+        with pytest.raises(ValueError, match=f"token id {bad} is outside the model's vocabulary of {vocab}"):
+            list(stream_generate(model, tokenizer, [5, bad, 6], max_tokens=2))
+
+
 def test_cli_prints_text_and_one_stats_line(cli_env):
     env = cli_env
     out = subprocess.run([sys.executable, "-m", "dsv41_mlx.generate", "--prompt", "Hello", "--max-tokens", "5"],
