@@ -107,6 +107,7 @@ FP4_QUANT = KernelSpec("fp4_quant", ("x", "n"), ("y",), "fp4_quant.metal", "fp4_
 HC_INPUT = KernelSpec("hc_input", ("h", "pre_in", "fn", "scale", "base", "norm_w", "params", "rows"),
                       ("x", "xq", "pre", "post", "comb"), "hc_input.metal", "hc_input.cu", header_files=(),
                       twin_headers=("hc_split_row", "fp8_lane"))
+FP8_GEMV = KernelSpec("fp8_gemv", ("x", "w", "scales", "sizes"), ("y",), "fp8_gemv.metal", "fp8_gemv.cu")
 
 
 @lru_cache(maxsize=None)
@@ -457,4 +458,62 @@ def fp4_quant(x: mx.array, block: int, e4m3_scale: bool, impl: str) -> mx.array:
         inputs=[x, mx.array([x.size], dtype=mx.int32)],
         template=[("T", x.dtype), ("BLOCK", block), ("SCALE_E4M3", int(e4m3_scale))],
         grid=(-(-x.size // 256) * 256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[x.shape], output_dtypes=[x.dtype])
+    return y
+
+
+# -------------------------------------------------------------------- fp8_gemv
+
+def fp8_gemv_reference(x: mx.array, w: mx.array, scales: mx.array) -> mx.array:
+    """Pure-MLX spec: x [S, G, K] through G `mxfp8` matrices w [G, N, K/4] (scales [G, N, K/32]),
+    group g of every row through matrix g -> bf16 [S, G, N], accumulated in float32."""
+    out = mx.quantized_matmul(x[:, :, None, :].astype(mx.float32), w, scales, transpose=True, mode="mxfp8")
+    return out[:, :, 0, :].astype(mx.bfloat16)
+
+
+def fp8_gemv_fits(x: mx.array, w: mx.array, impl: str | None = None) -> bool:
+    """Whether fp8_gemv runs for x [S, G, K] and w [G, N, K/4]: a GPU, at most DECODE_MAX_ROWS
+    rows (a decode or verify step's forward; prefill keeps MLX's GEMMs), N a multiple of 32
+    and K of 256 (every FP8 GEMM of the release)."""
+    impl = impl or backend()
+    return (impl != "mlx" and x.ndim == 3 and w.ndim == 3 and x.shape[0] <= DECODE_MAX_ROWS
+            and x.shape[1] == w.shape[0] and x.shape[2] == 4 * w.shape[2] and w.shape[1] % 32 == 0
+            and x.shape[2] % 256 == 0)
+
+
+GEMV_MIN_THREADGROUPS = 132  # a wave on the GPUs it was tuned for (an H200 has 132 SMs)
+
+
+def gemv_outputs_per_simdgroup(n: int, groups: int, rows_bound: int) -> int:
+    """fp8_gemv's NW for groups x n outputs (n a multiple of 32): more outputs per simdgroup
+    share each x value among more weight rows, fewer leave threadgroups (of 8 simdgroups) for
+    the GPU's cores. 8 (at most 8 rows: registers) where that still gives two waves, else the
+    largest of 4, 2, 1 that gives one. It depends on the row count only through its bound,
+    and no output depends on it."""
+    blocks = groups * n // 8
+    if rows_bound <= 8 and n % 64 == 0 and blocks // 8 >= 2 * GEMV_MIN_THREADGROUPS:
+        return 8
+    return next((nw for nw in (4, 2) if blocks // nw >= GEMV_MIN_THREADGROUPS), 1)
+
+
+def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None,
+             init_value: float | None = None) -> mx.array:
+    """The FP8 GEMMs of a decode or verify step in one launch each: x [S, G, K] (FP8
+    fake-quantised or bf16 values, exact in bf16) through G `mxfp8` matrices w [G, N, K/4] ->
+    bf16 [S, G, N] (G = 1: a dense GEMM; attention's wo_a: its groups). Each weight byte is
+    read once for all rows; the spec is fp8_gemv_reference (MLX's quantized_matmul), equal up
+    to the order of the float32 sums (scripts/check_kernels.py); only where fp8_gemv_fits.
+    init_value poisons the output before the launch (for checks)."""
+    impl = impl or backend()
+    if not fp8_gemv_fits(x, w, impl):
+        raise ValueError(f"fp8_gemv takes x [<= {DECODE_MAX_ROWS}, G, K] and w [G, N, K/4] with N a multiple of "
+                         f"32 and K of 256 on a GPU, got {x.shape} and {w.shape} on {impl}")
+    S, G, K = x.shape
+    N = w.shape[1]
+    rows_bound = 8 if S <= 8 else 16
+    per_simdgroup = gemv_outputs_per_simdgroup(N, G, rows_bound)
+    (y,) = _compiled(FP8_GEMV, impl)(
+        inputs=[x.astype(mx.bfloat16), w, scales, mx.array([S, N, K, G], dtype=mx.int32)],
+        template=[("RB", rows_bound), ("NW", per_simdgroup)],
+        grid=(G * N // (8 * per_simdgroup) * 256, 1, 1), threadgroup=(256, 1, 1),
+        output_shapes=[(S, G, N)], output_dtypes=[mx.bfloat16], init_value=init_value)
     return y

@@ -517,6 +517,8 @@ class Attention(nn.Module):
         w = self.wo_a.weight.reshape(self.n_groups, self.o_lora_rank, -1)
         s = self.wo_a.scales.reshape(self.n_groups, self.o_lora_rank, -1)
         # wo_a is applied to bf16 activations as stored (the reference dequantises it, no act-quant)
+        if kernels.fp8_gemv_fits(o[:, :, 0], w):  # a decode or verify step on a GPU
+            return self.wo_b(kernels.fp8_gemv(o[:, :, 0], w, s).reshape(S, -1))
         groups = self._pair_ids[: self.n_groups]
         pairs = self._pair_ids[: S * self.n_groups].reshape(S, -1) if S <= MAX_CONSTANT_ROWS else None
         o = mx.gather_qmm(o.astype(gemm_input_dtype()), w, s, lhs_indices=pairs, rhs_indices=groups, transpose=True,

@@ -164,9 +164,18 @@ def fp8_input(x: mx.array) -> mx.array:
     return fp8_fake_quant(x, dtype=gemm_input_dtype())
 
 
-@mx.compile
 def fp8_matmul(xq: mx.array, weight: mx.array, scales: mx.array) -> mx.array:
-    """An `fp8_input` activation times an `mxfp8` weight, bf16 out."""
+    """An `fp8_input` activation times an `mxfp8` weight, bf16 out: on a GPU, a decode or
+    verify step's few rows through kernels.fp8_gemv (each weight byte read once for all
+    rows), otherwise MLX's quantized_matmul."""
+    rows = xq.reshape(-1, 1, xq.shape[-1])
+    if kernels.fp8_gemv_fits(rows, weight[None]):
+        return kernels.fp8_gemv(rows, weight[None], scales[None]).reshape(*xq.shape[:-1], weight.shape[0])
+    return _fp8_matmul_mlx(xq, weight, scales)
+
+
+@mx.compile
+def _fp8_matmul_mlx(xq: mx.array, weight: mx.array, scales: mx.array) -> mx.array:
     return mx.quantized_matmul(xq, weight, scales, transpose=True, mode="mxfp8").astype(mx.bfloat16)
 
 

@@ -6,7 +6,7 @@
     python scripts/bench.py e2e --model DIR    # end to end on a checkpoint (scripts/make_flash_shaped.py)
     python scripts/bench.py profile [--model M] # a decode step by layer: MLX operations and ms, compiled or not
     python scripts/bench.py pieces [--model M]  # one block's pieces (attention, MoE, experts' GEMM...), ms each
-    python scripts/bench.py gemms               # the decode step's quantised GEMMs fed fp32 vs bf16
+    python scripts/bench.py gemms               # the decode step's quantised GEMMs: MLX's and fp8_gemv
 
 Speed is measured here and nowhere else: ratios against baselines measured in
 the same run, and fractions of the memory-bandwidth floor (bytes that must
@@ -692,44 +692,89 @@ def bench_pieces(model_path: str | None, layer_ids: list[int]) -> dict:
     return out
 
 
-def bench_gemms() -> dict:
-    """The quantised GEMMs of a decode step at the flash-shaped checkpoint's sizes (8 rows; 24
-    routed experts, top-6, mxfp4; a dense 1280 x 5120 mxfp8), fed fp32 or bf16: ms per call."""
+def bench_gemms(rows: int = 8, experts: int = 24, dim: int = 5120, inter: int = 2304,
+                cache_bytes: int = 256 << 20) -> dict:
+    """The quantised GEMMs of a decode step, ms per call: the routed experts' mxfp4 GEMMs (24
+    experts, top-6) fed fp32 or bf16, and every FP8 GEMM shape of the flash-shaped model (the
+    release's dense shapes, and wo_a's grouped one) through MLX's quantized_matmul /
+    gather_qmm fed bf16 and, on a GPU, through kernels.fp8_gemv, with each one's share of the
+    copy bandwidth. Every call reads its own copy of the weights, from copies that overflow
+    any cache, as a decode step reads each weight once."""
+    from dsv41_mlx import kernels
+    from scripts.check_kernels import quantised_gemm_shapes
+
     mx.random.seed(0)
-    experts, dim, inter, rows, top = 24, 5120, 2304, 8, 6
+    top = 6
 
     def words(shape):
         return mx.random.randint(0, 2**31, shape).astype(mx.uint32)
 
-    w13, s13 = words((experts, inter, dim // 8)), mx.full((experts, inter, dim // 32), 120, dtype=mx.uint8)
-    w2, s2 = words((experts, dim, inter // 8)), mx.full((experts, dim, inter // 32), 120, dtype=mx.uint8)
+    def scales(shape):
+        return mx.full(shape, 120, dtype=mx.uint8)
+
+    w13, s13 = words((experts, inter, dim // 8)), scales((experts, inter, dim // 32))
+    w2, s2 = words((experts, dim, inter // 8)), scales((experts, dim, inter // 32))
     ids = mx.sort(mx.random.randint(0, experts, (rows, top)).astype(mx.uint32), axis=-1)
     x, h = mx.random.normal((rows, 1, 1, dim)), mx.random.normal((rows, top, 1, inter))
-    wd, sd = words((1280, dim // 4)), mx.full((1280, dim // 32), 120, dtype=mx.uint8)
-    xd = mx.random.normal((rows, dim))
-    mx.eval(w13, s13, w2, s2, ids, x, h, wd, sd, xd)
-    out = {}
+    mx.eval(w13, s13, w2, s2, ids, x, h)
+    out = {"rows": rows, "experts": experts, "copy_GBps": copy_bandwidth() / 1e9, "routed": {}, "fp8": []}
     for dtype in (mx.float32, mx.bfloat16):
         name = str(dtype).rsplit(".", 1)[-1]
-        xt, ht, xdt = x.astype(dtype), h.astype(dtype), xd.astype(dtype)
-        mx.eval(xt, ht, xdt)
-        out[f"routed up (5120 -> 2304), mxfp4, {name} in"] = timed(
+        xt, ht = x.astype(dtype), h.astype(dtype)
+        mx.eval(xt, ht)
+        out["routed"][f"routed up ({dim} -> {inter}), mxfp4, {name} in"] = timed(
             lambda i: mx.gather_qmm(xt, w13, s13, rhs_indices=ids, transpose=True, mode="mxfp4"), 10, 3) * 1e3
-        out[f"routed down (2304 -> 5120), mxfp4, {name} in"] = timed(
+        out["routed"][f"routed down ({inter} -> {dim}), mxfp4, {name} in"] = timed(
             lambda i: mx.gather_qmm(ht, w2, s2, rhs_indices=ids, transpose=True, mode="mxfp4"), 10, 3) * 1e3
-        out[f"dense 5120 -> 1280, mxfp8, {name} in"] = timed(
-            lambda i: mx.quantized_matmul(xdt, wd, sd, transpose=True, mode="mxfp8"), 10, 3) * 1e3
+    del w13, s13, w2, s2
+
+    dense, grouped, _ = quantised_gemm_shapes()
+    shapes = [(1, d_in, d_out) for d_in, d_out in sorted(dense)] + sorted(grouped)
+    gpu = kernels.backend() != "mlx"
+    for groups, d_in, d_out in shapes:
+        nbytes = groups * d_out * d_in * (1 + 1 / 32)
+        copies = max(1, min(64, -(-cache_bytes // int(nbytes))))
+        ws = [(words((groups, d_out, d_in // 4)), scales((groups, d_out, d_in // 32))) for _ in range(copies)]
+        xq = mx.random.normal((rows, groups, d_in)).astype(mx.bfloat16)
+        mx.eval(ws, xq)
+        if groups == 1:
+            def mlx_gemm(i):
+                w, sc = ws[i % copies]
+                return mx.quantized_matmul(xq[:, 0], w[0], sc[0], transpose=True, mode="mxfp8")
+        else:
+            g = mx.arange(groups)
+
+            def mlx_gemm(i):
+                w, sc = ws[i % copies]
+                return mx.gather_qmm(xq[:, :, None], w, sc, rhs_indices=g, transpose=True, mode="mxfp8")
+        row = {"shape": f"{groups} x {d_in} -> {d_out}" if groups > 1 else f"{d_in} -> {d_out}",
+               "MB": nbytes / 1e6, "mlx_ms": timed(mlx_gemm, 10, 3) * 1e3}
+        if gpu:
+            row["kernel_ms"] = timed(lambda i: kernels.fp8_gemv(xq, *ws[i % copies]), 10, 3) * 1e3
+        out["fp8"].append(row)
+        del ws
     return out
 
 
 def print_gemms(env: dict, res: dict) -> None:
-    print(f"### Quantised GEMMs of a decode step, fp32 vs bf16 inputs ({env['date']}, {env['device']}, "
-          f"{env['backend']}, MLX {env['mlx']}, commit {env['commit']})\n")
-    print("8 rows; routed: top-6 of 24 experts\n")
+    print(f"### Quantised GEMMs of a decode step ({env['date']}, {env['device']}, {env['backend']}, MLX {env['mlx']}, "
+          f"commit {env['commit']})\n")
+    print(f"{res['rows']} rows; routed: top-6 of {res['experts']} experts; copy bandwidth {res['copy_GBps']:.0f} GB/s\n")
     print("| GEMM | ms per call |")
     print("|---|---|")
-    for name, ms in res.items():
+    for name, ms in res["routed"].items():
         print(f"| {name} | {ms:.3f} |")
+    print()
+    kernel = any("kernel_ms" in r for r in res["fp8"])
+    print("| FP8 GEMM (bf16 in) | weights MB | floor ms | MLX ms | MLX / floor |"
+          + (" fp8_gemv ms | fp8_gemv / floor | MLX / fp8_gemv |" if kernel else ""))
+    print("|---|---|---|---|---|" + ("---|---|---|" if kernel else ""))
+    for r in res["fp8"]:
+        floor = r["MB"] / 1e3 / res["copy_GBps"] * 1e3  # reading the weights once at the copy rate
+        line = f"| {r['shape']} | {r['MB']:.1f} | {floor:.4f} | {r['mlx_ms']:.4f} | {r['mlx_ms'] / floor:.2f} |"
+        if "kernel_ms" in r:
+            line += f" {r['kernel_ms']:.4f} | {r['kernel_ms'] / floor:.2f} | {r['mlx_ms'] / r['kernel_ms']:.2f} |"
+        print(line)
     print()
 
 

@@ -19,6 +19,10 @@ nearly cancels); NaN-free weight codes; an expert product of one row alone equal
 fp4_quant: the indexer's and the compressed KV's FP4 fake-quant (blocks of 32 with
 power-of-two scales, of 16 with E4M3 scales), bf16 and fp32, a wide range of
 magnitudes, zeros and E2M1 ties: bit equality with quant's spec.
+fp8_gemv: the decode FP8 GEMM at every FP8 shape of the flash-shaped model (and
+wo_a's grouped one) and two ragged ones, 1..16 rows, outputs poisoned: within the
+bound of another fp32 summation order of MLX's fp32-fed quantized_matmul; a row
+alone equals the row among 8 and among 16.
 hc_split: random mixes at 1..300 rows, release hc 4 / 20 iterations, within
 2e-6 of the spec (the spec's exp and sigmoid are not bit for bit the kernel's).
 moe_gate: the router at 384 / 24 / 16 experts (top 6, 6, 3), rows 1..16: the
@@ -52,7 +56,7 @@ import numpy as np
 
 from dsv41_mlx.kernels import (TILE, TOP_K, backend, fp8_rows_tiles, fp8_rows_top64, hc_split, hc_split_reference,
                                ring_write, ring_write_reference)
-from dsv41_mlx.kernels import (act_quant_fp8, fp4_quant, hc_input, moe_gate, moe_gate_reference, rms_norm,
+from dsv41_mlx.kernels import (act_quant_fp8, fp4_quant, fp8_gemv, hc_input, moe_gate, moe_gate_reference, rms_norm,
                                rms_norm_reference, sparse_attention_rows)
 from dsv41_mlx.quant import fp4_fake_quant_reference, fp8_fake_quant_reference, quantize_fp8_tiles_mx
 
@@ -189,6 +193,30 @@ def quantised_gemm_shapes() -> tuple[set, set, set]:
     return dense, grouped, experts
 
 
+def random_fp8_input(shape) -> mx.array:
+    """Normal values FP8 fake-quantised per 32, in bf16 (exact): an FP8 GEMM's input."""
+    return fp8_fake_quant_reference(mx.random.normal(shape).astype(mx.bfloat16))
+
+
+def random_words(shape, fp4: bool = False) -> mx.array:
+    """Random weight codes packed as MLX stores them (uint32 words of 4 E4M3 or 8 E2M1 codes),
+    without E4M3's NaN codes S.1111.111 (one would make a whole output row NaN on every side
+    of a comparison, which then compares nothing)."""
+    codes = mx.random.randint(0, 256, shape[:-1] + (shape[-1] * 4,)).astype(mx.uint8)
+    if not fp4:
+        codes = mx.where((codes & 0x7F) == 0x7F, codes - 1, codes)
+    return codes.view(mx.uint32)
+
+
+def random_scales(shape) -> mx.array:
+    return mx.random.randint(112, 124, shape).astype(mx.uint8)
+
+
+def abs_words(w: mx.array, fp4: bool = False) -> mx.array:
+    """The codes' absolute values (their sign bits cleared)."""
+    return w & (0xFFFFFFFF ^ (0x88888888 if fp4 else 0x80808080))
+
+
 def bf16_ulps_apart(a: mx.array, b: mx.array) -> np.ndarray:
     """How many bf16 steps apart a and b are, once both are rounded to bf16."""
     def ordered(x):
@@ -244,25 +272,13 @@ def check_gemms_bf16(seed: int, rows_list=(1, 5, 8, 16, 37, 256)) -> tuple[list[
     def compare(name, k, gemm, x, w, s, **kw):
         wide = gemm(x.astype(mx.float32), w, s, **kw)
         narrow = gemm(x, w, s, **kw)
-        sign_bits = 0x88888888 if kw["mode"] == "mxfp4" else 0x80808080
-        magnitude = gemm(mx.abs(x.astype(mx.float32)), w & (0xFFFFFFFF ^ sign_bits), s, **kw)
+        magnitude = gemm(mx.abs(x.astype(mx.float32)), abs_words(w, kw["mode"] == "mxfp4"), s, **kw)
         problem, note = gemm_agreement(name, wide, narrow, magnitude, k)
         problems.extend([problem] if problem else [])
         notes.extend([note] if note else [])
         return narrow
 
-    def fp8_input(shape):
-        return fp8_fake_quant_reference(mx.random.normal(shape).astype(mx.bfloat16))
-
-    def words(shape, fp4=False):
-        codes = mx.random.randint(0, 256, shape[:-1] + (shape[-1] * 4,)).astype(mx.uint8)
-        if not fp4:  # E4M3 S.1111.111 is NaN: one step down instead
-            codes = mx.where((codes & 0x7F) == 0x7F, codes - 1, codes)
-        return codes.view(mx.uint32)
-
-    def scales(shape):
-        return mx.random.randint(112, 124, shape).astype(mx.uint8)
-
+    fp8_input, words, scales = random_fp8_input, random_words, random_scales
     dense, grouped, experts = quantised_gemm_shapes()
     for d_in, d_out in sorted(dense):
         w, s = words((d_out, d_in // 4)), scales((d_out, d_in // 32))
@@ -288,6 +304,32 @@ def check_gemms_bf16(seed: int, rows_list=(1, 5, 8, 16, 37, 256)) -> tuple[list[
                 if not mx.array_equal(alone, narrow[:1]).item():
                     problems.append(f"mxfp4 {n_experts}x{d_in}->{d_out}: row 0 alone differs from row 0 of {rows}")
     return problems, notes
+
+
+def check_fp8_gemv(impl: str, seed: int) -> list[str]:
+    """The decode FP8 GEMM kernel against MLX's quantized_matmul fed fp32, at every FP8 shape
+    of the flash-shaped model (the release's dense ones and wo_a's 8 groups) and two ragged
+    ones, 1..16 rows, outputs poisoned before the launch: every value within the bound of
+    another float32 summation order (`gemm_agreement`); a row alone the same bits as among
+    others, at 8 rows and at 16 (the kernel's two row bounds)."""
+    mx.random.seed(seed)
+    problems = []
+    dense, grouped, _ = quantised_gemm_shapes()
+    shapes = [(1, d_in, d_out) for d_in, d_out in sorted(dense)] + sorted(grouped) + [(1, 512, 96), (3, 256, 32)]
+    for groups, d_in, d_out in shapes:
+        w, s = random_words((groups, d_out, d_in // 4)), random_scales((groups, d_out, d_in // 32))
+        for rows in (1, 2, 5, 8, 9, 16):
+            x = random_fp8_input((rows, groups, d_in))
+            got = fp8_gemv(x, w, s, impl, init_value=POISON)
+            kw = dict(transpose=True, mode="mxfp8")
+            wide = mx.quantized_matmul(x[:, :, None].astype(mx.float32), w, s, **kw)[:, :, 0]
+            magnitude = mx.quantized_matmul(mx.abs(x[:, :, None].astype(mx.float32)), abs_words(w), s, **kw)[:, :, 0]
+            name = f"fp8_gemv {groups}x{d_in}->{d_out} rows={rows}"
+            problem, _ = gemm_agreement(name, wide, got, magnitude, d_in)
+            problems.extend([problem] if problem else [])
+            if rows in (8, 16) and not mx.array_equal(fp8_gemv(x[:1], w, s, impl), got[:1]).item():
+                problems.append(f"{name}: row 0 alone differs from row 0 of {rows}")
+    return problems
 
 
 def check_hc_split(impl: str, seed: int) -> list[str]:
@@ -490,7 +532,7 @@ def main() -> int:
               ("fp4_quant", check_fp4_quant, 29)]
     if impl == "cuda":
         checks.append(("quantised GEMMs, bf16-fed vs fp32-fed", check_gemms_bf16, 11))
-    checks += [("hc_split", check_hc_split, 5), ("rms_norm", check_rms_norm, 23), ("hc_input", check_hc_input, 17),
+    checks += [("fp8_gemv", check_fp8_gemv, 31), ("hc_split", check_hc_split, 5), ("rms_norm", check_rms_norm, 23), ("hc_input", check_hc_input, 17),
                ("sparse_attention", check_sparse_attention, 19), ("moe_gate", check_moe_gate, 13)]
     for name, check, seed in [c for c in checks if wanted(c[0])]:
         problems, notes = (check(seed=seed) if check is check_gemms_bf16 else (check(impl, seed=seed), []))

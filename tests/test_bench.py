@@ -126,3 +126,14 @@ print(json.dumps(res))
     assert calls["hc_input"] == 2 * layers
     assert 0 < res["total"] < 200 * layers
     assert res["restored"]
+
+
+def test_gemms_times_every_fp8_shape(bench, monkeypatch, capsys):
+    """`bench.py gemms` times MLX's FP8 GEMM at each of the model's shapes (here two small ones,
+    on the CPU, where fp8_gemv does not run) beside the routed experts, and prints the table."""
+    monkeypatch.setattr("scripts.check_kernels.quantised_gemm_shapes", lambda: ({(256, 64)}, {(2, 512, 32)}, set()))
+    res = bench.bench_gemms(rows=3, experts=4, dim=256, inter=64, cache_bytes=1 << 16)
+    assert [r["shape"] for r in res["fp8"]] == ["256 -> 64", "2 x 512 -> 32"]
+    assert all(r["mlx_ms"] > 0 and "kernel_ms" not in r for r in res["fp8"]) and len(res["routed"]) == 4
+    bench.print_gemms(bench.environment(), res)
+    assert "| 2 x 512 -> 32 |" in capsys.readouterr().out

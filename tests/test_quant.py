@@ -438,3 +438,31 @@ def test_fp4_release_weight_through_mx_dequantize():
     packed, scales = quantize_fp4_rows(w)
     got = _np(mx.dequantize(fp4_rows_to_mx(mx.array(packed)), mx.array(scales), mode="mxfp4", dtype=mx.float32))
     np.testing.assert_array_equal(got, fp4_decode(packed) * np.repeat(e8m0_decode(scales), 32, -1))
+
+
+def test_fp8_matmul_takes_the_gemv_kernel_for_a_decode_steps_rows_on_a_gpu(monkeypatch):
+    """On a GPU, an FP8 GEMM of up to 16 rows (a decode or verify step) runs kernels.fp8_gemv
+    (dense: one group); more rows, or a shape the kernel does not take, keep MLX's GEMM."""
+    from dsv41_mlx import kernels, quant
+
+    calls = []
+
+    def gemv(x, w, s, impl=None, init_value=None):
+        calls.append((x.shape, w.shape))
+        return kernels.fp8_gemv_reference(x, w, s)
+
+    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
+    monkeypatch.setattr(kernels, "fp8_gemv", gemv)
+    mx.random.seed(4)
+    w = (mx.random.randint(0, 2**31, (96, 64)).astype(mx.uint32) & 0x3F3F3F3F)  # 96 outputs x 256 inputs
+    s = mx.random.randint(118, 124, (96, 8)).astype(mx.uint8)
+    x = mx.random.normal((17, 256))
+    for rows, kernel in ((1, True), (8, True), (16, True), (17, False)):
+        calls.clear()
+        got = quant.fp8_matmul(x[:rows], w, s)
+        assert calls == ([((rows, 1, 256), (1, 96, 64))] if kernel else [])
+        want = mx.quantized_matmul(x[:rows], w, s, transpose=True, mode="mxfp8").astype(mx.bfloat16)
+        assert got.shape == (rows, 96) and mx.array_equal(got, want).item()
+    calls.clear()
+    quant.fp8_matmul(mx.random.normal((8, 128)), w[:, :32], s[:, :4])  # K = 128: not the kernel's
+    assert calls == []

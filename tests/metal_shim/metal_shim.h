@@ -56,6 +56,7 @@ typedef vec2c<ulong> ulong2;
 typedef vec2<float> float2;
 typedef vec4<float> float4;
 typedef vec2<half> half2;
+typedef vec2<uint> uint2;
 typedef vec3<uint> uint3;
 typedef vec4<uint> uint4;
 
