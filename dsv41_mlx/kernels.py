@@ -465,8 +465,11 @@ def fp4_quant(x: mx.array, block: int, e4m3_scale: bool, impl: str) -> mx.array:
 
 def fp8_gemv_reference(x: mx.array, w: mx.array, scales: mx.array) -> mx.array:
     """Pure-MLX spec: x [S, G, K] through G `mxfp8` matrices w [G, N, K/4] (scales [G, N, K/32]),
-    group g of every row through matrix g -> bf16 [S, G, N], accumulated in float32."""
-    out = mx.quantized_matmul(x[:, :, None, :].astype(mx.float32), w, scales, transpose=True, mode="mxfp8")
+    group g of every row through matrix g -> bf16 [S, G, N], accumulated in float32. (A
+    gather_qmm: MLX 0.32.4's CUDA quantized_matmul does not broadcast stacked weights over
+    rows, as the H200 showed: other values from the second row on.)"""
+    out = mx.gather_qmm(x[:, :, None, :].astype(mx.float32), w, scales, rhs_indices=mx.arange(w.shape[0]),
+                        transpose=True, mode="mxfp8")
     return out[:, :, 0, :].astype(mx.bfloat16)
 
 

@@ -21,7 +21,7 @@ power-of-two scales, of 16 with E4M3 scales), bf16 and fp32, a wide range of
 magnitudes, zeros and E2M1 ties: bit equality with quant's spec.
 fp8_gemv: the decode FP8 GEMM at every FP8 shape of the flash-shaped model (and
 wo_a's grouped one) and two ragged ones, 1..16 rows, outputs poisoned: within the
-bound of another fp32 summation order of MLX's fp32-fed quantized_matmul; a row
+bound of another fp32 summation order of MLX's fp32-fed gather_qmm; a row
 alone equals the row among 8 and among 16.
 hc_split: random mixes at 1..300 rows, release hc 4 / 20 iterations, within
 2e-6 of the spec (the spec's exp and sigmoid are not bit for bit the kernel's).
@@ -307,7 +307,7 @@ def check_gemms_bf16(seed: int, rows_list=(1, 5, 8, 16, 37, 256)) -> tuple[list[
 
 
 def check_fp8_gemv(impl: str, seed: int) -> list[str]:
-    """The decode FP8 GEMM kernel against MLX's quantized_matmul fed fp32, at every FP8 shape
+    """The decode FP8 GEMM kernel against MLX's gather_qmm fed fp32, at every FP8 shape
     of the flash-shaped model (the release's dense ones and wo_a's 8 groups) and two ragged
     ones, 1..16 rows, outputs poisoned before the launch: every value within the bound of
     another float32 summation order (`gemm_agreement`); a row alone the same bits as among
@@ -321,9 +321,9 @@ def check_fp8_gemv(impl: str, seed: int) -> list[str]:
         for rows in (1, 2, 5, 8, 9, 16):
             x = random_fp8_input((rows, groups, d_in))
             got = fp8_gemv(x, w, s, impl, init_value=POISON)
-            kw = dict(transpose=True, mode="mxfp8")
-            wide = mx.quantized_matmul(x[:, :, None].astype(mx.float32), w, s, **kw)[:, :, 0]
-            magnitude = mx.quantized_matmul(mx.abs(x[:, :, None].astype(mx.float32)), abs_words(w), s, **kw)[:, :, 0]
+            kw = dict(rhs_indices=mx.arange(groups), transpose=True, mode="mxfp8")  # as kernels.fp8_gemv_reference
+            wide = mx.gather_qmm(x[:, :, None].astype(mx.float32), w, s, **kw)[:, :, 0]
+            magnitude = mx.gather_qmm(mx.abs(x[:, :, None].astype(mx.float32)), abs_words(w), s, **kw)[:, :, 0]
             name = f"fp8_gemv {groups}x{d_in}->{d_out} rows={rows}"
             problem, _ = gemm_agreement(name, wide, got, magnitude, d_in)
             problems.extend([problem] if problem else [])
