@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
@@ -274,7 +275,9 @@ def print_propose(env: dict, res: dict) -> None:
 class OracleDrafter:
     """Proposes the target's own continuation, each draft right with probability `rate`
     (else a wrong token), from a fixed generator: what a drafter with that acceptance rate
-    would let the engine do. Labelled as such wherever it is reported."""
+    would let the engine do. Its confidence in each draft is that rate (a calibrated
+    drafter), which the `schedule` verify policy uses. Labelled as such wherever it is
+    reported."""
 
     def __init__(self, drafter, sequence: list[int], rate: float, seed: int = 0):
         import numpy as np
@@ -300,7 +303,8 @@ class OracleDrafter:
             right = self.rng.random() < self.rate
             drafts.append(token if right else (token + 1) % 129280)
             self.right, self.made = self.right + right, self.made + 1
-        return Proposal(mx.array(drafts, dtype=mx.int32), mx.zeros((self.block, 1)), mx.full((self.block,), 5.0))
+        logit = math.log(self.rate / (1 - self.rate)) if 0 < self.rate < 1 else (30.0 if self.rate else -30.0)
+        return Proposal(mx.array(drafts, dtype=mx.int32), mx.zeros((self.block, 1)), mx.full((self.block,), logit))
 
 
 def decode_bytes(model) -> tuple[int, int]:
@@ -414,6 +418,11 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float) 
         (f"oracle {oracle_rate:.2f} greedy", greedy,
          lambda p, seq: SpeculativeDecoder(model, OracleDrafter(model.drafter, seq, oracle_rate, seed=len(seq)), p,
                                            confidence="off")),
+        # the same drafts, each round verifying the number of them the schedule policy picks from
+        # the drafter's confidence and the verify costs measured above
+        (f"oracle {oracle_rate:.2f} greedy, schedule", greedy,
+         lambda p, seq: SpeculativeDecoder(model, OracleDrafter(model.drafter, seq, oracle_rate, seed=len(seq)), p,
+                                           confidence="schedule", verify_costs=[ms / 1e3 for ms in out["verify_ms"]])),
     ]:
         elapsed, produced, replies, stats, oracle = 0.0, 0, [], [], [0, 0]
         warm = time.perf_counter()  # a short untimed run first: kernel builds and compile traces
@@ -438,6 +447,7 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float) 
         if stats:
             run["proposed"] = sum(s["proposed"] for s in stats)
             run["accepted"] = sum(s["accepted"] for s in stats)
+            run["verified"] = sum(s["verified"] for s in stats)
             run["propose_ms"] = statistics.mean(s["propose_ms_per_round"] for s in stats)
             run["ingest_ms"] = statistics.mean(s["ingest_ms_per_round"] for s in stats)
             run["verify_ms"] = statistics.mean(s["verify_ms_per_round"] for s in stats)
@@ -479,12 +489,12 @@ def print_e2e(env: dict, res: dict, model: str) -> None:
         print(f"| decode tok/s | {plain:.2f} | {base['decode_tok_s']:.2f} | {plain / base['decode_tok_s']:.2f} |")
         print(f"| decode, fraction of the floor | {plain * res['floor_ms'] / 1e3:.1%} | "
               f"{base['decode_tok_s'] * res['floor_ms'] / 1e3:.1%} | |\n")
-    print("| run | tok/s | x plain greedy | floor fraction | drafts accepted / proposed | propose ms | "
+    print("| run | tok/s | x plain greedy | floor fraction | drafts accepted / verified / proposed | propose ms | "
           "verify ms | ingest ms | reply hash |")
     print("|---|---|---|---|---|---|---|---|---|")
     for label, r in res["runs"].items():
         frac = (1e3 / res["floor_ms"]) and r["tok_s"] * res["floor_ms"] / 1e3
-        drafted = f"{r['accepted']} / {r['proposed']}" if "proposed" in r else "-"
+        drafted = f"{r['accepted']} / {r['verified']} / {r['proposed']}" if "proposed" in r else "-"
         ms = [f"{r[k]:.1f}" if k in r else "-" for k in ("propose_ms", "verify_ms", "ingest_ms")]
         print(f"| {label} | {r['tok_s']:.2f} | {r['tok_s'] / plain:.2f} | {frac:.1%} | {drafted} | "
               + " | ".join(ms) + f" | {r['hash']} |")

@@ -6,6 +6,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench.py"
@@ -36,6 +37,7 @@ def test_e2e_drafted_replies_equal_undrafted_and_mlxlm_runs_beside(bench, capsys
     assert runs["drafted greedy"]["hash"] == runs["plain greedy"]["hash"]
     assert runs["drafted coupled"]["hash"] == runs["plain coupled"]["hash"]
     assert runs["oracle 0.56 greedy"]["hash"] == runs["plain greedy"]["hash"]
+    assert runs["oracle 0.56 greedy, schedule"]["hash"] == runs["plain greedy"]["hash"]
     assert res["mlxlm"]["decode_tok_s"] > 0 and res["prefill_tok_s"] > 0 and res["prefill_seen_tok_s"] > 0
     assert res["warm_up_s"] > 0 and res["bare_step_ms"] > 0
     oracle = runs["oracle 0.56 greedy"]
@@ -58,6 +60,8 @@ def test_oracle_drafts_are_right_at_its_rate(bench, fixture_model):
         made += len(drafts)
     assert (right, made) == (oracle.right, oracle.made)
     assert abs(oracle.right / oracle.made - 0.56) < 0.03
+    confidence = mx.sigmoid(oracle.propose(cache, 0, None).confidence)  # calibrated: its own rate
+    assert mx.allclose(confidence, mx.full(confidence.shape, 0.56)).item()
 
 
 def test_warm_up_prompt_takes_every_chunk_path(bench, fixture_model):
