@@ -503,8 +503,8 @@ def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None
     """The FP8 GEMMs of a decode or verify step in one launch each: x [S, G, K] (FP8
     fake-quantised or bf16 values, exact in bf16) through G `mxfp8` matrices w [G, N, K/4] ->
     bf16 [S, G, N] (G = 1: a dense GEMM; attention's wo_a: its groups). Each weight byte is
-    read once for all rows; the spec is fp8_gemv_reference (MLX's quantized_matmul), equal up
-    to the order of the float32 sums (scripts/check_kernels.py); only where fp8_gemv_fits.
+    read once for all rows; the spec is fp8_gemv_reference (MLX's gather_qmm), equal up to the
+    order of the float32 sums (scripts/check_kernels.py); only where fp8_gemv_fits.
     init_value poisons the output before the launch (for checks)."""
     impl = impl or backend()
     if not fp8_gemv_fits(x, w, impl):

@@ -769,7 +769,8 @@ def bench_gemms(rows: int = 8, experts: int = 24, dim: int = 5120, inter: int = 
 def print_gemms(env: dict, res: dict) -> None:
     print(f"### Quantised GEMMs of a decode step ({env['date']}, {env['device']}, {env['backend']}, MLX {env['mlx']}, "
           f"commit {env['commit']})\n")
-    print(f"{res['rows']} rows; routed: top-6 of {res['experts']} experts; copy bandwidth {res['copy_GBps']:.0f} GB/s\n")
+    print(f"{res['rows']} rows; routed: top-6 of {res['experts']} experts; "
+          f"copy bandwidth {res['copy_GBps']:.0f} GB/s\n")
     print("| GEMM | ms per call |")
     print("|---|---|")
     for name, ms in res["routed"].items():

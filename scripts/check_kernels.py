@@ -14,8 +14,9 @@ zero blocks and E4M3-subnormal values), bit equality with quant's spec.
 quantised GEMMs (MLX's own mxfp8 dense and grouped, mxfp4 experts) fed bf16 vs
 fed fp32, at every shape of the flash-shaped model, decode to prefill row counts
 (quant.gemm_input_dtype feeds bf16 on CUDA): at most 1% of values apart, each
-within the bound of another fp32 summation order (several ulps where a sum
-nearly cancels); NaN-free weight codes; an expert product of one row alone equals that row's inside 8 rows.
+within the bound of another fp32 summation order (many ulps where a sum nearly
+cancels); NaN-free weight codes; an expert product of one row alone equals that
+row's inside 8 rows.
 fp4_quant: the indexer's and the compressed KV's FP4 fake-quant (blocks of 32 with
 power-of-two scales, of 16 with E4M3 scales), bf16 and fp32, a wide range of
 magnitudes, zeros and E2M1 ties: bit equality with quant's spec.
@@ -532,8 +533,9 @@ def main() -> int:
               ("fp4_quant", check_fp4_quant, 29)]
     if impl == "cuda":
         checks.append(("quantised GEMMs, bf16-fed vs fp32-fed", check_gemms_bf16, 11))
-    checks += [("fp8_gemv", check_fp8_gemv, 31), ("hc_split", check_hc_split, 5), ("rms_norm", check_rms_norm, 23), ("hc_input", check_hc_input, 17),
-               ("sparse_attention", check_sparse_attention, 19), ("moe_gate", check_moe_gate, 13)]
+    checks += [("fp8_gemv", check_fp8_gemv, 31), ("hc_split", check_hc_split, 5), ("rms_norm", check_rms_norm, 23),
+               ("hc_input", check_hc_input, 17), ("sparse_attention", check_sparse_attention, 19),
+               ("moe_gate", check_moe_gate, 13)]
     for name, check, seed in [c for c in checks if wanted(c[0])]:
         problems, notes = (check(seed=seed) if check is check_gemms_bf16 else (check(impl, seed=seed), []))
         failures += bool(problems)

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from dsv41_mlx.cache import DraftCache
-from dsv41_mlx.kernels import (ACT_QUANT, FP4_QUANT, FP8_GEMV, FP8_ROWS, HC_INPUT, HC_SPLIT, MOE_GATE_SCORES, MOE_GATE_TOPK,
-                               RING_WRITE, RMS_NORM, SPARSE_ATTENTION, TOP_K, fp8_rows_top64, moe_gate,
-                               moe_gate_reference, ring_write, ring_write_reference)
+from dsv41_mlx.kernels import (ACT_QUANT, FP4_QUANT, FP8_GEMV, FP8_ROWS, HC_INPUT, HC_SPLIT, MOE_GATE_SCORES,
+                               MOE_GATE_TOPK, RING_WRITE, RMS_NORM, SPARSE_ATTENTION, TOP_K, fp8_rows_top64,
+                               moe_gate, moe_gate_reference, ring_write, ring_write_reference)
 from dsv41_mlx.quant import e4m3_decode, e8m0_decode, quantize_fp8_tiles, quantize_fp8_tiles_mx
 
 from . import cuda_check
