@@ -128,6 +128,11 @@ def stream_generate(model, tokenizer, prompt: str | list[int], max_tokens: int =
     decoder = make_decoder(model, params, draft, verify, confidence)
     stats = decoder.stats if decoder is not None else None
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    context = model.args.max_position_embeddings
+    if context and len(ids) >= context:
+        raise ValueError(f"the prompt is {len(ids)} tokens; this model's context is {context} tokens")
+    if context:  # the reply stops where the context ends (finish reason "length")
+        max_tokens = min(max_tokens, context - len(ids))
     with wired(model, decoder.drafter if decoder is not None else None, enabled=wire):
         yield from _responses(model, tokenizer, ids, params, max_tokens, prefill_chunk, decoder, stats)
 

@@ -82,6 +82,17 @@ def test_token_ids_outside_the_vocabulary_are_rejected(default_model):
             list(stream_generate(model, tokenizer, [5, bad, 6], max_tokens=2))
 
 
+def test_the_context_length_bounds_prompt_and_reply(default_model, monkeypatch):
+    """A prompt that fills the model's context is refused, naming both lengths; a reply stops
+    where the context ends, with finish reason "length" (as the server does)."""
+    model, tokenizer = default_model
+    monkeypatch.setattr(model.args, "max_position_embeddings", 12)
+    with pytest.raises(ValueError, match="the prompt is 12 tokens; this model's context is 12 tokens"):
+        list(stream_generate(model, tokenizer, list(range(5, 17)), max_tokens=2))
+    replies = list(stream_generate(model, tokenizer, list(range(5, 15)), max_tokens=8))
+    assert len(replies) <= 2 and replies[-1].finish_reason in ("length", "stop")  # 2 positions were left
+
+
 def test_cli_prints_text_and_one_stats_line(cli_env):
     env = cli_env
     out = subprocess.run([sys.executable, "-m", "dsv41_mlx.generate", "--prompt", "Hello", "--max-tokens", "5"],
