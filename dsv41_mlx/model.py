@@ -266,7 +266,7 @@ def hc_post(y: mx.array, residual: mx.array, mixes: HcMixes) -> mx.array:
 def _hc_post(y: mx.array, residual: mx.array, post: mx.array, comb: mx.array) -> mx.array:
     # sum over i of comb[i, j] * residual_i, one [S, j, dim] term per i, added in order
     mixed = _add_all([comb[:, i, :, None] * residual[:, i, None, :].astype(F32) for i in range(comb.shape[1])])
-    return (post[..., None] * y.astype(F32)[:, None, :] + mixed).astype(y.dtype)
+    return (post[..., None] * y[:, None, :].astype(F32) + mixed).astype(y.dtype)  # the cast after the view: fused
 
 
 class HyperConnection(nn.Module):
