@@ -68,6 +68,24 @@ def prefill(model, prompt: list[int], cache: ModelCache, chunk: int = DEFAULT_PR
     return logits[0, -1], mx.concatenate(kept) if kept else None
 
 
+def warm_up(model, chunk: int = DEFAULT_PREFILL_CHUNK) -> float:
+    """Run every shape a request's forwards take once, on scratch caches, so that no request
+    pays for tracing the compiled pieces or for the GPU kernels' first use (on CUDA: seconds
+    per kernel in every new process, minutes the first time on a machine while MLX builds
+    them). Prefill: a last chunk of every padded row count, on an empty cache and on one
+    holding a full chunk; decode: one step (verify forwards are measured, and so warmed, when
+    a speculative decoder measures its costs). Returns the seconds it took."""
+    tic = time.perf_counter()
+    vocab = model.args.vocab_size
+    for rows in sorted(set(range(PREFILL_ROUND, chunk + 1, PREFILL_ROUND)) | {chunk}):
+        for length in (rows, chunk + rows):
+            cache = model.make_cache()
+            logits, _ = prefill(model, [(7 * i + 3) % vocab for i in range(length)], cache, chunk)
+    out, _ = model.decode([int(mx.argmax(logits).item())], cache)
+    mx.eval(out)
+    return time.perf_counter() - tic
+
+
 def generate_step(model, prompt: list[int], params: SamplingParams, max_tokens: int,
                   prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                   decoder: SpeculativeDecoder | None = None) -> Iterator[int]:

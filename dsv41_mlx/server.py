@@ -35,7 +35,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from .chat import ChatFormatError, encode_chat
-from .generate import stream_generate
+from .generate import stream_generate, warm_up
 from .sampling import SamplingParams
 from .speculative import VERIFY_MODES, ConfidencePolicy, resolve_verify
 
@@ -356,6 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--quiet", action="store_true", help="no progress bars, warnings only")
+    parser.add_argument("--warm-up", action="store_true",
+                        help="before serving, run every request shape once (on CUDA each GPU kernel's first use in a "
+                             "process costs seconds, which would otherwise fall on the first requests)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
     try:
@@ -365,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.warm_up:
+        log.info("warm-up: every request shape once, %.1f s", warm_up(model))
     engine = Engine(model, tokenizer, args.name or args.model or "dsv41-tiny")
     uvicorn.run(create_app(engine), host=args.host, port=args.port,
                 log_level="warning" if args.quiet else "info")

@@ -324,18 +324,11 @@ def decode_bytes(model) -> tuple[int, int]:
     return total, experts
 
 
-def warm_up_prompt(model, chunk: int) -> list[int]:
-    """Token ids whose prefill runs every chunk path once: a full first chunk, a full chunk on a
-    cache that already holds a window of positions, and a shorter last chunk that is padded."""
-    length = 2 * chunk + max(1, chunk // 4 - 3)
-    return [100 + (31 * i) % (model.args.vocab_size - 100) for i in range(length)]
-
-
 def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float) -> dict:
     import hashlib
 
     import dsv41_mlx
-    from dsv41_mlx.generate import DEFAULT_PREFILL_CHUNK, generate_step, prefill
+    from dsv41_mlx.generate import generate_step, prefill, warm_up
     from dsv41_mlx.sampling import SamplingParams
     from dsv41_mlx.speculative import SpeculativeDecoder, measure_verify_costs
 
@@ -373,16 +366,12 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float) 
     def hashed(tokens_):
         return hashlib.sha256(json.dumps(tokens_).encode()).hexdigest()[:12]
 
-    # prefill: a warm-up prompt that takes every chunk path (a first chunk, a chunk on a cache
-    # holding positions, a padded last chunk), then two decode steps (the path of forwards of
-    # up to kernels.DECODE_MAX_ROWS rows, which a prompt's short last chunk takes too), so the
-    # GPU kernels are built and loaded before anything is timed (on CUDA: seconds of NVRTC
-    # per kernel the first time on a machine, and seconds of loading in every new process);
-    # then every prompt (a new prompt's last chunk may be a shape not traced yet, as for a
-    # user), then every prompt again (all traced)
-    tic = time.perf_counter()
-    list(generate_step(model, warm_up_prompt(model, DEFAULT_PREFILL_CHUNK), SamplingParams(), 3))
-    out["warm_up_s"] = time.perf_counter() - tic
+    # prefill: first the warm-up a server runs before serving (generate.warm_up: every chunk
+    # shape once, a decode step), so that the GPU kernels are built and loaded and the compiled
+    # pieces traced before anything is timed (on CUDA: seconds of NVRTC per kernel the first
+    # time on a machine, and seconds of loading in every new process); then every prompt (new
+    # lengths: what a served request sees), then every prompt again
+    out["warm_up_s"] = warm_up(model)
     print(f"  warm-up prefill (kernel builds included): {out['warm_up_s']:.1f} s", flush=True)
     for key in ("prefill_tok_s", "prefill_seen_tok_s"):
         tic, n = time.perf_counter(), 0
@@ -468,9 +457,9 @@ def print_e2e(env: dict, res: dict, model: str) -> None:
     print(f"load {res['load_s']:.0f} s; copy bandwidth {res['copy_GBps']:.0f} GB/s; a decode step reads "
           f"{res['bytes_per_token_GB']:.2f} GB ({res['routed_expert_GB']:.2f} GB routed experts): floor "
           f"{res['floor_ms']:.2f} ms/token\n")
-    print(f"warm-up {res['warm_up_s']:.1f} s (a prefill through every chunk path and two decode steps; on CUDA "
-          f"it builds the GPU kernels, minutes the first time on a machine and cached on disk after, and loads "
-          f"them, seconds in every new process); prefill {res['prefill_tok_s']:.1f} tok/s "
+    print(f"warm-up {res['warm_up_s']:.1f} s (generate.warm_up, as `server --warm-up` runs it: every chunk shape "
+          f"once and a decode step; on CUDA it builds the GPU kernels, minutes the first time on a machine and "
+          f"cached on disk after, and loads them, seconds in every new process); prefill {res['prefill_tok_s']:.1f} tok/s "
           f"({res['prefill_seen_tok_s']:.1f} for prompts seen before: "
           f"no new shapes to trace); a bare decode step (forward + greedy token, no generation loop) "
           f"{res['bare_step_ms']:.1f} ms; verify forward ms at 1..6 rows: "

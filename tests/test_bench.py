@@ -64,19 +64,6 @@ def test_oracle_drafts_are_right_at_its_rate(bench, fixture_model):
     assert mx.allclose(confidence, mx.full(confidence.shape, 0.56)).item()
 
 
-def test_warm_up_prompt_takes_every_chunk_path(bench, fixture_model):
-    """The e2e warm-up prompt prefills a first chunk, a full chunk on a cache already holding
-    more than a window, and a shorter last chunk that gets padded."""
-    from dsv41_mlx.generate import PREFILL_ROUND
-
-    for chunk in (32, 256):
-        ids = bench.warm_up_prompt(fixture_model, chunk)
-        chunks = [ids[i: i + chunk] for i in range(0, len(ids), chunk)]
-        assert [len(c) for c in chunks[:-1]] == [chunk, chunk] and chunk > fixture_model.args.sliding_window
-        assert 0 < len(chunks[-1]) < chunk and len(chunks[-1]) % PREFILL_ROUND
-        assert all(0 <= t < fixture_model.args.vocab_size for t in ids)
-
-
 def _in_own_process(code: str) -> dict:
     """Run code (which prints one JSON line last) in a fresh interpreter: the GPU path's stubbed
     kernels get traced into MLX's compiled functions, whose traces this process must not reuse."""

@@ -215,3 +215,21 @@ def test_server_refuses_a_bad_checkpoint_with_a_clear_message(tmp_path, how, nam
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "Traceback" not in out.stderr and names in out.stderr and "error:" in out.stderr
+
+
+def test_warm_up_flag_runs_the_warm_up_before_serving(monkeypatch, caplog):
+    """`--warm-up` runs generate.warm_up on the loaded model before the server starts, and logs
+    its seconds; without it nothing is run."""
+    import logging
+
+    import dsv41_mlx.server as server
+
+    events = []
+    monkeypatch.setattr(server, "warm_up", lambda model: events.append("warm-up") or 1.5)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: events.append("serve"))
+    with caplog.at_level(logging.INFO):
+        assert server.main(["--warm-up"]) == 0
+    assert events == ["warm-up", "serve"] and "warm-up: every request shape once, 1.5 s" in caplog.text
+    events.clear()
+    assert server.main(["--quiet"]) == 0
+    assert events == ["serve"]
