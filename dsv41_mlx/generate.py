@@ -73,16 +73,18 @@ def warm_up(model, chunk: int = DEFAULT_PREFILL_CHUNK) -> float:
     pays for tracing the compiled pieces or for the GPU kernels' first use (on CUDA: seconds
     per kernel in every new process, minutes the first time on a machine while MLX builds
     them). Prefill: a last chunk of every padded row count, on an empty cache and on one
-    holding a full chunk; decode: one step (verify forwards are measured, and so warmed, when
-    a speculative decoder measures its costs). Returns the seconds it took."""
+    holding a full chunk; then a few tokens greedy and sampled, plain and (with DSpark
+    stages) drafted, which also measures the verify costs the schedule policy uses. Returns
+    the seconds it took."""
     tic = time.perf_counter()
     vocab = model.args.vocab_size
     for rows in sorted(set(range(PREFILL_ROUND, chunk + 1, PREFILL_ROUND)) | {chunk}):
         for length in (rows, chunk + rows):
-            cache = model.make_cache()
-            logits, _ = prefill(model, [(7 * i + 3) % vocab for i in range(length)], cache, chunk)
-    out, _ = model.decode([int(mx.argmax(logits).item())], cache)
-    mx.eval(out)
+            prompt = [(7 * i + 3) % vocab for i in range(length)]
+            mx.eval(prefill(model, prompt, model.make_cache(), chunk)[0])
+    for params in (SamplingParams(), SamplingParams(temperature=1.0)):
+        for draft in (False, True) if model.drafter is not None else (False,):
+            list(generate_step(model, prompt[:PREFILL_ROUND], params, 3, chunk, make_decoder(model, params, draft)))
     return time.perf_counter() - tic
 
 

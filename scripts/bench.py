@@ -367,7 +367,7 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float) 
         return hashlib.sha256(json.dumps(tokens_).encode()).hexdigest()[:12]
 
     # prefill: first the warm-up a server runs before serving (generate.warm_up: every chunk
-    # shape once, a decode step), so that the GPU kernels are built and loaded and the compiled
+    # shape once, a few tokens of each kind), so that the GPU kernels are built and loaded and the compiled
     # pieces traced before anything is timed (on CUDA: seconds of NVRTC per kernel the first
     # time on a machine, and seconds of loading in every new process); then every prompt (new
     # lengths: what a served request sees), then every prompt again
@@ -458,8 +458,9 @@ def print_e2e(env: dict, res: dict, model: str) -> None:
           f"{res['bytes_per_token_GB']:.2f} GB ({res['routed_expert_GB']:.2f} GB routed experts): floor "
           f"{res['floor_ms']:.2f} ms/token\n")
     print(f"warm-up {res['warm_up_s']:.1f} s (generate.warm_up, as `server --warm-up` runs it: every chunk shape "
-          f"once and a decode step; on CUDA it builds the GPU kernels, minutes the first time on a machine and "
-          f"cached on disk after, and loads them, seconds in every new process); prefill {res['prefill_tok_s']:.1f} tok/s "
+          f"once and a few tokens of each kind; on CUDA it builds the GPU kernels, minutes the first time on a "
+          f"machine and cached on disk after, and loads them, seconds in every new process); "
+          f"prefill {res['prefill_tok_s']:.1f} tok/s "
           f"({res['prefill_seen_tok_s']:.1f} for prompts seen before: "
           f"no new shapes to trace); a bare decode step (forward + greedy token, no generation loop) "
           f"{res['bare_step_ms']:.1f} ms; verify forward ms at 1..6 rows: "

@@ -93,26 +93,34 @@ def test_the_context_length_bounds_prompt_and_reply(default_model, monkeypatch):
     assert len(replies) <= 2 and replies[-1].finish_reason in ("length", "stop")  # 2 positions were left
 
 
-def test_warm_up_runs_every_chunk_shape_and_a_decode_step(default_model, monkeypatch):
+def test_warm_up_runs_every_chunk_shape_then_plain_and_drafted_tokens(default_model, monkeypatch):
     """generate.warm_up (server --warm-up, bench.py e2e) forwards a chunk of every padded row
-    count a prompt can end in, on an empty cache and on one holding a chunk, then decodes."""
-    from dsv41_mlx.generate import PREFILL_ROUND, warm_up
+    count a prompt can end in, on an empty cache and on one holding a chunk, then generates a
+    few tokens greedy and sampled, plain and drafted (measuring the verify costs)."""
+    import importlib
 
+    generate = importlib.import_module("dsv41_mlx.generate")  # the module (the package exports a function so named)
     model, _ = default_model
-    seen, decoded = set(), []
-    padded, decode = model.padded, model.decode
+    seen, runs = set(), []
+    padded, step = model.padded, generate.generate_step
 
     def record(ids, cache, rows, last_logits_only=False):
         seen.add((rows, cache.offset > 0))
         return padded(ids, cache, rows, last_logits_only)
 
+    def generation(model_, prompt, params, max_tokens, chunk, decoder):
+        runs.append((params.greedy, decoder is not None))
+        return step(model_, prompt, params, max_tokens, chunk, decoder)
+
     monkeypatch.setattr(model, "padded", record)
-    monkeypatch.setattr(model, "decode", lambda ids, cache: decoded.append(len(ids)) or decode(ids, cache))
-    assert warm_up(model, chunk=40) > 0
-    shapes = {16, 32, 40}  # the multiples of PREFILL_ROUND up to the chunk, and the chunk
-    decode_step = {(model.decode_rows or 1, True)}  # Model.decode pads through the same call
-    assert PREFILL_ROUND == 16 and seen - decode_step == {(r, o) for r in shapes for o in (False, True)}
-    assert decoded == [1]
+    monkeypatch.setattr(generate, "generate_step", generation)
+    model.drafter.verify_costs = None
+    assert generate.warm_up(model, chunk=40) > 0
+    assert generate.PREFILL_ROUND == 16
+    assert {(r, o) for r in (16, 32, 40) for o in (False, True)} <= seen  # 16, 32: the rounds; 40: the chunk
+    assert not any(r % 16 and r != 40 for r, o in seen if r > 8)  # nothing else but decode / verify rows
+    assert sorted(runs) == [(False, False), (False, True), (True, False), (True, True)]
+    assert model.drafter.verify_costs is not None
 
 
 def test_cli_prints_text_and_one_stats_line(cli_env):
