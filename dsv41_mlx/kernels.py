@@ -107,7 +107,10 @@ FP4_QUANT = KernelSpec("fp4_quant", ("x", "n"), ("y",), "fp4_quant.metal", "fp4_
 HC_INPUT = KernelSpec("hc_input", ("h", "pre_in", "fn", "scale", "base", "norm_w", "params", "rows"),
                       ("x", "xq", "pre", "post", "comb"), "hc_input.metal", "hc_input.cu", header_files=(),
                       twin_headers=("hc_split_row", "fp8_lane"))
-FP8_GEMV = KernelSpec("fp8_gemv", ("x", "w", "scales", "sizes"), ("y",), "fp8_gemv.metal", "fp8_gemv.cu")
+FP8_GEMV = KernelSpec("fp8_gemv", ("x", "w", "scales", "sizes"), ("y",), "fp8_gemv.metal", "fp8_gemv.cu",
+                      twin_headers=("gemv_lane",))
+FP4_EXPERTS = KernelSpec("fp4_experts", ("x", "w", "scales", "ids", "sizes"), ("y",), "fp4_experts.metal",
+                         "fp4_experts.cu", twin_headers=("gemv_lane",))
 
 
 @lru_cache(maxsize=None)
@@ -519,4 +522,49 @@ def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None
         template=[("RB", rows_bound), ("NW", per_simdgroup)],
         grid=(G * N // (8 * per_simdgroup) * 256, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[(S, G, N)], output_dtypes=[mx.bfloat16], init_value=init_value)
+    return y
+
+
+# ----------------------------------------------------------------- fp4_experts
+
+def fp4_experts_reference(x: mx.array, w: mx.array, scales: mx.array, ids: mx.array) -> mx.array:
+    """Pure-MLX spec: pair (r, j) = row r's j-th expert ids[r, j] of the `mxfp4` stack w [E, N, K/8]
+    (scales [E, N, K/32]) applied to x[r, 0] (x [R, 1, K]) or x[r, j] (x [R, k, K]) -> bf16
+    [R, k, N], accumulated in float32."""
+    out = mx.gather_qmm(x[:, :, None, :].astype(mx.float32), w, scales, rhs_indices=ids, transpose=True, mode="mxfp4")
+    return out[:, :, 0, :].astype(mx.bfloat16)
+
+
+def fp4_experts_fits(x: mx.array, w: mx.array, ids: mx.array, impl: str | None = None) -> bool:
+    """Whether fp4_experts runs: a GPU, x [R, 1 or k, K] with R <= DECODE_MAX_ROWS, ids [R, k],
+    w [E, N, K/8] with N a multiple of 32 and K of 256."""
+    impl = impl or backend()
+    return (impl != "mlx" and x.ndim == 3 and w.ndim == 3 and ids.ndim == 2 and ids.shape[0] == x.shape[0]
+            and x.shape[0] <= DECODE_MAX_ROWS and x.shape[1] in (1, ids.shape[1]) and x.shape[2] == 8 * w.shape[2]
+            and w.shape[1] % 32 == 0 and x.shape[2] % 256 == 0)
+
+
+def fp4_experts(x: mx.array, w: mx.array, scales: mx.array, ids: mx.array, impl: str | None = None,
+                init_value: float | None = None) -> mx.array:
+    """The routed experts' FP4 GEMMs of a decode or verify step in one launch: x [R, 1 or k, K]
+    (FP8 fake-quantised, exact in bf16) through each row's experts ids [R, k] of the `mxfp4`
+    stack w [E, N, K/8] -> bf16 [R, k, N], each expert's weights read once for all the rows
+    that picked it (MLX's gather_qmm reads them once per (row, expert) pair). The spec is
+    fp4_experts_reference, equal up to the order of the float32 sums; only where
+    fp4_experts_fits. A row's experts must be distinct (a router's top-k are). init_value
+    poisons the output before the launch (for checks)."""
+    impl = impl or backend()
+    if not fp4_experts_fits(x, w, ids, impl):
+        raise ValueError(f"fp4_experts takes x [<= {DECODE_MAX_ROWS}, 1 or k, K], ids [R, k] and w [E, N, K/8] with N "
+                         f"a multiple of 32 and K of 256 on a GPU, got {x.shape}, {ids.shape} and {w.shape} on {impl}")
+    R, k = ids.shape
+    N, K = w.shape[1], x.shape[2]
+    rows_bound = 8 if R <= 8 else 16
+    per_simdgroup = gemv_outputs_per_simdgroup(N, R * k, rows_bound)
+    (y,) = _compiled(FP4_EXPERTS, impl)(
+        inputs=[x.astype(mx.bfloat16), w, scales, ids.astype(mx.uint32).reshape(-1),
+                mx.array([R, k, N, K, x.shape[1]], dtype=mx.int32)],
+        template=[("RB", rows_bound), ("NW", per_simdgroup)],
+        grid=(R * k * N // (8 * per_simdgroup) * 256, 1, 1), threadgroup=(256, 1, 1),
+        output_shapes=[(R, k, N)], output_dtypes=[mx.bfloat16], init_value=init_value)
     return y

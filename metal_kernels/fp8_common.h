@@ -9,6 +9,11 @@
 #define E4M3_EVEN(w) ((((w) & 0x00800080u) << 8) | (((w) & 0x007F007Fu) << 7))
 #define E4M3_ODD(w) (((w) & 0x80008000u) | (((w) & 0x7F007F00u) >> 1))
 
+// E2M1 code s.ee.m (an FP4 nibble) -> fp16 bits: placed as fp16 s.000ee.m000000000 it is the
+// same number times 2^-14 (0.5, the one subnormal code, lands on the fp16 subnormal 2^-15),
+// the factor 2^14 folded into the block scale.
+#define E2M1_HALF(c) ((((c) & 0x8u) << 12) | (((c) & 0x7u) << 9))
+
 // E8M0 byte e -> float bits of its scale 2^(e-127). Valid for e >= 1 (e = 0, a
 // scale of 2^-127, would need a subnormal; the FP8 head builder never emits it).
 #define E8M0_BITS(e) ((unsigned int)(e) << 23)

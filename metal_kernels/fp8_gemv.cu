@@ -14,14 +14,7 @@ const unsigned int n0 = (blockIdx.x % tiles) * (WARPS * NW) + warp * NW;
 const unsigned int words = (unsigned int)K / 4;
 const unsigned int blocks = (unsigned int)K / 32;
 
-float acc[NW][RB];
-#pragma unroll
-for (int i = 0; i < NW; i++) {
-#pragma unroll
-  for (int r = 0; r < RB; r++) {
-    acc[i][r] = 0.0f;
-  }
-}
+float acc[NW][RB] = {};  // [output][row]
 #pragma unroll 2
 for (unsigned int k = 8 * lane; k < (unsigned int)K; k += 256) {  // this lane's 8 columns k .. k + 7
   float wf[NW][8];  // the weights' values (scale folded in), columns in order
@@ -45,20 +38,7 @@ for (unsigned int k = 8 * lane; k < (unsigned int)K; k += 256) {  // this lane's
   for (int r = 0; r < RB; r++) {
     if (r < rows) {
       const uint4 p = __ldg(reinterpret_cast<const uint4*>(x + ((size_t)r * G + g) * K + k));
-      const unsigned int pairs[4] = {p.x, p.y, p.z, p.w};
-      float xf[8];  // bf16 bits -> float
-#pragma unroll
-      for (int j = 0; j < 4; j++) {
-        xf[2 * j] = __uint_as_float(pairs[j] << 16);
-        xf[2 * j + 1] = __uint_as_float(pairs[j] & 0xFFFF0000u);
-      }
-#pragma unroll
-      for (int i = 0; i < NW; i++) {
-#pragma unroll
-        for (int c = 0; c < 8; c++) {
-          acc[i][r] = fmaf(wf[i][c], xf[c], acc[i][r]);
-        }
-      }
+      gemv_lane_accumulate<NW, RB>(p, wf, acc, r);
     }
   }
 }
@@ -68,11 +48,7 @@ for (unsigned int k = 8 * lane; k < (unsigned int)K; k += 256) {  // this lane's
 for (int i = 0; i < NW; i++) {
 #pragma unroll
   for (int r = 0; r < RB; r++) {
-    float v = acc[i][r];
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) {
-      v += __shfl_xor_sync(0xffffffffu, v, offset);
-    }
+    const float v = gemv_lane_total(acc[i][r]);
     if (r < rows && lane == (unsigned int)((i * RB + r) % 32)) {
       y[((size_t)r * G + g) * N + n0 + i] = __float2bfloat16(v);
     }

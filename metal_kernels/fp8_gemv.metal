@@ -34,12 +34,7 @@ const uint n0 = (threadgroup_position_in_grid.x % tiles) * (WARPS * NW) + warp *
 const uint words = uint(K) / 4;
 const uint blocks = uint(K) / 32;
 
-float acc[NW][RB];
-for (int i = 0; i < NW; i++) {
-  for (int r = 0; r < RB; r++) {
-    acc[i][r] = 0.0f;
-  }
-}
+float acc[NW][RB] = {};  // [output][row]
 for (uint k = 8 * lane; k < uint(K); k += 256) {  // this lane's 8 columns k .. k + 7
   float wf[NW][8];  // the weights' values (scale folded in), columns in order
   for (int i = 0; i < NW; i++) {
@@ -59,17 +54,7 @@ for (uint k = 8 * lane; k < uint(K); k += 256) {  // this lane's 8 columns k .. 
   for (int r = 0; r < RB; r++) {
     if (r < rows) {
       const uint4 p = *((const device uint4*)(x + (ulong(r) * G + g) * K + k));
-      const uint pairs[4] = {p.x, p.y, p.z, p.w};
-      float xf[8];  // bf16 bits -> float
-      for (int j = 0; j < 4; j++) {
-        xf[2 * j] = as_type<float>(pairs[j] << 16);
-        xf[2 * j + 1] = as_type<float>(pairs[j] & 0xFFFF0000u);
-      }
-      for (int i = 0; i < NW; i++) {
-        for (int c = 0; c < 8; c++) {
-          acc[i][r] = fma(wf[i][c], xf[c], acc[i][r]);
-        }
-      }
+      gemv_lane_accumulate<NW, RB>(p, wf, acc, r);
     }
   }
 }
@@ -77,10 +62,7 @@ for (uint k = 8 * lane; k < uint(K); k += 256) {  // this lane's 8 columns k .. 
 // each (output, row) sum over the 32 lanes, then one lane writes it
 for (int i = 0; i < NW; i++) {
   for (int r = 0; r < RB; r++) {
-    float v = acc[i][r];
-    for (ushort offset = 16; offset > 0; offset /= 2) {
-      v += simd_shuffle_xor(v, offset);
-    }
+    const float v = gemv_lane_total(acc[i][r]);
     if (r < rows && lane == uint((i * RB + r) % 32)) {
       y[(ulong(r) * G + g) * N + n0 + i] = bfloat16_t(v);
     }

@@ -726,6 +726,13 @@ def bench_gemms(rows: int = 8, experts: int = 24, dim: int = 5120, inter: int = 
             lambda i: mx.gather_qmm(xt, w13, s13, rhs_indices=ids, transpose=True, mode="mxfp4"), 10, 3) * 1e3
         out["routed"][f"routed down ({inter} -> {dim}), mxfp4, {name} in"] = timed(
             lambda i: mx.gather_qmm(ht, w2, s2, rhs_indices=ids, transpose=True, mode="mxfp4"), 10, 3) * 1e3
+    if kernels.backend() != "mlx":  # each expert read once for all the rows that picked it
+        xb, hb = x[:, 0].astype(mx.bfloat16), h[:, :, 0].astype(mx.bfloat16)
+        mx.eval(xb, hb)
+        out["routed"][f"routed up ({dim} -> {inter}), fp4_experts"] = timed(
+            lambda i: kernels.fp4_experts(xb, w13, s13, ids), 10, 3) * 1e3
+        out["routed"][f"routed down ({inter} -> {dim}), fp4_experts"] = timed(
+            lambda i: kernels.fp4_experts(hb, w2, s2, ids), 10, 3) * 1e3
     del w13, s13, w2, s2
 
     dense, grouped, _ = quantised_gemm_shapes()

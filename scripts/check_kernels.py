@@ -24,6 +24,10 @@ fp8_gemv: the decode FP8 GEMM at every FP8 shape of the flash-shaped model (and
 wo_a's grouped one) and two ragged ones, 1..16 rows, outputs poisoned: within the
 bound of another fp32 summation order of MLX's fp32-fed gather_qmm; a row
 alone equals the row among 8 and among 16.
+fp4_experts: the routed experts' FP4 GEMMs at the model's expert stacks and a ragged
+one, 1..16 rows of distinct experts, x per row and per slot, outputs poisoned: within
+the bound of another fp32 summation order of MLX's fp32-fed gather_qmm; a row alone
+equals the row among 8 and among 16.
 hc_split: random mixes at 1..300 rows, release hc 4 / 20 iterations, within
 2e-6 of the spec (the spec's exp and sigmoid are not bit for bit the kernel's).
 moe_gate: the router at 384 / 24 / 16 experts (top 6, 6, 3), rows 1..16: the
@@ -57,8 +61,8 @@ import numpy as np
 
 from dsv41_mlx.kernels import (TILE, TOP_K, backend, fp8_rows_tiles, fp8_rows_top64, hc_split, hc_split_reference,
                                ring_write, ring_write_reference)
-from dsv41_mlx.kernels import (act_quant_fp8, fp4_quant, fp8_gemv, hc_input, moe_gate, moe_gate_reference, rms_norm,
-                               rms_norm_reference, sparse_attention_rows)
+from dsv41_mlx.kernels import (act_quant_fp8, fp4_experts, fp4_quant, fp8_gemv, hc_input, moe_gate, moe_gate_reference,
+                               rms_norm, rms_norm_reference, sparse_attention_rows)
 from dsv41_mlx.quant import fp4_fake_quant_reference, fp8_fake_quant_reference, quantize_fp8_tiles_mx
 
 POISON = -12345.0
@@ -321,15 +325,46 @@ def check_fp8_gemv(impl: str, seed: int) -> list[str]:
         w, s = random_words((groups, d_out, d_in // 4)), random_scales((groups, d_out, d_in // 32))
         for rows in (1, 2, 5, 8, 9, 16):
             x = random_fp8_input((rows, groups, d_in))
-            got = fp8_gemv(x, w, s, impl, init_value=POISON)
+            got = fp8_gemv(x, w, s, impl=impl, init_value=POISON)
             kw = dict(rhs_indices=mx.arange(groups), transpose=True, mode="mxfp8")  # as kernels.fp8_gemv_reference
             wide = mx.gather_qmm(x[:, :, None].astype(mx.float32), w, s, **kw)[:, :, 0]
             magnitude = mx.gather_qmm(mx.abs(x[:, :, None].astype(mx.float32)), abs_words(w), s, **kw)[:, :, 0]
             name = f"fp8_gemv {groups}x{d_in}->{d_out} rows={rows}"
             problem, _ = gemm_agreement(name, wide, got, magnitude, d_in)
             problems.extend([problem] if problem else [])
-            if rows in (8, 16) and not mx.array_equal(fp8_gemv(x[:1], w, s, impl), got[:1]).item():
+            if rows in (8, 16) and not mx.array_equal(fp8_gemv(x[:1], w, s, impl=impl), got[:1]).item():
                 problems.append(f"{name}: row 0 alone differs from row 0 of {rows}")
+    return problems
+
+
+def check_fp4_experts(impl: str, seed: int) -> list[str]:
+    """The routed-expert FP4 kernel against MLX's gather_qmm fed fp32, at the flash-shaped
+    model's expert stacks (gate + up, down; target and DSpark) and a ragged one, 1..16 rows
+    of distinct sorted experts, x per row and per slot, outputs poisoned before the launch:
+    every value within the bound of another float32 summation order (`gemm_agreement`); a row
+    alone the same bits as among others, at 8 rows and at 16."""
+    mx.random.seed(seed)
+    rng = np.random.default_rng(seed)
+    problems = []
+    _, _, experts = quantised_gemm_shapes()
+    for n_experts, d_in, d_out in sorted(experts) + [(5, 256, 96)]:
+        w, s = random_words((n_experts, d_out, d_in // 8), fp4=True), random_scales((n_experts, d_out, d_in // 32))
+        top = min(6, n_experts)
+        for rows in (1, 2, 5, 8, 9, 16):
+            picks = np.sort([rng.choice(n_experts, top, replace=False) for _ in range(rows)], axis=1)
+            ids = mx.array(picks.astype(np.uint32))
+            for per_slot in (False, True):
+                x = random_fp8_input((rows, top if per_slot else 1, d_in))
+                got = fp4_experts(x, w, s, ids, impl=impl, init_value=POISON)
+                kw = dict(rhs_indices=ids, transpose=True, mode="mxfp4")
+                wide = mx.gather_qmm(x[:, :, None].astype(mx.float32), w, s, **kw)[:, :, 0]
+                magnitude = mx.gather_qmm(mx.abs(x[:, :, None].astype(mx.float32)), abs_words(w, fp4=True), s,
+                                          **kw)[:, :, 0]
+                name = f"fp4_experts {n_experts}x{d_in}->{d_out} rows={rows} x per {'slot' if per_slot else 'row'}"
+                problem, _ = gemm_agreement(name, wide, got, magnitude, d_in)
+                problems.extend([problem] if problem else [])
+                if rows in (8, 16) and not mx.array_equal(fp4_experts(x[:1], w, s, ids[:1], impl=impl), got[:1]).item():
+                    problems.append(f"{name}: row 0 alone differs from row 0 of {rows}")
     return problems
 
 
@@ -533,9 +568,9 @@ def main() -> int:
               ("fp4_quant", check_fp4_quant, 29)]
     if impl == "cuda":
         checks.append(("quantised GEMMs, bf16-fed vs fp32-fed", check_gemms_bf16, 11))
-    checks += [("fp8_gemv", check_fp8_gemv, 31), ("hc_split", check_hc_split, 5), ("rms_norm", check_rms_norm, 23),
-               ("hc_input", check_hc_input, 17), ("sparse_attention", check_sparse_attention, 19),
-               ("moe_gate", check_moe_gate, 13)]
+    checks += [("fp8_gemv", check_fp8_gemv, 31), ("fp4_experts", check_fp4_experts, 37),
+               ("hc_split", check_hc_split, 5), ("rms_norm", check_rms_norm, 23), ("hc_input", check_hc_input, 17),
+               ("sparse_attention", check_sparse_attention, 19), ("moe_gate", check_moe_gate, 13)]
     for name, check, seed in [c for c in checks if wanted(c[0])]:
         problems, notes = (check(seed=seed) if check is check_gemms_bf16 else (check(impl, seed=seed), []))
         failures += bool(problems)

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from dsv41_mlx.cache import DraftCache
-from dsv41_mlx.kernels import (ACT_QUANT, FP4_QUANT, FP8_GEMV, FP8_ROWS, HC_INPUT, HC_SPLIT, MOE_GATE_SCORES,
-                               MOE_GATE_TOPK, RING_WRITE, RMS_NORM, SPARSE_ATTENTION, TOP_K, fp8_rows_top64,
-                               moe_gate, moe_gate_reference, ring_write, ring_write_reference)
+from dsv41_mlx.kernels import (ACT_QUANT, FP4_EXPERTS, FP4_QUANT, FP8_GEMV, FP8_ROWS, HC_INPUT, HC_SPLIT,
+                               MOE_GATE_SCORES, MOE_GATE_TOPK, RING_WRITE, RMS_NORM, SPARSE_ATTENTION, TOP_K,
+                               fp8_rows_top64, moe_gate, moe_gate_reference, ring_write, ring_write_reference)
 from dsv41_mlx.quant import e4m3_decode, e8m0_decode, quantize_fp8_tiles, quantize_fp8_tiles_mx
 
 from . import cuda_check
@@ -163,6 +163,10 @@ CASES = {
                  {"RB": 8, "NW": 8}),
     "fp8_gemv_16_rows": (FP8_GEMV, {"x": "bfloat16", "w": "uint32", "scales": "uint8", "sizes": "int32"},
                          {"y": "bfloat16"}, {"RB": 16, "NW": 4}),
+    "fp4_experts": (FP4_EXPERTS, {"x": "bfloat16", "w": "uint32", "scales": "uint8", "ids": "uint32",
+                                  "sizes": "int32"}, {"y": "bfloat16"}, {"RB": 8, "NW": 8}),
+    "fp4_experts_16_rows": (FP4_EXPERTS, {"x": "bfloat16", "w": "uint32", "scales": "uint8", "ids": "uint32",
+                                         "sizes": "int32"}, {"y": "bfloat16"}, {"RB": 16, "NW": 2}),
     "moe_gate_topk": (MOE_GATE_TOPK, {"scores": "float32", "bias": "float32", "params": "float32", "rows": "int32"},
                       {"weights": "float32", "ids": "uint32"}, {"E": 384, "K": 6, "NORMALIZE": 1}),
 }
@@ -207,7 +211,9 @@ def test_metal_source_type_checks(case, rows, tmp_path):
     ("rms_norm", ("sq += v * v;", "sq += v * w;")),  # type error: w is a pointer
     ("rms_norm_quantised", ("fp8_fake_quant_lane(v)", "fp8_fake_quant_lanes(v)")),  # misspelt function
     ("sparse_attention", ("threadgroup float denom[G];", "threadgroup float denom[G]")),  # no semicolon
-    ("fp8_gemv", ("v += simd_shuffle_xor(v, offset);", "v += simd_shuffle_xor(v);")),  # bad call
+    ("fp8_gemv", ("gemv_lane_total(acc[i][r])", "gemv_lane_total(acc[i])")),  # an array for a float
+    ("fp4_experts", ("E2M1_HALF((q >> (4 * c)) & 0xFu)", "E2M1_HALF((q >> (4 * c)) & 0xFu, c)")),  # bad macro call
+    ("fp4_experts", ("int slot[RB];", "int slot[RB]")),  # no semicolon
     ("fp8_gemv", ("const uint2 q = *((const device uint2*)", "const uint2 q = *((const device uint4*)")),  # type error
     ("sparse_attention", ("float(kv[ulong(key_row[j]) * D + d])", "float(kv[ulong(key_rows[j]) * D + d])")),
 ])
@@ -251,7 +257,8 @@ def test_cuda_source_compiles(case):
     ("rms_norm", ("rsqrtf(total / (float)D + eps[0])", "rsqrtf(total / (float)D + eps)")),  # pointer + float
     ("sparse_attention", ("denom[g] = total + expf(sink[h0 + g] - row_max);",
                           "denom[g] = total + expf(sinks[h0 + g]);")),  # misspelt variable
-    ("fp8_gemv", ("acc[i][r] = fmaf(wf[i][c], xf[c], acc[i][r]);", "acc[i][r] = fmaf(wf[i], xf[c], acc[i][r]);")),
+    ("fp8_gemv", ("gemv_lane_accumulate<NW, RB>(p, wf, acc, r);", "gemv_lane_accumulate<NW, RB>(p, wf, acc);")),
+    ("fp4_experts", ("if (ids[q] == expert) {", "if (id[q] == expert) {")),  # misspelt variable
 ])
 def test_a_broken_cuda_source_fails_the_compile(case, breakage):
     old, new = breakage
@@ -307,35 +314,46 @@ def test_gemm_agreement_allows_only_summation_order_differences():
     assert problem is not None and "values differ" in problem
 
 
-def test_gemv_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatch):
-    """scripts/check_kernels.py's fp8_gemv check: the spec itself passes; a kernel whose values
-    are off, that leaves outputs unwritten, or whose rows depend on each other, fails."""
-    from dsv41_mlx.kernels import fp8_gemv_reference
+def _wrong_gemm_kernels(reference):
+    """Stand-ins for a GEMM kernel (x first, impl= and init_value= keywords) that a check must
+    flag, each with the words its problem carries: values off, an output left as poisoned,
+    rows that depend on each other."""
+    def off(*args, impl=None, init_value=None):
+        return (reference(*args).astype(mx.float32) * 1.01).astype(mx.bfloat16)
 
-    check = _check_kernels_script()
-    monkeypatch.setattr(check, "quantised_gemm_shapes", lambda: ({(256, 64)}, {(2, 256, 32)}, set()))
-
-    def spec(x, w, s, impl=None, init_value=None):
-        return fp8_gemv_reference(x, w, s)
-
-    def off(x, w, s, impl=None, init_value=None):
-        return (fp8_gemv_reference(x, w, s).astype(mx.float32) * 1.01).astype(mx.bfloat16)
-
-    def unwritten(x, w, s, impl=None, init_value=None):
-        y = fp8_gemv_reference(x, w, s)
+    def unwritten(*args, impl=None, init_value=None):
+        y = reference(*args)
         if init_value is None:
             return y
-        return mx.concatenate([y[..., :-1], mx.full(y[..., -1:].shape, init_value, dtype=y.dtype)], axis=-1)
+        flat = y.flatten()
+        return mx.concatenate([flat[:-1], mx.array([init_value], dtype=y.dtype)]).reshape(y.shape)
 
-    def coupled_rows(x, w, s, impl=None, init_value=None):
-        return fp8_gemv_reference(x + x[:1] * (x.shape[0] > 1) * 1e-2, w, s)
+    def coupled_rows(x, *args, impl=None, init_value=None):
+        return reference(x + x[:1] * (x.shape[0] > 1) * 1e-2, *args)
 
-    monkeypatch.setattr(check, "fp8_gemv", spec)
-    assert check.check_fp8_gemv("mlx", seed=1) == []
-    for broken, message in ((off, "values differ"), (unwritten, "beyond the fp32 summation-order bound"),
-                            (coupled_rows, "alone differs")):
-        monkeypatch.setattr(check, "fp8_gemv", broken)
-        assert any(message in p for p in check.check_fp8_gemv("mlx", seed=1)), message
+    return ((off, "values differ"), (unwritten, "beyond the fp32 summation-order bound"),
+            (coupled_rows, "alone differs"))
+
+
+@pytest.mark.parametrize("kernel, shapes", [
+    ("fp8_gemv", ({(256, 64)}, {(2, 256, 32)}, set())),
+    ("fp4_experts", (set(), set(), {(4, 256, 64)})),
+])
+def test_gemm_kernel_checks_pass_the_spec_and_flag_wrong_kernels(monkeypatch, kernel, shapes):
+    """scripts/check_kernels.py's fp8_gemv and fp4_experts checks: the spec itself passes; a
+    kernel whose values are off, that leaves an output unwritten, or whose rows depend on each
+    other, fails."""
+    from dsv41_mlx import kernels
+
+    check = _check_kernels_script()
+    run = getattr(check, f"check_{kernel}")
+    reference = getattr(kernels, f"{kernel}_reference")
+    monkeypatch.setattr(check, "quantised_gemm_shapes", lambda: shapes)
+    monkeypatch.setattr(check, kernel, lambda *args, impl=None, init_value=None: reference(*args))
+    assert run("mlx", seed=1) == []
+    for broken, message in _wrong_gemm_kernels(reference):
+        monkeypatch.setattr(check, kernel, broken)
+        assert any(message in p for p in run("mlx", seed=1)), message
 
 
 def test_gate_check_passes_the_spec_and_flags_a_wrong_router(monkeypatch):

@@ -1,0 +1,85 @@
+// The routed experts' FP4 GEMMs for forwards of up to 16 rows: y[r, j] = dequant(w[ids[r, j]])
+// . x[r, j or 0], each expert's weights read once for all the (row, slot) pairs that picked it.
+//
+// w: MLX `mxfp4` codes [E, N, K / 8] (uint32, eight E2M1 codes each, the first in the low
+// nibble) with one E8M0 scale per row and 32 columns, scales [E, N, K / 32]. ids: uint32
+// [rows, KS], each row's experts (distinct within a row). x: bf16 [rows, X, K] (exact:
+// FP8 fake-quantised activations); X = 1: all of a row's slots read x[r, 0] (the gate and
+// up projection), X = KS: slot j reads x[r, j] (the down projection). Output y: bf16
+// [rows, KS, N]. sizes [5] int32 = (rows, KS, N, K, X); rows <= RB. N a multiple of 8 * NW,
+// K of 256.
+//
+// The arithmetic is fp8_gemv's: an E2M1 code becomes the fp16 of its value / 2^14 by moving
+// bits (fp8_common.h), then a float times its scale * 2^14 (a power of two: exact); products
+// with bf16 values are exact in float32, summed per lane in column order, then over the 32
+// lanes in a butterfly. Each pair's outputs are computed alone: the same bits whatever the
+// other rows and their experts. The spec is MLX's gather_qmm (kernels.fp4_experts_reference),
+// equal up to the order of the float32 sums.
+//
+// The work: a threadgroup per (pair, tile of 8 * NW outputs). A pair whose expert an earlier
+// pair (in row-major order) also picked leaves at once; the first pair of each expert finds
+// all the pairs that picked it (at most one per row) and runs them together, as fp8_gemv
+// runs its rows: simdgroup NW outputs over all of K, lane l columns 8l .. 8l + 7 of every
+// 256. Template constants: RB (a bound on rows: 8 or 16), NW (outputs per simdgroup).
+// CUDA twin: fp4_experts.cu.
+
+constexpr int WARPS = 8;
+const int rows = sizes[0];
+const int KS = sizes[1];  // experts per row (top-k)
+const int N = sizes[2];
+const int K = sizes[3];
+const int X = sizes[4];   // 1: a row's slots share x[r, 0]; KS: slot j reads x[r, j]
+const uint lane = thread_index_in_simdgroup;
+const uint warp = simdgroup_index_in_threadgroup;
+const uint tiles = uint(N) / (WARPS * NW);
+const int pair = int(threadgroup_position_in_grid.x / tiles);
+const uint n0 = (threadgroup_position_in_grid.x % tiles) * (WARPS * NW) + warp * NW;
+const uint expert = ids[pair];
+for (int q = 0; q < pair; q++) {
+  if (ids[q] == expert) {
+    return;  // the whole threadgroup: the expert's first pair does all of its pairs
+  }
+}
+int slot[RB];  // the slot of row r that picked this expert, or -1 (a row's experts are distinct)
+for (int r = 0; r < RB; r++) {
+  slot[r] = -1;
+  if (r < rows) {
+    for (int j = 0; j < KS; j++) {
+      if (ids[r * KS + j] == expert) {
+        slot[r] = j;
+      }
+    }
+  }
+}
+const uint words = uint(K) / 8;
+const uint blocks = uint(K) / 32;
+
+float acc[NW][RB] = {};  // [output][row]
+for (uint k = 8 * lane; k < uint(K); k += 256) {  // this lane's 8 columns k .. k + 7
+  float wf[NW][8];  // the weights' values (scale folded in), columns in order
+  for (int i = 0; i < NW; i++) {
+    const ulong n = ulong(expert) * N + n0 + i;
+    const uint q = w[n * words + k / 8];
+    const float sc = as_type<float>((uint(scales[n * blocks + k / 32]) + 14u) << 23);  // 2^(e-127) * 2^14
+    for (int c = 0; c < 8; c++) {
+      wf[i][c] = float(as_type<half>(ushort(E2M1_HALF((q >> (4 * c)) & 0xFu)))) * sc;
+    }
+  }
+  for (int r = 0; r < RB; r++) {
+    if (slot[r] >= 0) {
+      const int xr = r * X + (X > 1 ? slot[r] : 0);
+      const uint4 p = *((const device uint4*)(x + ulong(xr) * K + k));
+      gemv_lane_accumulate<NW, RB>(p, wf, acc, r);
+    }
+  }
+}
+
+// each (output, pair) sum over the 32 lanes, then one lane writes it
+for (int i = 0; i < NW; i++) {
+  for (int r = 0; r < RB; r++) {
+    const float v = gemv_lane_total(acc[i][r]);
+    if (slot[r] >= 0 && lane == uint((i * RB + r) % 32)) {
+      y[(ulong(r) * KS + slot[r]) * N + n0 + i] = bfloat16_t(v);
+    }
+  }
+}
