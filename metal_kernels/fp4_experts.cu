@@ -52,7 +52,7 @@ for (unsigned int k = 8 * lane; k < (unsigned int)K; k += 256) {  // this lane's
     if (slot[r] >= 0) {
       const int xr = r * X + (X > 1 ? slot[r] : 0);
       const uint4 p = __ldg(reinterpret_cast<const uint4*>(x + (size_t)xr * K + k));
-      gemv_lane_accumulate<NW, RB>(p, wf, acc, r);
+      gemv_lane_accumulate<NW, RB>(p, &wf[0][0], &acc[0][0], r);
     }
   }
 }

@@ -69,7 +69,7 @@ for (uint k = 8 * lane; k < uint(K); k += 256) {  // this lane's 8 columns k .. 
     if (slot[r] >= 0) {
       const int xr = r * X + (X > 1 ? slot[r] : 0);
       const uint4 p = *((const device uint4*)(x + ulong(xr) * K + k));
-      gemv_lane_accumulate<NW, RB>(p, wf, acc, r);
+      gemv_lane_accumulate<NW, RB>(p, &wf[0][0], &acc[0][0], r);
     }
   }
 }

@@ -38,7 +38,7 @@ for (unsigned int k = 8 * lane; k < (unsigned int)K; k += 256) {  // this lane's
   for (int r = 0; r < RB; r++) {
     if (r < rows) {
       const uint4 p = __ldg(reinterpret_cast<const uint4*>(x + ((size_t)r * G + g) * K + k));
-      gemv_lane_accumulate<NW, RB>(p, wf, acc, r);
+      gemv_lane_accumulate<NW, RB>(p, &wf[0][0], &acc[0][0], r);
     }
   }
 }

@@ -54,7 +54,7 @@ for (uint k = 8 * lane; k < uint(K); k += 256) {  // this lane's 8 columns k .. 
   for (int r = 0; r < RB; r++) {
     if (r < rows) {
       const uint4 p = *((const device uint4*)(x + (ulong(r) * G + g) * K + k));
-      gemv_lane_accumulate<NW, RB>(p, wf, acc, r);
+      gemv_lane_accumulate<NW, RB>(p, &wf[0][0], &acc[0][0], r);
     }
   }
 }

@@ -1,7 +1,6 @@
 // CUDA twin of gemv_lane.h (see there for what it computes).
-template <int NW, int RB>
-__device__ __forceinline__ void gemv_lane_accumulate(const uint4 p, const float (&wf)[NW][8], float (&acc)[NW][RB],
-                                                     const int r) {
+template <int NW, int RB>  // wf: [NW][8], acc: [NW][RB]
+__device__ __forceinline__ void gemv_lane_accumulate(const uint4 p, const float* wf, float* acc, const int r) {
   const unsigned int pairs[4] = {p.x, p.y, p.z, p.w};
   float xf[8];  // bf16 bits -> float
 #pragma unroll
@@ -13,7 +12,7 @@ __device__ __forceinline__ void gemv_lane_accumulate(const uint4 p, const float 
   for (int i = 0; i < NW; i++) {
 #pragma unroll
     for (int c = 0; c < 8; c++) {
-      acc[i][r] = fmaf(wf[i][c], xf[c], acc[i][r]);
+      acc[i * RB + r] = fmaf(wf[i * 8 + c], xf[c], acc[i * RB + r]);
     }
   }
 }

@@ -5,9 +5,8 @@
 // column order (float32 fma: the products of E4M3 or E2M1 values and bf16 values are exact).
 // gemv_lane_total: the 32 lanes' sums in a butterfly; every lane gets the same bits (each
 // step adds the same two numbers on both sides). Every lane of the simdgroup must call it.
-template <int NW, int RB>
-inline void gemv_lane_accumulate(const uint4 p, thread const float (&wf)[NW][8], thread float (&acc)[NW][RB],
-                                 const int r) {
+template <int NW, int RB>  // wf: [NW][8], acc: [NW][RB]
+inline void gemv_lane_accumulate(const uint4 p, thread const float* wf, thread float* acc, const int r) {
   const uint pairs[4] = {p.x, p.y, p.z, p.w};
   float xf[8];  // bf16 bits -> float
   for (int j = 0; j < 4; j++) {
@@ -16,7 +15,7 @@ inline void gemv_lane_accumulate(const uint4 p, thread const float (&wf)[NW][8],
   }
   for (int i = 0; i < NW; i++) {
     for (int c = 0; c < 8; c++) {
-      acc[i][r] = fma(wf[i][c], xf[c], acc[i][r]);
+      acc[i * RB + r] = fma(wf[i * 8 + c], xf[c], acc[i * RB + r]);
     }
   }
 }

@@ -257,7 +257,8 @@ def test_cuda_source_compiles(case):
     ("rms_norm", ("rsqrtf(total / (float)D + eps[0])", "rsqrtf(total / (float)D + eps)")),  # pointer + float
     ("sparse_attention", ("denom[g] = total + expf(sink[h0 + g] - row_max);",
                           "denom[g] = total + expf(sinks[h0 + g]);")),  # misspelt variable
-    ("fp8_gemv", ("gemv_lane_accumulate<NW, RB>(p, wf, acc, r);", "gemv_lane_accumulate<NW, RB>(p, wf, acc);")),
+    ("fp8_gemv", ("gemv_lane_accumulate<NW, RB>(p, &wf[0][0], &acc[0][0], r);",
+                  "gemv_lane_accumulate<NW, RB>(p, &wf[0][0], &acc[0][0]);")),
     ("fp4_experts", ("if (ids[q] == expert) {", "if (id[q] == expert) {")),  # misspelt variable
 ])
 def test_a_broken_cuda_source_fails_the_compile(case, breakage):
