@@ -62,14 +62,16 @@ def count(model_path: str | None, rows: int, prompt: int = 300) -> dict:
     prefill(model, [100 + (7 * i) % 900 for i in range(prompt)], cache)  # on the machine's own path
     calls = collections.Counter()
     model.decode_rows = rows
-    per_kind, total = {}, 0
+    per_kind, names, total = {}, {}, 0
 
     def on_layer(i, run):
         nonlocal total
         h, pre = run()
         ops = bench.graph_ops(h, pre)
         n = bench.kernels(ops) - ops.get("Depends", 0)  # the stubs' dependency markers are no launches
-        per_kind.setdefault(bench.layer_kind(model.layers[i]), []).append(n)
+        kind = bench.layer_kind(model.layers[i])
+        per_kind.setdefault(kind, []).append(n)
+        names.setdefault(kind, collections.Counter()).update(ops)
         total += n
         mx.eval(h, pre)
         return h, pre
@@ -78,7 +80,8 @@ def count(model_path: str | None, rows: int, prompt: int = 300) -> dict:
         logits = bench.decode_by_layer(model, 7, cache, on_layer)
         ops = bench.graph_ops(logits)
     total += bench.kernels(ops) - ops.get("Depends", 0)
-    return {"total": total, "per_kind": per_kind, "kernel_calls": dict(calls)}
+    return {"total": total, "per_kind": per_kind, "kernel_calls": dict(calls),
+            "names_per_kind": {kind: dict(c) for kind, c in names.items()}}
 
 
 def main() -> int:

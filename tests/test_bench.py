@@ -117,6 +117,8 @@ print(json.dumps(res))
     assert calls["hc_input"] == 2 * layers
     assert 0 < res["total"] < 200 * layers
     assert res["restored"]
+    for kind in ("ratio 1", "ratio 2"):  # a plain layer's casts all fuse into compiled kernels
+        assert res["names_per_kind"][kind].get("AsType", 0) == 0, res["names_per_kind"][kind]
 
 
 def test_gemms_times_every_fp8_shape(bench, monkeypatch, capsys):
