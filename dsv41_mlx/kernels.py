@@ -471,19 +471,28 @@ def fp8_gemv_reference(x: mx.array, w: mx.array, scales: mx.array) -> mx.array:
     group g of every row through matrix g -> bf16 [S, G, N], accumulated in float32. (A
     gather_qmm: MLX 0.32.4's CUDA quantized_matmul does not broadcast stacked weights over
     rows, as the H200 showed: other values from the second row on.)"""
-    out = mx.gather_qmm(x[:, :, None, :].astype(mx.float32), w, scales, rhs_indices=mx.arange(w.shape[0]),
-                        transpose=True, mode="mxfp8")
-    return out[:, :, 0, :].astype(mx.bfloat16)
+    return _gathered(x, w, scales, mx.arange(w.shape[0]), "mxfp8").astype(mx.bfloat16)
+
+
+def _gathered(x: mx.array, w: mx.array, scales: mx.array, ids: mx.array, mode: str) -> mx.array:
+    """MLX's gather_qmm of x [R, X, K] (X = 1 or ids' second axis) through the quantised stack
+    w at ids [R, X'] (or [X']), fed float32 -> float32 [R, X', N]: the two GEMV kernels' specs."""
+    return mx.gather_qmm(x[:, :, None, :].astype(mx.float32), w, scales, rhs_indices=ids, transpose=True,
+                         mode=mode)[:, :, 0, :]
 
 
 def fp8_gemv_fits(x: mx.array, w: mx.array, impl: str | None = None) -> bool:
     """Whether fp8_gemv runs for x [S, G, K] and w [G, N, K/4]: a GPU, at most DECODE_MAX_ROWS
     rows (a decode or verify step's forward; prefill keeps MLX's GEMMs), N a multiple of 32
     and K of 256 (every FP8 GEMM of the release)."""
-    impl = impl or backend()
-    return (impl != "mlx" and x.ndim == 3 and w.ndim == 3 and x.shape[0] <= DECODE_MAX_ROWS
-            and x.shape[1] == w.shape[0] and x.shape[2] == 4 * w.shape[2] and w.shape[1] % 32 == 0
-            and x.shape[2] % 256 == 0)
+    return (x.ndim == 3 and w.ndim == 3 and x.shape[1] == w.shape[0] and x.shape[2] == 4 * w.shape[2]
+            and _gemv_fits(x.shape[0], w.shape[1], x.shape[2], impl))
+
+
+def _gemv_fits(rows: int, n: int, k: int, impl: str | None) -> bool:
+    """The two GEMV kernels' common terms: a GPU, at most DECODE_MAX_ROWS rows, n outputs a
+    multiple of 32 and k inputs of 256."""
+    return (impl or backend()) != "mlx" and rows <= DECODE_MAX_ROWS and n % 32 == 0 and k % 256 == 0
 
 
 GEMV_MIN_THREADGROUPS = 132  # a wave on the GPUs it was tuned for (an H200 has 132 SMs)
@@ -515,13 +524,21 @@ def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None
                          f"32 and K of 256 on a GPU, got {x.shape} and {w.shape} on {impl}")
     S, G, K = x.shape
     N = w.shape[1]
-    rows_bound = 8 if S <= 8 else 16
-    per_simdgroup = gemv_outputs_per_simdgroup(N, G, rows_bound)
-    (y,) = _compiled(FP8_GEMV, impl)(
-        inputs=[x.astype(mx.bfloat16), w, scales, mx.array([S, N, K, G], dtype=mx.int32)],
-        template=[("RB", rows_bound), ("NW", per_simdgroup)],
-        grid=(G * N // (8 * per_simdgroup) * 256, 1, 1), threadgroup=(256, 1, 1),
-        output_shapes=[(S, G, N)], output_dtypes=[mx.bfloat16], init_value=init_value)
+    return _gemv_launch(FP8_GEMV, impl, [x.astype(mx.bfloat16), w, scales, mx.array([S, N, K, G], dtype=mx.int32)],
+                        S, G, (S, G, N), init_value)
+
+
+def _gemv_launch(spec: KernelSpec, impl: str, inputs: list, rows: int, sets: int, out_shape: tuple,
+                 init_value: float | None) -> mx.array:
+    """Launch fp8_gemv or fp4_experts for up to 16 rows: `sets` sets of out_shape[-1] outputs
+    (matrices, or (row, expert) pairs), a threadgroup per 8 * NW outputs of a set -> bf16."""
+    n = out_shape[-1]
+    rows_bound = 8 if rows <= 8 else 16
+    per_simdgroup = gemv_outputs_per_simdgroup(n, sets, rows_bound)
+    (y,) = _compiled(spec, impl)(
+        inputs=inputs, template=[("RB", rows_bound), ("NW", per_simdgroup)],
+        grid=(sets * n // (8 * per_simdgroup) * 256, 1, 1), threadgroup=(256, 1, 1),
+        output_shapes=[out_shape], output_dtypes=[mx.bfloat16], init_value=init_value)
     return y
 
 
@@ -531,17 +548,15 @@ def fp4_experts_reference(x: mx.array, w: mx.array, scales: mx.array, ids: mx.ar
     """Pure-MLX spec: pair (r, j) = row r's j-th expert ids[r, j] of the `mxfp4` stack w [E, N, K/8]
     (scales [E, N, K/32]) applied to x[r, 0] (x [R, 1, K]) or x[r, j] (x [R, k, K]) -> bf16
     [R, k, N], accumulated in float32."""
-    out = mx.gather_qmm(x[:, :, None, :].astype(mx.float32), w, scales, rhs_indices=ids, transpose=True, mode="mxfp4")
-    return out[:, :, 0, :].astype(mx.bfloat16)
+    return _gathered(x, w, scales, ids, "mxfp4").astype(mx.bfloat16)
 
 
 def fp4_experts_fits(x: mx.array, w: mx.array, ids: mx.array, impl: str | None = None) -> bool:
     """Whether fp4_experts runs: a GPU, x [R, 1 or k, K] with R <= DECODE_MAX_ROWS, ids [R, k],
     w [E, N, K/8] with N a multiple of 32 and K of 256."""
-    impl = impl or backend()
-    return (impl != "mlx" and x.ndim == 3 and w.ndim == 3 and ids.ndim == 2 and ids.shape[0] == x.shape[0]
-            and x.shape[0] <= DECODE_MAX_ROWS and x.shape[1] in (1, ids.shape[1]) and x.shape[2] == 8 * w.shape[2]
-            and w.shape[1] % 32 == 0 and x.shape[2] % 256 == 0)
+    return (x.ndim == 3 and w.ndim == 3 and ids.ndim == 2 and ids.shape[0] == x.shape[0]
+            and x.shape[1] in (1, ids.shape[1]) and x.shape[2] == 8 * w.shape[2]
+            and _gemv_fits(x.shape[0], w.shape[1], x.shape[2], impl))
 
 
 def fp4_experts(x: mx.array, w: mx.array, scales: mx.array, ids: mx.array, impl: str | None = None,
@@ -559,12 +574,6 @@ def fp4_experts(x: mx.array, w: mx.array, scales: mx.array, ids: mx.array, impl:
                          f"a multiple of 32 and K of 256 on a GPU, got {x.shape}, {ids.shape} and {w.shape} on {impl}")
     R, k = ids.shape
     N, K = w.shape[1], x.shape[2]
-    rows_bound = 8 if R <= 8 else 16
-    per_simdgroup = gemv_outputs_per_simdgroup(N, R * k, rows_bound)
-    (y,) = _compiled(FP4_EXPERTS, impl)(
-        inputs=[x.astype(mx.bfloat16), w, scales, ids.astype(mx.uint32).reshape(-1),
-                mx.array([R, k, N, K, x.shape[1]], dtype=mx.int32)],
-        template=[("RB", rows_bound), ("NW", per_simdgroup)],
-        grid=(R * k * N // (8 * per_simdgroup) * 256, 1, 1), threadgroup=(256, 1, 1),
-        output_shapes=[(R, k, N)], output_dtypes=[mx.bfloat16], init_value=init_value)
-    return y
+    return _gemv_launch(FP4_EXPERTS, impl, [x.astype(mx.bfloat16), w, scales, ids.astype(mx.uint32).reshape(-1),
+                                            mx.array([R, k, N, K, x.shape[1]], dtype=mx.int32)],
+                        R, R * k, (R, k, N), init_value)

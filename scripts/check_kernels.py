@@ -262,6 +262,15 @@ def gemm_agreement(name: str, wide: mx.array, narrow: mx.array, magnitude: mx.ar
     return None, f"{name}: {differ} of {ulps.size} values 1 ulp apart"
 
 
+def against_fp32(name: str, narrow: mx.array, gemm, x: mx.array, w: mx.array, s: mx.array, **kw):
+    """gemm_agreement of `narrow` with the same MLX `gemm` fed x in fp32, the products'
+    magnitudes from that gemm on |x| and the codes' absolute values (kw: the gemm's own)."""
+    x32 = x.astype(mx.float32)
+    wide = gemm(x32, w, s, **kw)
+    magnitude = gemm(mx.abs(x32), abs_words(w, kw["mode"] == "mxfp4"), s, **kw)
+    return gemm_agreement(name, wide, narrow.reshape(wide.shape), magnitude, x.shape[-1])
+
+
 def check_gemms_bf16(seed: int, rows_list=(1, 5, 8, 16, 37, 256)) -> tuple[list[str], list[str]]:
     """MLX's quantised GEMMs fed bf16 against the same GEMMs fed fp32, at every shape of the
     flash-shaped model, at decode / verify and prefill row counts (quant.gemm_input_dtype
@@ -274,11 +283,9 @@ def check_gemms_bf16(seed: int, rows_list=(1, 5, 8, 16, 37, 256)) -> tuple[list[
     mx.random.seed(seed)
     problems, notes = [], []
 
-    def compare(name, k, gemm, x, w, s, **kw):
-        wide = gemm(x.astype(mx.float32), w, s, **kw)
+    def compare(name, gemm, x, w, s, **kw):
         narrow = gemm(x, w, s, **kw)
-        magnitude = gemm(mx.abs(x.astype(mx.float32)), abs_words(w, kw["mode"] == "mxfp4"), s, **kw)
-        problem, note = gemm_agreement(name, wide, narrow, magnitude, k)
+        problem, note = against_fp32(name, narrow, gemm, x, w, s, **kw)
         problems.extend([problem] if problem else [])
         notes.extend([note] if note else [])
         return narrow
@@ -288,13 +295,13 @@ def check_gemms_bf16(seed: int, rows_list=(1, 5, 8, 16, 37, 256)) -> tuple[list[
     for d_in, d_out in sorted(dense):
         w, s = words((d_out, d_in // 4)), scales((d_out, d_in // 32))
         for rows in rows_list:
-            compare(f"mxfp8 {d_in}->{d_out} rows={rows}", d_in, mx.quantized_matmul, fp8_input((rows, d_in)), w, s,
+            compare(f"mxfp8 {d_in}->{d_out} rows={rows}", mx.quantized_matmul, fp8_input((rows, d_in)), w, s,
                     transpose=True, mode="mxfp8")
     for groups, d_in, d_out in sorted(grouped):
         w, s, g = words((groups, d_out, d_in // 4)), scales((groups, d_out, d_in // 32)), mx.arange(groups)
         for rows in rows_list:
             o = mx.random.normal((rows, groups, 1, d_in)).astype(mx.bfloat16)
-            compare(f"grouped mxfp8 {groups}x{d_in}->{d_out} rows={rows}", d_in, mx.gather_qmm, o, w, s,
+            compare(f"grouped mxfp8 {groups}x{d_in}->{d_out} rows={rows}", mx.gather_qmm, o, w, s,
                     rhs_indices=g, transpose=True, mode="mxfp8")
     top = 6
     for n_experts, d_in, d_out in sorted(experts):
@@ -302,7 +309,7 @@ def check_gemms_bf16(seed: int, rows_list=(1, 5, 8, 16, 37, 256)) -> tuple[list[
         for rows in (1, 5, 8, 16):  # decode and verify; prefill groups its pairs by expert (sorted)
             ids = mx.random.randint(0, n_experts, (rows, top)).astype(mx.uint32)
             x = fp8_input((rows, 1, 1, d_in))
-            narrow = compare(f"mxfp4 {n_experts}x{d_in}->{d_out} rows={rows}", d_in, mx.gather_qmm, x, w, s,
+            narrow = compare(f"mxfp4 {n_experts}x{d_in}->{d_out} rows={rows}", mx.gather_qmm, x, w, s,
                              rhs_indices=ids, transpose=True, mode="mxfp4")
             if rows > 1:
                 alone = mx.gather_qmm(x[:1], w, s, rhs_indices=ids[:1], transpose=True, mode="mxfp4")
@@ -326,11 +333,9 @@ def check_fp8_gemv(impl: str, seed: int) -> list[str]:
         for rows in (1, 2, 5, 8, 9, 16):
             x = random_fp8_input((rows, groups, d_in))
             got = fp8_gemv(x, w, s, impl=impl, init_value=POISON)
-            kw = dict(rhs_indices=mx.arange(groups), transpose=True, mode="mxfp8")  # as kernels.fp8_gemv_reference
-            wide = mx.gather_qmm(x[:, :, None].astype(mx.float32), w, s, **kw)[:, :, 0]
-            magnitude = mx.gather_qmm(mx.abs(x[:, :, None].astype(mx.float32)), abs_words(w), s, **kw)[:, :, 0]
             name = f"fp8_gemv {groups}x{d_in}->{d_out} rows={rows}"
-            problem, _ = gemm_agreement(name, wide, got, magnitude, d_in)
+            problem, _ = against_fp32(name, got, mx.gather_qmm, x[:, :, None], w, s, rhs_indices=mx.arange(groups),
+                                      transpose=True, mode="mxfp8")  # as kernels.fp8_gemv_reference
             problems.extend([problem] if problem else [])
             if rows in (8, 16) and not mx.array_equal(fp8_gemv(x[:1], w, s, impl=impl), got[:1]).item():
                 problems.append(f"{name}: row 0 alone differs from row 0 of {rows}")
@@ -356,12 +361,9 @@ def check_fp4_experts(impl: str, seed: int) -> list[str]:
             for per_slot in (False, True):
                 x = random_fp8_input((rows, top if per_slot else 1, d_in))
                 got = fp4_experts(x, w, s, ids, impl=impl, init_value=POISON)
-                kw = dict(rhs_indices=ids, transpose=True, mode="mxfp4")
-                wide = mx.gather_qmm(x[:, :, None].astype(mx.float32), w, s, **kw)[:, :, 0]
-                magnitude = mx.gather_qmm(mx.abs(x[:, :, None].astype(mx.float32)), abs_words(w, fp4=True), s,
-                                          **kw)[:, :, 0]
                 name = f"fp4_experts {n_experts}x{d_in}->{d_out} rows={rows} x per {'slot' if per_slot else 'row'}"
-                problem, _ = gemm_agreement(name, wide, got, magnitude, d_in)
+                problem, _ = against_fp32(name, got, mx.gather_qmm, x[:, :, None], w, s, rhs_indices=ids,
+                                          transpose=True, mode="mxfp4")
                 problems.extend([problem] if problem else [])
                 if rows in (8, 16) and not mx.array_equal(fp4_experts(x[:1], w, s, ids[:1], impl=impl), got[:1]).item():
                     problems.append(f"{name}: row 0 alone differs from row 0 of {rows}")
