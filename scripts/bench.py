@@ -372,7 +372,7 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float) 
     # time on a machine, and seconds of loading in every new process); then every prompt (new
     # lengths: what a served request sees), then every prompt again
     out["warm_up_s"] = warm_up(model)
-    print(f"  warm-up prefill (kernel builds included): {out['warm_up_s']:.1f} s", flush=True)
+    print(f"  warm-up (generate.warm_up, kernel builds and loads included): {out['warm_up_s']:.1f} s", flush=True)
     for key in ("prefill_tok_s", "prefill_seen_tok_s"):
         tic, n = time.perf_counter(), 0
         for ids in ids_list:
@@ -701,19 +701,12 @@ def bench_gemms(rows: int = 8, experts: int = 24, dim: int = 5120, inter: int = 
     copy bandwidth. Every call reads its own copy of the weights, from copies that overflow
     any cache, as a decode step reads each weight once."""
     from dsv41_mlx import kernels
-    from scripts.check_kernels import quantised_gemm_shapes
+    from scripts.check_kernels import quantised_gemm_shapes, random_scales as scales, random_words as words
 
     mx.random.seed(0)
     top = 6
-
-    def words(shape):
-        return mx.random.randint(0, 2**31, shape).astype(mx.uint32)
-
-    def scales(shape):
-        return mx.full(shape, 120, dtype=mx.uint8)
-
-    w13, s13 = words((experts, inter, dim // 8)), scales((experts, inter, dim // 32))
-    w2, s2 = words((experts, dim, inter // 8)), scales((experts, dim, inter // 32))
+    w13, s13 = words((experts, inter, dim // 8), fp4=True), scales((experts, inter, dim // 32))
+    w2, s2 = words((experts, dim, inter // 8), fp4=True), scales((experts, dim, inter // 32))
     ids = mx.sort(mx.random.randint(0, experts, (rows, top)).astype(mx.uint32), axis=-1)
     x, h = mx.random.normal((rows, 1, 1, dim)), mx.random.normal((rows, top, 1, inter))
     mx.eval(w13, s13, w2, s2, ids, x, h)
