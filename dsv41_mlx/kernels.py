@@ -495,19 +495,20 @@ def _gemv_fits(rows: int, n: int, k: int, impl: str | None) -> bool:
     return (impl or backend()) != "mlx" and rows <= DECODE_MAX_ROWS and n % 32 == 0 and k % 256 == 0
 
 
-GEMV_MIN_THREADGROUPS = 132  # a wave on the GPUs it was tuned for (an H200 has 132 SMs)
+GEMV_OUTPUTS = 4  # outputs per thread group: each x value read serves 4 weight rows (T)
 
 
-def gemv_outputs_per_simdgroup(n: int, groups: int, rows_bound: int) -> int:
-    """fp8_gemv's NW for groups x n outputs (n a multiple of 32): more outputs per simdgroup
-    share each x value among more weight rows, fewer leave threadgroups (of 8 simdgroups) for
-    the GPU's cores. 8 (at most 8 rows: registers) where that still gives two waves, else the
-    largest of 4, 2, 1 that gives one. It depends on the row count only through its bound,
-    and no output depends on it."""
-    blocks = groups * n // 8
-    if rows_bound <= 8 and n % 64 == 0 and blocks // 8 >= 2 * GEMV_MIN_THREADGROUPS:
-        return 8
-    return next((nw for nw in (4, 2) if blocks // nw >= GEMV_MIN_THREADGROUPS), 1)
+def gemv_threads_per_output(k: int) -> int:
+    """The GEMV kernels' C: how many threads split the k inputs of an output, 32 (a simdgroup)
+    to 256 (a threadgroup), the fewest that leave each thread at most 10 steps of 16 inputs.
+    A forward is a chain of GEMMs, each waiting for the last, so a GEMM's time is its latency:
+    more threads per output put more bytes in flight at once. Measured on an H200 at every FP8
+    and FP4 shape of the release (docs/benchmarks.md, session 7). Depends on k only, so each
+    output's order of additions is the same in every forward."""
+    c = 32
+    while c < 256 and 160 * c < k:
+        c *= 2
+    return c
 
 
 def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None,
@@ -525,19 +526,19 @@ def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None
     S, G, K = x.shape
     N = w.shape[1]
     return _gemv_launch(FP8_GEMV, impl, [x.astype(mx.bfloat16), w, scales, mx.array([S, N, K, G], dtype=mx.int32)],
-                        S, G, (S, G, N), init_value)
+                        S, K, G, (S, G, N), init_value)
 
 
-def _gemv_launch(spec: KernelSpec, impl: str, inputs: list, rows: int, sets: int, out_shape: tuple,
+def _gemv_launch(spec: KernelSpec, impl: str, inputs: list, rows: int, k: int, sets: int, out_shape: tuple,
                  init_value: float | None) -> mx.array:
-    """Launch fp8_gemv or fp4_experts for up to 16 rows: `sets` sets of out_shape[-1] outputs
-    (matrices, or (row, expert) pairs), a threadgroup per 8 * NW outputs of a set -> bf16."""
+    """Launch fp8_gemv or fp4_experts for up to 16 rows and k inputs: `sets` sets of
+    out_shape[-1] outputs (matrices, or (row, expert) pairs), a threadgroup of 256 threads per
+    (256 / C) * GEMV_OUTPUTS outputs of a set -> bf16."""
     n = out_shape[-1]
-    rows_bound = 8 if rows <= 8 else 16
-    per_simdgroup = gemv_outputs_per_simdgroup(n, sets, rows_bound)
+    threads = gemv_threads_per_output(k)
     (y,) = _compiled(spec, impl)(
-        inputs=inputs, template=[("RB", rows_bound), ("NW", per_simdgroup)],
-        grid=(sets * n // (8 * per_simdgroup) * 256, 1, 1), threadgroup=(256, 1, 1),
+        inputs=inputs, template=[("RB", 8 if rows <= 8 else 16), ("T", GEMV_OUTPUTS), ("C", threads)],
+        grid=(sets * n // (256 // threads * GEMV_OUTPUTS) * 256, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[out_shape], output_dtypes=[mx.bfloat16], init_value=init_value)
     return y
 
@@ -576,4 +577,4 @@ def fp4_experts(x: mx.array, w: mx.array, scales: mx.array, ids: mx.array, impl:
     N, K = w.shape[1], x.shape[2]
     return _gemv_launch(FP4_EXPERTS, impl, [x.astype(mx.bfloat16), w, scales, ids.astype(mx.uint32).reshape(-1),
                                             mx.array([R, k, N, K, x.shape[1]], dtype=mx.int32)],
-                        R, R * k, (R, k, N), init_value)
+                        R, K, R * k, (R, k, N), init_value)

@@ -1,17 +1,18 @@
 // CUDA twin of fp4_experts.metal (see there for what it computes and how the work
 // is laid out). 256 threads per block.
 
-constexpr int WARPS = 8;
+__shared__ float partial[8 * T * RB];  // each simdgroup's sums (gemv_warp_totals)
 const int rows = sizes[0];
 const int KS = sizes[1];  // experts per row (top-k)
 const int N = sizes[2];
 const int K = sizes[3];
 const int X = sizes[4];   // 1: a row's slots share x[r, 0]; KS: slot j reads x[r, j]
-const unsigned int lane = threadIdx.x % 32;
-const unsigned int warp = threadIdx.x / 32;
-const unsigned int tiles = (unsigned int)N / (WARPS * NW);
+constexpr int GROUPS = 256 / C;  // thread groups per block, T outputs each
+const unsigned int col = threadIdx.x % C;
+const unsigned int grp = threadIdx.x / C;
+const unsigned int tiles = (unsigned int)N / (GROUPS * T);
 const int pair = (int)(blockIdx.x / tiles);
-const unsigned int n0 = (blockIdx.x % tiles) * (WARPS * NW) + warp * NW;
+const unsigned int n0 = (blockIdx.x % tiles) * (GROUPS * T) + grp * T;
 const unsigned int expert = ids[pair];
 for (int q = 0; q < pair; q++) {
   if (ids[q] == expert) {
@@ -33,38 +34,42 @@ for (int r = 0; r < RB; r++) {
 const unsigned int words = (unsigned int)K / 8;
 const unsigned int blocks = (unsigned int)K / 32;
 
-float acc[NW][RB] = {};  // [output][row]
-#pragma unroll 2
-for (unsigned int k = 8 * lane; k < (unsigned int)K; k += 256) {  // this lane's 8 columns k .. k + 7
-  float wf[NW][8];  // the weights' values (scale folded in), columns in order
+float acc[T][RB] = {};  // [output][row]
+for (unsigned int k = 16 * col; k < (unsigned int)K; k += 16 * C) {  // this thread's 16 columns k .. k + 15
+  uint2 q[T];  // 16 E2M1 codes of each output row
+  float sc[T];
 #pragma unroll
-  for (int i = 0; i < NW; i++) {
+  for (int i = 0; i < T; i++) {
     const size_t n = (size_t)expert * N + n0 + i;
-    const unsigned int q = __ldg(w + n * words + k / 8);
-    const float sc = __uint_as_float(((unsigned int)scales[n * blocks + k / 32] + 14u) << 23);  // 2^(e-127) * 2^14
-#pragma unroll
-    for (int c = 0; c < 8; c++) {
-      wf[i][c] = fp16_bits_to_float(E2M1_HALF((q >> (4 * c)) & 0xFu)) * sc;
-    }
+    q[i] = __ldg(reinterpret_cast<const uint2*>(w + n * words + k / 8));
+    sc[i] = __uint_as_float(((unsigned int)scales[n * blocks + k / 32] + 14u) << 23);  // 2^(e-127) * 2^14
   }
 #pragma unroll
-  for (int r = 0; r < RB; r++) {
-    if (slot[r] >= 0) {
-      const int xr = r * X + (X > 1 ? slot[r] : 0);
-      const uint4 p = __ldg(reinterpret_cast<const uint4*>(x + (size_t)xr * K + k));
-      gemv_lane_accumulate<NW, RB>(p, &wf[0][0], &acc[0][0], r);
+  for (int h = 0; h < 2; h++) {  // columns k + 8h .. k + 8h + 7
+    float wf[T][8];  // the weights' values (scale folded in), columns in order
+#pragma unroll
+    for (int i = 0; i < T; i++) {
+      const unsigned int word = h ? q[i].y : q[i].x;
+#pragma unroll
+      for (int c = 0; c < 8; c++) {
+        wf[i][c] = fp16_bits_to_float(E2M1_HALF((word >> (4 * c)) & 0xFu)) * sc[i];
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < RB; r++) {
+      if (slot[r] >= 0) {
+        const int xr = r * X + (X > 1 ? slot[r] : 0);
+        const uint4 p = __ldg(reinterpret_cast<const uint4*>(x + (size_t)xr * K + k + 8 * h));
+        gemv_lane_accumulate<T, RB>(p, &wf[0][0], &acc[0][0], r);
+      }
     }
   }
 }
 
-// each (output, pair) sum over the 32 lanes, then one lane writes it
-#pragma unroll
-for (int i = 0; i < NW; i++) {
-#pragma unroll
-  for (int r = 0; r < RB; r++) {
-    const float v = gemv_lane_total(acc[i][r]);
-    if (slot[r] >= 0 && lane == (unsigned int)((i * RB + r) % 32)) {
-      y[((size_t)r * KS + slot[r]) * N + n0 + i] = __float2bfloat16(v);
-    }
+gemv_warp_totals<T, RB>(&acc[0][0], partial);
+for (unsigned int o = col; o < T * RB; o += C) {  // output n0 + o / RB of row o % RB's pair
+  const int r = (int)(o % RB);
+  if (slot[r] >= 0) {
+    y[((size_t)r * KS + slot[r]) * N + n0 + o / RB] = __float2bfloat16(gemv_group_total<T, RB, C>(partial, grp, o));
   }
 }

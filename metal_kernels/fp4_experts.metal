@@ -6,34 +6,37 @@
 // [rows, KS], each row's experts (distinct within a row). x: bf16 [rows, X, K] (exact:
 // FP8 fake-quantised activations); X = 1: all of a row's slots read x[r, 0] (the gate and
 // up projection), X = KS: slot j reads x[r, j] (the down projection). Output y: bf16
-// [rows, KS, N]. sizes [5] int32 = (rows, KS, N, K, X); rows <= RB. N a multiple of 8 * NW,
-// K of 256.
+// [rows, KS, N]. sizes [5] int32 = (rows, KS, N, K, X); rows <= RB. N a multiple of
+// (256 / C) * T, K of 16 * C.
 //
 // The arithmetic is fp8_gemv's: an E2M1 code becomes the fp16 of its value / 2^14 by moving
 // bits (fp8_common.h), then a float times its scale * 2^14 (a power of two: exact); products
-// with bf16 values are exact in float32, summed per lane in column order, then over the 32
-// lanes in a butterfly. Each pair's outputs are computed alone: the same bits whatever the
+// with bf16 values are exact in float32, summed per thread in column order, then over each
+// simdgroup in a butterfly and over a thread group's simdgroups in order (gemv_lane.h). Each pair's outputs are computed alone: the same bits whatever the
 // other rows and their experts. The spec is MLX's gather_qmm (kernels.fp4_experts_reference),
 // equal up to the order of the float32 sums.
 //
-// The work: a threadgroup per (pair, tile of 8 * NW outputs). A pair whose expert an earlier
-// pair (in row-major order) also picked leaves at once; the first pair of each expert finds
-// all the pairs that picked it (at most one per row) and runs them together, as fp8_gemv
-// runs its rows: simdgroup NW outputs over all of K, lane l columns 8l .. 8l + 7 of every
-// 256. Template constants: RB (a bound on rows: 8 or 16), NW (outputs per simdgroup).
+// The work: a threadgroup per (pair, tile of (256 / C) * T outputs). A pair whose expert an
+// earlier pair (in row-major order) also picked leaves at once; the first pair of each expert
+// finds all the pairs that picked it (at most one per row) and runs them together, as
+// fp8_gemv runs its rows: a thread group of C threads owns T outputs and splits K, thread c
+// taking columns 16c .. 16c + 15 of every 16 * C (8 bytes of each weight row per step).
+// Template constants: RB (a bound on rows: 8 or 16), T (outputs per thread group), C
+// (threads per thread group, a multiple of 32).
 // CUDA twin: fp4_experts.cu.
 
-constexpr int WARPS = 8;
+threadgroup float partial[8 * T * RB];  // each simdgroup's sums (gemv_warp_totals)
 const int rows = sizes[0];
 const int KS = sizes[1];  // experts per row (top-k)
 const int N = sizes[2];
 const int K = sizes[3];
 const int X = sizes[4];   // 1: a row's slots share x[r, 0]; KS: slot j reads x[r, j]
-const uint lane = thread_index_in_simdgroup;
-const uint warp = simdgroup_index_in_threadgroup;
-const uint tiles = uint(N) / (WARPS * NW);
+constexpr int GROUPS = 256 / C;  // thread groups per threadgroup, T outputs each
+const uint col = thread_position_in_threadgroup.x % C;
+const uint grp = thread_position_in_threadgroup.x / C;
+const uint tiles = uint(N) / (GROUPS * T);
 const int pair = int(threadgroup_position_in_grid.x / tiles);
-const uint n0 = (threadgroup_position_in_grid.x % tiles) * (WARPS * NW) + warp * NW;
+const uint n0 = (threadgroup_position_in_grid.x % tiles) * (GROUPS * T) + grp * T;
 const uint expert = ids[pair];
 for (int q = 0; q < pair; q++) {
   if (ids[q] == expert) {
@@ -54,32 +57,37 @@ for (int r = 0; r < RB; r++) {
 const uint words = uint(K) / 8;
 const uint blocks = uint(K) / 32;
 
-float acc[NW][RB] = {};  // [output][row]
-for (uint k = 8 * lane; k < uint(K); k += 256) {  // this lane's 8 columns k .. k + 7
-  float wf[NW][8];  // the weights' values (scale folded in), columns in order
-  for (int i = 0; i < NW; i++) {
+float acc[T][RB] = {};  // [output][row]
+for (uint k = 16 * col; k < uint(K); k += 16 * C) {  // this thread's 16 columns k .. k + 15
+  uint2 q[T];  // 16 E2M1 codes of each output row
+  float sc[T];
+  for (int i = 0; i < T; i++) {
     const ulong n = ulong(expert) * N + n0 + i;
-    const uint q = w[n * words + k / 8];
-    const float sc = as_type<float>((uint(scales[n * blocks + k / 32]) + 14u) << 23);  // 2^(e-127) * 2^14
-    for (int c = 0; c < 8; c++) {
-      wf[i][c] = float(as_type<half>(ushort(E2M1_HALF((q >> (4 * c)) & 0xFu)))) * sc;
-    }
+    q[i] = *((const device uint2*)(w + n * words + k / 8));
+    sc[i] = as_type<float>((uint(scales[n * blocks + k / 32]) + 14u) << 23);  // 2^(e-127) * 2^14
   }
-  for (int r = 0; r < RB; r++) {
-    if (slot[r] >= 0) {
-      const int xr = r * X + (X > 1 ? slot[r] : 0);
-      const uint4 p = *((const device uint4*)(x + ulong(xr) * K + k));
-      gemv_lane_accumulate<NW, RB>(p, &wf[0][0], &acc[0][0], r);
+  for (int h = 0; h < 2; h++) {  // columns k + 8h .. k + 8h + 7
+    float wf[T][8];  // the weights' values (scale folded in), columns in order
+    for (int i = 0; i < T; i++) {
+      const uint word = h ? q[i].y : q[i].x;
+      for (int c = 0; c < 8; c++) {
+        wf[i][c] = float(as_type<half>(ushort(E2M1_HALF((word >> (4 * c)) & 0xFu)))) * sc[i];
+      }
+    }
+    for (int r = 0; r < RB; r++) {
+      if (slot[r] >= 0) {
+        const int xr = r * X + (X > 1 ? slot[r] : 0);
+        const uint4 p = *((const device uint4*)(x + ulong(xr) * K + k + 8 * h));
+        gemv_lane_accumulate<T, RB>(p, &wf[0][0], &acc[0][0], r);
+      }
     }
   }
 }
 
-// each (output, pair) sum over the 32 lanes, then one lane writes it
-for (int i = 0; i < NW; i++) {
-  for (int r = 0; r < RB; r++) {
-    const float v = gemv_lane_total(acc[i][r]);
-    if (slot[r] >= 0 && lane == uint((i * RB + r) % 32)) {
-      y[(ulong(r) * KS + slot[r]) * N + n0 + i] = bfloat16_t(v);
-    }
+gemv_warp_totals<T, RB>(&acc[0][0], partial, thread_index_in_simdgroup, simdgroup_index_in_threadgroup);
+for (uint o = col; o < T * RB; o += C) {  // output n0 + o / RB of row o % RB's pair
+  const int r = int(o % RB);
+  if (slot[r] >= 0) {
+    y[(ulong(r) * KS + slot[r]) * N + n0 + o / RB] = bfloat16_t(gemv_group_total<T, RB, C>(partial, grp, o));
   }
 }

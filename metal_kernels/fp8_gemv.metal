@@ -5,66 +5,73 @@
 // one E8M0 scale per row and 32 columns, scales [G, N, K / 32]. x: bf16 [rows, G, K]
 // (exact: an FP8 fake-quantised activation, or wo_a's bf16 one). Output y: bf16
 // [rows, G, N]. G = 1 for a dense GEMM; wo_a's 8 groups otherwise. sizes [4] int32 =
-// (rows, N, K, G); rows <= RB. N a multiple of 8 * NW, K of 256.
+// (rows, N, K, G); rows <= RB. N a multiple of (256 / C) * T, K of 16 * C.
 //
 // The arithmetic: an E4M3 code becomes the fp16 of its value / 256 by moving bits
 // (fp8_common.h), then a float times its scale * 256 (a power of two: exact). Its
-// product with a bf16 value is exact in float32; each lane sums its products in
-// float32 in column order, and the 32 lanes' sums are added in a butterfly. Not
-// MLX's summation order, so the result is the spec's (quantized_matmul) up to another
-// float32 summation order; each row is computed alone (the same bits in any forward).
+// product with a bf16 value is exact in float32; each thread sums its products in
+// float32 in column order, then the sums are added over each simdgroup in a butterfly
+// and over the simdgroups of a thread group in order (gemv_lane.h). Not MLX's summation
+// order, so the result is the spec's (gather_qmm) up to another float32 summation order;
+// each row is computed alone (the same bits in any forward).
 //
-// The work: a threadgroup of 8 simdgroups owns 8 * NW outputs of one group, a
-// simdgroup NW consecutive outputs over all of K. Lane l takes columns 8l .. 8l + 7 of
-// every 256: per step it reads 8 bytes of each of its NW weight rows (a simdgroup reads
-// 256 contiguous bytes of a row) and 8 values of x per row, which serve all NW outputs.
-// Template constants: RB (a bound on rows: 8 or 16), NW (outputs per simdgroup).
-// CUDA twin: fp8_gemv.cu.
+// The work: a threadgroup of 256 threads is 256 / C thread groups of C threads; a thread
+// group owns T consecutive outputs of one matrix and splits K among its threads, thread c
+// taking columns 16c .. 16c + 15 of every 16 * C. Per step a thread reads 16 bytes of each
+// of its T weight rows and 16 values of x per row, which serve all T outputs. Splitting K
+// puts many threads on each output, so that a small GEMM still has bytes in flight on every
+// core (the decode step is a chain of GEMMs, each waiting for the last).
+// Template constants: RB (a bound on rows: 8 or 16), T (outputs per thread group), C
+// (threads per thread group, a multiple of 32). CUDA twin: fp8_gemv.cu.
 
-constexpr int WARPS = 8;
+threadgroup float partial[8 * T * RB];  // each simdgroup's sums (gemv_warp_totals)
 const int rows = sizes[0];
 const int N = sizes[1];
 const int K = sizes[2];
 const int G = sizes[3];
-const uint lane = thread_index_in_simdgroup;
-const uint warp = simdgroup_index_in_threadgroup;
-const uint tiles = uint(N) / (WARPS * NW);
+constexpr int GROUPS = 256 / C;  // thread groups per threadgroup, T outputs each
+const uint col = thread_position_in_threadgroup.x % C;
+const uint grp = thread_position_in_threadgroup.x / C;
+const uint tiles = uint(N) / (GROUPS * T);
 const uint g = threadgroup_position_in_grid.x / tiles;
-const uint n0 = (threadgroup_position_in_grid.x % tiles) * (WARPS * NW) + warp * NW;
+const uint n0 = (threadgroup_position_in_grid.x % tiles) * (GROUPS * T) + grp * T;
 const uint words = uint(K) / 4;
 const uint blocks = uint(K) / 32;
 
-float acc[NW][RB] = {};  // [output][row]
-for (uint k = 8 * lane; k < uint(K); k += 256) {  // this lane's 8 columns k .. k + 7
-  float wf[NW][8];  // the weights' values (scale folded in), columns in order
-  for (int i = 0; i < NW; i++) {
+float acc[T][RB] = {};  // [output][row]
+for (uint k = 16 * col; k < uint(K); k += 16 * C) {  // this thread's 16 columns k .. k + 15
+  uint4 q[T];  // 16 E4M3 codes of each output row
+  float sc[T];
+  for (int i = 0; i < T; i++) {
     const ulong n = ulong(g) * N + n0 + i;
-    const uint2 q = *((const device uint2*)(w + n * words + k / 4));
-    const float sc = as_type<float>((uint(scales[n * blocks + k / 32]) + 8u) << 23);  // 2^(e-127) * 256
-    const uint half_words[2] = {q.x, q.y};
-    for (int h = 0; h < 2; h++) {
-      const uint even = E4M3_EVEN(half_words[h]);  // columns 4h, 4h + 2
-      const uint odd = E4M3_ODD(half_words[h]);    // columns 4h + 1, 4h + 3
-      wf[i][4 * h + 0] = float(as_type<half>(ushort(even & 0xFFFFu))) * sc;
-      wf[i][4 * h + 1] = float(as_type<half>(ushort(odd & 0xFFFFu))) * sc;
-      wf[i][4 * h + 2] = float(as_type<half>(ushort(even >> 16))) * sc;
-      wf[i][4 * h + 3] = float(as_type<half>(ushort(odd >> 16))) * sc;
-    }
+    q[i] = *((const device uint4*)(w + n * words + k / 4));
+    sc[i] = as_type<float>((uint(scales[n * blocks + k / 32]) + 8u) << 23);  // 2^(e-127) * 256
   }
-  for (int r = 0; r < RB; r++) {
-    if (r < rows) {
-      const uint4 p = *((const device uint4*)(x + (ulong(r) * G + g) * K + k));
-      gemv_lane_accumulate<NW, RB>(p, &wf[0][0], &acc[0][0], r);
+  for (int h = 0; h < 2; h++) {  // columns k + 8h .. k + 8h + 7
+    float wf[T][8];  // the weights' values (scale folded in), columns in order
+    for (int i = 0; i < T; i++) {
+      const uint half_words[2] = {h ? q[i].z : q[i].x, h ? q[i].w : q[i].y};
+      for (int j = 0; j < 2; j++) {
+        const uint even = E4M3_EVEN(half_words[j]);  // columns 4j, 4j + 2
+        const uint odd = E4M3_ODD(half_words[j]);    // columns 4j + 1, 4j + 3
+        wf[i][4 * j + 0] = float(as_type<half>(ushort(even & 0xFFFFu))) * sc[i];
+        wf[i][4 * j + 1] = float(as_type<half>(ushort(odd & 0xFFFFu))) * sc[i];
+        wf[i][4 * j + 2] = float(as_type<half>(ushort(even >> 16))) * sc[i];
+        wf[i][4 * j + 3] = float(as_type<half>(ushort(odd >> 16))) * sc[i];
+      }
+    }
+    for (int r = 0; r < RB; r++) {
+      if (r < rows) {
+        const uint4 p = *((const device uint4*)(x + (ulong(r) * G + g) * K + k + 8 * h));
+        gemv_lane_accumulate<T, RB>(p, &wf[0][0], &acc[0][0], r);
+      }
     }
   }
 }
 
-// each (output, row) sum over the 32 lanes, then one lane writes it
-for (int i = 0; i < NW; i++) {
-  for (int r = 0; r < RB; r++) {
-    const float v = gemv_lane_total(acc[i][r]);
-    if (r < rows && lane == uint((i * RB + r) % 32)) {
-      y[(ulong(r) * G + g) * N + n0 + i] = bfloat16_t(v);
-    }
+gemv_warp_totals<T, RB>(&acc[0][0], partial, thread_index_in_simdgroup, simdgroup_index_in_threadgroup);
+for (uint o = col; o < T * RB; o += C) {  // output n0 + o / RB, row o % RB
+  if (int(o % RB) < rows) {
+    y[(ulong(o % RB) * G + g) * N + n0 + o / RB] = bfloat16_t(gemv_group_total<T, RB, C>(partial, grp, o));
   }
 }

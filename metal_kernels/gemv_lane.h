@@ -1,11 +1,14 @@
-// The lane arithmetic fp8_gemv and fp4_experts share (CUDA twin: gemv_lane.cuh).
+// The arithmetic fp8_gemv and fp4_experts share (CUDA twin: gemv_lane.cuh).
 //
-// gemv_lane_accumulate: a lane's 8 columns of one input row p (8 bf16 values, as a uint4)
-// times the lane's decoded weights wf[i][0..7] of NW output rows, added to acc[i][r] in
+// gemv_lane_accumulate: a thread's 8 columns of one input row p (8 bf16 values, as a uint4)
+// times the thread's decoded weights wf[i][0..7] of T output rows, added to acc[i][r] in
 // column order (float32 fma: the products of E4M3 or E2M1 values and bf16 values are exact).
-// gemv_lane_total: the 32 lanes' sums in a butterfly; every lane gets the same bits (each
-// step adds the same two numbers on both sides). Every lane of the simdgroup must call it.
-template <int NW, int RB>  // wf: [NW][8], acc: [NW][RB]
+// gemv_warp_totals: each (output, row) sum acc[o] over the 32 lanes of each simdgroup, in a
+// butterfly, into partial[simdgroup][o]; then a threadgroup barrier. Every thread calls it.
+// gemv_group_total: the sum of output-row o of thread group grp over its C / 32 simdgroups,
+// in simdgroup order. So each output's order of additions depends on K and C only: never on
+// how many rows the forward has.
+template <int T, int RB>  // wf: [T][8], acc: [T][RB]
 inline void gemv_lane_accumulate(const uint4 p, thread const float* wf, thread float* acc, const int r) {
   const uint pairs[4] = {p.x, p.y, p.z, p.w};
   float xf[8];  // bf16 bits -> float
@@ -13,16 +16,32 @@ inline void gemv_lane_accumulate(const uint4 p, thread const float* wf, thread f
     xf[2 * j] = as_type<float>(pairs[j] << 16);
     xf[2 * j + 1] = as_type<float>(pairs[j] & 0xFFFF0000u);
   }
-  for (int i = 0; i < NW; i++) {
+  for (int i = 0; i < T; i++) {
     for (int c = 0; c < 8; c++) {
       acc[i * RB + r] = fma(wf[i * 8 + c], xf[c], acc[i * RB + r]);
     }
   }
 }
 
-inline float gemv_lane_total(float v) {
-  for (ushort offset = 16; offset > 0; offset /= 2) {
-    v += simd_shuffle_xor(v, offset);
+template <int T, int RB>  // acc: [T][RB], partial: [8 simdgroups][T * RB]
+inline void gemv_warp_totals(thread const float* acc, threadgroup float* partial, const uint lane, const uint warp) {
+  for (int o = 0; o < T * RB; o++) {
+    float v = acc[o];
+    for (ushort offset = 16; offset > 0; offset /= 2) {
+      v += simd_shuffle_xor(v, offset);
+    }
+    if (lane == uint(o % 32)) {
+      partial[warp * T * RB + o] = v;
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+}
+
+template <int T, int RB, int C>
+inline float gemv_group_total(threadgroup const float* partial, const uint grp, const uint o) {
+  float v = partial[grp * (C / 32) * T * RB + o];
+  for (int s = 1; s < C / 32; s++) {
+    v += partial[(grp * (C / 32) + s) * T * RB + o];
   }
   return v;
 }

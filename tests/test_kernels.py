@@ -160,13 +160,13 @@ CASES = {
     "moe_gate_scores": (MOE_GATE_SCORES, {"x": "bfloat16", "w": "float32", "params": "float32", "sizes": "int32"},
                         {"scores": "float32"}, {"T": "bfloat16"}),
     "fp8_gemv": (FP8_GEMV, {"x": "bfloat16", "w": "uint32", "scales": "uint8", "sizes": "int32"}, {"y": "bfloat16"},
-                 {"RB": 8, "NW": 8}),
+                 {"RB": 8, "T": 4, "C": 32}),
     "fp8_gemv_16_rows": (FP8_GEMV, {"x": "bfloat16", "w": "uint32", "scales": "uint8", "sizes": "int32"},
-                         {"y": "bfloat16"}, {"RB": 16, "NW": 4}),
+                         {"y": "bfloat16"}, {"RB": 16, "T": 4, "C": 256}),
     "fp4_experts": (FP4_EXPERTS, {"x": "bfloat16", "w": "uint32", "scales": "uint8", "ids": "uint32",
-                                  "sizes": "int32"}, {"y": "bfloat16"}, {"RB": 8, "NW": 8}),
+                                  "sizes": "int32"}, {"y": "bfloat16"}, {"RB": 8, "T": 4, "C": 32}),
     "fp4_experts_16_rows": (FP4_EXPERTS, {"x": "bfloat16", "w": "uint32", "scales": "uint8", "ids": "uint32",
-                                         "sizes": "int32"}, {"y": "bfloat16"}, {"RB": 16, "NW": 2}),
+                                         "sizes": "int32"}, {"y": "bfloat16"}, {"RB": 16, "T": 4, "C": 128}),
     "moe_gate_topk": (MOE_GATE_TOPK, {"scores": "float32", "bias": "float32", "params": "float32", "rows": "int32"},
                       {"weights": "float32", "ids": "uint32"}, {"E": 384, "K": 6, "NORMALIZE": 1}),
 }
@@ -211,10 +211,10 @@ def test_metal_source_type_checks(case, rows, tmp_path):
     ("rms_norm", ("sq += v * v;", "sq += v * w;")),  # type error: w is a pointer
     ("rms_norm_quantised", ("fp8_fake_quant_lane(v)", "fp8_fake_quant_lanes(v)")),  # misspelt function
     ("sparse_attention", ("threadgroup float denom[G];", "threadgroup float denom[G]")),  # no semicolon
-    ("fp8_gemv", ("gemv_lane_total(acc[i][r])", "gemv_lane_total(acc[i])")),  # an array for a float
-    ("fp4_experts", ("E2M1_HALF((q >> (4 * c)) & 0xFu)", "E2M1_HALF((q >> (4 * c)) & 0xFu, c)")),  # bad macro call
+    ("fp8_gemv", ("gemv_warp_totals<T, RB>(&acc[0][0], partial,", "gemv_warp_totals<T, RB>(acc, partial,")),  # wrong type
+    ("fp4_experts", ("E2M1_HALF((word >> (4 * c)) & 0xFu)", "E2M1_HALF((word >> (4 * c)) & 0xFu, c)")),  # bad macro call
     ("fp4_experts", ("int slot[RB];", "int slot[RB]")),  # no semicolon
-    ("fp8_gemv", ("const uint2 q = *((const device uint2*)", "const uint2 q = *((const device uint4*)")),  # type error
+    ("fp8_gemv", ("q[i] = *((const device uint4*)", "q[i] = *((const device uint2*)")),  # type error
     ("sparse_attention", ("float(kv[ulong(key_row[j]) * D + d])", "float(kv[ulong(key_rows[j]) * D + d])")),
 ])
 def test_a_broken_metal_source_fails_the_check(case, breakage, tmp_path):
@@ -257,8 +257,8 @@ def test_cuda_source_compiles(case):
     ("rms_norm", ("rsqrtf(total / (float)D + eps[0])", "rsqrtf(total / (float)D + eps)")),  # pointer + float
     ("sparse_attention", ("denom[g] = total + expf(sink[h0 + g] - row_max);",
                           "denom[g] = total + expf(sinks[h0 + g]);")),  # misspelt variable
-    ("fp8_gemv", ("gemv_lane_accumulate<NW, RB>(p, &wf[0][0], &acc[0][0], r);",
-                  "gemv_lane_accumulate<NW, RB>(p, &wf[0][0], &acc[0][0]);")),
+    ("fp8_gemv", ("gemv_lane_accumulate<T, RB>(p, &wf[0][0], &acc[0][0], r);",
+                  "gemv_lane_accumulate<T, RB>(p, &wf[0][0], &acc[0][0]);")),
     ("fp4_experts", ("if (ids[q] == expert) {", "if (id[q] == expert) {")),  # misspelt variable
 ])
 def test_a_broken_cuda_source_fails_the_compile(case, breakage):

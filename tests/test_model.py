@@ -222,3 +222,42 @@ def test_overlapped_build_changes_no_bit(fixture_model, golden):
     whole = _run(fixture_model, ids, 5)
     assert mx.array_equal(overlapped[0], whole[0]).item() and mx.array_equal(overlapped[1], whole[1]).item()
     _assert_same_state(overlapped[2], whole[2])
+
+
+def test_routed_experts_take_the_fp4_kernel_for_a_decode_steps_pairs_on_a_gpu(monkeypatch):
+    """On a GPU, a decode or verify step's (row, expert) pairs run kernels.fp4_experts: the
+    gate and up projection with x per row, the down projection with x per pair. Prefill's
+    pairs grouped by expert, more than 16 rows, or a shape the kernel does not take keep MLX's
+    gather_qmm; either way the values are the spec's."""
+    from dsv41_mlx import kernels
+    from dsv41_mlx.model import Fp4Stack
+
+    calls = []
+
+    def experts(x, w, s, ids, impl=None, init_value=None):
+        calls.append((x.shape, ids.shape))
+        return kernels.fp4_experts_reference(x, w, s, ids)
+
+    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
+    monkeypatch.setattr(kernels, "fp4_experts", experts)
+    mx.random.seed(6)
+    stack = Fp4Stack(5, 256, 64)
+    stack.weight = mx.random.randint(0, 2**31, stack.weight.shape).astype(mx.uint32)
+    stack.scales = mx.random.randint(118, 124, stack.scales.shape).astype(mx.uint8)
+    for rows, per_pair, sorted_ids, kernel in ((1, False, False, True), (6, False, False, True),
+                                               (16, True, False, True), (17, False, False, False),
+                                               (4, False, True, False)):
+        calls.clear()
+        ids = mx.array(np.stack([np.random.default_rng(rows).permutation(5)[:3] for _ in range(rows)]).astype(np.uint32))
+        if sorted_ids:
+            ids = mx.sort(ids.flatten())[:, None]
+        x = mx.random.normal((ids.shape[0], 3 if per_pair else 1, 1, 256)).astype(mx.bfloat16)
+        got = stack(x, ids, sorted_ids)
+        assert calls == ([((rows, 3 if per_pair else 1, 256), (rows, 3))] if kernel else [])
+        want = mx.gather_qmm(x.astype(mx.float32), stack.weight, stack.scales, rhs_indices=ids, transpose=True,
+                             mode="mxfp4", sorted_indices=sorted_ids).astype(mx.bfloat16)
+        assert got.shape == want.shape and mx.array_equal(got, want).item()
+    calls.clear()
+    small = Fp4Stack(5, 128, 64)  # 128 inputs: not the kernel's
+    small(mx.zeros((2, 1, 1, 128)), mx.array([[0, 1], [2, 3]], dtype=mx.uint32))
+    assert calls == []
