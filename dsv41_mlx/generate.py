@@ -85,6 +85,11 @@ def warm_up(model, chunk: int = DEFAULT_PREFILL_CHUNK) -> float:
     for params in (SamplingParams(), SamplingParams(temperature=1.0)):
         for draft in (False, True) if model.drafter is not None else (False,):
             list(generate_step(model, prompt[:PREFILL_ROUND], params, 3, chunk, make_decoder(model, params, draft)))
+    # Start MLX's buffer cache afresh. On an H200 (MLX 0.32.4, CUDA), after these forwards the
+    # allocator stopped reusing buffers (its cache stayed empty through later steps) and a
+    # decode step took 88-93 ms against 56 ms before the warm-up; after mx.clear_cache() it
+    # reused them again and a step took 58 ms. Measured, not explained (docs/benchmarks.md).
+    mx.clear_cache()
     return time.perf_counter() - tic
 
 

@@ -96,7 +96,8 @@ def test_the_context_length_bounds_prompt_and_reply(default_model, monkeypatch):
 def test_warm_up_runs_every_chunk_shape_then_plain_and_drafted_tokens(default_model, monkeypatch):
     """generate.warm_up (server --warm-up, bench.py e2e) forwards a chunk of every padded row
     count a prompt can end in, on an empty cache and on one holding a chunk, then generates a
-    few tokens greedy and sampled, plain and drafted (measuring the verify costs)."""
+    few tokens greedy and sampled, plain and drafted (measuring the verify costs), and clears
+    MLX's buffer cache."""
     import importlib
 
     generate = importlib.import_module("dsv41_mlx.generate")  # the module (the package exports a function so named)
@@ -121,6 +122,7 @@ def test_warm_up_runs_every_chunk_shape_then_plain_and_drafted_tokens(default_mo
     assert not any(r % 16 and r != 40 for r, o in seen if r > 8)  # nothing else but decode / verify rows
     assert sorted(runs) == [(False, False), (False, True), (True, False), (True, True)]
     assert model.drafter.verify_costs is not None
+    assert mx.get_cache_memory() == 0  # the buffer cache started afresh
 
 
 def test_cli_prints_text_and_one_stats_line(cli_env):
