@@ -69,6 +69,30 @@ def timed(make_outputs, calls: int = 20, reps: int = 7) -> float:
     return statistics.median(samples)
 
 
+def chained(gemm, x0: mx.array, links: int = 40, reps: int = 3) -> float:
+    """Median seconds per GEMM when each waits for the one before, as a forward's GEMMs do
+    (`timed`'s calls are independent, and a GPU may overlap them). Link i takes x, runs
+    y = gemm(x, i) and feeds x0 + 0 * (a value of y) to link i + 1; the same chain with y = x
+    is timed too and its cost per link (two element-wise operations) subtracted."""
+    def per_link(step):
+        samples = []
+        for _ in range(reps):
+            x = x0
+            for i in range(links):
+                y = step(x, i)
+                y = y.reshape(x0.shape[0], -1, y.shape[-1])[:, : x0.shape[1], :1]
+                x = x0 + (y * 0).astype(x0.dtype)
+            mx.synchronize()
+            tic = time.perf_counter()
+            mx.eval(x)
+            mx.synchronize()
+            samples.append((time.perf_counter() - tic) / links)
+        return statistics.median(samples)
+
+    per_link(gemm)  # warm-up
+    return per_link(gemm) - per_link(lambda x, i: x)
+
+
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     """Bytes per second of a device copy (read + write), the ceiling the floors are computed from."""
     a = mx.random.uniform(shape=(nbytes // 4,))
@@ -719,13 +743,24 @@ def bench_gemms(rows: int = 8, experts: int = 24, dim: int = 5120, inter: int = 
             lambda i: mx.gather_qmm(xt, w13, s13, rhs_indices=ids, transpose=True, mode="mxfp4"), 10, 3) * 1e3
         out["routed"][f"routed down ({inter} -> {dim}), mxfp4, {name} in"] = timed(
             lambda i: mx.gather_qmm(ht, w2, s2, rhs_indices=ids, transpose=True, mode="mxfp4"), 10, 3) * 1e3
+    # chained, bf16 in: x per row [rows, 1, dim] into gate + up, x per pair [rows, top, inter] into down
+    xb, hb = x[:, 0].astype(mx.bfloat16), h[:, :, 0].astype(mx.bfloat16)
+    mx.eval(xb, hb)
+    up, down = (w13, s13), (w2, s2)
+    out["routed_chained"] = {
+        f"routed up ({dim} -> {inter}), mxfp4, bfloat16 in": chained(
+            lambda v, i: mx.gather_qmm(v[:, :, None], *up, rhs_indices=ids, transpose=True, mode="mxfp4"), xb) * 1e3,
+        f"routed down ({inter} -> {dim}), mxfp4, bfloat16 in": chained(
+            lambda v, i: mx.gather_qmm(v[:, :, None], *down, rhs_indices=ids, transpose=True, mode="mxfp4"), hb) * 1e3}
     if kernels.backend() != "mlx":  # each expert read once for all the rows that picked it
-        xb, hb = x[:, 0].astype(mx.bfloat16), h[:, :, 0].astype(mx.bfloat16)
-        mx.eval(xb, hb)
         out["routed"][f"routed up ({dim} -> {inter}), fp4_experts"] = timed(
             lambda i: kernels.fp4_experts(xb, w13, s13, ids), 10, 3) * 1e3
         out["routed"][f"routed down ({inter} -> {dim}), fp4_experts"] = timed(
             lambda i: kernels.fp4_experts(hb, w2, s2, ids), 10, 3) * 1e3
+        out["routed_chained"][f"routed up ({dim} -> {inter}), fp4_experts"] = chained(
+            lambda v, i: kernels.fp4_experts(v, *up, ids), xb) * 1e3
+        out["routed_chained"][f"routed down ({inter} -> {dim}), fp4_experts"] = chained(
+            lambda v, i: kernels.fp4_experts(v, *down, ids), hb) * 1e3
     del w13, s13, w2, s2
 
     dense, grouped, _ = quantised_gemm_shapes()
@@ -738,19 +773,21 @@ def bench_gemms(rows: int = 8, experts: int = 24, dim: int = 5120, inter: int = 
         xq = mx.random.normal((rows, groups, d_in)).astype(mx.bfloat16)
         mx.eval(ws, xq)
         if groups == 1:
-            def mlx_gemm(i):
+            def mlx_gemm(v, i):
                 w, sc = ws[i % copies]
-                return mx.quantized_matmul(xq[:, 0], w[0], sc[0], transpose=True, mode="mxfp8")
+                return mx.quantized_matmul(v[:, 0], w[0], sc[0], transpose=True, mode="mxfp8")
         else:
             g = mx.arange(groups)
 
-            def mlx_gemm(i):
+            def mlx_gemm(v, i):
                 w, sc = ws[i % copies]
-                return mx.gather_qmm(xq[:, :, None], w, sc, rhs_indices=g, transpose=True, mode="mxfp8")
+                return mx.gather_qmm(v[:, :, None], w, sc, rhs_indices=g, transpose=True, mode="mxfp8")
         row = {"shape": f"{groups} x {d_in} -> {d_out}" if groups > 1 else f"{d_in} -> {d_out}",
-               "MB": nbytes / 1e6, "mlx_ms": timed(mlx_gemm, 10, 3) * 1e3}
+               "MB": nbytes / 1e6, "mlx_ms": timed(lambda i: mlx_gemm(xq, i), 10, 3) * 1e3,
+               "mlx_chained_ms": chained(mlx_gemm, xq) * 1e3}
         if gpu:
             row["kernel_ms"] = timed(lambda i: kernels.fp8_gemv(xq, *ws[i % copies]), 10, 3) * 1e3
+            row["kernel_chained_ms"] = chained(lambda v, i: kernels.fp8_gemv(v, *ws[i % copies]), xq) * 1e3
         out["fp8"].append(row)
         del ws
     return out
@@ -761,22 +798,33 @@ def print_gemms(env: dict, res: dict) -> None:
           f"commit {env['commit']})\n")
     print(f"{res['rows']} rows; routed: top-6 of {res['experts']} experts; "
           f"copy bandwidth {res['copy_GBps']:.0f} GB/s\n")
-    print("| GEMM | ms per call |")
-    print("|---|---|")
+    print("ms per call: independent calls, 10 per evaluation (a GPU may overlap them); chained: each call "
+          "waiting for the one before, as in a forward\n")
+    print("| GEMM | ms per call | chained ms |")
+    print("|---|---|---|")
     for name, ms in res["routed"].items():
-        print(f"| {name} | {ms:.3f} |")
+        chain = res["routed_chained"].get(name)
+        print(f"| {name} | {ms:.3f} | {'-' if chain is None else f'{chain:.3f}'} |")
     print()
     kernel = any("kernel_ms" in r for r in res["fp8"])
-    print("| FP8 GEMM (bf16 in) | weights MB | floor ms | MLX ms | MLX / floor |"
-          + (" fp8_gemv ms | fp8_gemv / floor | MLX / fp8_gemv |" if kernel else ""))
-    print("|---|---|---|---|---|" + ("---|---|---|" if kernel else ""))
+    print("| FP8 GEMM (bf16 in) | weights MB | floor ms | MLX ms | MLX / floor | MLX chained ms |"
+          + (" fp8_gemv ms | fp8_gemv / floor | fp8_gemv chained ms | MLX / fp8_gemv | chained: MLX / fp8_gemv |"
+             if kernel else ""))
+    print("|---|---|---|---|---|---|" + ("---|---|---|---|---|" if kernel else ""))
     for r in res["fp8"]:
         floor = r["MB"] / 1e3 / res["copy_GBps"] * 1e3  # reading the weights once at the copy rate
-        line = f"| {r['shape']} | {r['MB']:.1f} | {floor:.4f} | {r['mlx_ms']:.4f} | {r['mlx_ms'] / floor:.2f} |"
+        line = (f"| {r['shape']} | {r['MB']:.1f} | {floor:.4f} | {r['mlx_ms']:.4f} | {r['mlx_ms'] / floor:.2f} | "
+                f"{r['mlx_chained_ms']:.4f} |")
         if "kernel_ms" in r:
-            line += f" {r['kernel_ms']:.4f} | {r['kernel_ms'] / floor:.2f} | {r['mlx_ms'] / r['kernel_ms']:.2f} |"
+            line += (f" {r['kernel_ms']:.4f} | {r['kernel_ms'] / floor:.2f} | {r['kernel_chained_ms']:.4f} | "
+                     f"{r['mlx_ms'] / r['kernel_ms']:.2f} | {_ratio(r['mlx_chained_ms'], r['kernel_chained_ms'])} |")
         print(line)
     print()
+
+
+def _ratio(a: float, b: float) -> str:
+    """a / b, or '-' where b is no more than noise (a chained cost at or under zero)."""
+    return f"{a / b:.2f}" if b > 0 else "-"
 
 
 def print_pieces(env: dict, res: dict, model: str) -> None:

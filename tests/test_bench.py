@@ -128,5 +128,20 @@ def test_gemms_times_every_fp8_shape(bench, monkeypatch, capsys):
     res = bench.bench_gemms(rows=3, experts=4, dim=256, inter=64, cache_bytes=1 << 16)
     assert [r["shape"] for r in res["fp8"]] == ["256 -> 64", "2 x 512 -> 32"]
     assert all(r["mlx_ms"] > 0 and "kernel_ms" not in r for r in res["fp8"]) and len(res["routed"]) == 4
+    assert all("mlx_chained_ms" in r for r in res["fp8"]) and len(res["routed_chained"]) == 2
+    assert set(res["routed_chained"]) <= set(res["routed"])
     bench.print_gemms(bench.environment(), res)
-    assert "| 2 x 512 -> 32 |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| 2 x 512 -> 32 |" in out and "chained" in out
+
+
+def test_chained_times_a_gemm_waiting_for_the_one_before(bench):
+    """`chained` charges a GEMM its latency in a chain: each link's input depends on the last
+    link's output, and the chain's own element-wise links are subtracted, so a GEMM that is
+    slower per call costs more per link, and nothing (up to noise) costs about zero."""
+    x = mx.random.normal((4, 1, 512))
+    w_small, w_big = mx.random.normal((512, 64)), mx.random.normal((512, 4096))
+    mx.eval(x, w_small, w_big)
+    small = bench.chained(lambda v, i: v[:, 0] @ w_small, x, links=20, reps=5)
+    big = bench.chained(lambda v, i: (v[:, 0] @ w_big) @ w_big.T, x, links=20, reps=5)
+    assert big > small and big > 0
