@@ -120,6 +120,25 @@ def _compiled(spec: KernelSpec, language: str):
                 source=spec.source(language), header=spec.header(language))
 
 
+@lru_cache(maxsize=4096)
+def _int32s(*values: int) -> mx.array:
+    """A kernel's small int32 argument (sizes, row counts), made and evaluated once per value
+    and shared by every later call, so that a forward allocates no argument arrays on the host
+    (on CUDA, MLX's allocator may hand a host allocation a device buffer from its cache and
+    copy it to managed memory, which waits for the device)."""
+    a = mx.array(values, dtype=mx.int32)
+    mx.eval(a)
+    return a
+
+
+@lru_cache(maxsize=256)
+def _float32s(*values: float) -> mx.array:
+    """As _int32s, for float32 arguments (epsilons, scales)."""
+    a = mx.array(values, dtype=mx.float32)
+    mx.eval(a)
+    return a
+
+
 # -------------------------------------------------------------------- fp8_rows
 
 def fp8_rows_reference(x: mx.array, w: Fp8Matrix, k: int = TOP_K) -> tuple[mx.array, mx.array]:
@@ -200,7 +219,7 @@ def ring_write(rings: mx.array, rows: mx.array, first: int, impl: str | None = N
     kernel = _compiled(RING_WRITE, impl)
     total = S * W * (D // 8)
     (out,) = kernel(inputs=[rings.view(mx.uint16), rows.astype(rings.dtype).view(mx.uint16),
-                            mx.array([first, M], dtype=mx.int32)],
+                            _int32s(int(first), M)],
                     template=[("S", S), ("W", W), ("D", D)],
                     grid=(-(-total // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
                     output_shapes=[rings.shape], output_dtypes=[mx.uint16])
@@ -239,8 +258,8 @@ def hc_split(mixes: mx.array, scale: mx.array, base: mx.array, hc: int, iters: i
         return hc_split_reference(mixes, scale, base, hc, iters, eps)
     kernel = _compiled(HC_SPLIT, impl)
     threads = min(S, 64)
-    return tuple(kernel(inputs=[mixes.astype(mx.float32), scale, base, mx.array([eps], dtype=mx.float32),
-                                mx.array([S], dtype=mx.int32)],
+    return tuple(kernel(inputs=[mixes.astype(mx.float32), scale, base, _float32s(eps),
+                                _int32s(S)],
                         template=[("HC", hc), ("ITERS", iters)],
                         grid=(-(-S // threads) * threads, 1, 1), threadgroup=(threads, 1, 1),
                         output_shapes=[(S, hc), (S, hc), (S, hc, hc)],
@@ -259,7 +278,7 @@ def act_quant_fp8(x: mx.array, impl: str, dtype: mx.Dtype | None = None) -> mx.a
         raise ValueError(f"act_quant_fp8 takes bfloat16/float32 with a last axis multiple of 32, got "
                          f"{x.dtype} {x.shape} -> {dtype}")
     kernel = _compiled(ACT_QUANT, impl)
-    (y,) = kernel(inputs=[x, mx.array([x.size], dtype=mx.int32)], template=[("T", x.dtype), ("O", dtype)],
+    (y,) = kernel(inputs=[x, _int32s(x.size)], template=[("T", x.dtype), ("O", dtype)],
                   grid=(-(-x.size // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
                   output_shapes=[x.shape], output_dtypes=[dtype])
     return y
@@ -308,12 +327,12 @@ def moe_gate(x: mx.array, w: mx.array, bias: mx.array, k: int, temp: float, rout
             or x.dtype not in (mx.bfloat16, mx.float32)):
         return moe_gate_reference(x, w, bias, k, temp, route_scale, normalize)
     (scores,) = _compiled(MOE_GATE_SCORES, impl)(
-        inputs=[x, w.astype(mx.float32), mx.array([temp], dtype=mx.float32), mx.array([N, E, D], dtype=mx.int32)],
+        inputs=[x, w.astype(mx.float32), _float32s(temp), _int32s(N, E, D)],
         template=[("T", x.dtype)], grid=(-(-E // 8) * 256, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[(N, E)], output_dtypes=[mx.float32])
     weights, ids = _compiled(MOE_GATE_TOPK, impl)(
-        inputs=[scores, bias.astype(mx.float32), mx.array([route_scale], dtype=mx.float32),
-                mx.array([N], dtype=mx.int32)],
+        inputs=[scores, bias.astype(mx.float32), _float32s(route_scale),
+                _int32s(N)],
         template=[("E", E), ("K", k), ("NORMALIZE", int(normalize))], grid=(N * 256, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[(N, k), (N, k)], output_dtypes=[mx.float32, mx.uint32])
     return weights, ids
@@ -348,8 +367,8 @@ def hc_input(h: mx.array, pre_in: mx.array, fn: mx.array, scale: mx.array, base:
     f32 = mx.float32  # the body reads these as float32 (a build is keyed by its template values only)
     return tuple(kernel(inputs=[h, pre_in.astype(f32), fn.astype(f32), scale.astype(f32), base.astype(f32),
                                 norm_w.astype(f32),
-                                mx.array([hc_norm_eps, eps, norm_eps], dtype=mx.float32),
-                                mx.array([S], dtype=mx.int32)],
+                                _float32s(hc_norm_eps, eps, norm_eps),
+                                _int32s(S)],
                         template=[("D", dim), ("HC", hc), ("ITERS", iters), ("O", quantize_to)],
                         grid=(S * 256, 1, 1), threadgroup=(256, 1, 1),
                         output_shapes=[(S, dim), (S, dim), (S, hc), (S, hc), (S, hc, hc)],
@@ -393,7 +412,7 @@ def sparse_attention_rows(q: mx.array, ring: mx.array, index: mx.array, window_m
     (out,) = kernel(inputs=[q, ring.astype(mx.bfloat16), index.astype(mx.int32), window_mask.astype(mx.bool_),
                             kv.astype(mx.bfloat16), ids.astype(mx.uint32), picked_mask.astype(mx.bool_),
                             sink.astype(mx.float32),
-                            mx.array([scale], dtype=mx.float32), mx.array([S], dtype=mx.int32)],
+                            _float32s(scale), _int32s(S)],
                     template=[("D", D), ("H", H), ("G", G), ("W", W), ("K", K)],
                     grid=(S * (H // G) * 256, 1, 1), threadgroup=(256, 1, 1),
                     output_shapes=[(S, H, D)], output_dtypes=[mx.bfloat16])
@@ -433,8 +452,8 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float, impl: str | None = None,
     rows = x.size // D
     out = quantize_to or x.dtype
     kernel = _compiled(RMS_NORM, impl)
-    (y,) = kernel(inputs=[x, weight.astype(mx.float32), mx.array([eps], dtype=mx.float32),
-                          mx.array([rows, D], dtype=mx.int32)],
+    (y,) = kernel(inputs=[x, weight.astype(mx.float32), _float32s(eps),
+                          _int32s(rows, D)],
                   template=[("T", x.dtype), ("O", out), ("QUANT", int(quantize_to is not None))],
                   grid=(rows * 256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[x.shape], output_dtypes=[out])
     return y
@@ -458,7 +477,7 @@ def fp4_quant(x: mx.array, block: int, e4m3_scale: bool, impl: str) -> mx.array:
         raise ValueError(f"fp4_quant takes bfloat16/float32 in blocks of 16 or 32 (size a multiple of 32), "
                          f"got {x.dtype} {x.shape} in blocks of {block} on {impl}")
     (y,) = _compiled(FP4_QUANT, impl)(
-        inputs=[x, mx.array([x.size], dtype=mx.int32)],
+        inputs=[x, _int32s(x.size)],
         template=[("T", x.dtype), ("BLOCK", block), ("SCALE_E4M3", int(e4m3_scale))],
         grid=(-(-x.size // 256) * 256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[x.shape], output_dtypes=[x.dtype])
     return y
@@ -525,7 +544,7 @@ def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None
                          f"32 and K of 256 on a GPU, got {x.shape} and {w.shape} on {impl}")
     S, G, K = x.shape
     N = w.shape[1]
-    return _gemv_launch(FP8_GEMV, impl, [x.astype(mx.bfloat16), w, scales, mx.array([S, N, K, G], dtype=mx.int32)],
+    return _gemv_launch(FP8_GEMV, impl, [x.astype(mx.bfloat16), w, scales, _int32s(S, N, K, G)],
                         S, K, G, (S, G, N), init_value)
 
 
@@ -576,5 +595,5 @@ def fp4_experts(x: mx.array, w: mx.array, scales: mx.array, ids: mx.array, impl:
     R, k = ids.shape
     N, K = w.shape[1], x.shape[2]
     return _gemv_launch(FP4_EXPERTS, impl, [x.astype(mx.bfloat16), w, scales, ids.astype(mx.uint32).reshape(-1),
-                                            mx.array([R, k, N, K, x.shape[1]], dtype=mx.int32)],
+                                            _int32s(R, k, N, K, x.shape[1])],
                         R, K, R * k, (R, k, N), init_value)

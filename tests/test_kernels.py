@@ -572,3 +572,27 @@ void split(constant float* scale, const device float* base, device float* pre, d
         src.write_text(prelude + header + caller)
         out = subprocess.run([clang(), "-std=c++17", "-fsyntax-only", str(src)], capture_output=True, text=True)
         assert (out.returncode == 0) == ok, out.stderr
+
+
+def test_kernel_arguments_are_made_once_per_value(monkeypatch):
+    """A kernel's small arguments (sizes, epsilons) are made once per value and passed again
+    on every later call, so that a forward allocates none on the host."""
+    from dsv41_mlx import kernels
+
+    seen = []
+
+    def compiled(spec, language):
+        def run(inputs, output_shapes, output_dtypes, **_):
+            seen.append(inputs[2:])
+            return [mx.zeros(shape, dtype=dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
+        return run
+
+    monkeypatch.setattr(kernels, "_compiled", compiled)
+    x, w = mx.ones((3, 64), dtype=mx.bfloat16), mx.ones((64,))
+    for _ in range(2):
+        kernels.rms_norm(x, w, 1e-6, impl="cuda")
+    (eps_a, sizes_a), (eps_b, sizes_b) = seen
+    assert eps_a is eps_b and sizes_a is sizes_b
+    assert sizes_a.tolist() == [3, 64] and sizes_a.dtype == mx.int32 and eps_a.dtype == mx.float32
+    kernels.rms_norm(x[:2], w, 1e-6, impl="cuda")
+    assert seen[-1][1].tolist() == [2, 64]
