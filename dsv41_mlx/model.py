@@ -345,6 +345,27 @@ class Compressor(nn.Module):
         return self.norm(pooled.astype(BF16)), first_group
 
 
+@mx.compile
+def head_weights(proj: mx.array, scale: float) -> mx.array:
+    """The indexer's per-head weights: the projection [S, H] times scale in fp32, in bf16."""
+    return (proj.astype(F32) * scale).astype(BF16)
+
+
+# The indexer's key count grows as a sequence does: shapeless, so that no length retraces
+@functools.partial(mx.compile, shapeless=True)
+def weighted_relu(dots: mx.array, w: mx.array) -> mx.array:
+    """relu(q . k) [S, H, T] (bf16) times each head's weight w [S, H], rounded to bf16 as the
+    reference does, then widened to fp32 for the sum over heads."""
+    return (mx.maximum(dots, 0) * w[:, :, None]).astype(F32)
+
+
+@functools.partial(mx.compile, shapeless=True)
+def visible_scores(summed: mx.array, key_ids: mx.array, visible: mx.array) -> mx.array:
+    """The head sum [S, T] rounded to bf16 (as the reference), fp32; -inf at the key ids [T] a
+    row may not see yet (id >= visible [S])."""
+    return mx.where(key_ids[None, :] < visible[:, None], summed.astype(BF16).astype(F32), -mx.inf)
+
+
 class Indexer(nn.Module):
     """Scores compressed positions per query and keeps the best `index_topk`.
 
@@ -384,11 +405,10 @@ class Indexer(nn.Module):
         S = x.shape[0]
         q = self.wq_b.quantized(qr).reshape(S, self.n_heads, self.head_dim)
         q = fp4_fake_quant(rope(q, positions), 32, "e8m0")
-        w = (self.weights_proj(x).astype(F32) * self.weight_scale).astype(BF16)  # [S, Hi]
-        dots = mx.maximum(q.astype(BF16) @ index_keys.astype(BF16).T, 0)  # [S, Hi, T] bf16
-        scores = (dots * w[:, :, None]).astype(F32).sum(axis=1).astype(BF16).astype(F32)  # [S, T]
+        w = head_weights(self.weights_proj(x), self.weight_scale)  # [S, Hi] bf16
+        dots = q.astype(BF16) @ index_keys.astype(BF16).T  # [S, Hi, T] bf16
         n = index_keys.shape[0]
-        scores = mx.where(mx.arange(n)[None, :] < visible[:, None], scores, -mx.inf)
+        scores = visible_scores(weighted_relu(dots, w).sum(axis=1), mx.arange(n), visible)  # [S, T]
         if self.is_candidate_source:
             shared.candidates = self._candidate_mask(scores, visible)
         elif self.uses_candidates:

@@ -7,7 +7,7 @@
 // FP8 fake-quantised activations); X = 1: all of a row's slots read x[r, 0] (the gate and
 // up projection), X = KS: slot j reads x[r, j] (the down projection). Output y: bf16
 // [rows, KS, N]. sizes [5] int32 = (rows, KS, N, K, X); rows <= RB. N a multiple of
-// (256 / C) * T, K of 16 * C.
+// (256 / C) * T, K of 32.
 //
 // The arithmetic is fp8_gemv's: an E2M1 code becomes the fp16 of its value / 2^14 by moving
 // bits (fp8_common.h), then a float times its scale * 2^14 (a power of two: exact); products

@@ -5,7 +5,7 @@
 // one E8M0 scale per row and 32 columns, scales [G, N, K / 32]. x: bf16 [rows, G, K]
 // (exact: an FP8 fake-quantised activation, or wo_a's bf16 one). Output y: bf16
 // [rows, G, N]. G = 1 for a dense GEMM; wo_a's 8 groups otherwise. sizes [4] int32 =
-// (rows, N, K, G); rows <= RB. N a multiple of (256 / C) * T, K of 16 * C.
+// (rows, N, K, G); rows <= RB. N a multiple of (256 / C) * T, K of 32.
 //
 // The arithmetic: an E4M3 code becomes the fp16 of its value / 256 by moving bits
 // (fp8_common.h), then a float times its scale * 256 (a power of two: exact). Its
