@@ -55,18 +55,20 @@ def environment() -> dict:
             "backend": device_backend() + kernels_note, "mlx": mx.__version__, "commit": commit}
 
 
+def evaluation_seconds(outputs) -> float:
+    """Seconds to evaluate outputs' lazy graph, the device idle before and finished after."""
+    mx.synchronize()
+    tic = time.perf_counter()
+    mx.eval(outputs)
+    mx.synchronize()
+    return time.perf_counter() - tic
+
+
 def timed(make_outputs, calls: int = 20, reps: int = 7) -> float:
     """Median seconds per call: `calls` calls built into one graph, evaluated together, `reps` times."""
     mx.eval(make_outputs(0))  # warm-up (compilation, allocation)
-    samples = []
-    for rep in range(reps):
-        outs = [make_outputs(rep * calls + i) for i in range(calls)]
-        mx.synchronize()
-        tic = time.perf_counter()
-        mx.eval(outs)
-        mx.synchronize()
-        samples.append((time.perf_counter() - tic) / calls)
-    return statistics.median(samples)
+    return statistics.median(
+        evaluation_seconds([make_outputs(rep * calls + i) for i in range(calls)]) / calls for rep in range(reps))
 
 
 def chained(gemm, x0: mx.array, links: int = 40, reps: int = 3) -> float:
@@ -74,20 +76,16 @@ def chained(gemm, x0: mx.array, links: int = 40, reps: int = 3) -> float:
     (`timed`'s calls are independent, and a GPU may overlap them). Link i takes x, runs
     y = gemm(x, i) and feeds x0 + 0 * (a value of y) to link i + 1; the same chain with y = x
     is timed too and its cost per link (two element-wise operations) subtracted."""
+    def chain(step):
+        x = x0
+        for i in range(links):
+            y = step(x, i)
+            y = y.reshape(x0.shape[0], -1, y.shape[-1])[:, : x0.shape[1], :1]
+            x = x0 + (y * 0).astype(x0.dtype)
+        return x
+
     def per_link(step):
-        samples = []
-        for _ in range(reps):
-            x = x0
-            for i in range(links):
-                y = step(x, i)
-                y = y.reshape(x0.shape[0], -1, y.shape[-1])[:, : x0.shape[1], :1]
-                x = x0 + (y * 0).astype(x0.dtype)
-            mx.synchronize()
-            tic = time.perf_counter()
-            mx.eval(x)
-            mx.synchronize()
-            samples.append((time.perf_counter() - tic) / links)
-        return statistics.median(samples)
+        return statistics.median(evaluation_seconds(chain(step)) / links for _ in range(reps))
 
     per_link(gemm)  # warm-up
     return per_link(gemm) - per_link(lambda x, i: x)
