@@ -108,9 +108,9 @@ HC_INPUT = KernelSpec("hc_input", ("h", "pre_in", "fn", "scale", "base", "norm_w
                       ("x", "xq", "pre", "post", "comb"), "hc_input.metal", "hc_input.cu", header_files=(),
                       twin_headers=("hc_split_row", "fp8_lane"))
 FP8_GEMV = KernelSpec("fp8_gemv", ("x", "w", "scales", "sizes"), ("y",), "fp8_gemv.metal", "fp8_gemv.cu",
-                      twin_headers=("gemv_lane",))
+                      twin_headers=("fp8_lane", "gemv_lane"))
 FP4_EXPERTS = KernelSpec("fp4_experts", ("x", "w", "scales", "ids", "sizes"), ("y",), "fp4_experts.metal",
-                         "fp4_experts.cu", twin_headers=("gemv_lane",))
+                         "fp4_experts.cu", twin_headers=("fp8_lane", "gemv_lane"))
 
 
 @lru_cache(maxsize=None)
@@ -485,12 +485,21 @@ def fp4_quant(x: mx.array, block: int, e4m3_scale: bool, impl: str) -> mx.array:
 
 # -------------------------------------------------------------------- fp8_gemv
 
-def fp8_gemv_reference(x: mx.array, w: mx.array, scales: mx.array) -> mx.array:
+def fp8_gemv_reference(x: mx.array, w: mx.array, scales: mx.array, quantize_input: bool = False) -> mx.array:
     """Pure-MLX spec: x [S, G, K] through G `mxfp8` matrices w [G, N, K/4] (scales [G, N, K/32]),
     group g of every row through matrix g -> bf16 [S, G, N], accumulated in float32. (A
     gather_qmm: MLX 0.32.4's CUDA quantized_matmul does not broadcast stacked weights over
-    rows, as the H200 showed: other values from the second row on.)"""
-    return _gathered(x, w, scales, mx.arange(w.shape[0]), "mxfp8").astype(mx.bfloat16)
+    rows, as the H200 showed: other values from the second row on.) quantize_input: x FP8
+    fake-quantised first (quant.fp8_fake_quant)."""
+    return _gathered(_quantized_input(x, quantize_input), w, scales, mx.arange(w.shape[0]),
+                     "mxfp8").astype(mx.bfloat16)
+
+
+def _quantized_input(x: mx.array, quantize: bool) -> mx.array:
+    """x, or x through the FP8 fake-quant spec (the GEMV kernels' QX), in x's dtype."""
+    from .quant import fp8_fake_quant_reference  # quant imports this module
+
+    return fp8_fake_quant_reference(x) if quantize else x
 
 
 def _gathered(x: mx.array, w: mx.array, scales: mx.array, ids: mx.array, mode: str) -> mx.array:
@@ -531,32 +540,43 @@ def gemv_threads_per_output(k: int) -> int:
 
 
 def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None,
-             init_value: float | None = None) -> mx.array:
+             init_value: float | None = None, quantize_input: bool = False) -> mx.array:
     """The FP8 GEMMs of a decode or verify step in one launch each: x [S, G, K] (FP8
     fake-quantised or bf16 values, exact in bf16) through G `mxfp8` matrices w [G, N, K/4] ->
     bf16 [S, G, N] (G = 1: a dense GEMM; attention's wo_a: its groups). Each weight byte is
     read once for all rows; the spec is fp8_gemv_reference (MLX's gather_qmm), equal up to the
     order of the float32 sums (scripts/check_kernels.py); only where fp8_gemv_fits.
-    init_value poisons the output before the launch (for checks)."""
+    init_value poisons the output before the launch (for checks). quantize_input: x is a bf16
+    activation the kernel FP8 fake-quantises as it reads it: the bits of quant.fp8_input
+    followed by this kernel, in one launch."""
     impl = impl or backend()
     if not fp8_gemv_fits(x, w, impl):
         raise ValueError(f"fp8_gemv takes x [<= {DECODE_MAX_ROWS}, G, K] and w [G, N, K/4] with N a multiple of "
                          f"32 and K of 256 on a GPU, got {x.shape} and {w.shape} on {impl}")
+    _bf16_to_quantize(x, quantize_input)
     S, G, K = x.shape
     N = w.shape[1]
     return _gemv_launch(FP8_GEMV, impl, [x.astype(mx.bfloat16), w, scales, _int32s(S, N, K, G)],
-                        S, K, G, (S, G, N), init_value)
+                        S, K, G, (S, G, N), init_value, quantize_input)
+
+
+def _bf16_to_quantize(x: mx.array, quantize_input: bool) -> None:
+    """The GEMV kernels quantise only bf16 input: a wider one would be rounded to bf16 first,
+    and rounded twice it could land elsewhere than the spec's one rounding."""
+    if quantize_input and x.dtype != mx.bfloat16:
+        raise ValueError(f"a GEMV kernel quantises bfloat16 input only, got {x.dtype}")
 
 
 def _gemv_launch(spec: KernelSpec, impl: str, inputs: list, rows: int, k: int, sets: int, out_shape: tuple,
-                 init_value: float | None) -> mx.array:
+                 init_value: float | None, quantize_input: bool) -> mx.array:
     """Launch fp8_gemv or fp4_experts for up to 16 rows and k inputs: `sets` sets of
     out_shape[-1] outputs (matrices, or (row, expert) pairs), a threadgroup of 256 threads per
     (256 / C) * GEMV_OUTPUTS outputs of a set -> bf16."""
     n = out_shape[-1]
     threads = gemv_threads_per_output(k)
     (y,) = _compiled(spec, impl)(
-        inputs=inputs, template=[("RB", 8 if rows <= 8 else 16), ("T", GEMV_OUTPUTS), ("C", threads)],
+        inputs=inputs, template=[("RB", 8 if rows <= 8 else 16), ("T", GEMV_OUTPUTS), ("C", threads),
+                                 ("QX", int(quantize_input))],
         grid=(sets * n // (256 // threads * GEMV_OUTPUTS) * 256, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[out_shape], output_dtypes=[mx.bfloat16], init_value=init_value)
     return y
@@ -564,11 +584,12 @@ def _gemv_launch(spec: KernelSpec, impl: str, inputs: list, rows: int, k: int, s
 
 # ----------------------------------------------------------------- fp4_experts
 
-def fp4_experts_reference(x: mx.array, w: mx.array, scales: mx.array, ids: mx.array) -> mx.array:
+def fp4_experts_reference(x: mx.array, w: mx.array, scales: mx.array, ids: mx.array,
+                          quantize_input: bool = False) -> mx.array:
     """Pure-MLX spec: pair (r, j) = row r's j-th expert ids[r, j] of the `mxfp4` stack w [E, N, K/8]
     (scales [E, N, K/32]) applied to x[r, 0] (x [R, 1, K]) or x[r, j] (x [R, k, K]) -> bf16
-    [R, k, N], accumulated in float32."""
-    return _gathered(x, w, scales, ids, "mxfp4").astype(mx.bfloat16)
+    [R, k, N], accumulated in float32. quantize_input: x FP8 fake-quantised first."""
+    return _gathered(_quantized_input(x, quantize_input), w, scales, ids, "mxfp4").astype(mx.bfloat16)
 
 
 def fp4_experts_fits(x: mx.array, w: mx.array, ids: mx.array, impl: str | None = None) -> bool:
@@ -580,20 +601,21 @@ def fp4_experts_fits(x: mx.array, w: mx.array, ids: mx.array, impl: str | None =
 
 
 def fp4_experts(x: mx.array, w: mx.array, scales: mx.array, ids: mx.array, impl: str | None = None,
-                init_value: float | None = None) -> mx.array:
+                init_value: float | None = None, quantize_input: bool = False) -> mx.array:
     """The routed experts' FP4 GEMMs of a decode or verify step in one launch: x [R, 1 or k, K]
     (FP8 fake-quantised, exact in bf16) through each row's experts ids [R, k] of the `mxfp4`
     stack w [E, N, K/8] -> bf16 [R, k, N], each expert's weights read once for all the rows
     that picked it (MLX's gather_qmm reads them once per (row, expert) pair). The spec is
     fp4_experts_reference, equal up to the order of the float32 sums; only where
     fp4_experts_fits. A row's experts must be distinct (a router's top-k are). init_value
-    poisons the output before the launch (for checks)."""
+    poisons the output before the launch (for checks); quantize_input as fp8_gemv's."""
     impl = impl or backend()
     if not fp4_experts_fits(x, w, ids, impl):
         raise ValueError(f"fp4_experts takes x [<= {DECODE_MAX_ROWS}, 1 or k, K], ids [R, k] and w [E, N, K/8] with N "
                          f"a multiple of 32 and K of 256 on a GPU, got {x.shape}, {ids.shape} and {w.shape} on {impl}")
+    _bf16_to_quantize(x, quantize_input)
     R, k = ids.shape
     N, K = w.shape[1], x.shape[2]
     return _gemv_launch(FP4_EXPERTS, impl, [x.astype(mx.bfloat16), w, scales, ids.astype(mx.uint32).reshape(-1),
                                             _int32s(R, k, N, K, x.shape[1])],
-                        R, K, R * k, (R, k, N), init_value)
+                        R, K, R * k, (R, k, N), init_value, quantize_input)

@@ -21,8 +21,9 @@
 // finds all the pairs that picked it (at most one per row) and runs them together, as
 // fp8_gemv runs its rows: a thread group of C threads owns T outputs and splits K, thread c
 // taking columns 16c .. 16c + 15 of every 16 * C (8 bytes of each weight row per step).
+// QX = 1: x not yet FP8 fake-quantised, the kernel quantises it as it reads it (fp8_gemv.metal).
 // Template constants: RB (a bound on rows: 8 or 16), T (outputs per thread group), C
-// (threads per thread group, a multiple of 32).
+// (threads per thread group, a multiple of 32), QX (0 or 1).
 // CUDA twin: fp4_experts.cu.
 
 threadgroup float partial[8 * T * RB];  // each simdgroup's sums (gemv_warp_totals)
@@ -58,7 +59,29 @@ const uint words = uint(K) / 8;
 const uint blocks = uint(K) / 32;
 
 float acc[T][RB] = {};  // [output][row]
-for (uint k = 16 * col; k < uint(K); k += 16 * C) {  // this thread's 16 columns k .. k + 15
+const uint steps = (uint(K) + 16 * C - 1) / (16 * C);
+for (uint s = 0; s < steps; s++) {
+  const uint k = 16 * col + s * 16 * C;  // this thread's 16 columns k .. k + 15
+  const bool active = k < uint(K);
+  if (!QX && !active) {
+    break;
+  }
+  float xs[RB];  // QX: each pair's scale for the block of 32 columns holding k (this thread's and its neighbour's)
+  if (QX) {
+    for (int r = 0; r < RB; r++) {
+      if (slot[r] >= 0) {
+        float amax = 0.0f;
+        if (active) {
+          const device bfloat16_t* xr = x + ulong(r * X + (X > 1 ? slot[r] : 0)) * K + k;
+          amax = gemv_amax16(*((const device uint4*)xr), *((const device uint4*)(xr + 8)));
+        }
+        xs[r] = fp8_block_scale(metal::max(amax, simd_shuffle_xor(amax, ushort(1))));  // every lane takes part
+      }
+    }
+  }
+  if (!active) {
+    continue;
+  }
   uint2 q[T];  // 16 E2M1 codes of each output row
   float sc[T];
   for (int i = 0; i < T; i++) {
@@ -77,7 +100,10 @@ for (uint k = 16 * col; k < uint(K); k += 16 * C) {  // this thread's 16 columns
     for (int r = 0; r < RB; r++) {
       if (slot[r] >= 0) {
         const int xr = r * X + (X > 1 ? slot[r] : 0);
-        const uint4 p = *((const device uint4*)(x + ulong(xr) * K + k + 8 * h));
+        uint4 p = *((const device uint4*)(x + ulong(xr) * K + k + 8 * h));
+        if (QX) {
+          p = gemv_fake_quant8(p, xs[r]);
+        }
         gemv_lane_accumulate<T, RB>(p, &wf[0][0], &acc[0][0], r);
       }
     }

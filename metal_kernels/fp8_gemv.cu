@@ -16,7 +16,30 @@ const unsigned int words = (unsigned int)K / 4;
 const unsigned int blocks = (unsigned int)K / 32;
 
 float acc[T][RB] = {};  // [output][row]
-for (unsigned int k = 16 * col; k < (unsigned int)K; k += 16 * C) {  // this thread's 16 columns k .. k + 15
+const unsigned int steps = ((unsigned int)K + 16 * C - 1) / (16 * C);
+for (unsigned int s = 0; s < steps; s++) {
+  const unsigned int k = 16 * col + s * 16 * C;  // this thread's 16 columns k .. k + 15
+  const bool active = k < (unsigned int)K;
+  if (!QX && !active) {
+    break;
+  }
+  float xs[RB];  // QX: each row's scale for the block of 32 columns holding k (this thread's and its neighbour's)
+  if (QX) {
+#pragma unroll
+    for (int r = 0; r < RB; r++) {
+      if (r < rows) {
+        float amax = 0.0f;
+        if (active) {
+          const __nv_bfloat16* xr = x + ((size_t)r * G + g) * K + k;
+          amax = gemv_amax16(__ldg(reinterpret_cast<const uint4*>(xr)), __ldg(reinterpret_cast<const uint4*>(xr + 8)));
+        }
+        xs[r] = fp8_block_scale(fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1)));  // every lane takes part
+      }
+    }
+  }
+  if (!active) {
+    continue;
+  }
   uint4 q[T];  // 16 E4M3 codes of each output row
   float sc[T];
 #pragma unroll
@@ -44,7 +67,10 @@ for (unsigned int k = 16 * col; k < (unsigned int)K; k += 16 * C) {  // this thr
 #pragma unroll
     for (int r = 0; r < RB; r++) {
       if (r < rows) {
-        const uint4 p = __ldg(reinterpret_cast<const uint4*>(x + ((size_t)r * G + g) * K + k + 8 * h));
+        uint4 p = __ldg(reinterpret_cast<const uint4*>(x + ((size_t)r * G + g) * K + k + 8 * h));
+        if (QX) {
+          p = gemv_fake_quant8(p, xs[r]);
+        }
         gemv_lane_accumulate<T, RB>(p, &wf[0][0], &acc[0][0], r);
       }
     }

@@ -21,8 +21,13 @@
 // of its T weight rows and 16 values of x per row, which serve all T outputs. Splitting K
 // puts many threads on each output, so that a small GEMM still has bytes in flight on every
 // core (the decode step is a chain of GEMMs, each waiting for the last).
+// QX = 1: x is a bf16 activation not yet FP8 fake-quantised; the kernel quantises each row's
+// blocks of 32 as it reads them (fp8_lane.h), two neighbouring threads exchanging their
+// halves' largest magnitudes, which gives the bits of act_quant followed by QX = 0 (one
+// launch fewer). Every thread then runs the same number of steps (the exchange needs all
+// lanes), the steps past K only taking part in it.
 // Template constants: RB (a bound on rows: 8 or 16), T (outputs per thread group), C
-// (threads per thread group, a multiple of 32). CUDA twin: fp8_gemv.cu.
+// (threads per thread group, a multiple of 32), QX (0 or 1). CUDA twin: fp8_gemv.cu.
 
 threadgroup float partial[8 * T * RB];  // each simdgroup's sums (gemv_warp_totals)
 const int rows = sizes[0];
@@ -39,7 +44,29 @@ const uint words = uint(K) / 4;
 const uint blocks = uint(K) / 32;
 
 float acc[T][RB] = {};  // [output][row]
-for (uint k = 16 * col; k < uint(K); k += 16 * C) {  // this thread's 16 columns k .. k + 15
+const uint steps = (uint(K) + 16 * C - 1) / (16 * C);
+for (uint s = 0; s < steps; s++) {
+  const uint k = 16 * col + s * 16 * C;  // this thread's 16 columns k .. k + 15
+  const bool active = k < uint(K);
+  if (!QX && !active) {
+    break;
+  }
+  float xs[RB];  // QX: each row's scale for the block of 32 columns holding k (this thread's and its neighbour's)
+  if (QX) {
+    for (int r = 0; r < RB; r++) {
+      if (r < rows) {
+        float amax = 0.0f;
+        if (active) {
+          const device bfloat16_t* xr = x + (ulong(r) * G + g) * K + k;
+          amax = gemv_amax16(*((const device uint4*)xr), *((const device uint4*)(xr + 8)));
+        }
+        xs[r] = fp8_block_scale(metal::max(amax, simd_shuffle_xor(amax, ushort(1))));  // every lane takes part
+      }
+    }
+  }
+  if (!active) {
+    continue;
+  }
   uint4 q[T];  // 16 E4M3 codes of each output row
   float sc[T];
   for (int i = 0; i < T; i++) {
@@ -62,7 +89,10 @@ for (uint k = 16 * col; k < uint(K); k += 16 * C) {  // this thread's 16 columns
     }
     for (int r = 0; r < RB; r++) {
       if (r < rows) {
-        const uint4 p = *((const device uint4*)(x + (ulong(r) * G + g) * K + k + 8 * h));
+        uint4 p = *((const device uint4*)(x + (ulong(r) * G + g) * K + k + 8 * h));
+        if (QX) {
+          p = gemv_fake_quant8(p, xs[r]);
+        }
         gemv_lane_accumulate<T, RB>(p, &wf[0][0], &acc[0][0], r);
       }
     }

@@ -42,3 +42,24 @@ __device__ __forceinline__ float gemv_group_total(const float* partial, const un
   }
   return v;
 }
+
+__device__ __forceinline__ float gemv_amax16(const uint4 p0, const uint4 p1) {  // max |v| of 16 bf16 values
+  const unsigned int pairs[8] = {p0.x, p0.y, p0.z, p0.w, p1.x, p1.y, p1.z, p1.w};
+  float amax = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 8; j++) {
+    amax = fmaxf(amax, fmaxf(fabsf(__uint_as_float(pairs[j] << 16)), fabsf(__uint_as_float(pairs[j] & 0xFFFF0000u))));
+  }
+  return amax;
+}
+
+__device__ __forceinline__ uint4 gemv_fake_quant8(const uint4 p, const float scale) {  // 8 bf16 values, E4M3-rounded
+  unsigned int pairs[4] = {p.x, p.y, p.z, p.w};
+#pragma unroll
+  for (int j = 0; j < 4; j++) {
+    const float lo = fp8_fake_quant_value(__uint_as_float(pairs[j] << 16), scale);
+    const float hi = fp8_fake_quant_value(__uint_as_float(pairs[j] & 0xFFFF0000u), scale);
+    pairs[j] = (__float_as_uint(lo) >> 16) | (__float_as_uint(hi) & 0xFFFF0000u);  // exact in bf16
+  }
+  return make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
+}

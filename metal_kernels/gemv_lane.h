@@ -8,6 +8,9 @@
 // gemv_group_total: the sum of output-row o of thread group grp over its C / 32 simdgroups,
 // in simdgroup order. So each output's order of additions depends on K and C only: never on
 // how many rows the forward has.
+// gemv_amax16, gemv_fake_quant8: for kernels that FP8 fake-quantise their input as they read
+// it (QX): the largest magnitude of 16 bf16 values (a thread's half of a block of 32), and 8
+// bf16 values through fp8_fake_quant_value with their block's scale, as bf16 again (exact).
 template <int T, int RB>  // wf: [T][8], acc: [T][RB]
 inline void gemv_lane_accumulate(const uint4 p, thread const float* wf, thread float* acc, const int r) {
   const uint pairs[4] = {p.x, p.y, p.z, p.w};
@@ -44,4 +47,24 @@ inline float gemv_group_total(threadgroup const float* partial, const uint grp, 
     v += partial[(grp * (C / 32) + s) * T * RB + o];
   }
   return v;
+}
+
+inline float gemv_amax16(const uint4 p0, const uint4 p1) {
+  const uint pairs[8] = {p0.x, p0.y, p0.z, p0.w, p1.x, p1.y, p1.z, p1.w};
+  float amax = 0.0f;
+  for (int j = 0; j < 8; j++) {
+    amax = metal::max(amax, metal::max(metal::abs(as_type<float>(pairs[j] << 16)),
+                                       metal::abs(as_type<float>(pairs[j] & 0xFFFF0000u))));
+  }
+  return amax;
+}
+
+inline uint4 gemv_fake_quant8(const uint4 p, const float scale) {
+  uint pairs[4] = {p.x, p.y, p.z, p.w};
+  for (int j = 0; j < 4; j++) {
+    const float lo = fp8_fake_quant_value(as_type<float>(pairs[j] << 16), scale);
+    const float hi = fp8_fake_quant_value(as_type<float>(pairs[j] & 0xFFFF0000u), scale);
+    pairs[j] = (as_type<uint>(lo) >> 16) | (as_type<uint>(hi) & 0xFFFF0000u);  // exact in bf16
+  }
+  return uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
 }

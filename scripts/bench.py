@@ -786,6 +786,11 @@ def bench_gemms(rows: int = 8, experts: int = 24, dim: int = 5120, inter: int = 
         if gpu:
             row["kernel_ms"] = timed(lambda i: kernels.fp8_gemv(xq, *ws[i % copies]), 10, 3) * 1e3
             row["kernel_chained_ms"] = chained(lambda v, i: kernels.fp8_gemv(v, *ws[i % copies]), xq) * 1e3
+            # an activation not yet quantised: act_quant then the kernel, or the kernel quantising as it reads
+            row["act_quant_kernel_chained_ms"] = chained(
+                lambda v, i: kernels.fp8_gemv(kernels.act_quant_fp8(v, kernels.backend()), *ws[i % copies]), xq) * 1e3
+            row["quantizing_kernel_chained_ms"] = chained(
+                lambda v, i: kernels.fp8_gemv(v, *ws[i % copies], quantize_input=True), xq) * 1e3
         out["fp8"].append(row)
         del ws
     return out
@@ -818,6 +823,14 @@ def print_gemms(env: dict, res: dict) -> None:
                      f"{r['mlx_ms'] / r['kernel_ms']:.2f} | {_ratio(r['mlx_chained_ms'], r['kernel_chained_ms'])} |")
         print(line)
     print()
+    if any("quantizing_kernel_chained_ms" in r for r in res["fp8"]):
+        print("An activation not yet FP8 fake-quantised, chained ms: act_quant then fp8_gemv (two launches), "
+              "against fp8_gemv quantising as it reads (one)\n")
+        print("| FP8 GEMM | act_quant + fp8_gemv | fp8_gemv quantising |")
+        print("|---|---|---|")
+        for r in res["fp8"]:
+            print(f"| {r['shape']} | {r['act_quant_kernel_chained_ms']:.4f} | {r['quantizing_kernel_chained_ms']:.4f} |")
+        print()
 
 
 def _ratio(a: float, b: float) -> str:

@@ -339,6 +339,34 @@ def check_fp8_gemv(impl: str, seed: int) -> list[str]:
             problems.extend([problem] if problem else [])
             if rows in (8, 16) and not mx.array_equal(fp8_gemv(x[:1], w, s, impl=impl), got[:1]).item():
                 problems.append(f"{name}: row 0 alone differs from row 0 of {rows}")
+            problems.extend(quantizing_problems(name, lambda v, **kw: fp8_gemv(v, w, s, impl=impl, **kw),
+                                                (rows, groups, d_in), rows in (8, 16)))
+    return problems
+
+
+def raw_activation(shape) -> mx.array:
+    """bf16 values not yet FP8 fake-quantised, of magnitudes far apart from block to block (so
+    that the blocks' scales differ), with zeros and a negative zero."""
+    blocks = shape[:-1] + (shape[-1] // 32,)
+    x = mx.random.normal(blocks + (32,)) * mx.power(2.0, mx.random.randint(-12, 8, blocks + (1,)).astype(mx.float32))
+    x = x.reshape(shape).astype(mx.bfloat16)
+    return mx.concatenate([x[..., :-2], mx.zeros(shape[:-1] + (1,), dtype=mx.bfloat16),
+                           mx.full(shape[:-1] + (1,), -0.0, dtype=mx.bfloat16)], axis=-1)
+
+
+def quantizing_problems(name: str, kernel, shape, alone: bool) -> list[str]:
+    """A GEMV kernel that FP8 fake-quantises its input as it reads it (quantize_input) against
+    the same kernel fed the spec's fake-quantised input: the same bits, outputs poisoned; and a
+    row alone the same bits as among the others."""
+    x = raw_activation(shape)
+    got = kernel(x, quantize_input=True, init_value=POISON)
+    problems = []
+    differ = bits_differ(got, kernel(fp8_fake_quant_reference(x)))
+    if differ:
+        problems.append(f"{name}, quantising its input: {differ} values differ from the kernel fed the "
+                        f"fake-quantised input")
+    if alone and not mx.array_equal(kernel(x[:1], quantize_input=True), got[:1]).item():
+        problems.append(f"{name}, quantising its input: row 0 alone differs")
     return problems
 
 
@@ -367,6 +395,9 @@ def check_fp4_experts(impl: str, seed: int) -> list[str]:
                 problems.extend([problem] if problem else [])
                 if rows in (8, 16) and not mx.array_equal(fp4_experts(x[:1], w, s, ids[:1], impl=impl), got[:1]).item():
                     problems.append(f"{name}: row 0 alone differs from row 0 of {rows}")
+                problems.extend(quantizing_problems(
+                    name, lambda v, **kw: fp4_experts(v, w, s, ids if v.shape[0] == rows else ids[:1], impl=impl, **kw),
+                    x.shape, rows in (8, 16)))
     return problems
 
 

@@ -160,13 +160,17 @@ CASES = {
     "moe_gate_scores": (MOE_GATE_SCORES, {"x": "bfloat16", "w": "float32", "params": "float32", "sizes": "int32"},
                         {"scores": "float32"}, {"T": "bfloat16"}),
     "fp8_gemv": (FP8_GEMV, {"x": "bfloat16", "w": "uint32", "scales": "uint8", "sizes": "int32"}, {"y": "bfloat16"},
-                 {"RB": 8, "T": 4, "C": 32}),
+                 {"RB": 8, "T": 4, "C": 32, "QX": 0}),
     "fp8_gemv_16_rows": (FP8_GEMV, {"x": "bfloat16", "w": "uint32", "scales": "uint8", "sizes": "int32"},
-                         {"y": "bfloat16"}, {"RB": 16, "T": 4, "C": 256}),
+                         {"y": "bfloat16"}, {"RB": 16, "T": 4, "C": 256, "QX": 0}),
     "fp4_experts": (FP4_EXPERTS, {"x": "bfloat16", "w": "uint32", "scales": "uint8", "ids": "uint32",
-                                  "sizes": "int32"}, {"y": "bfloat16"}, {"RB": 8, "T": 4, "C": 32}),
+                                  "sizes": "int32"}, {"y": "bfloat16"}, {"RB": 8, "T": 4, "C": 32, "QX": 0}),
     "fp4_experts_16_rows": (FP4_EXPERTS, {"x": "bfloat16", "w": "uint32", "scales": "uint8", "ids": "uint32",
-                                         "sizes": "int32"}, {"y": "bfloat16"}, {"RB": 16, "T": 4, "C": 128}),
+                                         "sizes": "int32"}, {"y": "bfloat16"}, {"RB": 16, "T": 4, "C": 128, "QX": 0}),
+    "fp8_gemv_quantizing": (FP8_GEMV, {"x": "bfloat16", "w": "uint32", "scales": "uint8", "sizes": "int32"},
+                            {"y": "bfloat16"}, {"RB": 16, "T": 4, "C": 64, "QX": 1}),
+    "fp4_experts_quantizing": (FP4_EXPERTS, {"x": "bfloat16", "w": "uint32", "scales": "uint8", "ids": "uint32",
+                                            "sizes": "int32"}, {"y": "bfloat16"}, {"RB": 8, "T": 4, "C": 32, "QX": 1}),
     "moe_gate_topk": (MOE_GATE_TOPK, {"scores": "float32", "bias": "float32", "params": "float32", "rows": "int32"},
                       {"weights": "float32", "ids": "uint32"}, {"E": 384, "K": 6, "NORMALIZE": 1}),
 }
@@ -215,6 +219,7 @@ def test_metal_source_type_checks(case, rows, tmp_path):
     ("fp4_experts", ("E2M1_HALF((word >> (4 * c)) & 0xFu)", "E2M1_HALF((word >> (4 * c)) & 0xFu, c)")),  # bad macro call
     ("fp4_experts", ("int slot[RB];", "int slot[RB]")),  # no semicolon
     ("fp8_gemv", ("q[i] = *((const device uint4*)", "q[i] = *((const device uint2*)")),  # type error
+    ("fp4_experts_quantizing", ("simd_shuffle_xor(amax, ushort(1))", "simd_shuffle_xor(amax)")),  # bad call
     ("sparse_attention", ("float(kv[ulong(key_row[j]) * D + d])", "float(kv[ulong(key_rows[j]) * D + d])")),
 ])
 def test_a_broken_metal_source_fails_the_check(case, breakage, tmp_path):
@@ -260,6 +265,7 @@ def test_cuda_source_compiles(case):
     ("fp8_gemv", ("gemv_lane_accumulate<T, RB>(p, &wf[0][0], &acc[0][0], r);",
                   "gemv_lane_accumulate<T, RB>(p, &wf[0][0], &acc[0][0]);")),
     ("fp4_experts", ("if (ids[q] == expert) {", "if (id[q] == expert) {")),  # misspelt variable
+    ("fp8_gemv_quantizing", ("p = gemv_fake_quant8(p, xs[r]);", "p = gemv_fake_quant8(p, xs);")),  # array for float
 ])
 def test_a_broken_cuda_source_fails_the_compile(case, breakage):
     old, new = breakage
@@ -316,24 +322,27 @@ def test_gemm_agreement_allows_only_summation_order_differences():
 
 
 def _wrong_gemm_kernels(reference):
-    """Stand-ins for a GEMM kernel (x first, impl= and init_value= keywords) that a check must
-    flag, each with the words its problem carries: values off, an output left as poisoned,
-    rows that depend on each other."""
-    def off(*args, impl=None, init_value=None):
-        return (reference(*args).astype(mx.float32) * 1.01).astype(mx.bfloat16)
+    """Stand-ins for a GEMM kernel (x first; impl=, init_value= and quantize_input= keywords)
+    that a check must flag, each with the words its problem carries: values off, an output left
+    as poisoned, rows that depend on each other, an input not quantised when asked."""
+    def off(*args, impl=None, init_value=None, quantize_input=False):
+        return (reference(*args, quantize_input=quantize_input).astype(mx.float32) * 1.01).astype(mx.bfloat16)
 
-    def unwritten(*args, impl=None, init_value=None):
-        y = reference(*args)
+    def unwritten(*args, impl=None, init_value=None, quantize_input=False):
+        y = reference(*args, quantize_input=quantize_input)
         if init_value is None:
             return y
         flat = y.flatten()
         return mx.concatenate([flat[:-1], mx.array([init_value], dtype=y.dtype)]).reshape(y.shape)
 
-    def coupled_rows(x, *args, impl=None, init_value=None):
-        return reference(x + x[:1] * (x.shape[0] > 1) * 1e-2, *args)
+    def coupled_rows(x, *args, impl=None, init_value=None, quantize_input=False):
+        return reference(x + x[:1] * (x.shape[0] > 1) * 1e-2, *args, quantize_input=quantize_input)
+
+    def unquantised(*args, impl=None, init_value=None, quantize_input=False):
+        return reference(*args)
 
     return ((off, "values differ"), (unwritten, "beyond the fp32 summation-order bound"),
-            (coupled_rows, "alone differs"))
+            (coupled_rows, "alone differs"), (unquantised, "quantising its input"))
 
 
 @pytest.mark.parametrize("kernel, shapes", [
@@ -342,15 +351,16 @@ def _wrong_gemm_kernels(reference):
 ])
 def test_gemm_kernel_checks_pass_the_spec_and_flag_wrong_kernels(monkeypatch, kernel, shapes):
     """scripts/check_kernels.py's fp8_gemv and fp4_experts checks: the spec itself passes; a
-    kernel whose values are off, that leaves an output unwritten, or whose rows depend on each
-    other, fails."""
+    kernel whose values are off, that leaves an output unwritten, whose rows depend on each
+    other, or that does not quantise its input when asked, fails."""
     from dsv41_mlx import kernels
 
     check = _check_kernels_script()
     run = getattr(check, f"check_{kernel}")
     reference = getattr(kernels, f"{kernel}_reference")
     monkeypatch.setattr(check, "quantised_gemm_shapes", lambda: shapes)
-    monkeypatch.setattr(check, kernel, lambda *args, impl=None, init_value=None: reference(*args))
+    monkeypatch.setattr(check, kernel, lambda *args, impl=None, init_value=None, quantize_input=False:
+                        reference(*args, quantize_input=quantize_input))
     assert run("mlx", seed=1) == []
     for broken, message in _wrong_gemm_kernels(reference):
         monkeypatch.setattr(check, kernel, broken)
@@ -596,3 +606,16 @@ def test_kernel_arguments_are_made_once_per_value(monkeypatch):
     assert sizes_a.tolist() == [3, 64] and sizes_a.dtype == mx.int32 and eps_a.dtype == mx.float32
     kernels.rms_norm(x[:2], w, 1e-6, impl="cuda")
     assert seen[-1][1].tolist() == [2, 64]
+
+
+def test_gemv_kernels_quantise_bf16_input_only():
+    """Asked to FP8 fake-quantise its input, a GEMV kernel takes bfloat16 only: float32 input
+    would be rounded to bf16 first, and rounded twice could land elsewhere than the spec."""
+    from dsv41_mlx.kernels import fp4_experts, fp8_gemv
+
+    w, s = mx.zeros((1, 32, 64), dtype=mx.uint32), mx.zeros((1, 32, 8), dtype=mx.uint8)
+    with pytest.raises(ValueError, match="bfloat16 input only"):
+        fp8_gemv(mx.zeros((2, 1, 256)), w, s, impl="cuda", quantize_input=True)
+    with pytest.raises(ValueError, match="bfloat16 input only"):
+        fp4_experts(mx.zeros((2, 1, 256)), mx.zeros((3, 32, 32), dtype=mx.uint32), mx.zeros((3, 32, 8), dtype=mx.uint8),
+                    mx.array([[0, 1], [1, 2]]), impl="cuda", quantize_input=True)
