@@ -5,11 +5,11 @@ __device__ inline float fp8_block_scale(float amax) {
   return __uint_as_float(exponent << 23);
 }
 
-__device__ inline float fp8_fake_quant_value(float v, float scale) {
-  const float q = v / scale;
+__device__ inline float fp8_fake_quant_value(float v, float scale) {  // see fp8_lane.h: exact reciprocals
+  const float q = v * __uint_as_float((254u - (__float_as_uint(scale) >> 23)) << 23);
   const unsigned int q_exponent = max((__float_as_uint(q) >> 23) & 0xFFu, 121u);  // E4M3 subnormals: 2^-6's step
   const float step = __uint_as_float((q_exponent - 3u) << 23);  // 3 mantissa bits
-  return rintf(q / step) * step * scale;
+  return rintf(q * __uint_as_float((257u - q_exponent) << 23)) * step * scale;
 }
 
 __device__ inline float fp8_fake_quant_lane(float v) {  // every lane of the warp must call it

@@ -15,10 +15,12 @@ inline float fp8_block_scale(float amax) {
 }
 
 inline float fp8_fake_quant_value(float v, float scale) {
-  const float q = v / scale;
+  // scale and step are powers of two (normal, far from the ends of the range), so multiplying
+  // by their reciprocals, made from the exponent bits, is exact: v / scale and q / step, bit for bit
+  const float q = v * as_type<float>((254u - (as_type<uint>(scale) >> 23)) << 23);
   const uint q_exponent = metal::max((as_type<uint>(q) >> 23) & 0xFFu, 121u);  // E4M3 subnormals: 2^-6's step
   const float step = as_type<float>((q_exponent - 3u) << 23);  // 3 mantissa bits
-  return metal::rint(q / step) * step * scale;
+  return metal::rint(q * as_type<float>((257u - q_exponent) << 23)) * step * scale;
 }
 
 inline float fp8_fake_quant_lane(float v) {

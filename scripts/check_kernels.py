@@ -346,10 +346,11 @@ def check_fp8_gemv(impl: str, seed: int) -> list[str]:
 
 def raw_activation(shape) -> mx.array:
     """bf16 values not yet FP8 fake-quantised, of magnitudes far apart from block to block (so
-    that the blocks' scales differ), with zeros and a negative zero."""
+    that the blocks' scales differ, some below the 1e-4 floor of amax, where values round to
+    E4M3 subnormals), the first block of each row all zeros, and a zero and a negative zero."""
     blocks = shape[:-1] + (shape[-1] // 32,)
-    x = mx.random.normal(blocks + (32,)) * mx.power(2.0, mx.random.randint(-12, 8, blocks + (1,)).astype(mx.float32))
-    x = x.reshape(shape).astype(mx.bfloat16)
+    x = mx.random.normal(blocks + (32,)) * mx.power(2.0, mx.random.randint(-30, 8, blocks + (1,)).astype(mx.float32))
+    x = mx.concatenate([mx.zeros(shape[:-1] + (32,)), x.reshape(shape)[..., 32:]], axis=-1).astype(mx.bfloat16)
     return mx.concatenate([x[..., :-2], mx.zeros(shape[:-1] + (1,), dtype=mx.bfloat16),
                            mx.full(shape[:-1] + (1,), -0.0, dtype=mx.bfloat16)], axis=-1)
 
