@@ -621,9 +621,10 @@ class Fp4Stack(nn.Module):
         x row each pair takes (default: x's own batch order). On a GPU, a decode or verify
         step's pairs run kernels.fp4_experts (each expert's weights read once for all the rows
         that picked it); the spec is MLX's gather_qmm, which runs everywhere else."""
-        per_row = x.reshape(x.shape[0], x.shape[1], x.shape[-1])  # [N, 1|k, in]: x[n, 0] or x[n, j]
-        if not sorted_ids and x.ndim == 4 and kernels.fp4_experts_fits(per_row, self.weight, ids):
-            return kernels.fp4_experts(per_row, self.weight, self.scales, ids)[:, :, None]
+        if not sorted_ids and x.ndim == 4 and x.shape[2] == 1:
+            per_row = x[:, :, 0]  # [N, 1|k, in]: pair (n, j) takes x[n, 0] or x[n, j]
+            if kernels.fp4_experts_fits(per_row, self.weight, ids):
+                return kernels.fp4_experts(per_row, self.weight, self.scales, ids)[:, :, None]
         y = mx.gather_qmm(x.astype(gemm_input_dtype()), self.weight, self.scales, lhs_indices=rows, rhs_indices=ids,
                           transpose=True, mode="mxfp4", sorted_indices=sorted_ids)
         return y.astype(BF16)
