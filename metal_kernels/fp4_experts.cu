@@ -47,12 +47,7 @@ for (unsigned int s = 0; s < steps; s++) {
 #pragma unroll
     for (int r = 0; r < RB; r++) {
       if (slot[r] >= 0) {
-        float amax = 0.0f;
-        if (active) {
-          const __nv_bfloat16* xr = x + (size_t)(r * X + (X > 1 ? slot[r] : 0)) * K + k;
-          amax = gemv_amax16(__ldg(reinterpret_cast<const uint4*>(xr)), __ldg(reinterpret_cast<const uint4*>(xr + 8)));
-        }
-        xs[r] = fp8_block_scale(fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1)));  // every lane takes part
+        xs[r] = gemv_input_block_scale(x + (size_t)(r * X + (X > 1 ? slot[r] : 0)) * K + k, active);
       }
     }
   }

@@ -28,12 +28,7 @@ for (unsigned int s = 0; s < steps; s++) {
 #pragma unroll
     for (int r = 0; r < RB; r++) {
       if (r < rows) {
-        float amax = 0.0f;
-        if (active) {
-          const __nv_bfloat16* xr = x + ((size_t)r * G + g) * K + k;
-          amax = gemv_amax16(__ldg(reinterpret_cast<const uint4*>(xr)), __ldg(reinterpret_cast<const uint4*>(xr + 8)));
-        }
-        xs[r] = fp8_block_scale(fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1)));  // every lane takes part
+        xs[r] = gemv_input_block_scale(x + ((size_t)r * G + g) * K + k, active);
       }
     }
   }

@@ -55,12 +55,7 @@ for (uint s = 0; s < steps; s++) {
   if (QX) {
     for (int r = 0; r < RB; r++) {
       if (r < rows) {
-        float amax = 0.0f;
-        if (active) {
-          const device bfloat16_t* xr = x + (ulong(r) * G + g) * K + k;
-          amax = gemv_amax16(*((const device uint4*)xr), *((const device uint4*)(xr + 8)));
-        }
-        xs[r] = fp8_block_scale(metal::max(amax, simd_shuffle_xor(amax, ushort(1))));  // every lane takes part
+        xs[r] = gemv_input_block_scale(x + (ulong(r) * G + g) * K + k, active);
       }
     }
   }

@@ -63,3 +63,13 @@ __device__ __forceinline__ uint4 gemv_fake_quant8(const uint4 p, const float sca
   }
   return make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
 }
+
+// the FP8 scale of the block of 32 inputs holding this thread's 16 at xr (its neighbour, lane ^ 1,
+// holds the other 16); every lane of the warp must call it, inactive ones (past K) too
+__device__ __forceinline__ float gemv_input_block_scale(const __nv_bfloat16* xr, const bool active) {
+  float amax = 0.0f;
+  if (active) {
+    amax = gemv_amax16(__ldg(reinterpret_cast<const uint4*>(xr)), __ldg(reinterpret_cast<const uint4*>(xr + 8)));
+  }
+  return fp8_block_scale(fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1)));
+}

@@ -10,7 +10,10 @@
 // how many rows the forward has.
 // gemv_amax16, gemv_fake_quant8: for kernels that FP8 fake-quantise their input as they read
 // it (QX): the largest magnitude of 16 bf16 values (a thread's half of a block of 32), and 8
-// bf16 values through fp8_fake_quant_value with their block's scale, as bf16 again (exact).
+// bf16 values through fp8_fake_quant_value with their block's scale, as bf16 again (exact);
+// gemv_input_block_scale: the scale of the block of 32 inputs holding a thread's 16 at xr, its
+// neighbour (lane ^ 1) holding the other 16. Every lane of the SIMD group must call it,
+// those past K (active false) too.
 template <int T, int RB>  // wf: [T][8], acc: [T][RB]
 inline void gemv_lane_accumulate(const uint4 p, thread const float* wf, thread float* acc, const int r) {
   const uint pairs[4] = {p.x, p.y, p.z, p.w};
@@ -67,4 +70,12 @@ inline uint4 gemv_fake_quant8(const uint4 p, const float scale) {
     pairs[j] = (as_type<uint>(lo) >> 16) | (as_type<uint>(hi) & 0xFFFF0000u);  // exact in bf16
   }
   return uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
+}
+
+inline float gemv_input_block_scale(const device bfloat16_t* xr, const bool active) {
+  float amax = 0.0f;
+  if (active) {
+    amax = gemv_amax16(*((const device uint4*)xr), *((const device uint4*)(xr + 8)));
+  }
+  return fp8_block_scale(metal::max(amax, simd_shuffle_xor(amax, ushort(1))));
 }

@@ -219,7 +219,7 @@ def test_metal_source_type_checks(case, rows, tmp_path):
     ("fp4_experts", ("E2M1_HALF((word >> (4 * c)) & 0xFu)", "E2M1_HALF((word >> (4 * c)) & 0xFu, c)")),  # bad macro call
     ("fp4_experts", ("int slot[RB];", "int slot[RB]")),  # no semicolon
     ("fp8_gemv", ("q[i] = *((const device uint4*)", "q[i] = *((const device uint2*)")),  # type error
-    ("fp4_experts_quantizing", ("simd_shuffle_xor(amax, ushort(1))", "simd_shuffle_xor(amax)")),  # bad call
+    ("fp4_experts_quantizing", ("xs[r] = gemv_input_block_scale(", "xs[r] = gemv_input_block_scales(")),  # misspelt
     ("sparse_attention", ("float(kv[ulong(key_row[j]) * D + d])", "float(kv[ulong(key_rows[j]) * D + d])")),
 ])
 def test_a_broken_metal_source_fails_the_check(case, breakage, tmp_path):
