@@ -122,10 +122,10 @@ def _compiled(spec: KernelSpec, language: str):
 
 @lru_cache(maxsize=4096)
 def _int32s(*values: int) -> mx.array:
-    """A kernel's small int32 argument (sizes, row counts), made and evaluated once per value
-    and shared by every later call, so that a forward allocates no argument arrays on the host
-    (on CUDA, MLX's allocator may hand a host allocation a device buffer from its cache and
-    copy it to managed memory, which waits for the device)."""
+    """A kernel's small int32 argument (sizes, row counts: a few values per model), made and
+    evaluated once per value and shared by every later call, so that a forward allocates no
+    argument arrays on the host (on CUDA, MLX's allocator may hand a host allocation a device
+    buffer from its cache and copy it to managed memory, which waits for the device)."""
     a = mx.array(values, dtype=mx.int32)
     mx.eval(a)
     return a
@@ -219,7 +219,7 @@ def ring_write(rings: mx.array, rows: mx.array, first: int, impl: str | None = N
     kernel = _compiled(RING_WRITE, impl)
     total = S * W * (D // 8)
     (out,) = kernel(inputs=[rings.view(mx.uint16), rows.astype(rings.dtype).view(mx.uint16),
-                            _int32s(int(first), M)],
+                            mx.array([first, M], dtype=mx.int32)],  # first grows with the sequence: not cached
                     template=[("S", S), ("W", W), ("D", D)],
                     grid=(-(-total // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
                     output_shapes=[rings.shape], output_dtypes=[mx.uint16])
