@@ -727,6 +727,7 @@ def bench_gemms(rows: int = 8, experts: int = 24, dim: int = 5120, inter: int = 
 
     mx.random.seed(0)
     top = 6
+    gpu = kernels.backend() != "mlx"
     w13, s13 = words((experts, inter, dim // 8), fp4=True), scales((experts, inter, dim // 32))
     w2, s2 = words((experts, dim, inter // 8), fp4=True), scales((experts, dim, inter // 32))
     ids = mx.sort(mx.random.randint(0, experts, (rows, top)).astype(mx.uint32), axis=-1)
@@ -750,7 +751,7 @@ def bench_gemms(rows: int = 8, experts: int = 24, dim: int = 5120, inter: int = 
             lambda v, i: mx.gather_qmm(v[:, :, None], *up, rhs_indices=ids, transpose=True, mode="mxfp4"), xb) * 1e3,
         f"routed down ({inter} -> {dim}), mxfp4, bfloat16 in": chained(
             lambda v, i: mx.gather_qmm(v[:, :, None], *down, rhs_indices=ids, transpose=True, mode="mxfp4"), hb) * 1e3}
-    if kernels.backend() != "mlx":  # each expert read once for all the rows that picked it
+    if gpu:  # each expert read once for all the rows that picked it
         out["routed"][f"routed up ({dim} -> {inter}), fp4_experts"] = timed(
             lambda i: kernels.fp4_experts(xb, w13, s13, ids), 10, 3) * 1e3
         out["routed"][f"routed down ({inter} -> {dim}), fp4_experts"] = timed(
@@ -763,7 +764,6 @@ def bench_gemms(rows: int = 8, experts: int = 24, dim: int = 5120, inter: int = 
 
     dense, grouped, _ = quantised_gemm_shapes()
     shapes = [(1, d_in, d_out) for d_in, d_out in sorted(dense)] + sorted(grouped)
-    gpu = kernels.backend() != "mlx"
     for groups, d_in, d_out in shapes:
         nbytes = groups * d_out * d_in * (1 + 1 / 32)
         copies = max(1, min(64, -(-cache_bytes // int(nbytes))))

@@ -397,7 +397,7 @@ def check_fp4_experts(impl: str, seed: int) -> list[str]:
                 if rows in (8, 16) and not mx.array_equal(fp4_experts(x[:1], w, s, ids[:1], impl=impl), got[:1]).item():
                     problems.append(f"{name}: row 0 alone differs from row 0 of {rows}")
                 problems.extend(quantizing_problems(
-                    name, lambda v, **kw: fp4_experts(v, w, s, ids if v.shape[0] == rows else ids[:1], impl=impl, **kw),
+                    name, lambda v, **kw: fp4_experts(v, w, s, ids[: v.shape[0]], impl=impl, **kw),
                     x.shape, rows in (8, 16)))
     return problems
 
