@@ -165,12 +165,9 @@ def fp8_rows_tiles(x: mx.array, w: Fp8Matrix, language: str,
     R, K = x.shape
     N = w.shape[0]
     tiles = -(-N // TILE)
-    padded_rows = -(-R // 8) * 8  # the MMA tiles take 8 rows at a time
-    xh = x.astype(mx.float16)  # exact for the bf16 activations the drafter feeds (|x| <= 65504)
-    if padded_rows > R:
-        xh = mx.concatenate([xh, mx.zeros((padded_rows - R, K), dtype=mx.float16)])
+    xb = x if x.dtype == mx.bfloat16 else x.astype(mx.bfloat16)  # the drafter's activations are bf16 already
     kernel = _compiled(FP8_ROWS, language)
-    vals, ids = kernel(inputs=[xh.view(mx.uint16), w.codes, w.scales],
+    vals, ids = kernel(inputs=[xb.view(mx.uint16), w.codes, w.scales],
                        template=[("R", R), ("K", K), ("N", N), ("TILES", tiles)],
                        grid=(tiles * TILE, 1, 1), threadgroup=(TILE, 1, 1),
                        output_shapes=[(R, tiles, TOP_K), (R, tiles, TOP_K)],
@@ -181,6 +178,8 @@ def fp8_rows_tiles(x: mx.array, w: Fp8Matrix, language: str,
 def fp8_rows_top64(x: mx.array, w: Fp8Matrix, impl: str | None = None) -> tuple[mx.array, mx.array]:
     """x [R, K] (R <= 16) through the FP8 matrix; the 64 best outputs per row, best first.
 
+    The kernel reads bf16 activations as they are (the drafter's are); x of another dtype is
+    rounded to bf16 for it, where the spec takes x as it is.
     impl: 'metal', 'cuda' or 'mlx' (default: `backend()`)."""
     R, K = x.shape
     N = w.shape[0]

@@ -17,7 +17,7 @@
 constexpr int TILE = 256;
 constexpr int WARPS = 8;
 constexpr int KEEP = 64;
-constexpr int RP = (R + 7) / 8 * 8;  // rows padded to MMA columns (x arrives padded)
+constexpr int RP = (R + 7) / 8 * 8;  // rows padded to MMA columns (padding columns' sums are never read)
 constexpr int NH = RP / 8;
 __shared__ float tile_vals[RP * TILE];
 __shared__ unsigned char tile_ids[RP * TILE];
@@ -52,15 +52,16 @@ if (w0 < N) {
     unsigned int xs[NH][16];  // fp16(x * scale * 256) pairs, columns k .. k + 31 of row 8h + g
 #pragma unroll
     for (int h = 0; h < NH; h++) {
-      const uint4* src = reinterpret_cast<const uint4*>(x + (long)(8 * h + g) * K + k);
+      const unsigned int r = min(8 * h + g, (unsigned int)R - 1);  // MMA columns past R repeat row R - 1
+      const uint4* src = reinterpret_cast<const uint4*>(x + (long)r * K + k);
 #pragma unroll
       for (int v = 0; v < 4; v++) {
         const uint4 q = src[v];
         const unsigned int raw[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-          xs[h][4 * v + i] = float_pair_to_fp16_bits(fp16_bits_to_float(raw[i] & 0xFFFFu) * s,
-                                                     fp16_bits_to_float(raw[i] >> 16) * s);
+          xs[h][4 * v + i] = float_pair_to_fp16_bits(__uint_as_float(raw[i] << 16) * s,
+                                                     __uint_as_float(raw[i] & 0xFFFF0000u) * s);
         }
       }
     }

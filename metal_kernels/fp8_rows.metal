@@ -1,15 +1,16 @@
 // y[r, n] = sum_k x[r, k] * dequant(w[n, k]) for R rows, fused with a top-64 per row.
 //
 // w: E4M3 codes [N, K] (uint8) with one E8M0 scale per 32x32 tile, scales
-// [N/32, K/32]. x: fp16 bits [RP, K] (uint16; the bf16 activations, exact in
-// fp16, zero-padded to RP = 8 * ceil(R / 8) rows). Each weight byte is read
-// once, for all rows.
+// [N/32, K/32]. x: bf16 bits [R, K] (uint16), the activations as they come.
+// Each weight byte is read once, for all rows.
 //
 // The arithmetic: an E4M3 code becomes the fp16 of its value / 256 by moving
 // bits (fp8_common.h), and x becomes fp16(x * scale * 256) with the scale of
 // the weight tile it meets (exact while that stays in fp16's normal range:
 // the scale is a power of two). Their products, summed over all of K in fp32
-// by the matrix unit, are the logits.
+// by the matrix unit, are the logits. The matrix unit takes rows 8 at a time:
+// the columns past R (up to RP = 8 * ceil(R / 8)) repeat row R - 1, and their
+// sums are never read.
 //
 // The work: a threadgroup owns a tile of 256 outputs, 8 simdgroups of 32
 // outputs each (one scale-tile row). Per 32-wide K block a simdgroup writes
@@ -41,7 +42,6 @@ const uint tid = thread_position_in_threadgroup.x;
 const uint lane = thread_index_in_simdgroup;
 const uint warp = simdgroup_index_in_threadgroup;
 const float neg_inf = as_type<float>(0xff800000u);
-const device half* xh = (const device half*)x;
 threadgroup half* wbuf = (threadgroup half*)tg_mem + warp * 32 * 16;               // [32 outputs][16 k]
 threadgroup half* xbuf = (threadgroup half*)tg_mem + WARPS * 32 * 16 + warp * RP * 32;  // [RP rows][32 k]
 
@@ -56,7 +56,8 @@ if (w0 < N) {
   for (uint kb = 0; kb < K; kb += 32) {
     const float s = as_type<float>(E8M0_BITS(scales[(w0 / 32) * (K / 32) + kb / 32])) * 256.0f;
     for (int r = 0; r < RP; r++) {
-      xbuf[r * 32 + lane] = half(float(xh[(long)r * K + kb + lane]) * s);
+      const uint bits = x[(long)min(r, R - 1) * K + kb + lane];
+      xbuf[r * 32 + lane] = half(as_type<float>(bits << 16) * s);
     }
     for (uint hk = 0; hk < 32; hk += 16) {
       const uint4 q = *((const device uint4*)(w + (long)(w0 + lane) * K + kb + hk));
