@@ -489,7 +489,11 @@ def fp8_gemv_reference(x: mx.array, w: mx.array, scales: mx.array, quantize_inpu
     group g of every row through matrix g -> bf16 [S, G, N], accumulated in float32. (A
     gather_qmm: MLX 0.32.4's CUDA quantized_matmul does not broadcast stacked weights over
     rows, as the H200 showed: other values from the second row on.) quantize_input: x FP8
-    fake-quantised first (quant.fp8_fake_quant)."""
+    fake-quantised first (quant.fp8_fake_quant). The dense form, x [..., K] through one matrix
+    w [N, K/4] -> [..., N], is that of one group."""
+    if w.ndim == 2:
+        y = fp8_gemv_reference(x.reshape(-1, 1, x.shape[-1]), w[None], scales[None], quantize_input)
+        return y.reshape(*x.shape[:-1], w.shape[0])
     return _gathered(_quantized_input(x, quantize_input), w, scales, mx.arange(w.shape[0]),
                      "mxfp8").astype(mx.bfloat16)
 
@@ -509,9 +513,13 @@ def _gathered(x: mx.array, w: mx.array, scales: mx.array, ids: mx.array, mode: s
 
 
 def fp8_gemv_fits(x: mx.array, w: mx.array, impl: str | None = None) -> bool:
-    """Whether fp8_gemv runs for x [S, G, K] and w [G, N, K/4]: a GPU, at most DECODE_MAX_ROWS
-    rows (a decode or verify step's forward; prefill keeps MLX's GEMMs), N a multiple of 32
-    and K of 256 (every FP8 GEMM of the release)."""
+    """Whether fp8_gemv runs for x [S, G, K] and w [G, N, K/4], or x [..., K] and one matrix
+    w [N, K/4]: a GPU, at most DECODE_MAX_ROWS rows (a decode or verify step's forward;
+    prefill keeps MLX's GEMMs), N a multiple of 32 and K of 256 (every FP8 GEMM of the
+    release)."""
+    if w.ndim == 2:
+        return (x.ndim >= 1 and x.size > 0 and x.shape[-1] == 4 * w.shape[1]
+                and _gemv_fits(x.size // x.shape[-1], w.shape[0], x.shape[-1], impl))
     return (x.ndim == 3 and w.ndim == 3 and x.shape[1] == w.shape[0] and x.shape[2] == 4 * w.shape[2]
             and _gemv_fits(x.shape[0], w.shape[1], x.shape[2], impl))
 
@@ -542,7 +550,8 @@ def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None
              init_value: float | None = None, quantize_input: bool = False) -> mx.array:
     """The FP8 GEMMs of a decode or verify step in one launch each: x [S, G, K] (FP8
     fake-quantised or bf16 values, exact in bf16) through G `mxfp8` matrices w [G, N, K/4] ->
-    bf16 [S, G, N] (G = 1: a dense GEMM; attention's wo_a: its groups). Each weight byte is
+    bf16 [S, G, N] (attention's wo_a: its groups), or x [..., K] through one matrix w [N, K/4]
+    -> bf16 [..., N] (a dense GEMM, with no reshapes around it). Each weight byte is
     read once for all rows; the spec is fp8_gemv_reference (MLX's gather_qmm), equal up to the
     order of the float32 sums (scripts/check_kernels.py); only where fp8_gemv_fits.
     init_value poisons the output before the launch (for checks). quantize_input: x is a bf16
@@ -550,13 +559,14 @@ def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None
     followed by this kernel, in one launch."""
     impl = impl or backend()
     if not fp8_gemv_fits(x, w, impl):
-        raise ValueError(f"fp8_gemv takes x [<= {DECODE_MAX_ROWS}, G, K] and w [G, N, K/4] with N a multiple of "
-                         f"32 and K of 256 on a GPU, got {x.shape} and {w.shape} on {impl}")
+        raise ValueError(f"fp8_gemv takes x [<= {DECODE_MAX_ROWS}, G, K] and w [G, N, K/4], or x [..., K] of at most "
+                         f"{DECODE_MAX_ROWS} rows and w [N, K/4], with N a multiple of 32 and K of 256 on a GPU, got "
+                         f"{x.shape} and {w.shape} on {impl}")
     _bf16_to_quantize(x, quantize_input)
-    S, G, K = x.shape
-    N = w.shape[1]
+    K, G = x.shape[-1], (w.shape[0] if w.ndim == 3 else 1)
+    S, N = x.size // (G * K), w.shape[-2]
     return _gemv_launch(FP8_GEMV, impl, [x.astype(mx.bfloat16), w, scales, _int32s(S, N, K, G)],
-                        S, K, G, (S, G, N), init_value, quantize_input)
+                        S, K, G, (*x.shape[:-1], N), init_value, quantize_input)
 
 
 def _bf16_to_quantize(x: mx.array, quantize_input: bool) -> None:

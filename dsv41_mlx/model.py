@@ -22,7 +22,7 @@ import numpy as np
 
 from .cache import LayerCache, ModelCache
 from .config import ModelArgs
-from . import kernels
+from . import kernels, quant
 from .kernels import rms_norm
 from .engram import Engram, NgramHasher
 from .quant import Fp8Linear, fp4_fake_quant, fp8_fake_quant, fp8_input, gemm_input_dtype
@@ -254,7 +254,7 @@ def sum_copies(terms: mx.array) -> mx.array:
 @mx.compile
 def hc_pre(x: mx.array, pre: mx.array) -> mx.array:
     """Collapse copies: [S, hc, dim] x [S, hc] -> [S, dim] (fp32 sum, x's dtype out)."""
-    return _add_all([pre[:, i, None] * x[:, i].astype(F32) for i in range(x.shape[1])]).astype(x.dtype)
+    return _add_all([pre[:, i:i + 1] * x[:, i].astype(F32) for i in range(x.shape[1])]).astype(x.dtype)
 
 
 def hc_post(y: mx.array, residual: mx.array, mixes: HcMixes) -> mx.array:
@@ -264,8 +264,11 @@ def hc_post(y: mx.array, residual: mx.array, mixes: HcMixes) -> mx.array:
 
 @mx.compile
 def _hc_post(y: mx.array, residual: mx.array, post: mx.array, comb: mx.array) -> mx.array:
-    # sum over i of comb[i, j] * residual_i, one [S, j, dim] term per i, added in order
-    mixed = _add_all([comb[:, i, :, None] * residual[:, i, None, :].astype(F32) for i in range(comb.shape[1])])
+    # sum over i of comb[i, j] * residual_i, one [S, j, dim] term per i, added in order; each
+    # factor is one slice ([S, j, 1] of comb transposed, [S, 1, dim] of the residual): every
+    # view is an operation of the step's graph
+    comb_t = comb.swapaxes(1, 2)
+    mixed = _add_all([comb_t[:, :, i:i + 1] * residual[:, i:i + 1].astype(F32) for i in range(comb.shape[1])])
     return (post[..., None] * y[:, None, :].astype(F32) + mixed).astype(y.dtype)  # the cast after the view: fused
 
 
@@ -533,12 +536,13 @@ class Attention(nn.Module):
     def output(self, o: mx.array, rope: tuple) -> mx.array:
         """Undo the query RoPE, then the grouped wo_a (block-diagonal) and wo_b."""
         S = o.shape[0]
-        o = Rope.apply(o, rope, inverse=True).reshape(S, self.n_groups, 1, -1)
+        o = Rope.apply(o, rope, inverse=True).reshape(S, self.n_groups, -1)
         w = self.wo_a.weight.reshape(self.n_groups, self.o_lora_rank, -1)
         s = self.wo_a.scales.reshape(self.n_groups, self.o_lora_rank, -1)
         # wo_a is applied to bf16 activations as stored (the reference dequantises it, no act-quant)
-        if kernels.fp8_gemv_fits(o[:, :, 0], w):  # a decode or verify step on a GPU
-            return self.wo_b(kernels.fp8_gemv(o[:, :, 0], w, s).reshape(S, -1))
+        if kernels.fp8_gemv_fits(o, w):  # a decode or verify step on a GPU
+            return self.wo_b(kernels.fp8_gemv(o, w, s).reshape(S, -1))
+        o = o[:, :, None]  # [S, groups, 1, in]
         groups = self._pair_ids[: self.n_groups]
         pairs = self._pair_ids[: S * self.n_groups].reshape(S, -1) if S <= MAX_CONSTANT_ROWS else None
         o = mx.gather_qmm(o.astype(gemm_input_dtype()), w, s, lhs_indices=pairs, rhs_indices=groups, transpose=True,
@@ -614,17 +618,22 @@ class Fp4Stack(nn.Module):
         self.weight = mx.zeros((n_experts, out_dims, in_dims // 8), dtype=mx.uint32)
         self.scales = mx.zeros((n_experts, out_dims, in_dims // 32), dtype=mx.uint8)
 
-    def __call__(self, x: mx.array, ids: mx.array, sorted_ids: bool = False, rows: mx.array | None = None) -> mx.array:
+    def __call__(self, x: mx.array, ids: mx.array, sorted_ids: bool = False, rows: mx.array | None = None,
+                 quantize: bool = False) -> mx.array:
         """x [N, 1|k, 1, in] FP8-rounded activations through experts ids [N, k] -> bf16
         [N, k, 1, out]: the fp32 products summed in fp32, rounded to bf16 once. sorted_ids:
         ids are in ascending order (MLX then runs each expert's rows as one GEMM). rows: which
-        x row each pair takes (default: x's own batch order). On a GPU, a decode or verify
-        step's pairs run kernels.fp4_experts (each expert's weights read once for all the rows
-        that picked it); the spec is MLX's gather_qmm, which runs everywhere else."""
+        x row each pair takes (default: x's own batch order). quantize: x is a bf16 activation
+        to FP8 fake-quantise first (quant.fp8_input). On a GPU, a decode or verify step's pairs
+        run kernels.fp4_experts (each expert's weights read once for all the rows that picked
+        it, x quantised as it is read); the spec is MLX's gather_qmm, which runs everywhere else."""
         if not sorted_ids and x.ndim == 4 and x.shape[2] == 1:
             per_row = x[:, :, 0]  # [N, 1|k, in]: pair (n, j) takes x[n, 0] or x[n, j]
             if kernels.fp4_experts_fits(per_row, self.weight, ids):
-                return kernels.fp4_experts(per_row, self.weight, self.scales, ids)[:, :, None]
+                in_kernel = quantize and per_row.dtype == BF16 and quant.GEMV_QUANTIZES_INPUT
+                per_row = fp8_input(per_row) if quantize and not in_kernel else per_row
+                return kernels.fp4_experts(per_row, self.weight, self.scales, ids, quantize_input=in_kernel)[:, :, None]
+        x = fp8_input(x) if quantize else x
         y = mx.gather_qmm(x.astype(gemm_input_dtype()), self.weight, self.scales, lhs_indices=rows, rhs_indices=ids,
                           transpose=True, mode="mxfp4", sorted_indices=sorted_ids)
         return y.astype(BF16)
@@ -712,17 +721,19 @@ class MoE(nn.Module):
         x8 = fp8_input(x) if x8 is None else x8  # once, for the routed experts and the shared expert
         xq = x8[:real, None, None, :]
         weights, ids = weights[:real], ids[:real]
+        # y [real, k * dim]: row r's j-th expert's output in columns j * dim ..
         if ids.size < SORT_EXPERTS_AT:  # decode and verify: each row through its own k experts
-            y = self._routed(xq, weights[:, :, None, None], ids, False)[:, :, 0, :]  # [real, k, dim]
+            y = self._routed(xq, weights[:, :, None, None], ids, False).reshape(real, -1)
         else:  # prefill: the (row, expert) pairs grouped by expert, so each expert's rows form one GEMM
             flat = ids.flatten()
             order = mx.argsort(flat)
             pairs = self._routed(xq[order // k, 0], weights.flatten()[order][:, None, None], flat[order], True)
-            y = pairs[mx.argsort(order)].reshape(real, k, -1)
+            y = pairs[mx.argsort(order)].reshape(real, -1)
         shared = self.shared_experts(x8)  # bf16
-        out = y[:, 0].astype(F32)  # each expert's bf16 product cast where it is added: one fused pass
+        D = x.shape[-1]
+        out = y[:, :D].astype(F32)  # each expert's bf16 product cast where it is added: one fused pass
         for j in range(1, k):  # in expert-id order, as the reference adds them
-            out = out + y[:, j].astype(F32)
+            out = out + y[:, j * D:(j + 1) * D].astype(F32)
         out = (out + shared[:real].astype(F32)).astype(BF16)
         # padding rows: the shared expert alone (its bf16 output, which the sum with zeros rounds back to)
         return out if real == N else mx.concatenate([out, shared[real:]])
@@ -737,8 +748,8 @@ class MoE(nn.Module):
         gate_up = self.experts.w13(xq, ids, sorted_ids, rows)
         inter = gate_up.shape[-1] // 2  # views, so that the casts fuse into the SwiGLU
         gate, up = gate_up[..., :inter].astype(F32), gate_up[..., inter:].astype(F32)
-        h = fp8_input((swiglu(gate, up, self.limit) * weights).astype(BF16))
-        return self.experts.w2(h, ids, sorted_ids, pairs)  # bf16
+        h = (swiglu(gate, up, self.limit) * weights).astype(BF16)
+        return self.experts.w2(h, ids, sorted_ids, pairs, quantize=True)  # bf16
 
 
 # ----------------------------------------------------------------------- block

@@ -169,9 +169,8 @@ def fp8_matmul(xq: mx.array, weight: mx.array, scales: mx.array) -> mx.array:
     """An `fp8_input` activation times an `mxfp8` weight, bf16 out: on a GPU, a decode or
     verify step's few rows through kernels.fp8_gemv (each weight byte read once for all
     rows), otherwise MLX's quantized_matmul."""
-    rows = xq.reshape(-1, 1, xq.shape[-1])
-    if kernels.fp8_gemv_fits(rows, weight[None]):
-        return kernels.fp8_gemv(rows, weight[None], scales[None]).reshape(*xq.shape[:-1], weight.shape[0])
+    if kernels.fp8_gemv_fits(xq, weight):
+        return kernels.fp8_gemv(xq, weight, scales)
     return _fp8_matmul_mlx(xq, weight, scales)
 
 
@@ -180,9 +179,20 @@ def _fp8_matmul_mlx(xq: mx.array, weight: mx.array, scales: mx.array) -> mx.arra
     return mx.quantized_matmul(xq, weight, scales, transpose=True, mode="mxfp8").astype(mx.bfloat16)
 
 
-@mx.compile
+# On a GPU, a bf16 activation that feeds one FP8 GEMM is quantised by fp8_gemv as it reads it
+# (the same bits as fp8_input first: scripts/check_kernels.py), one launch where there were two.
+GEMV_QUANTIZES_INPUT = True
+
+
 def fp8_linear(x: mx.array, weight: mx.array, scales: mx.array) -> mx.array:
     """Fp8Linear's product: FP8 fake-quantised x times an `mxfp8` weight, bf16 out."""
+    if GEMV_QUANTIZES_INPUT and x.dtype == mx.bfloat16 and kernels.fp8_gemv_fits(x, weight):
+        return kernels.fp8_gemv(x, weight, scales, quantize_input=True)
+    return _fp8_linear(x, weight, scales)
+
+
+@mx.compile
+def _fp8_linear(x: mx.array, weight: mx.array, scales: mx.array) -> mx.array:
     return fp8_matmul(fp8_input(x), weight, scales)
 
 

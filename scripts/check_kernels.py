@@ -323,7 +323,8 @@ def check_fp8_gemv(impl: str, seed: int) -> list[str]:
     of the flash-shaped model (the release's dense ones and wo_a's 8 groups) and two ragged
     ones, 1..16 rows, outputs poisoned before the launch: every value within the bound of
     another float32 summation order (`gemm_agreement`); a row alone the same bits as among
-    others, at 8 rows and at 16 (the kernel's two row bounds)."""
+    others, at 8 rows and at 16 (the kernel's two row bounds); a dense GEMM's 2-D form the same
+    bits as one group."""
     mx.random.seed(seed)
     problems = []
     dense, grouped, _ = quantised_gemm_shapes()
@@ -339,6 +340,8 @@ def check_fp8_gemv(impl: str, seed: int) -> list[str]:
             problems.extend([problem] if problem else [])
             if rows in (8, 16) and not mx.array_equal(fp8_gemv(x[:1], w, s, impl=impl), got[:1]).item():
                 problems.append(f"{name}: row 0 alone differs from row 0 of {rows}")
+            if groups == 1 and not mx.array_equal(fp8_gemv(x[:, 0], w[0], s[0], impl=impl), got[:, 0]).item():
+                problems.append(f"{name}: the dense form (x [S, K], w [N, K/4]) differs from one group")
             problems.extend(quantizing_problems(name, lambda v, **kw: fp8_gemv(v, w, s, impl=impl, **kw),
                                                 (rows, groups, d_in), rows in (8, 16)))
     return problems

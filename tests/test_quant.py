@@ -442,14 +442,15 @@ def test_fp4_release_weight_through_mx_dequantize():
 
 def test_fp8_matmul_takes_the_gemv_kernel_for_a_decode_steps_rows_on_a_gpu(monkeypatch):
     """On a GPU, an FP8 GEMM of up to 16 rows (a decode or verify step) runs kernels.fp8_gemv
-    (dense: one group); more rows, or a shape the kernel does not take, keep MLX's GEMM."""
+    in its dense form (x [S, K], w [N, K/4]: no reshapes around it); more rows, or a shape the
+    kernel does not take, keep MLX's GEMM."""
     from dsv41_mlx import kernels, quant
 
     calls = []
 
-    def gemv(x, w, s, impl=None, init_value=None):
+    def gemv(x, w, s, impl=None, init_value=None, quantize_input=False):
         calls.append((x.shape, w.shape))
-        return kernels.fp8_gemv_reference(x, w, s)
+        return kernels.fp8_gemv_reference(x, w, s, quantize_input)
 
     monkeypatch.setattr(kernels, "backend", lambda: "cuda")
     monkeypatch.setattr(kernels, "fp8_gemv", gemv)
@@ -460,9 +461,40 @@ def test_fp8_matmul_takes_the_gemv_kernel_for_a_decode_steps_rows_on_a_gpu(monke
     for rows, kernel in ((1, True), (8, True), (16, True), (17, False)):
         calls.clear()
         got = quant.fp8_matmul(x[:rows], w, s)
-        assert calls == ([((rows, 1, 256), (1, 96, 64))] if kernel else [])
+        assert calls == ([((rows, 256), (96, 64))] if kernel else [])
         want = mx.quantized_matmul(x[:rows], w, s, transpose=True, mode="mxfp8").astype(mx.bfloat16)
         assert got.shape == (rows, 96) and mx.array_equal(got, want).item()
     calls.clear()
     quant.fp8_matmul(mx.random.normal((8, 128)), w[:, :32], s[:, :4])  # K = 128: not the kernel's
     assert calls == []
+
+
+def test_fp8_linear_has_the_gemv_kernel_quantise_a_bf16_input_on_a_gpu(monkeypatch):
+    """On a GPU, Fp8Linear's product of a bf16 activation not yet FP8-rounded is one fp8_gemv
+    launch that quantises as it reads (quantize_input); a float32 input, or the switch off,
+    goes through fp8_input first. The values are the spec's either way."""
+    from dsv41_mlx import kernels, quant
+
+    calls = []
+
+    def gemv(x, w, s, impl=None, init_value=None, quantize_input=False):
+        calls.append((x.dtype, quantize_input))
+        return kernels.fp8_gemv_reference(x, w, s, quantize_input)
+
+    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
+    monkeypatch.setattr(kernels, "fp8_gemv", gemv)
+    monkeypatch.setattr(kernels, "act_quant_fp8", lambda x, impl, dtype: quant.fp8_fake_quant_reference(x).astype(dtype))
+    mx.random.seed(5)
+    w = (mx.random.randint(0, 2**31, (96, 64)).astype(mx.uint32) & 0x3F3F3F3F)
+    s = mx.random.randint(118, 124, (96, 8)).astype(mx.uint8)
+    x = (mx.random.normal((3, 256)) * 5).astype(mx.bfloat16)
+    want = mx.quantized_matmul(quant.fp8_fake_quant_reference(x).astype(mx.float32), w, s, transpose=True,
+                               mode="mxfp8").astype(mx.bfloat16)
+    for dtype, switch, expected in ((mx.bfloat16, True, [(mx.bfloat16, True)]),
+                                    (mx.float32, True, [(quant.gemm_input_dtype(), False)]),
+                                    (mx.bfloat16, False, [(quant.gemm_input_dtype(), False)])):
+        monkeypatch.setattr(quant, "GEMV_QUANTIZES_INPUT", switch)
+        calls.clear()
+        got = quant.fp8_linear(x.astype(dtype), w, s)
+        assert calls == expected
+        assert mx.array_equal(got, want).item()
