@@ -22,7 +22,7 @@ import numpy as np
 
 from .cache import LayerCache, ModelCache
 from .config import ModelArgs
-from . import kernels, quant
+from . import kernels
 from .kernels import rms_norm
 from .engram import Engram, NgramHasher
 from .quant import Fp8Linear, fp4_fake_quant, fp8_fake_quant, fp8_input, gemm_input_dtype
@@ -618,22 +618,17 @@ class Fp4Stack(nn.Module):
         self.weight = mx.zeros((n_experts, out_dims, in_dims // 8), dtype=mx.uint32)
         self.scales = mx.zeros((n_experts, out_dims, in_dims // 32), dtype=mx.uint8)
 
-    def __call__(self, x: mx.array, ids: mx.array, sorted_ids: bool = False, rows: mx.array | None = None,
-                 quantize: bool = False) -> mx.array:
+    def __call__(self, x: mx.array, ids: mx.array, sorted_ids: bool = False, rows: mx.array | None = None) -> mx.array:
         """x [N, 1|k, 1, in] FP8-rounded activations through experts ids [N, k] -> bf16
         [N, k, 1, out]: the fp32 products summed in fp32, rounded to bf16 once. sorted_ids:
         ids are in ascending order (MLX then runs each expert's rows as one GEMM). rows: which
-        x row each pair takes (default: x's own batch order). quantize: x is a bf16 activation
-        to FP8 fake-quantise first (quant.fp8_input). On a GPU, a decode or verify step's pairs
-        run kernels.fp4_experts (each expert's weights read once for all the rows that picked
-        it, x quantised as it is read); the spec is MLX's gather_qmm, which runs everywhere else."""
+        x row each pair takes (default: x's own batch order). On a GPU, a decode or verify
+        step's pairs run kernels.fp4_experts (each expert's weights read once for all the rows
+        that picked it); the spec is MLX's gather_qmm, which runs everywhere else."""
         if not sorted_ids and x.ndim == 4 and x.shape[2] == 1:
             per_row = x[:, :, 0]  # [N, 1|k, in]: pair (n, j) takes x[n, 0] or x[n, j]
             if kernels.fp4_experts_fits(per_row, self.weight, ids):
-                in_kernel = quantize and per_row.dtype == BF16 and quant.GEMV_QUANTIZES_INPUT
-                per_row = fp8_input(per_row) if quantize and not in_kernel else per_row
-                return kernels.fp4_experts(per_row, self.weight, self.scales, ids, quantize_input=in_kernel)[:, :, None]
-        x = fp8_input(x) if quantize else x
+                return kernels.fp4_experts(per_row, self.weight, self.scales, ids)[:, :, None]
         y = mx.gather_qmm(x.astype(gemm_input_dtype()), self.weight, self.scales, lhs_indices=rows, rhs_indices=ids,
                           transpose=True, mode="mxfp4", sorted_indices=sorted_ids)
         return y.astype(BF16)
@@ -748,8 +743,8 @@ class MoE(nn.Module):
         gate_up = self.experts.w13(xq, ids, sorted_ids, rows)
         inter = gate_up.shape[-1] // 2  # views, so that the casts fuse into the SwiGLU
         gate, up = gate_up[..., :inter].astype(F32), gate_up[..., inter:].astype(F32)
-        h = (swiglu(gate, up, self.limit) * weights).astype(BF16)
-        return self.experts.w2(h, ids, sorted_ids, pairs, quantize=True)  # bf16
+        h = fp8_input((swiglu(gate, up, self.limit) * weights).astype(BF16))
+        return self.experts.w2(h, ids, sorted_ids, pairs)  # bf16
 
 
 # ----------------------------------------------------------------------- block

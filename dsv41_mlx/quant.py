@@ -179,20 +179,9 @@ def _fp8_matmul_mlx(xq: mx.array, weight: mx.array, scales: mx.array) -> mx.arra
     return mx.quantized_matmul(xq, weight, scales, transpose=True, mode="mxfp8").astype(mx.bfloat16)
 
 
-# On a GPU, a bf16 activation that feeds one FP8 GEMM is quantised by fp8_gemv as it reads it
-# (the same bits as fp8_input first: scripts/check_kernels.py), one launch where there were two.
-GEMV_QUANTIZES_INPUT = True
-
-
+@mx.compile
 def fp8_linear(x: mx.array, weight: mx.array, scales: mx.array) -> mx.array:
     """Fp8Linear's product: FP8 fake-quantised x times an `mxfp8` weight, bf16 out."""
-    if GEMV_QUANTIZES_INPUT and x.dtype == mx.bfloat16 and kernels.fp8_gemv_fits(x, weight):
-        return kernels.fp8_gemv(x, weight, scales, quantize_input=True)
-    return _fp8_linear(x, weight, scales)
-
-
-@mx.compile
-def _fp8_linear(x: mx.array, weight: mx.array, scales: mx.array) -> mx.array:
     return fp8_matmul(fp8_input(x), weight, scales)
 
 
