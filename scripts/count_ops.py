@@ -5,8 +5,11 @@
 Builds a padded decode step's graph as a CUDA GPU would (bf16-fed GEMMs, each row
 gathering its own window, the custom kernels) without running it: every custom
 kernel is stubbed by one operation that depends on all of its inputs, so the
-count is the step's kernel launches as MLX would issue them (views excluded).
-Prints the count per layer kind and for the whole step, and how many times each
+count is the step's kernel launches as MLX would issue them. The stubs take any
+shape, so the GEMV kernels' shape terms are dropped and a small checkpoint's
+GEMMs count as the release's do. Views (reshapes, slices, broadcasts, ...) are
+counted apart: they launch nothing, but each is an operation MLX evaluates.
+Prints both per layer kind and for the whole step, and how many times each
 kernel was called. On the CPU an RMSNorm outside the kernels counts as its three
 operations, where a GPU runs one.
 """
@@ -33,25 +36,49 @@ from dsv41_mlx.generate import prefill  # noqa: E402
 @contextlib.contextmanager
 def gpu_path_with_stub_kernels(calls: collections.Counter):
     """Inside: the kernels' dispatch takes the CUDA path, and every custom kernel is one
-    operation over all of its inputs (counted in calls). Restored on exit, but the graphs
-    traced inside stay in MLX's compile cache (module-level compiled functions): use it in a
-    process of its own, as this script does."""
+    operation (a Depends) over all of its inputs, its outputs broadcasts of a zero made
+    beforehand (counted in calls). Restored on exit, but the graphs traced inside stay in
+    MLX's compile cache (module-level compiled functions): use it in a process of its own,
+    as this script does."""
+    zeros = {}
 
     def compiled(spec, language):
         def run(inputs, output_shapes, output_dtypes, **_):
             calls[spec.name] += 1
-            anchor = mx.depends([inputs[0]], list(inputs[1:]))[0] if len(inputs) > 1 else inputs[0]
-            one = mx.max(anchor)
-            return [mx.broadcast_to(one, shape).astype(dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
+            outs = [mx.broadcast_to(zeros[dtype], tuple(shape)) for shape, dtype in zip(output_shapes, output_dtypes)]
+            return mx.depends(outs, list(inputs))
 
         return run
 
-    saved = kernels._compiled, kernels.backend, kernels.device_backend
+    for dtype in (mx.bool_, mx.uint8, mx.uint16, mx.uint32, mx.int32, mx.float16, mx.bfloat16, mx.float32):
+        zeros[dtype] = mx.zeros((), dtype=dtype)
+    mx.eval(list(zeros.values()))
+    saved = kernels._compiled, kernels.backend, kernels.device_backend, kernels._gemv_fits
     kernels._compiled, kernels.backend, kernels.device_backend = compiled, lambda: "cuda", lambda: "cuda"
+    kernels._gemv_fits = lambda rows, n, k, impl=None: rows <= kernels.DECODE_MAX_ROWS
     try:
         yield
     finally:
-        kernels._compiled, kernels.backend, kernels.device_backend = saved
+        kernels._compiled, kernels.backend, kernels.device_backend, kernels._gemv_fits = saved
+
+
+def census(*outputs) -> tuple[int, int, collections.Counter]:
+    """(launches, views, primitive counts) of the lazy graph behind outputs (nothing is
+    evaluated). A stub is one launch (its Depends); its outputs' broadcasts are no views of
+    the model's, so as many views as the Depends nodes have outputs are not counted."""
+    import re
+    import tempfile
+
+    import bench
+
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+        mx.export_to_dot(f.name, *outputs)
+        dot = f.read()
+    labels = dict(re.findall(r'\{ (\d+) \[label ="([^"]+)"', dot))
+    ops = collections.Counter(label.split()[0] for label in labels.values())
+    depends = {node for node, label in labels.items() if label == "Depends"}
+    stub_outputs = sum(1 for node in re.findall(r'^(\d+) -> "', dot, flags=re.M) if node in depends)
+    return bench.kernels(ops), sum(v for k, v in ops.items() if k in bench.VIEWS) - stub_outputs, ops
 
 
 def count(model_path: str | None, rows: int, prompt: int = 300) -> dict:
@@ -62,25 +89,26 @@ def count(model_path: str | None, rows: int, prompt: int = 300) -> dict:
     prefill(model, [100 + (7 * i) % 900 for i in range(prompt)], cache)  # on the machine's own path
     calls = collections.Counter()
     model.decode_rows = rows
-    per_kind, names, total = {}, {}, 0
+    per_kind, views_per_kind, names = {}, {}, {}
+    total = total_views = 0
 
     def on_layer(i, run):
-        nonlocal total
+        nonlocal total, total_views
         h, pre = run()
-        ops = bench.graph_ops(h, pre)
-        n = bench.kernels(ops) - ops.get("Depends", 0)  # the stubs' dependency markers are no launches
+        launches, views, ops = census(h, pre)
         kind = bench.layer_kind(model.layers[i])
-        per_kind.setdefault(kind, []).append(n)
+        per_kind.setdefault(kind, []).append(launches)
+        views_per_kind.setdefault(kind, []).append(views)
         names.setdefault(kind, collections.Counter()).update(ops)
-        total += n
+        total, total_views = total + launches, total_views + views
         mx.eval(h, pre)
         return h, pre
 
     with gpu_path_with_stub_kernels(calls):
         logits = bench.decode_by_layer(model, 7, cache, on_layer)
-        ops = bench.graph_ops(logits)
-    total += bench.kernels(ops) - ops.get("Depends", 0)
-    return {"total": total, "per_kind": per_kind, "kernel_calls": dict(calls),
+        launches, views, _ = census(logits)
+    return {"total": total + launches, "views": total_views + views, "per_kind": per_kind,
+            "views_per_kind": views_per_kind, "kernel_calls": dict(calls),
             "names_per_kind": {kind: dict(c) for kind, c in names.items()}}
 
 
@@ -90,11 +118,13 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=8, help="rows a decode step is padded to (GPU: 8)")
     args = parser.parse_args()
     res = count(args.model, args.rows)
-    print("| layer kind | layers | operations per layer |")
-    print("|---|---|---|")
+    print("| layer kind | layers | launches per layer | views per layer |")
+    print("|---|---|---|---|")
     for kind, counts in res["per_kind"].items():
-        print(f"| {kind} | {len(counts)} | {', '.join(map(str, sorted(set(counts))))} |")
-    print(f"\noperations per decode step: {res['total']}; kernel calls: {res['kernel_calls']}")
+        views = res["views_per_kind"][kind]
+        print(f"| {kind} | {len(counts)} | {', '.join(map(str, sorted(set(counts))))} | "
+              f"{', '.join(map(str, sorted(set(views))))} |")
+    print(f"\nper decode step: {res['total']} launches, {res['views']} views; kernel calls: {res['kernel_calls']}")
     return 0
 
 

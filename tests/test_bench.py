@@ -115,10 +115,30 @@ print(json.dumps(res))
     calls = res["kernel_calls"]
     assert calls["sparse_attention"] == calls["moe_gate_scores"] == calls["moe_gate_topk"] == layers
     assert calls["hc_input"] == 2 * layers
-    assert 0 < res["total"] < 200 * layers
+    assert 0 < res["total"] < 200 * layers and res["views"] > 0
     assert res["restored"]
     for kind in ("ratio 1", "ratio 2"):  # a plain layer's casts all fuse into compiled kernels
         assert res["names_per_kind"][kind].get("AsType", 0) == 0, res["names_per_kind"][kind]
+
+
+def test_count_ops_counts_a_stubbed_kernel_as_one_launch_and_no_views(bench):
+    """A stubbed kernel is one launch whatever its outputs; their broadcasts are not counted
+    as the model's views, and a real view on top of them is."""
+    import collections
+
+    from dsv41_mlx import kernels
+
+    spec = importlib.util.spec_from_file_location("count_ops", SCRIPT.parent / "count_ops.py")
+    count_ops = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(count_ops)
+    with count_ops.gpu_path_with_stub_kernels(collections.Counter()):
+        a, b = mx.ones((4, 8)), mx.ones((3,)) * 2
+        mx.eval(a, b)
+        outs = kernels._compiled(kernels.ACT_QUANT, "cuda")(inputs=[a, b], output_shapes=[(4, 8), (2,), (5, 1)],
+                                                    output_dtypes=[mx.bfloat16, mx.float32, mx.uint32])
+        assert count_ops.census(*outs)[:2] == (1, 0)
+        # a reshape, and the add's broadcast of its scalar: two views; the stub and the add: two launches
+        assert count_ops.census(outs[0].reshape(32), outs[1] + 1)[:2] == (2, 2)
 
 
 def test_gemms_times_every_fp8_shape(bench, monkeypatch, capsys):
