@@ -123,17 +123,19 @@ class Rope:
 
     @staticmethod
     def apply(x: mx.array, tables: tuple[mx.array, ...], inverse: bool = False) -> mx.array:
-        """The rotation with `tables(positions, x.shape[-1])`."""
-        cos, sin, neg_sin, rotated = tables
-        return rotate(x, cos, neg_sin if inverse else sin, rotated)
+        """The rotation with `tables(positions, x.shape[-1])`, x [S, F] or [S, heads, F]."""
+        cos, sin, neg_sin = tables[:3] if x.ndim == 2 else tables[3:6]
+        return rotate(x, cos, neg_sin if inverse else sin, tables[6])
 
     def tables(self, positions: mx.array, width: int) -> tuple[mx.array, ...]:
-        """Per-feature factors [S, width] for positions [S] and features of that width:
-        cos of each pair's angle on both of its features; its sin on the second, negated on
-        the first; that negated (the inverse rotation); and which features rotate [width]
-        (the last `dims`). Kept for the last two positions arrays per width (a forward's,
-        which all its layers share, and a compressor's group positions): one set per
-        forward instead of one per call."""
+        """Per-feature factors for positions [S] and features of that width, as pairs
+        [S, width/2, 2]: cos of each pair's angle on both of its features; its sin on the
+        second, negated on the first; that negated (the inverse rotation); the same three
+        as [S, 1, width/2, 2] (for x with a heads axis); and which features rotate
+        [width/2, 2] (the last `dims`). Shaped here, once per forward, so that no rotation
+        adds views of its own. Kept for the last two positions arrays per width (a
+        forward's, which all its layers share, and a compressor's group positions): one
+        set per forward instead of one per call."""
         recent = self._tables.get(width, ())  # one read: a forward in another thread may replace it
         for seen, tables in recent:
             if seen is positions:
@@ -144,7 +146,9 @@ class Rope:
         cos = mx.concatenate([mx.ones((S, fixed), dtype=F32), mx.repeat(cos, 2, axis=-1)], axis=-1)
         sin = mx.concatenate([mx.zeros((S, fixed), dtype=F32),
                               mx.stack([-sin, sin], axis=-1).reshape(S, -1)], axis=-1)
-        tables = (cos, sin, -sin, mx.arange(width) >= fixed)
+        pairs = (S, width // 2, 2)
+        flat = (cos.reshape(pairs), sin.reshape(pairs), -sin.reshape(pairs))
+        tables = flat + tuple(t[:, None] for t in flat) + ((mx.arange(width) >= fixed).reshape(width // 2, 2),)
         self._tables[width] = ((positions, tables),) + recent[:1]  # a forward's and a compressor's
         return tables
 
@@ -159,15 +163,15 @@ def shared_rope(dims: int, base: float, original_len: int = 0, factor: float = 1
 
 @mx.compile
 def rotate(x: mx.array, cos: mx.array, sin: mx.array, rotated: mx.array) -> mx.array:
-    """Rope's rotation of x [S, ..., F] (contiguous) with Rope.tables: each rotated pair
-    (x0, x1) becomes (x0 cos - x1 sin, x1 cos + x0 sin), in fp32; the other features are
-    passed through as they are. One fused element-wise pass: the pair swap is a view."""
-    S, F = x.shape[0], x.shape[-1]
-    pairs = (S,) + (1,) * (x.ndim - 2) + (F // 2, 2)
+    """Rope's rotation of x [S, ..., F] (contiguous) with Rope.tables shaped for it: each
+    rotated pair (x0, x1) becomes (x0 cos - x1 sin, x1 cos + x0 sin), in fp32; the other
+    features are passed through as they are. One fused element-wise pass: the pair swap is
+    a view."""
+    F = x.shape[-1]
     x2 = x.reshape(*x.shape[:-1], F // 2, 2)
     swapped = x2[..., ::-1]  # (x1, x0) per pair
-    out = x2.astype(F32) * cos.reshape(pairs) + swapped.astype(F32) * sin.reshape(pairs)
-    return mx.where(rotated.reshape(F // 2, 2), out.astype(x.dtype), x2).reshape(x.shape)
+    out = x2.astype(F32) * cos + swapped.astype(F32) * sin
+    return mx.where(rotated, out.astype(x.dtype), x2).reshape(x.shape)
 
 
 @mx.compile
