@@ -523,15 +523,21 @@ VIEWS = {"Broadcast", "Reshape", "Squeeze", "ExpandDims", "Slice", "View", "Tran
          "Flatten", "Unflatten"}
 
 
-def graph_ops(*outputs) -> "collections.Counter":
-    """Primitive counts of the lazy graph behind outputs (nothing is evaluated)."""
-    import collections
-    import re
+def graph_dot(*outputs) -> str:
+    """The lazy graph behind outputs in Graphviz text, MLX's export (nothing is evaluated)."""
     import tempfile
 
     with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
         mx.export_to_dot(f.name, *outputs)
-        labels = re.findall(r'label\s*=\s*"([^"]+)"', f.read())
+        return f.read()
+
+
+def graph_ops(*outputs) -> "collections.Counter":
+    """Primitive counts of the lazy graph behind outputs (nothing is evaluated)."""
+    import collections
+    import re
+
+    labels = re.findall(r'label\s*=\s*"([^"]+)"', graph_dot(*outputs))
     return collections.Counter(label.split()[0] for label in labels)
 
 

@@ -67,13 +67,10 @@ def census(*outputs) -> tuple[int, int, collections.Counter]:
     evaluated). A stub is one launch (its Depends); its outputs' broadcasts are no views of
     the model's, so as many views as the Depends nodes have outputs are not counted."""
     import re
-    import tempfile
 
     import bench
 
-    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
-        mx.export_to_dot(f.name, *outputs)
-        dot = f.read()
+    dot = bench.graph_dot(*outputs)
     labels = dict(re.findall(r'\{ (\d+) \[label ="([^"]+)"', dot))
     ops = collections.Counter(label.split()[0] for label in labels.values())
     depends = {node for node, label in labels.items() if label == "Depends"}
