@@ -104,7 +104,8 @@ SPARSE_ATTENTION = KernelSpec("sparse_attention", ("q", "ring", "index", "wmask"
 RMS_NORM = KernelSpec("rms_norm_rows", ("x", "w", "eps", "sizes"), ("y",), "rms_norm.metal", "rms_norm.cu",
                       header_files=(), twin_headers=("fp8_lane",))
 FP4_QUANT = KernelSpec("fp4_quant", ("x", "n"), ("y",), "fp4_quant.metal", "fp4_quant.cu", header_files=())
-HC_INPUT = KernelSpec("hc_input", ("h", "pre_in", "fn", "scale", "base", "norm_w", "params", "rows"),
+HC_MIX = KernelSpec("hc_mix", ("h", "fn", "rows"), ("parts",), "hc_mix.metal", "hc_mix.cu", header_files=())
+HC_INPUT = KernelSpec("hc_input", ("h", "pre_in", "parts", "scale", "base", "norm_w", "params", "rows"),
                       ("x", "xq", "pre", "post", "comb"), "hc_input.metal", "hc_input.cu", header_files=(),
                       twin_headers=("hc_split_row", "fp8_lane"))
 FP8_GEMV = KernelSpec("fp8_gemv", ("x", "w", "scales", "sizes"), ("y",), "fp8_gemv.metal", "fp8_gemv.cu",
@@ -314,7 +315,7 @@ def moe_gate_reference(x: mx.array, w: mx.array, bias: mx.array, k: int, temp: f
 def moe_gate(x: mx.array, w: mx.array, bias: mx.array, k: int, temp: float, route_scale: float,
              normalize: bool, impl: str | None = None) -> tuple[mx.array, mx.array]:
     """The router in two launches on a GPU for up to DECODE_MAX_ROWS rows: the scores (a
-    simdgroup per expert, its weights read once for all rows), then each row's top-k (a
+    threadgroup per expert, its weights read once for all rows), then each row's top-k (a
     threadgroup per row); the spec otherwise. The fp32 dot products are summed in another
     order than the spec's matmul, so a near-tie between two experts may fall the other way;
     each row is computed alone, the same bits in any forward (scripts/check_kernels.py
@@ -327,7 +328,7 @@ def moe_gate(x: mx.array, w: mx.array, bias: mx.array, k: int, temp: float, rout
         return moe_gate_reference(x, w, bias, k, temp, route_scale, normalize)
     (scores,) = _compiled(MOE_GATE_SCORES, impl)(
         inputs=[x, w.astype(mx.float32), _float32s(temp), _int32s(N, E, D)],
-        template=[("T", x.dtype)], grid=(-(-E // 8) * 256, 1, 1), threadgroup=(256, 1, 1),
+        template=[("T", x.dtype), ("RB", 8 if N <= 8 else 16)], grid=(E * 256, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[(N, E)], output_dtypes=[mx.float32])
     weights, ids = _compiled(MOE_GATE_TOPK, impl)(
         inputs=[scores, bias.astype(mx.float32), _float32s(route_scale),
@@ -338,6 +339,9 @@ def moe_gate(x: mx.array, w: mx.array, bias: mx.array, k: int, temp: float, rout
 
 
 # -------------------------------------------------------------------- hc_input
+
+HC_MIX_CHUNKS = 16  # hc_mix's threadgroups per row (a row holds hc * dim values, a multiple of 32)
+
 
 def hc_input_fits(h: mx.array, impl: str | None = None) -> bool:
     """Whether hc_input runs for this stream [S, hc, dim]: a GPU, at most DECODE_MAX_ROWS
@@ -351,27 +355,34 @@ def hc_input_fits(h: mx.array, impl: str | None = None) -> bool:
 def hc_input(h: mx.array, pre_in: mx.array, fn: mx.array, scale: mx.array, base: mx.array, norm_w: mx.array,
              iters: int, hc_norm_eps: float, eps: float, norm_eps: float, quantize_to: mx.Dtype,
              impl: str | None = None) -> tuple[mx.array, ...]:
-    """A sub-layer's input from the stream in one launch (a threadgroup per row): the
-    collapse by pre_in, RMS-normed by norm_w -> x [S, dim] bf16, x FP8 fake-quantised as
-    quantize_to (what quant.fp8_input makes of x, for the sub-layer's FP8 GEMMs), and this
-    sub-layer's mixes pre [S, hc], post [S, hc], comb [S, hc, hc]. Its spec is
-    model.HyperConnection.sublayer_input's composition of hc_pre, rms_norm, fp8_input, the mix
-    projection and hc_split (scripts/check_kernels.py compares them); only where hc_input_fits."""
+    """A sub-layer's input from the stream in two launches: the collapse by pre_in,
+    RMS-normed by norm_w -> x [S, dim] bf16, x FP8 fake-quantised as quantize_to (what
+    quant.fp8_input makes of x, for the sub-layer's FP8 GEMMs), and this sub-layer's mixes
+    pre [S, hc], post [S, hc], comb [S, hc, hc]. The first launch (hc_mix) sums the mix
+    projection in HC_MIX_CHUNKS chunks of each row, a threadgroup each, so that the 2 MB of
+    fn are read by many threadgroups at once; the second (hc_input, a threadgroup per row)
+    does the rest. Its spec is model.HyperConnection.sublayer_input's composition of hc_pre,
+    rms_norm, fp8_input, the mix projection and hc_split (scripts/check_kernels.py compares
+    them); only where hc_input_fits."""
     impl = impl or backend()
     if not hc_input_fits(h, impl):
         raise ValueError(f"hc_input takes a bfloat16 stream [<= {DECODE_MAX_ROWS}, hc, dim] on a GPU, "
                          f"got {h.dtype} {h.shape} on {impl}")
     S, hc, dim = h.shape
-    kernel = _compiled(HC_INPUT, impl)
-    f32 = mx.float32  # the body reads these as float32 (a build is keyed by its template values only)
-    return tuple(kernel(inputs=[h, pre_in.astype(f32), fn.astype(f32), scale.astype(f32), base.astype(f32),
-                                norm_w.astype(f32),
-                                _float32s(hc_norm_eps, eps, norm_eps),
-                                _int32s(S)],
-                        template=[("D", dim), ("HC", hc), ("ITERS", iters), ("O", quantize_to)],
-                        grid=(S * 256, 1, 1), threadgroup=(256, 1, 1),
-                        output_shapes=[(S, dim), (S, dim), (S, hc), (S, hc), (S, hc, hc)],
-                        output_dtypes=[mx.bfloat16, quantize_to, mx.float32, mx.float32, mx.float32]))
+    M, chunks = (2 + hc) * hc, HC_MIX_CHUNKS
+    f32 = mx.float32  # the bodies read these as float32 (a build is keyed by its template values only)
+    rows = _int32s(S)
+    (parts,) = _compiled(HC_MIX, impl)(
+        inputs=[h, fn.astype(f32), rows], template=[("D", dim), ("HC", hc), ("CH", chunks)],
+        grid=(S * chunks * 256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[(S, chunks, M + 1)],
+        output_dtypes=[f32])
+    return tuple(_compiled(HC_INPUT, impl)(
+        inputs=[h, pre_in.astype(f32), parts, scale.astype(f32), base.astype(f32), norm_w.astype(f32),
+                _float32s(hc_norm_eps, eps, norm_eps), rows],
+        template=[("D", dim), ("HC", hc), ("ITERS", iters), ("O", quantize_to), ("CH", chunks)],
+        grid=(S * 256, 1, 1), threadgroup=(256, 1, 1),
+        output_shapes=[(S, dim), (S, dim), (S, hc), (S, hc), (S, hc, hc)],
+        output_dtypes=[mx.bfloat16, quantize_to, f32, f32, f32]))
 
 
 # ------------------------------------------------------------ sparse_attention

@@ -4,7 +4,7 @@ constexpr int WARPS = 8;
 constexpr int M = (2 + HC) * HC;
 constexpr int HD = HC * D;
 __shared__ float collapsed[D];
-__shared__ float partial[WARPS][M + 1];
+__shared__ float partial[WARPS];
 __shared__ float total[M + 1];
 
 const unsigned int row = blockIdx.x;
@@ -15,28 +15,6 @@ if (row >= (unsigned int)rows[0]) {
   return;  // the whole threadgroup
 }
 const __nv_bfloat16* hr = h + row * HD;
-
-// the mixes' dot products and the row's sum of squares: thread t takes every 256th value
-float acc[M + 1];
-for (int m = 0; m <= M; m++) {
-  acc[m] = 0.0f;
-}
-for (unsigned int j = tid; j < HD; j += 32 * WARPS) {
-  const float v = __bfloat162float(hr[j]);
-  for (int m = 0; m < M; m++) {
-    acc[m] += v * fn[m * HD + j];
-  }
-  acc[M] += v * v;
-}
-for (int m = 0; m <= M; m++) {
-  float a = acc[m];
-  for (int offset = 16; offset > 0; offset /= 2) {
-    a += __shfl_xor_sync(0xffffffffu, a, offset);
-  }
-  if (lane == 0) {
-    partial[warp][m] = a;
-  }
-}
 
 // the collapse (its RMS below)
 float sq = 0.0f;
@@ -52,22 +30,20 @@ for (unsigned int d = tid; d < D; d += 32 * WARPS) {
 for (int offset = 16; offset > 0; offset /= 2) {
   sq += __shfl_xor_sync(0xffffffffu, sq, offset);
 }
-__syncthreads();
-if (tid <= M) {  // totals over the simdgroups, in order
-  float t = partial[0][tid];
-  for (int g = 1; g < WARPS; g++) {
-    t += partial[g][tid];
+if (tid <= M) {  // the mixes' totals over hc_mix's chunks, in order
+  float t = parts[row * CH * (M + 1) + tid];
+  for (int c = 1; c < CH; c++) {
+    t += parts[(row * CH + c) * (M + 1) + tid];
   }
   total[tid] = t;
 }
-__syncthreads();
 if (lane == 0) {
-  partial[warp][0] = sq;  // the mixes' partials are summed already
+  partial[warp] = sq;
 }
 __syncthreads();
-float sq_all = partial[0][0];
+float sq_all = partial[0];
 for (int g = 1; g < WARPS; g++) {
-  sq_all += partial[g][0];
+  sq_all += partial[g];
 }
 const float r = rsqrtf(sq_all / float(D) + params[2]);
 for (unsigned int d = tid; d < D; d += 32 * WARPS) {  // D a multiple of 32: lanes hold a block's 32 values

@@ -1,4 +1,4 @@
-// The MoE router's scores for a decode or verify forward (up to 16 rows), a simdgroup
+// The MoE router's scores for a decode or verify forward (up to 16 rows), a threadgroup
 // per expert: each expert's weights are read once for every row. moe_gate_topk.metal
 // then picks each row's experts; together they do what kernels.moe_gate_reference does
 // with about ten operations.
@@ -6,44 +6,58 @@
 // x [rows, D] (T: bfloat16 or float32), w [E, D] float32 (the router's weight),
 // params [1] float32 = (temperature,), sizes [3] int32 = (rows, E, D). Output:
 // scores [rows, E] float32 = sqrt(softplus((x . w_e) / temperature)), softplus(l) = l
-// above 20, log(1 + e^l) below. Lane l sums every 32nd product of a dot, the simdgroup
-// its 32 partial sums in a butterfly: not the spec's matmul order, so a score matches
-// the spec to float32 noise; each row's score is computed alone (the same bits in any
-// forward). Template constant: T. 256 threads (8 experts per threadgroup).
-// CUDA twin: moe_gate_scores.cu.
+// above 20, log(1 + e^l) below. Thread t sums every 256th product of a dot (t, t + 256,
+// ...), each simdgroup its 32 partial sums in a butterfly, then the 8 simdgroup sums are
+// added in order: not the spec's matmul order, so a score matches the spec to float32
+// noise; each row's score is computed alone (the same bits in any forward, whatever RB).
+// Template constants: T, RB (8 or 16, at least the rows: each thread keeps a sum per row).
+// 256 threads per threadgroup, E threadgroups. CUDA twin: moe_gate_scores.cu.
+//
+// (The first version gave each expert one simdgroup, which walked all of D alone: 160
+// dependent steps at D = 5120, ~300 us a call on an H200. Spread over a threadgroup, a
+// thread takes 20.)
 
 constexpr int WARPS = 8;
-constexpr int MAX_ROWS = 16;
+threadgroup float partial[WARPS][RB];
 const int rows = sizes[0];
 const int E = sizes[1];
 const int D = sizes[2];
-const int e = int(threadgroup_position_in_grid.x) * WARPS + int(simdgroup_index_in_threadgroup);
+const int e = int(threadgroup_position_in_grid.x);
+const uint tid = thread_position_in_threadgroup.x;
 const uint lane = thread_index_in_simdgroup;
-if (e >= E) {
-  return;  // a whole simdgroup
-}
+const uint warp = simdgroup_index_in_threadgroup;
 const device float* we = w + ulong(e) * D;
-float acc[MAX_ROWS];
-for (int r = 0; r < MAX_ROWS; r++) {
+float acc[RB];
+for (int r = 0; r < RB; r++) {
   acc[r] = 0.0f;
 }
-for (int d = int(lane); d < D; d += 32) {
+for (int d = int(tid); d < D; d += 32 * WARPS) {
   const float wd = we[d];
-  for (int r = 0; r < MAX_ROWS && r < rows; r++) {
-    acc[r] += float(x[r * D + d]) * wd;
+  for (int r = 0; r < RB; r++) {
+    if (r < rows) {
+      acc[r] += float(x[r * D + d]) * wd;
+    }
   }
 }
-for (int r = 0; r < MAX_ROWS && r < rows; r++) {
+for (int r = 0; r < RB; r++) {
   float a = acc[r];
   for (ushort offset = 16; offset > 0; offset /= 2) {
     a += simd_shuffle_xor(a, offset);
   }
   if (lane == 0) {
-    const float l = a / params[0];
-    // log(1 + v) without losing a small v to the rounding of 1 + v
-    const float v = metal::exp(metal::min(l, 20.0f));
-    const float u = 1.0f + v;
-    const float soft = (u == 1.0f) ? v : metal::log(u) * (v / (u - 1.0f));
-    scores[r * E + e] = metal::sqrt(l > 20.0f ? l : soft);
+    partial[warp][r] = a;
   }
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+if (int(tid) < rows) {  // thread r finishes row r
+  float a = partial[0][tid];
+  for (int g = 1; g < WARPS; g++) {
+    a += partial[g][tid];
+  }
+  const float l = a / params[0];
+  // log(1 + v) without losing a small v to the rounding of 1 + v
+  const float v = metal::exp(metal::min(l, 20.0f));
+  const float u = 1.0f + v;
+  const float soft = (u == 1.0f) ? v : metal::log(u) * (v / (u - 1.0f));
+  scores[int(tid) * E + e] = metal::sqrt(l > 20.0f ? l : soft);
 }

@@ -114,7 +114,7 @@ print(json.dumps(res))
     layers = sum(len(v) for v in res["per_kind"].values())
     calls = res["kernel_calls"]
     assert calls["sparse_attention"] == calls["moe_gate_scores"] == calls["moe_gate_topk"] == layers
-    assert calls["hc_input"] == 2 * layers
+    assert calls["hc_input"] == calls["hc_mix"] == 2 * layers
     assert 0 < res["total"] < 200 * layers and res["views"] > 0
     assert res["restored"]
     for kind in ("ratio 1", "ratio 2"):  # a plain layer's casts all fuse into compiled kernels

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from dsv41_mlx.cache import DraftCache
-from dsv41_mlx.kernels import (ACT_QUANT, FP4_EXPERTS, FP4_QUANT, FP8_GEMV, FP8_ROWS, HC_INPUT, HC_SPLIT,
+from dsv41_mlx.kernels import (ACT_QUANT, FP4_EXPERTS, FP4_QUANT, FP8_GEMV, FP8_ROWS, HC_INPUT, HC_MIX, HC_SPLIT,
                                MOE_GATE_SCORES, MOE_GATE_TOPK, RING_WRITE, RMS_NORM, SPARSE_ATTENTION, TOP_K,
                                fp8_rows_top64, moe_gate, moe_gate_reference, ring_write, ring_write_reference)
 from dsv41_mlx.quant import e4m3_decode, e8m0_decode, quantize_fp8_tiles, quantize_fp8_tiles_mx
@@ -134,10 +134,12 @@ CASES = {
     "act_quant": (ACT_QUANT, {"x": "bfloat16", "n": "int32"}, {"y": "bfloat16"}, {"T": "bfloat16", "O": "bfloat16"}),
     "act_quant_to_f32": (ACT_QUANT, {"x": "bfloat16", "n": "int32"}, {"y": "float32"},
                          {"T": "bfloat16", "O": "float32"}),
-    "hc_input": (HC_INPUT, {"h": "bfloat16", "pre_in": "float32", "fn": "float32", "scale": "float32",
+    "hc_mix": (HC_MIX, {"h": "bfloat16", "fn": "float32", "rows": "int32"}, {"parts": "float32"},
+               {"D": 5120, "HC": 4, "CH": 16}),
+    "hc_input": (HC_INPUT, {"h": "bfloat16", "pre_in": "float32", "parts": "float32", "scale": "float32",
                             "base": "float32", "norm_w": "float32", "params": "float32", "rows": "int32"},
                  {"x": "bfloat16", "xq": "bfloat16", "pre": "float32", "post": "float32", "comb": "float32"},
-                 {"D": 5120, "HC": 4, "ITERS": 20, "O": "bfloat16"}),
+                 {"D": 5120, "HC": 4, "ITERS": 20, "O": "bfloat16", "CH": 16}),
     "sparse_attention": (SPARSE_ATTENTION, {"q": "bfloat16", "ring": "bfloat16", "index": "int32", "wmask": "bool",
                                             "kv": "bfloat16", "ids": "uint32", "pmask": "bool", "sink": "float32",
                                             "params": "float32", "rows": "int32"}, {"out": "bfloat16"},
@@ -158,7 +160,7 @@ CASES = {
     "fp4_quant_index": (FP4_QUANT, {"x": "float32", "n": "int32"}, {"y": "float32"},
                         {"T": "float32", "BLOCK": 32, "SCALE_E4M3": 0}),
     "moe_gate_scores": (MOE_GATE_SCORES, {"x": "bfloat16", "w": "float32", "params": "float32", "sizes": "int32"},
-                        {"scores": "float32"}, {"T": "bfloat16"}),
+                        {"scores": "float32"}, {"T": "bfloat16", "RB": 8}),
     "fp8_gemv": (FP8_GEMV, {"x": "bfloat16", "w": "uint32", "scales": "uint8", "sizes": "int32"}, {"y": "bfloat16"},
                  {"RB": 8, "T": 4, "C": 32, "QX": 0}),
     "fp8_gemv_16_rows": (FP8_GEMV, {"x": "bfloat16", "w": "uint32", "scales": "uint8", "sizes": "int32"},
@@ -208,9 +210,12 @@ def test_metal_source_type_checks(case, rows, tmp_path):
     ("act_quant", ("const float v = static_cast<float>(x[idx]);", "const float v = static_cast<float>(x[idx])")),
     ("act_quant", ("fp8_fake_quant_lane(v)", "fp8_fake_quant_lane(v, 1)")),  # bad call
     ("moe_gate_scores", ("a += simd_shuffle_xor(a, offset);", "a += simd_shuffle_xor(a);")),  # bad call
+    ("moe_gate_scores", ("threadgroup float partial[WARPS][RB];", "threadgroup float partial[WARPS][RB]")),
     ("moe_gate_topk", ("threadgroup int picked[K];", "threadgroup int picked[K]")),  # no semicolon
     ("hc_input", ("collapsed[d] = cb;", "collapsed[d] = cb")),  # no semicolon
     ("hc_input", ("bfloat16_t(c)", "bfloat16_t(c, 1)")),  # bad conversion
+    ("hc_mix", ("acc[m] += v * fc[m * HD + j];", "acc[m] += v * fc;")),  # pointer into a float
+    ("hc_input", ("t += parts[(row * CH + c) * (M + 1) + tid];", "t += part[(row * CH + c) * (M + 1) + tid];")),
     ("fp4_quant_kv", ("simd_shuffle_xor(amax, offset)", "simd_shuffle_xor(amax)")),  # bad call
     ("rms_norm", ("sq += v * v;", "sq += v * w;")),  # type error: w is a pointer
     ("rms_norm_quantised", ("fp8_fake_quant_lane(v)", "fp8_fake_quant_lanes(v)")),  # misspelt function
@@ -258,6 +263,7 @@ def test_cuda_source_compiles(case):
     ("moe_gate_topk", ("choice[bi] = neg_inf;", "choice[bi] = neg_infinity;")),  # misspelt variable
     ("moe_gate_scores", ("const float wd = we[d];", "const float wd = we;")),  # pointer to float
     ("hc_input", ("__float2bfloat16(c)", "__float2bfloat16(c, 1)")),  # bad call
+    ("hc_mix", ("partial[warp][m] = a;", "partial[warp][m] = acc;")),  # array into a float
     ("fp4_quant_kv", ("const float mag = fabsf(q);", "const float mag = fabsf(q)")),  # no semicolon
     ("rms_norm", ("rsqrtf(total / (float)D + eps[0])", "rsqrtf(total / (float)D + eps)")),  # pointer + float
     ("sparse_attention", ("denom[g] = total + expf(sink[h0 + g] - row_max);",

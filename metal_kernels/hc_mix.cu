@@ -1,0 +1,48 @@
+// CUDA twin of hc_mix.metal (see there for what it computes). 256 threads per block,
+// S * CH blocks.
+
+constexpr int WARPS = 8;
+constexpr int M = (2 + HC) * HC;
+constexpr int HD = HC * D;
+constexpr int CHUNK = HD / CH;
+__shared__ float partial[WARPS][M + 1];
+
+const unsigned int row = blockIdx.x / CH;
+const unsigned int chunk = blockIdx.x % CH;
+const unsigned int tid = threadIdx.x;
+const unsigned int lane = threadIdx.x % 32;
+const unsigned int warp = threadIdx.x / 32;
+if (row >= (unsigned int)rows[0]) {
+  return;  // the whole threadgroup
+}
+const __nv_bfloat16* hv = h + row * HD + chunk * CHUNK;
+const float* fc = fn + chunk * CHUNK;
+
+float acc[M + 1];
+for (int m = 0; m <= M; m++) {
+  acc[m] = 0.0f;
+}
+for (unsigned int j = tid; j < (unsigned int)CHUNK; j += 32 * WARPS) {
+  const float v = __bfloat162float(hv[j]);
+  for (int m = 0; m < M; m++) {
+    acc[m] += v * fc[m * HD + j];
+  }
+  acc[M] += v * v;
+}
+for (int m = 0; m <= M; m++) {
+  float a = acc[m];
+  for (int offset = 16; offset > 0; offset /= 2) {
+    a += __shfl_xor_sync(0xffffffffu, a, offset);
+  }
+  if (lane == 0) {
+    partial[warp][m] = a;
+  }
+}
+__syncthreads();
+if (tid <= (unsigned int)M) {  // totals over the warps, in order
+  float t = partial[0][tid];
+  for (int g = 1; g < WARPS; g++) {
+    t += partial[g][tid];
+  }
+  parts[(row * CH + chunk) * (M + 1) + tid] = t;
+}

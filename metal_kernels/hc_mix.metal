@@ -1,0 +1,59 @@
+// The first half of a sub-layer's input (hc_input.metal is the second): the stream's mix
+// projection and sum of squares, split over CH chunks of each row so that a decode step's
+// few rows spread over many threadgroups (one threadgroup per row read all of fn, 2 MB at
+// the release's shape, alone: ~145 us a call on an H200).
+//
+// h [S, HC, D] bfloat16: the stream, each row flattened to HD = HC * D values; fn [M, HD]
+// float32: the sub-layer's mix projection (M = (2 + HC) * HC); rows [1] int32 = S.
+// Output: parts [S, CH, M + 1] float32: for row s and chunk c (values c * HD / CH up to the
+// next chunk), the dot products with each fn_m, then the sum of squares. Thread t sums
+// every 256th value of its chunk, each simdgroup its 32 sums in a butterfly, then the 8
+// simdgroup sums are added in order: a row's parts depend on that row alone.
+// Template constants: D, HC, CH (HD a multiple of CH). 256 threads, S * CH threadgroups.
+// CUDA twin: hc_mix.cu.
+
+constexpr int WARPS = 8;
+constexpr int M = (2 + HC) * HC;
+constexpr int HD = HC * D;
+constexpr int CHUNK = HD / CH;
+threadgroup float partial[WARPS][M + 1];
+
+const uint row = threadgroup_position_in_grid.x / CH;
+const uint chunk = threadgroup_position_in_grid.x % CH;
+const uint tid = thread_position_in_threadgroup.x;
+const uint lane = thread_index_in_simdgroup;
+const uint warp = simdgroup_index_in_threadgroup;
+if (row >= uint(rows[0])) {
+  return;  // the whole threadgroup
+}
+const device bfloat16_t* hv = h + row * HD + chunk * CHUNK;
+const device float* fc = fn + chunk * CHUNK;
+
+float acc[M + 1];
+for (int m = 0; m <= M; m++) {
+  acc[m] = 0.0f;
+}
+for (uint j = tid; j < uint(CHUNK); j += 32 * WARPS) {
+  const float v = float(hv[j]);
+  for (int m = 0; m < M; m++) {
+    acc[m] += v * fc[m * HD + j];
+  }
+  acc[M] += v * v;
+}
+for (int m = 0; m <= M; m++) {
+  float a = acc[m];
+  for (ushort offset = 16; offset > 0; offset /= 2) {
+    a += simd_shuffle_xor(a, offset);
+  }
+  if (lane == 0) {
+    partial[warp][m] = a;
+  }
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+if (tid <= uint(M)) {  // totals over the simdgroups, in order
+  float t = partial[0][tid];
+  for (int g = 1; g < WARPS; g++) {
+    t += partial[g][tid];
+  }
+  parts[(row * CH + chunk) * (M + 1) + tid] = t;
+}
