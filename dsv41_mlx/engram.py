@@ -142,15 +142,23 @@ class EngramTable:
     def rows(self) -> int:
         return self.codes.shape[0]
 
-    def lookup(self, ids: np.ndarray) -> mx.array:
-        """Dequantised rows for ids [...] -> bf16 [..., dim]."""
-        flat = ids.reshape(-1)
-        codes = mx.array(np.asarray(self.codes[flat]))
-        scales = mx.array(np.asarray(self.scales[flat]))
-        values = mx.from_fp8(codes, dtype=F32).reshape(flat.shape[0], scales.shape[1], -1)
-        exps = scales.astype(mx.int32) - 127
-        values = values * mx.power(mx.array(2.0, dtype=F32), exps.astype(F32))[..., None]
-        return values.reshape(*ids.shape, -1).astype(BF16)
+    def gather(self, ids: np.ndarray) -> tuple[mx.array, mx.array]:
+        """The stored rows for ids [...]: (codes [..., dim], scales [..., dim/32]) uint8, read
+        on the host. A forward gathers every engram layer's rows before it queues any GPU work
+        (Model.__call__): on CUDA, an array made on the host may take a buffer that MLX's cache
+        holds on the device, and moving that buffer waits for the device to finish everything
+        queued, which in the middle of a forward stalls the host's build of the layers after it."""
+        return mx.array(np.asarray(self.codes[ids])), mx.array(np.asarray(self.scales[ids]))
+
+
+@mx.compile
+def dequantize_rows(codes: mx.array, scales: mx.array) -> mx.array:
+    """EngramTable.gather's (codes, scales) -> the rows' values, bf16 [..., dim]: each E4M3
+    code times 2^(its block's E8M0 scale - 127)."""
+    values = mx.from_fp8(codes, dtype=F32).reshape(*scales.shape, -1)
+    exps = scales.astype(mx.int32) - 127
+    values = values * mx.power(2.0, exps.astype(F32))[..., None]
+    return values.reshape(codes.shape).astype(BF16)
 
 
 class Engram(nn.Module):
@@ -167,10 +175,14 @@ class Engram(nn.Module):
         self.eps = args.rms_norm_eps
         self.table: EngramTable | None = None  # attached by the checkpoint loader
 
-    def __call__(self, h: mx.array, row_ids: np.ndarray) -> mx.array:
-        """h [S, hc, dim] bf16, row_ids [S, n_cols] -> h with the gated value added (bf16)."""
+    def gather(self, row_ids: np.ndarray) -> tuple[mx.array, mx.array]:
+        """This layer's table rows for row_ids [S, n_cols] (EngramTable.gather), for __call__."""
+        return self.table.gather(row_ids)
+
+    def __call__(self, h: mx.array, rows: tuple[mx.array, mx.array]) -> mx.array:
+        """h [S, hc, dim] bf16 and this layer's rows (gather) -> h with the gated value added (bf16)."""
         S = h.shape[0]
-        kv = self.wkv(self.table.lookup(row_ids).reshape(S, -1))  # [S, (hc+1)*dim]
+        kv = self.wkv(dequantize_rows(*rows).reshape(S, -1))  # [S, (hc+1)*dim]
         key = kv[:, : self.hc * self.dim].astype(F32).reshape(S, self.hc, self.dim)
         value = kv[:, self.hc * self.dim:].astype(F32)
         weight = self.q_weight.astype(F32) * self.k_weight.astype(F32)

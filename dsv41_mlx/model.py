@@ -900,6 +900,10 @@ class Model(nn.Module):
         S = len(tokens)
         positions = mx.arange(start, start + S)
         hashes = self.hasher(cache.tokens, tokens) if self.hasher is not None else None
+        # every engram layer's table rows, read on the host before any of this forward's GPU
+        # work is queued (EngramTable.gather says why)
+        engram_rows = {i: layer.engram.gather(hashes[:, self.hasher.layer_index(i)])
+                       for i, layer in enumerate(self.layers) if hasattr(layer, "engram")}
         cache.tokens.extend(tokens)
 
         h, pre = hc_expand(self.embed(ids[0]), self.args.hc_mult)  # [S, hc, dim], [S, hc]
@@ -908,7 +912,7 @@ class Model(nn.Module):
         targets = self.args.dspark_target_layer_ids
         for i, layer in enumerate(self.layers):
             if hasattr(layer, "engram"):
-                h = layer.engram(h, hashes[:, self.hasher.layer_index(i)])
+                h = layer.engram(h, engram_rows[i])
             if i in targets:
                 features.append((sum_copies(h.astype(F32)) / h.shape[1]).astype(BF16))
             h, pre = layer(h, pre, positions, cache.layers[i], cache.layers, shared, rows=real_rows)

@@ -568,7 +568,7 @@ def decode_by_layer(model, token: int, cache, on_layer) -> mx.array:
     for i, layer in enumerate(model.layers):
         def run(i=i, layer=layer, h=h, pre=pre):
             if hasattr(layer, "engram"):
-                h = layer.engram(h, hashes[:, model.hasher.layer_index(i)])
+                h = layer.engram(h, layer.engram.gather(hashes[:, model.hasher.layer_index(i)]))
             return layer(h, pre, positions, cache.layers[i], cache.layers, shared, rows=1)
         h, pre = on_layer(i, run)
     logits = model.head(model.norm(hc_pre(h, pre)))
