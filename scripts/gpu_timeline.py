@@ -1,0 +1,147 @@
+"""Where a decode step's GPU time goes, kernel by kernel (CUDA only).
+
+    python scripts/gpu_timeline.py --model DIR [--rows 1] [--steps 6] [--json FILE]
+
+Runs a few decode steps (each padded as Model.decode pads it) under PyTorch's
+profiler: CUPTI records every kernel the process launches, MLX's included, with
+its name and its start and end on the GPU. Prints how long the GPU was busy per
+step against the step's wall time, the idle gaps between kernels, and a table of
+the kernels by total time. A step whose GPU is busy for most of it is GPU-bound
+(faster kernels help); one with long gaps waits on the host (fewer operations
+help). `bench.py profile` times layers from the host; this is the device's view.
+
+Needs PyTorch with CUDA in the same environment (not a dependency of the
+package: `pip install torch`). On Metal, Xcode's Metal System Trace gives the
+same view; there is nothing to run here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def short_name(name: str) -> str:
+    """A kernel's name without its parameter list or namespaces; our custom kernels by their
+    KernelSpec name and template values (MLX names them custom_kernel_<name>_<values>)."""
+    name = name.split("(", 1)[0].strip()
+    if name.startswith("void "):
+        name = name[5:]
+    custom = re.search(r"custom_kernel_(\w+)", name)
+    if custom:
+        return custom.group(1)
+    return re.sub(r"^mlx::core::cu::", "", name.split("<", 1)[0])
+
+
+def busy_time(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals (kernels that overlap count once)."""
+    total, cur_start, cur_end = 0.0, None, None
+    for start, end in sorted(intervals):
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    return total + (cur_end - cur_start if cur_end is not None else 0.0)
+
+
+def summarize(kernels: list[tuple[float, float, str]], steps: int, gap_us: float = 50.0) -> dict:
+    """kernels: (start us, end us, name) of `steps` steps -> per-step totals (ms) and a table."""
+    if not kernels:
+        return {"steps": steps, "kernels_per_step": 0, "span_ms": 0.0, "busy_ms": 0.0, "kernel_sum_ms": 0.0,
+                "long_gaps_ms": 0.0, "table": []}
+    kernels = sorted(kernels)
+    span = kernels[-1][1] - kernels[0][0]
+    busy = busy_time([(s, e) for s, e, _ in kernels])
+    long_gaps, reach = 0.0, kernels[0][1]
+    for start, end, _ in kernels[1:]:
+        if start - reach > gap_us:
+            long_gaps += start - reach
+        reach = max(reach, end)
+    by_name = collections.defaultdict(lambda: [0, 0.0])
+    for start, end, name in kernels:
+        by_name[short_name(name)][0] += 1
+        by_name[short_name(name)][1] += end - start
+    table = [{"kernel": k, "calls_per_step": c / steps, "us_per_call": t / c, "ms_per_step": t / steps / 1e3}
+             for k, (c, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])]
+    return {"steps": steps, "kernels_per_step": len(kernels) / steps, "span_ms": span / steps / 1e3,
+            "busy_ms": busy / steps / 1e3, "kernel_sum_ms": sum(e - s for s, e, _ in kernels) / steps / 1e3,
+            "long_gaps_ms": long_gaps / steps / 1e3, "table": table}
+
+
+def record(model_path: str, rows: int, steps: int) -> tuple[list[tuple[float, float, str]], float]:
+    """The GPU kernels of `steps` decode steps of `rows` tokens after a 261-token prompt, and the
+    wall seconds per step under the profiler."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import dsv41_mlx
+    from dsv41_mlx.generate import prefill
+
+    model, _ = dsv41_mlx.load(model_path)
+    cache = model.make_cache()
+    logits, _ = prefill(model, [(i * 7919) % 50000 + 100 for i in range(261)], cache)
+    token = int(mx.argmax(logits).item())
+
+    def step():
+        nonlocal token
+        out, _ = model.decode([token] * rows, cache)
+        token = int(mx.argmax(out[0, -1]).item())
+        if rows > 1:  # a verify-sized forward keeps one position, as a plain step does
+            cache.trim(rows - 1)
+
+    for _ in range(4):  # kernels built and loaded, compiled pieces traced
+        step()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        tic = time.perf_counter()
+        for _ in range(steps):
+            step()
+        wall = (time.perf_counter() - tic) / steps
+    cuda = torch.autograd.DeviceType.CUDA
+    return [(e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type == cuda], wall
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="checkpoint directory (scripts/make_flash_shaped.py)")
+    parser.add_argument("--rows", type=int, default=1, help="tokens per forward (1: a decode step; up to 6: verify)")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--top", type=int, default=30, help="kernels to list")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if not (mx.default_device() == mx.gpu and mx.cuda.is_available()):
+        print("gpu_timeline needs MLX on CUDA (on a Mac, Xcode's Metal System Trace shows the same)", file=sys.stderr)
+        return 2
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            raise ImportError("torch has no CUDA here")
+    except ImportError as e:
+        print(f"gpu_timeline needs PyTorch with CUDA for its profiler: {e}", file=sys.stderr)
+        return 2
+    kernels, wall = record(args.model, args.rows, args.steps)
+    res = summarize(kernels, args.steps)
+    print(f"{args.rows}-row forward: wall {wall * 1e3:.1f} ms a step under the profiler; GPU span "
+          f"{res['span_ms']:.1f} ms, busy {res['busy_ms']:.1f} ms, kernel time summed {res['kernel_sum_ms']:.1f} ms, "
+          f"idle gaps over 50 us {res['long_gaps_ms']:.1f} ms; {res['kernels_per_step']:.0f} kernels a step\n")
+    print("| kernel | calls / step | us / call | ms / step |\n|---|---|---|---|")
+    for row in res["table"][: args.top]:
+        print(f"| {row['kernel']} | {row['calls_per_step']:.1f} | {row['us_per_call']:.1f} | {row['ms_per_step']:.3f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({**res, "wall_ms": wall * 1e3, "rows": args.rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
