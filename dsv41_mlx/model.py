@@ -911,7 +911,7 @@ class Model(nn.Module):
         features = []
         targets = self.args.dspark_target_layer_ids
         for i, layer in enumerate(self.layers):
-            if hasattr(layer, "engram"):
+            if i in engram_rows:
                 h = layer.engram(h, engram_rows[i])
             if i in targets:
                 features.append((sum_copies(h.astype(F32)) / h.shape[1]).astype(BF16))

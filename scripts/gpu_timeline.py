@@ -71,8 +71,9 @@ def summarize(kernels: list[tuple[float, float, str]], steps: int, gap_us: float
         reach = max(reach, end)
     by_name = collections.defaultdict(lambda: [0, 0.0])
     for start, end, name in kernels:
-        by_name[short_name(name)][0] += 1
-        by_name[short_name(name)][1] += end - start
+        entry = by_name[short_name(name)]
+        entry[0] += 1
+        entry[1] += end - start
     table = [{"kernel": k, "calls_per_step": c / steps, "us_per_call": t / c, "ms_per_step": t / steps / 1e3}
              for k, (c, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])]
     return {"steps": steps, "kernels_per_step": len(kernels) / steps, "span_ms": span / steps / 1e3,
