@@ -91,6 +91,20 @@ def chained(gemm, x0: mx.array, links: int = 40, reps: int = 3) -> float:
     return per_link(gemm) - per_link(lambda x, i: x)
 
 
+def host_probe_ms(reps: int = 5) -> float:
+    """A fixed piece of pure-Python work (no MLX), the median of reps timings, in ms: how fast
+    the host's CPU runs right now. On the lent H200 (a virtual machine) it ran 1.3-1.45x slower
+    in episodes of tens of decode steps, during which the host's side of a step slowed alike
+    (docs/benchmarks.md, session 10); e2e takes it around every prompt so that a slow run shows."""
+    times = []
+    for _ in range(reps):
+        tic, total = time.perf_counter(), 0
+        for i in range(20_000):
+            total += i
+        times.append(time.perf_counter() - tic)
+    return statistics.median(times) * 1e3
+
+
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     """Bytes per second of a device copy (read + write), the ceiling the floors are computed from."""
     a = mx.random.uniform(shape=(nbytes // 4,))
@@ -392,6 +406,7 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float) 
     # pieces traced before anything is timed (on CUDA: seconds of NVRTC per kernel the first
     # time on a machine, and seconds of loading in every new process); then every prompt (new
     # lengths: what a served request sees), then every prompt again
+    out["host_probe_ms"] = host_probe_ms()
     out["warm_up_s"] = warm_up(model)
     print(f"  warm-up (generate.warm_up, kernel builds and loads included): {out['warm_up_s']:.1f} s", flush=True)
     for key in ("prefill_tok_s", "prefill_seen_tok_s"):
@@ -435,6 +450,7 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float) 
                                            confidence="schedule", verify_costs=[ms / 1e3 for ms in out["verify_ms"]])),
     ]:
         elapsed, produced, replies, stats, oracle = 0.0, 0, [], [], [0, 0]
+        probes = [host_probe_ms()]
         warm = time.perf_counter()  # a short untimed run first: kernel builds and compile traces
         list(generate_step(model, ids_list[0], params, 4, decoder=make(params, ids_list[0]) if make else None))
         print(f"  {label}: warm-up {time.perf_counter() - warm:.1f} s", flush=True)
@@ -447,13 +463,15 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float) 
             rest = list(steps)
             elapsed += time.perf_counter() - tic
             produced += len(rest)
+            probes.append(host_probe_ms())
             replies.append([first] + rest)
             if decoder is not None:
                 stats.append(decoder.stats.as_dict())
             if isinstance(getattr(decoder, "drafter", None), OracleDrafter):
                 oracle = [oracle[0] + decoder.drafter.right, oracle[1] + decoder.drafter.made]
             print(f"  {label}, prompt {i}: {len(rest)} tokens in {time.perf_counter() - tic:.1f} s", flush=True)
-        run = {"tok_s": produced / elapsed, "replies": replies, "hash": hashed(replies)}
+        run = {"tok_s": produced / elapsed, "replies": replies, "hash": hashed(replies),
+               "host_probe_ms": statistics.median(probes)}
         if stats:
             run["proposed"] = sum(s["proposed"] for s in stats)
             run["accepted"] = sum(s["accepted"] for s in stats)
@@ -500,15 +518,18 @@ def print_e2e(env: dict, res: dict, model: str) -> None:
         print(f"| decode tok/s | {plain:.2f} | {base['decode_tok_s']:.2f} | {plain / base['decode_tok_s']:.2f} |")
         print(f"| decode, fraction of the floor | {plain * res['floor_ms'] / 1e3:.1%} | "
               f"{base['decode_tok_s'] * res['floor_ms'] / 1e3:.1%} | |\n")
+    print(f"host probe (a fixed pure-Python loop, `host_probe_ms`): {res['host_probe_ms']:.2f} ms after the load; "
+          "each run's median of its probes (before it and after each prompt) is in the table: a larger one "
+          "means the host's CPU ran slower during that run, and so did every step's host side\n")
     print("| run | tok/s | x plain greedy | floor fraction | drafts accepted / verified / proposed | propose ms | "
-          "verify ms | ingest ms | reply hash |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "verify ms | ingest ms | host probe ms | reply hash |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for label, r in res["runs"].items():
         frac = (1e3 / res["floor_ms"]) and r["tok_s"] * res["floor_ms"] / 1e3
         drafted = f"{r['accepted']} / {r['verified']} / {r['proposed']}" if "proposed" in r else "-"
         ms = [f"{r[k]:.1f}" if k in r else "-" for k in ("propose_ms", "verify_ms", "ingest_ms")]
         print(f"| {label} | {r['tok_s']:.2f} | {r['tok_s'] / plain:.2f} | {frac:.1%} | {drafted} | "
-              + " | ".join(ms) + f" | {r['hash']} |")
+              + " | ".join(ms) + f" | {r['host_probe_ms']:.2f} | {r['hash']} |")
     print()
     for label, r in res["runs"].items():
         if "oracle_right_rate" in r:
