@@ -140,17 +140,22 @@ class Rope:
         for seen, tables in recent:
             if seen is positions:
                 return tables
-        S, fixed = positions.shape[0], width - self.dims
-        angles = positions.astype(F32)[:, None] * self.freqs[None, :]  # [S, dims/2]
-        cos, sin = mx.cos(angles), mx.sin(angles)
-        cos = mx.concatenate([mx.ones((S, fixed), dtype=F32), mx.repeat(cos, 2, axis=-1)], axis=-1)
-        sin = mx.concatenate([mx.zeros((S, fixed), dtype=F32),
-                              mx.stack([-sin, sin], axis=-1).reshape(S, -1)], axis=-1)
-        pairs = (S, width // 2, 2)
-        flat = (cos.reshape(pairs), sin.reshape(pairs), -sin.reshape(pairs))
-        tables = flat + tuple(t[:, None] for t in flat) + ((mx.arange(width) >= fixed).reshape(width // 2, 2),)
+        tables = _rope_tables(positions, self.freqs, width)
         self._tables[width] = ((positions, tables),) + recent[:1]  # a forward's and a compressor's
         return tables
+
+
+@mx.compile
+def _rope_tables(positions: mx.array, freqs: mx.array, width: int) -> tuple[mx.array, ...]:
+    """Rope.tables' arrays, one compiled function: its element-wise steps fuse."""
+    S, fixed = positions.shape[0], width - 2 * freqs.shape[0]
+    angles = positions.astype(F32)[:, None] * freqs[None, :]  # [S, dims/2]
+    cos, sin = mx.cos(angles), mx.sin(angles)
+    cos = mx.concatenate([mx.ones((S, fixed), dtype=F32), mx.repeat(cos, 2, axis=-1)], axis=-1)
+    sin = mx.concatenate([mx.zeros((S, fixed), dtype=F32), mx.stack([-sin, sin], axis=-1).reshape(S, -1)], axis=-1)
+    pairs = (S, width // 2, 2)
+    flat = (cos.reshape(pairs), sin.reshape(pairs), -sin.reshape(pairs))
+    return flat + tuple(t[:, None] for t in flat) + ((mx.arange(width) >= fixed).reshape(width // 2, 2),)
 
 
 @functools.lru_cache(maxsize=None)
@@ -241,9 +246,21 @@ def hc_expand(x: mx.array, hc: int) -> tuple[mx.array, mx.array]:
     """Embeddings [S, dim] -> the stream's hc identical copies [S, hc, dim] and the
     one-hot pre-mix [S, hc] the first block collapses them with (reference: repeat,
     make_identity_pre_mix)."""
-    h = mx.repeat(x[:, None, :], hc, axis=1)
-    pre = mx.zeros((x.shape[0], hc), dtype=F32).at[:, 0].add(1.0)
-    return h, pre
+    return mx.repeat(x[:, None, :], hc, axis=1), identity_pre_mix(x.shape[0], hc)
+
+
+@functools.lru_cache(maxsize=64)
+def identity_pre_mix(rows: int, hc: int) -> mx.array:
+    """The one-hot pre-mix [rows, hc] (1 on the first copy), kept per shape: the same for
+    every forward of that many rows, so no launches of its own after the first."""
+    return mx.zeros((rows, hc), dtype=F32).at[:, 0].add(1.0)
+
+
+def copies(x: mx.array, axis: int) -> list[mx.array]:
+    """x's entries along a short axis, each kept as a size-1 axis, as one split: one view
+    operation in the graph where a slice per entry would be as many (each view is an
+    operation MLX builds and evaluates, a few microseconds of host time apiece)."""
+    return mx.split(x, x.shape[axis], axis=axis)
 
 
 def sum_copies(terms: mx.array) -> mx.array:
@@ -252,13 +269,14 @@ def sum_copies(terms: mx.array) -> mx.array:
     The reference's torch reduction accumulates a short outer axis in order;
     doing the same keeps every bf16 rounding that follows identical.
     """
-    return _add_all([terms[..., i, :] for i in range(terms.shape[-2])])
+    return _add_all(copies(terms, terms.ndim - 2)).squeeze(-2)
 
 
 @mx.compile
 def hc_pre(x: mx.array, pre: mx.array) -> mx.array:
     """Collapse copies: [S, hc, dim] x [S, hc] -> [S, dim] (fp32 sum, x's dtype out)."""
-    return _add_all([pre[:, i:i + 1] * x[:, i].astype(F32) for i in range(x.shape[1])]).astype(x.dtype)
+    terms = [w * c.astype(F32) for w, c in zip(copies(pre[:, :, None], 1), copies(x, 1))]  # [S, 1, dim] each
+    return _add_all(terms).astype(x.dtype).squeeze(1)  # the cast before the view: fused
 
 
 def hc_post(y: mx.array, residual: mx.array, mixes: HcMixes) -> mx.array:
@@ -268,11 +286,11 @@ def hc_post(y: mx.array, residual: mx.array, mixes: HcMixes) -> mx.array:
 
 @mx.compile
 def _hc_post(y: mx.array, residual: mx.array, post: mx.array, comb: mx.array) -> mx.array:
-    # sum over i of comb[i, j] * residual_i, one [S, j, dim] term per i, added in order; each
-    # factor is one slice ([S, j, 1] of comb transposed, [S, 1, dim] of the residual): every
-    # view is an operation of the step's graph
-    comb_t = comb.swapaxes(1, 2)
-    mixed = _add_all([comb_t[:, :, i:i + 1] * residual[:, i:i + 1].astype(F32) for i in range(comb.shape[1])])
+    # sum over i of comb[i, j] * residual_i, one [S, j, dim] term per i, added in order; the
+    # factors ([S, j, 1] of comb transposed, [S, 1, dim] of the residual) come from one split
+    # each: every view is an operation of the step's graph
+    columns, rows = copies(comb.swapaxes(1, 2), 2), copies(residual, 1)
+    mixed = _add_all([c * r.astype(F32) for c, r in zip(columns, rows)])  # cast after the view: fused
     return (post[..., None] * y[:, None, :].astype(F32) + mixed).astype(y.dtype)  # the cast after the view: fused
 
 
@@ -366,6 +384,18 @@ def weighted_relu(dots: mx.array, w: mx.array) -> mx.array:
     return (mx.maximum(dots, 0) * w[:, :, None]).astype(F32)
 
 
+_ids = mx.arange(1024)
+
+
+def key_ids(n: int) -> mx.array:
+    """mx.arange(n) as a slice (a view) of one array kept across forwards, which doubles as
+    sequences grow: no launch per index layer for ids that are the same every time."""
+    global _ids
+    while _ids.shape[0] < n:
+        _ids = mx.arange(2 * _ids.shape[0])
+    return _ids[:n]
+
+
 @functools.partial(mx.compile, shapeless=True)
 def visible_scores(summed: mx.array, key_ids: mx.array, visible: mx.array) -> mx.array:
     """The head sum [S, T] rounded to bf16 (as the reference), fp32; -inf at the key ids [T] a
@@ -415,7 +445,7 @@ class Indexer(nn.Module):
         w = head_weights(self.weights_proj(x), self.weight_scale)  # [S, Hi] bf16
         dots = q.astype(BF16) @ index_keys.astype(BF16).T  # [S, Hi, T] bf16
         n = index_keys.shape[0]
-        scores = visible_scores(weighted_relu(dots, w).sum(axis=1), mx.arange(n), visible)  # [S, T]
+        scores = visible_scores(weighted_relu(dots, w).sum(axis=1), key_ids(n), visible)  # [S, T]
         if self.is_candidate_source:
             shared.candidates = self._candidate_mask(scores, visible)
         elif self.uses_candidates:
@@ -438,7 +468,7 @@ class Indexer(nn.Module):
         padded = mx.concatenate([scores, mx.full((S, n_blocks * bs - n), -mx.inf)], axis=1)
         block_scores = padded.reshape(S, n_blocks, bs).max(axis=-1)
         newest = (visible - 1) // bs
-        block_scores = mx.where(mx.arange(n_blocks)[None, :] == newest[:, None], mx.inf, block_scores)
+        block_scores = mx.where(key_ids(n_blocks)[None, :] == newest[:, None], mx.inf, block_scores)
         k = min(self.candidate_blocks, n_blocks)
         top = mx.argpartition(-block_scores, kth=k - 1, axis=-1)[:, :k]
         keep_top = mx.take_along_axis(block_scores, top, axis=-1) > -mx.inf
@@ -455,6 +485,15 @@ class SharedAttention:
         self.topk: tuple[mx.array, mx.array] | None = None  # ids [S, k], valid [S, k]
         self.candidates: mx.array | None = None  # [S, T] bool
         self._window: tuple | None = None
+        self._visible: dict[int, mx.array] = {}
+
+    def visible(self, positions: mx.array, ratio: int) -> mx.array:
+        """How many compressed groups of `ratio` positions each row may see [S] (the groups
+        finished at or before its position): the same for every index layer of that ratio in
+        a forward, so computed once."""
+        if ratio not in self._visible:
+            self._visible[ratio] = (positions + 1) // ratio
+        return self._visible[ratio]
 
     def window(self, positions: mx.array, first: int, n_keys: int, window: int,
                row_invariant: bool) -> tuple[mx.array | None, mx.array]:
@@ -572,7 +611,7 @@ class Attention(nn.Module):
             source = caches[self.kv_source].compressor
             if self.is_index_source:
                 shared.topk = None
-                visible = (positions + 1) // self.ratio
+                visible = shared.visible(positions, self.ratio)
                 if source.n_groups:
                     shared.topk = self.indexer(x, qr, positions, source.index_keys, visible, self.rope, shared)
             if shared.topk is not None:
@@ -658,10 +697,8 @@ class Expert(nn.Module):
 
     def __call__(self, xq: mx.array) -> mx.array:
         """xq: the input through quant.fp8_input (shared with the routed experts)."""
-        gate_up = self.w13.quantized(xq)
-        inter = gate_up.shape[-1] // 2
-        return self.w2(swiglu(gate_up[..., :inter].astype(F32), gate_up[..., inter:].astype(F32),
-                              self.limit).astype(BF16))
+        gate, up = mx.split(self.w13.quantized(xq), 2, axis=-1)
+        return self.w2(swiglu(gate.astype(F32), up.astype(F32), self.limit).astype(BF16))
 
 
 class Gate(nn.Module):
@@ -729,13 +766,14 @@ class MoE(nn.Module):
             pairs = self._routed(xq[order // k, 0], weights.flatten()[order][:, None, None], flat[order], True)
             y = pairs[mx.argsort(order)].reshape(real, -1)
         shared = self.shared_experts(x8)  # bf16
-        D = x.shape[-1]
-        out = y[:, :D].astype(F32)  # each expert's bf16 product cast where it is added: one fused pass
-        for j in range(1, k):  # in expert-id order, as the reference adds them
-            out = out + y[:, j * D:(j + 1) * D].astype(F32)
-        out = (out + shared[:real].astype(F32)).astype(BF16)
+        # each expert's bf16 product cast where it is added (one fused pass), in expert-id order,
+        # as the reference adds them; the k column blocks of y as one split (one view)
+        out = _add_all([part.astype(F32) for part in mx.split(y, k, axis=1)])
+        if real == N:
+            return (out + shared.astype(F32)).astype(BF16)
+        shared, padding = mx.split(shared, [real])
         # padding rows: the shared expert alone (its bf16 output, which the sum with zeros rounds back to)
-        return out if real == N else mx.concatenate([out, shared[real:]])
+        return mx.concatenate([(out + shared.astype(F32)).astype(BF16), padding])
 
     def _routed(self, xq: mx.array, weights: mx.array, ids: mx.array, sorted_ids: bool) -> mx.array:
         """The routed experts' SwiGLU, weighted before the down projection (as the reference):
@@ -744,10 +782,8 @@ class MoE(nn.Module):
         if not sorted_ids and ids.size <= self._pair_ids.size:
             N, k = ids.shape
             rows, pairs = self._pair_ids[:N, None], self._pair_ids[: N * k].reshape(N, k)
-        gate_up = self.experts.w13(xq, ids, sorted_ids, rows)
-        inter = gate_up.shape[-1] // 2  # views, so that the casts fuse into the SwiGLU
-        gate, up = gate_up[..., :inter].astype(F32), gate_up[..., inter:].astype(F32)
-        h = fp8_input((swiglu(gate, up, self.limit) * weights).astype(BF16))
+        gate, up = mx.split(self.experts.w13(xq, ids, sorted_ids, rows), 2, axis=-1)  # views: the casts fuse
+        h = fp8_input((swiglu(gate.astype(F32), up.astype(F32), self.limit) * weights).astype(BF16))
         return self.experts.w2(h, ids, sorted_ids, pairs)  # bf16
 
 

@@ -540,7 +540,7 @@ def print_e2e(env: dict, res: dict, model: str) -> None:
 
 # ------------------------------------------------------------------- profile
 
-VIEWS = {"Broadcast", "Reshape", "Squeeze", "ExpandDims", "Slice", "View", "Transpose", "AsStrided", "Copy",
+VIEWS = {"Split", "Broadcast", "Reshape", "Squeeze", "ExpandDims", "Slice", "View", "Transpose", "AsStrided", "Copy",
          "Flatten", "Unflatten"}
 
 
