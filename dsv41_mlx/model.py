@@ -771,6 +771,9 @@ class MoE(nn.Module):
         out = _add_all([part.astype(F32) for part in mx.split(y, k, axis=1)])
         if real == N:
             return (out + shared.astype(F32)).astype(BF16)
+        if real == 1:  # a decode step: its row broadcast over the padding, which keeps the shared
+            # expert alone, in the same fused pass (no concatenate: its two copies are launches)
+            return mx.where(key_ids(N)[:, None] < 1, (out + shared.astype(F32)).astype(BF16), shared)
         shared, padding = mx.split(shared, [real])
         # padding rows: the shared expert alone (its bf16 output, which the sum with zeros rounds back to)
         return mx.concatenate([(out + shared.astype(F32)).astype(BF16), padding])
