@@ -41,11 +41,13 @@ def test_e2e_drafted_replies_equal_undrafted_and_mlxlm_runs_beside(bench, capsys
     assert res["mlxlm"]["decode_tok_s"] > 0 and res["prefill_tok_s"] > 0 and res["prefill_seen_tok_s"] > 0
     assert res["warm_up_s"] > 0 and res["bare_step_ms"] > 0
     assert res["host_probe_ms"] > 0 and all(r["host_probe_ms"] > 0 for r in runs.values())
+    assert res["mlxlm"]["host_probe_ms"] > 0
     oracle = runs["oracle 0.56 greedy"]
     assert oracle["rounds"] > 0 and 0 <= oracle["oracle_right_rate"] <= 1
     bench.print_e2e(bench.environment(), res, "tiny")
     printed = capsys.readouterr().out
     assert "tokens per round; its drafts were right at a rate of" in printed
+    assert f"| host probe ms (median around the run) | {runs['plain greedy']['host_probe_ms']:.2f} | " in printed
     assert f"| plain greedy | {runs['plain greedy']['tok_s']:.2f} |" in printed
     assert f"| {runs['plain greedy']['host_probe_ms']:.2f} | {runs['plain greedy']['hash']} |" in printed
 
