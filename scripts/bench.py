@@ -3,7 +3,8 @@
     python scripts/bench.py head               # FP8 head kernel vs BF16 / mxfp8 matmul at 129280 x 5120
     python scripts/bench.py drafts [--model M] # FP8 vs BF16 drafter head: changed drafts, acceptance
     python scripts/bench.py propose            # drafter propose (serial vs two streams) and ingest, release shapes
-    python scripts/bench.py e2e --model DIR    # end to end on a checkpoint (scripts/make_flash_shaped.py)
+    python scripts/bench.py e2e --model DIR    # end to end on a checkpoint (scripts/make_flash_shaped.py),
+                                               # mlx-lm beside it, also interleaved prompt by prompt
     python scripts/bench.py profile [--model M] # a decode step by layer: MLX operations and ms, compiled or not
     python scripts/bench.py pieces [--model M]  # one block's pieces (attention, MoE, experts' GEMM...), ms each
     python scripts/bench.py gemms               # the decode step's quantised GEMMs: MLX's and fp8_gemv
@@ -359,7 +360,70 @@ def decode_bytes(model) -> tuple[int, int]:
     return total, experts
 
 
-def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float) -> dict:
+def device_memory_bytes() -> int | None:
+    """The GPU's memory as MLX reports it (Metal: memory_size, CUDA: total_memory), or None
+    where it reports none (the CPU)."""
+    info = mx.device_info()
+    size = info.get("memory_size", info.get("total_memory"))
+    return int(size) if size else None
+
+
+def paired_skip_reason(asked: bool, mlxlm: dict, memory: int | None) -> str | None:
+    """Why the paired decode cannot run (None: it can): not asked, no mlx-lm, or a device
+    that cannot hold both models with room to work (three times one model's weights)."""
+    if not asked:
+        return "--no-paired"
+    if "unavailable" in mlxlm:
+        return mlxlm["unavailable"]
+    if memory is not None and memory < 3 * mlxlm["weights_GB"] * 1e9:
+        return f"both models need ~{3 * mlxlm['weights_GB']:.0f} GB, the device has {memory / 1e9:.0f} GB"
+    return None
+
+
+def paired_plain_decode(model, model_path, ids_list: list[list[int]], tokens: int, rounds: int = 2) -> dict:
+    """Plain greedy decode of ours and of mlx-lm interleaved prompt by prompt, both models
+    loaded: each pair is one prompt through both engines back to back (who goes first
+    alternates), so that the two share the host's speed of that moment; the ratio is the
+    median of the pairs' ratios. Raises MlxLmUnavailable without mlx-lm 0.32.x."""
+    from dsv41_mlx.generate import generate_step
+    from dsv41_mlx.sampling import SamplingParams
+    from scripts.mlxlm_baseline import greedy, load_mlxlm
+
+    theirs = load_mlxlm(model_path)
+    try:
+        greedy(theirs, ids_list[0], 4)  # its kernels built and its traces made before timing
+        ours_rates, their_rates, ratios, probes = [], [], [], []
+
+        def ours(ids):
+            steps = generate_step(model, ids, SamplingParams(), tokens)
+            next(steps)  # prefill and the first token stay out, as greedy() keeps them out
+            tic = time.perf_counter()
+            n = len(list(steps))
+            return n / (time.perf_counter() - tic)
+
+        def mlxlm(ids):
+            reply, _, seconds = greedy(theirs, ids, tokens)
+            return (len(reply) - 1) / seconds
+
+        for r in range(rounds):
+            for i, ids in enumerate(ids_list):
+                probes.append(host_probe_ms())
+                if (r + i) % 2 == 0:
+                    a, b = ours(ids), mlxlm(ids)
+                else:
+                    b, a = mlxlm(ids), ours(ids)
+                ours_rates.append(a)
+                their_rates.append(b)
+                ratios.append(a / b)
+    finally:
+        del theirs
+        mx.clear_cache()
+    return {"pairs": len(ratios), "ratio": statistics.median(ratios), "ratios": ratios,
+            "tok_s": statistics.median(ours_rates), "mlxlm_tok_s": statistics.median(their_rates),
+            "host_probe_ms": statistics.median(probes)}
+
+
+def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float, paired: bool = True) -> dict:
     import hashlib
 
     import dsv41_mlx
@@ -489,6 +553,12 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float) 
     for run in runs.values():
         del run["replies"]
     out["runs"] = runs
+
+    # ours and mlx-lm interleaved prompt by prompt (both loaded): the ratio above compares runs
+    # minutes apart, and the host's speed drifts (docs/benchmarks.md, session 10)
+    skipped = paired_skip_reason(paired, out["mlxlm"], device_memory_bytes())
+    out["paired"] = {"skipped": skipped} if skipped else paired_plain_decode(model, model_path, ids_list, tokens)
+    print(f"  paired plain decode: {out['paired']}", flush=True)
     return out
 
 
@@ -521,7 +591,14 @@ def print_e2e(env: dict, res: dict, model: str) -> None:
         print(f"| decode, fraction of the floor | {plain * res['floor_ms'] / 1e3:.1%} | "
               f"{base['decode_tok_s'] * res['floor_ms'] / 1e3:.1%} | |")
         print(f"| host probe ms (median around the run) | {res['runs']['plain greedy']['host_probe_ms']:.2f} | "
-              f"{base['host_probe_ms']:.2f} | |\n")
+              f"{base['host_probe_ms']:.2f} | |")
+        paired = res.get("paired", {})
+        if "ratio" in paired:
+            print(f"| decode tok/s, paired (the two interleaved prompt by prompt; median of {paired['pairs']} "
+                  f"pairs' ratios; host probe {paired['host_probe_ms']:.2f} ms) | {paired['tok_s']:.2f} | "
+                  f"{paired['mlxlm_tok_s']:.2f} | {paired['ratio']:.2f} |\n")
+        else:
+            print(f"\npaired decode not run: {paired.get('skipped', 'not measured')}\n")
     print(f"host probe (a fixed pure-Python loop, `host_probe_ms`): {res['host_probe_ms']:.2f} ms after the load; "
           "each run's median of its probes (before it and after each prompt) is in the table: a larger one "
           "means the host's CPU ran slower during that run, and so did every step's host side\n")
@@ -924,6 +1001,8 @@ def main() -> int:
     p.add_argument("--prompts", type=int, default=1, help="prose and code prompts each")
     p.add_argument("--tokens", type=int, default=16, help="tokens generated per prompt and run")
     p.add_argument("--oracle-rate", type=float, default=0.56)
+    p.add_argument("--no-paired", action="store_true",
+                   help="skip ours and mlx-lm interleaved prompt by prompt (it holds both models at once)")
     p.add_argument("--json")
     p = sub.add_parser("profile")
     p.add_argument("--model", help="checkpoint (default: the embedded tiny one)")
@@ -945,7 +1024,7 @@ def main() -> int:
         res = bench_head(args.vocab, args.dim, args.rows)
         print_head(env, res, args.vocab, args.dim)
     elif args.what == "e2e":
-        res = bench_e2e(args.model, args.prompts, args.tokens, args.oracle_rate)
+        res = bench_e2e(args.model, args.prompts, args.tokens, args.oracle_rate, paired=not args.no_paired)
         print_e2e(env, res, args.model)
     elif args.what == "profile":
         res = bench_profile(args.model, args.steps)

@@ -42,14 +42,27 @@ def test_e2e_drafted_replies_equal_undrafted_and_mlxlm_runs_beside(bench, capsys
     assert res["warm_up_s"] > 0 and res["bare_step_ms"] > 0
     assert res["host_probe_ms"] > 0 and all(r["host_probe_ms"] > 0 for r in runs.values())
     assert res["mlxlm"]["host_probe_ms"] > 0
+    paired = res["paired"]  # 2 prompts (prose, code) x 2 rounds, each through both engines
+    assert paired["pairs"] == 4 and len(paired["ratios"]) == 4 and paired["ratio"] > 0
+    assert paired["tok_s"] > 0 and paired["mlxlm_tok_s"] > 0
     oracle = runs["oracle 0.56 greedy"]
     assert oracle["rounds"] > 0 and 0 <= oracle["oracle_right_rate"] <= 1
     bench.print_e2e(bench.environment(), res, "tiny")
     printed = capsys.readouterr().out
     assert "tokens per round; its drafts were right at a rate of" in printed
     assert f"| host probe ms (median around the run) | {runs['plain greedy']['host_probe_ms']:.2f} | " in printed
+    assert f"pairs' ratios; host probe {paired['host_probe_ms']:.2f} ms) | {paired['tok_s']:.2f} | " in printed
     assert f"| plain greedy | {runs['plain greedy']['tok_s']:.2f} |" in printed
     assert f"| {runs['plain greedy']['host_probe_ms']:.2f} | {runs['plain greedy']['hash']} |" in printed
+
+
+def test_paired_decode_runs_only_where_both_models_fit(bench):
+    base = {"weights_GB": 28.0}
+    assert bench.paired_skip_reason(True, base, None) is None  # the CPU reports no GPU memory
+    assert bench.paired_skip_reason(True, base, 150 * 10**9) is None
+    assert bench.paired_skip_reason(True, base, 64 * 10**9) == "both models need ~84 GB, the device has 64 GB"
+    assert bench.paired_skip_reason(False, base, None) == "--no-paired"
+    assert bench.paired_skip_reason(True, {"unavailable": "mlx-lm: not installed"}, None) == "mlx-lm: not installed"
 
 
 def test_oracle_drafts_are_right_at_its_rate(bench, fixture_model):
