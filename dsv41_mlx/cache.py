@@ -19,30 +19,51 @@ TRIM_SLACK = 16
 
 
 class WindowCache:
-    """Sliding-window keys (= values) of one layer: the newest rows, oldest first."""
+    """Sliding-window keys (= values) of one layer: the newest rows, oldest first.
+
+    The rows live in a buffer with room to grow: an update writes its rows after the
+    last one (one slice update, in place when nothing else holds the buffer) and the
+    kept rows are a slice of it. A concatenate would copy every kept row at each
+    step (two copy launches a layer on a GPU). When the room runs out, the kept rows
+    move to the front of a new buffer (once every ~window steps of a decode)."""
 
     def __init__(self, window: int):
         self.window = window
-        self.keys: mx.array | None = None  # [n, head_dim] bf16
         self.end = 0  # absolute position one past the newest row
+        self._buffer: mx.array | None = None  # [capacity, head_dim] bf16
+        self._lo = self._hi = 0  # the kept rows are _buffer[_lo:_hi]
+
+    @property
+    def keys(self) -> mx.array | None:
+        """The kept rows [n, head_dim], oldest first (a view of the buffer)."""
+        return None if self._buffer is None else self._buffer[self._lo:self._hi]
 
     @property
     def start(self) -> int:
-        return self.end - (0 if self.keys is None else self.keys.shape[0])
+        return self.end - (self._hi - self._lo)
 
     def update(self, rows: mx.array) -> tuple[mx.array, int]:
         """Append rows [S, D]; return every row a query of this chunk can see and its first position."""
-        keys = rows if self.keys is None else mx.concatenate([self.keys, rows], axis=0)
+        S, keep = rows.shape[0], self.window + TRIM_SLACK
         first = self.start
-        self.end += rows.shape[0]
-        keep = self.window + TRIM_SLACK
-        self.keys = keys[-keep:] if keys.shape[0] > keep else keys
+        if self._buffer is None or self._hi + S > self._buffer.shape[0]:
+            kept = self.keys
+            buffer = mx.zeros((2 * keep + S, rows.shape[1]), dtype=rows.dtype)
+            if kept is not None and kept.shape[0]:
+                buffer[: kept.shape[0]] = kept
+            self._buffer, self._lo, self._hi = buffer, 0, 0 if kept is None else kept.shape[0]
+        self._buffer[self._hi: self._hi + S] = rows
+        keys = self._buffer[self._lo: self._hi + S]
+        self._hi += S
+        self._lo = max(self._lo, self._hi - keep)
+        self.end += S
         return keys, first
 
     def trim(self, n: int) -> None:
-        if n > self.keys.shape[0] - min(self.window, self.end - n):
-            raise ValueError(f"cannot trim {n} rows from a window cache holding {self.keys.shape[0]}")
-        self.keys = self.keys[: self.keys.shape[0] - n]
+        held = self._hi - self._lo
+        if n > held - min(self.window, self.end - n):
+            raise ValueError(f"cannot trim {n} rows from a window cache holding {held}")
+        self._hi -= n
         self.end -= n
 
 
