@@ -261,3 +261,22 @@ def test_routed_experts_take_the_fp4_kernel_for_a_decode_steps_pairs_on_a_gpu(mo
     small = Fp4Stack(5, 128, 64)  # 128 inputs: not the kernel's
     small(mx.zeros((2, 1, 1, 128)), mx.array([[0, 1], [2, 3]], dtype=mx.uint32))
     assert calls == []
+
+
+def test_window_cache_keeps_the_newest_rows_through_its_buffer_moves():
+    """Decode-like updates (8 rows written, 7 trimmed) and a long chunk: the kept rows and the
+    rows an update returns are always the newest ones, oldest first, across the buffer's moves."""
+    from dsv41_mlx.cache import TRIM_SLACK, WindowCache
+
+    cache, rows = WindowCache(4), []  # rows: every position's row, as a plain list
+    for step, size in enumerate([3] + [8] * 40 + [50] + [8] * 10):
+        new = mx.arange(size * 2, dtype=mx.float32).reshape(size, 2) + 1000 * step
+        keys, first = cache.update(new)
+        rows += new.tolist()
+        assert first == len(rows) - keys.shape[0] and keys.tolist() == rows[first:]
+        if size == 8:
+            cache.trim(7)
+            del rows[-7:]
+        held = cache.keys
+        assert held.shape[0] <= 4 + TRIM_SLACK and held.tolist() == rows[len(rows) - held.shape[0]:]
+        assert cache.start == len(rows) - held.shape[0] and cache.end == len(rows)
