@@ -18,75 +18,108 @@ from .kernels import ring_write
 TRIM_SLACK = 16
 
 
-class WindowCache:
-    """Sliding-window keys (= values) of one layer: the newest rows, oldest first.
+class RowBuffer:
+    """Rows appended at the end and dropped at either end, read as one slice of a buffer
+    with room to grow: an append writes its rows after the last one (one slice update, in
+    place when nothing else holds the buffer) where a concatenate would copy every row held
+    (two copy launches on a GPU, each step). When the room runs out, the rows held move to
+    a new buffer with as much room again as they take (at least `min_room` rows)."""
 
-    The rows live in a buffer with room to grow: an update writes its rows after the
-    last one (one slice update, in place when nothing else holds the buffer) and the
-    kept rows are a slice of it. A concatenate would copy every kept row at each
-    step (two copy launches a layer on a GPU). When the room runs out, the kept rows
-    move to the front of a new buffer (once every ~window steps of a decode)."""
+    def __init__(self, min_room: int):
+        self.min_room = min_room
+        self._buffer: mx.array | None = None  # [capacity, width]
+        self._lo = self._hi = 0  # the rows held are _buffer[_lo:_hi]
+
+    @property
+    def rows(self) -> mx.array | None:
+        """The rows held, oldest first (a view of the buffer); None before the first append."""
+        return None if self._buffer is None else self._buffer[self._lo:self._hi]
+
+    def __len__(self) -> int:
+        return self._hi - self._lo
+
+    def append(self, new: mx.array) -> mx.array:
+        """Write new rows [S, width] after the last; return every row held, them included."""
+        S = new.shape[0]
+        if self._buffer is None or self._hi + S > self._buffer.shape[0]:
+            held, n = self.rows, len(self)
+            buffer = mx.zeros((n + S + max(self.min_room, n), new.shape[1]), dtype=new.dtype)
+            if n:
+                buffer[:n] = held
+            self._buffer, self._lo, self._hi = buffer, 0, n
+        self._buffer[self._hi: self._hi + S] = new
+        self._hi += S
+        return self.rows
+
+    def drop_front(self, n: int) -> None:
+        self._lo += n
+
+    def drop_back(self, n: int) -> None:
+        self._hi -= n
+
+
+class WindowCache:
+    """Sliding-window keys (= values) of one layer: the newest rows, oldest first, in a
+    RowBuffer (the oldest dropped past window + TRIM_SLACK)."""
 
     def __init__(self, window: int):
         self.window = window
         self.end = 0  # absolute position one past the newest row
-        self._buffer: mx.array | None = None  # [capacity, head_dim] bf16
-        self._lo = self._hi = 0  # the kept rows are _buffer[_lo:_hi]
+        self._rows = RowBuffer(window + TRIM_SLACK)
 
     @property
     def keys(self) -> mx.array | None:
-        """The kept rows [n, head_dim], oldest first (a view of the buffer)."""
-        return None if self._buffer is None else self._buffer[self._lo:self._hi]
+        """The kept rows [n, head_dim], oldest first."""
+        return self._rows.rows
 
     @property
     def start(self) -> int:
-        return self.end - (self._hi - self._lo)
+        return self.end - len(self._rows)
 
     def update(self, rows: mx.array) -> tuple[mx.array, int]:
         """Append rows [S, D]; return every row a query of this chunk can see and its first position."""
-        S, keep = rows.shape[0], self.window + TRIM_SLACK
         first = self.start
-        if self._buffer is None or self._hi + S > self._buffer.shape[0]:
-            kept = self.keys
-            buffer = mx.zeros((2 * keep + S, rows.shape[1]), dtype=rows.dtype)
-            if kept is not None and kept.shape[0]:
-                buffer[: kept.shape[0]] = kept
-            self._buffer, self._lo, self._hi = buffer, 0, 0 if kept is None else kept.shape[0]
-        self._buffer[self._hi: self._hi + S] = rows
-        keys = self._buffer[self._lo: self._hi + S]
-        self._hi += S
-        self._lo = max(self._lo, self._hi - keep)
-        self.end += S
+        keys = self._rows.append(rows)
+        self.end += rows.shape[0]
+        self._rows.drop_front(max(0, len(self._rows) - (self.window + TRIM_SLACK)))
         return keys, first
 
     def trim(self, n: int) -> None:
-        held = self._hi - self._lo
+        held = len(self._rows)
         if n > held - min(self.window, self.end - n):
             raise ValueError(f"cannot trim {n} rows from a window cache holding {held}")
-        self._hi -= n
+        self._rows.drop_back(n)
         self.end -= n
 
 
 class CompressorCache:
-    """State of one KV-source layer: raw rows of recent positions, pooled groups, index keys.
+    """State of one KV-source layer: raw rows of recent positions, pooled groups, index keys,
+    each in a RowBuffer.
 
-    Group g covers positions [g*ratio, (g+1)*ratio). `raw_kv`/`raw_score` hold
-    the fp32 projections of positions [raw_start, end), enough to re-form any
-    group that a trim reopens.
+    Group g covers positions [g*ratio, (g+1)*ratio). The raw rows hold the fp32
+    projections of positions [raw_start, end), enough to re-form any group that a
+    trim reopens.
     """
+
+    GROUP_ROOM = 256  # rows of room a new buffer of groups gets, at least
 
     def __init__(self, ratio: int):
         self.ratio = ratio
         self.end = 0
         self.raw_start = 0
-        self.raw_kv: mx.array | None = None  # [n, head_dim] fp32 (ratio > 1 only)
-        self.raw_score: mx.array | None = None
-        self.kv: mx.array | None = None  # [groups, head_dim] bf16: RoPE'd, FP4 fake-quantised
-        self.index_keys: mx.array | None = None  # [groups, index_head_dim] bf16
+        self._raw_kv = RowBuffer(TRIM_SLACK)  # [n, head_dim] fp32 (ratio > 1 only)
+        self._raw_score = RowBuffer(TRIM_SLACK)
+        self._kv = RowBuffer(self.GROUP_ROOM)  # [groups, head_dim] bf16: RoPE'd, FP4 fake-quantised
+        self._index_keys = RowBuffer(self.GROUP_ROOM)  # [groups, index_head_dim] bf16
+
+    raw_kv = property(lambda self: self._raw_kv.rows)
+    raw_score = property(lambda self: self._raw_score.rows)
+    kv = property(lambda self: self._kv.rows)
+    index_keys = property(lambda self: self._index_keys.rows)
 
     @property
     def n_groups(self) -> int:
-        return 0 if self.kv is None else self.kv.shape[0]
+        return len(self._kv)
 
     def pending(self) -> tuple[mx.array | None, mx.array | None]:
         """Raw rows of the unfinished group (positions [groups*ratio, end))."""
@@ -96,19 +129,19 @@ class CompressorCache:
         return self.raw_kv[first:], self.raw_score[first:]
 
     def append_raw(self, kv: mx.array, score: mx.array) -> None:
-        self.raw_kv = kv if self.raw_kv is None else mx.concatenate([self.raw_kv, kv])
-        self.raw_score = score if self.raw_score is None else mx.concatenate([self.raw_score, score])
+        self._raw_kv.append(kv)
+        self._raw_score.append(score)
         self.end += kv.shape[0]
         # keep every row of the groups that a trim of TRIM_SLACK positions could reopen
         keep_from = max(0, (self.end - TRIM_SLACK) // self.ratio * self.ratio)
         if keep_from > self.raw_start:
-            self.raw_kv = self.raw_kv[keep_from - self.raw_start:]
-            self.raw_score = self.raw_score[keep_from - self.raw_start:]
+            self._raw_kv.drop_front(keep_from - self.raw_start)
+            self._raw_score.drop_front(keep_from - self.raw_start)
             self.raw_start = keep_from
 
     def append_groups(self, kv: mx.array, index_keys: mx.array) -> None:
-        self.kv = kv if self.kv is None else mx.concatenate([self.kv, kv])
-        self.index_keys = index_keys if self.index_keys is None else mx.concatenate([self.index_keys, index_keys])
+        self._kv.append(kv)
+        self._index_keys.append(index_keys)
 
     def trim(self, n: int) -> None:
         end = self.end - n
@@ -116,11 +149,11 @@ class CompressorCache:
         if self.ratio > 1:
             if end < self.raw_start:
                 raise ValueError(f"cannot trim {n} positions: raw rows start at {self.raw_start}")
-            self.raw_kv = self.raw_kv[: end - self.raw_start]
-            self.raw_score = self.raw_score[: end - self.raw_start]
-        if self.kv is not None:
-            self.kv = self.kv[:groups]
-            self.index_keys = self.index_keys[:groups]
+            held = len(self._raw_kv)
+            self._raw_kv.drop_back(held - (end - self.raw_start))
+            self._raw_score.drop_back(held - (end - self.raw_start))
+        self._kv.drop_back(max(0, self.n_groups - groups))
+        self._index_keys.drop_back(max(0, len(self._index_keys) - groups))
         self.end = end
 
 

@@ -280,3 +280,24 @@ def test_window_cache_keeps_the_newest_rows_through_its_buffer_moves():
         held = cache.keys
         assert held.shape[0] <= 4 + TRIM_SLACK and held.tolist() == rows[len(rows) - held.shape[0]:]
         assert cache.start == len(rows) - held.shape[0] and cache.end == len(rows)
+
+
+def test_row_buffer_appends_and_drops_at_both_ends_across_moves():
+    """RowBuffer (the caches' store): the rows held are always the appended ones less those
+    dropped, in order, while its buffer grows and moves."""
+    from dsv41_mlx.cache import RowBuffer
+
+    buf, rows = RowBuffer(min_room=2), []
+    assert buf.rows is None and len(buf) == 0
+    for step in range(30):
+        new = mx.full((1 + step % 3, 2), step, dtype=mx.int32)
+        held = buf.append(new)
+        rows += new.tolist()
+        assert held.tolist() == rows
+        if step % 4 == 3:
+            buf.drop_front(2)
+            del rows[:2]
+        if step % 5 == 4:
+            buf.drop_back(1)
+            rows.pop()
+        assert buf.rows.tolist() == rows and len(buf) == len(rows)
