@@ -360,17 +360,10 @@ def decode_bytes(model) -> tuple[int, int]:
     return total, experts
 
 
-def device_memory_bytes() -> int | None:
-    """The GPU's memory as MLX reports it (Metal: memory_size, CUDA: total_memory), or None
-    where it reports none (the CPU)."""
-    info = mx.device_info()
-    size = info.get("memory_size", info.get("total_memory"))
-    return int(size) if size else None
-
-
 def paired_skip_reason(asked: bool, mlxlm: dict, memory: int | None) -> str | None:
-    """Why the paired decode cannot run (None: it can): not asked, no mlx-lm, or a device
-    that cannot hold both models with room to work (three times one model's weights)."""
+    """Why the paired decode cannot run (None: it can): not asked, no mlx-lm, or memory
+    (checkpoint.machine_memory; None: not known) that cannot hold both models with room to
+    work (three times one model's weights)."""
     if not asked:
         return "--no-paired"
     if "unavailable" in mlxlm:
@@ -431,7 +424,7 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float, 
     from dsv41_mlx.sampling import SamplingParams
     from dsv41_mlx.speculative import SpeculativeDecoder, measure_verify_costs
 
-    from dsv41_mlx.checkpoint import resolve_model_dir
+    from dsv41_mlx.checkpoint import machine_memory, resolve_model_dir
     from dsv41_mlx.config import ModelArgs
     from dsv41_mlx.tokenizer import load_tokenizer
     from scripts.mlxlm_baseline import MlxLmUnavailable, bench_mlxlm
@@ -556,7 +549,7 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float, 
 
     # ours and mlx-lm interleaved prompt by prompt (both loaded): the ratio above compares runs
     # minutes apart, and the host's speed drifts (docs/benchmarks.md, session 10)
-    skipped = paired_skip_reason(paired, out["mlxlm"], device_memory_bytes())
+    skipped = paired_skip_reason(paired, out["mlxlm"], machine_memory())
     out["paired"] = {"skipped": skipped} if skipped else paired_plain_decode(model, model_path, ids_list, tokens)
     print(f"  paired plain decode: {out['paired']}", flush=True)
     return out

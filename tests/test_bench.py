@@ -58,7 +58,7 @@ def test_e2e_drafted_replies_equal_undrafted_and_mlxlm_runs_beside(bench, capsys
 
 def test_paired_decode_runs_only_where_both_models_fit(bench):
     base = {"weights_GB": 28.0}
-    assert bench.paired_skip_reason(True, base, None) is None  # the CPU reports no GPU memory
+    assert bench.paired_skip_reason(True, base, None) is None  # memory not known
     assert bench.paired_skip_reason(True, base, 150 * 10**9) is None
     assert bench.paired_skip_reason(True, base, 64 * 10**9) == "both models need ~84 GB, the device has 64 GB"
     assert bench.paired_skip_reason(False, base, None) == "--no-paired"
