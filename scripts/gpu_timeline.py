@@ -1,6 +1,6 @@
 """Where a decode step's GPU time goes, kernel by kernel (CUDA only).
 
-    python scripts/gpu_timeline.py --model DIR [--rows 1] [--steps 6] [--json FILE]
+    python scripts/gpu_timeline.py --model DIR [--rows 1] [--steps 6] [--json FILE] [--sequence FILE]
 
 Runs a few decode steps (each padded as Model.decode pads it) under PyTorch's
 profiler: CUPTI records every kernel the process launches, MLX's included, with
@@ -81,6 +81,13 @@ def summarize(kernels: list[tuple[float, float, str]], steps: int, gap_us: float
             "long_gaps_ms": long_gaps / steps / 1e3, "table": table}
 
 
+def first_step(kernels: list[tuple[float, float, str]], steps: int) -> list[tuple[float, str]]:
+    """(us, short name) of the first of `steps` equal steps' kernels, in the order they started:
+    which operation launched which kernel reads off its neighbours."""
+    ordered = sorted(kernels)
+    return [(end - start, short_name(name)) for start, end, name in ordered[: len(ordered) // steps]]
+
+
 def record(model_path: str, rows: int, steps: int) -> tuple[list[tuple[float, float, str]], float]:
     """The GPU kernels of `steps` decode steps of `rows` tokens after a 261-token prompt, and the
     wall seconds per step under the profiler."""
@@ -120,6 +127,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--top", type=int, default=30, help="kernels to list")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--sequence", default=None, help="write the first step's kernels, in order, to this file")
     args = parser.parse_args()
     if not (mx.default_device() == mx.gpu and mx.cuda.is_available()):
         print("gpu_timeline needs MLX on CUDA (on a Mac, Xcode's Metal System Trace shows the same)", file=sys.stderr)
@@ -139,6 +147,8 @@ def main() -> int:
     print("| kernel | calls / step | us / call | ms / step |\n|---|---|---|---|")
     for row in res["table"][: args.top]:
         print(f"| {row['kernel']} | {row['calls_per_step']:.1f} | {row['us_per_call']:.1f} | {row['ms_per_step']:.3f} |")
+    if args.sequence:
+        Path(args.sequence).write_text("".join(f"{us:8.1f} {name}\n" for us, name in first_step(kernels, args.steps)))
     if args.json:
         Path(args.json).write_text(json.dumps({**res, "wall_ms": wall * 1e3, "rows": args.rows}, indent=1))
     return 0

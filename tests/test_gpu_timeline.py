@@ -57,3 +57,10 @@ def test_refuses_off_cuda_with_a_message():
     out = subprocess.run([sys.executable, str(SCRIPT), "--model", "unused"], capture_output=True, text=True)
     assert out.returncode == 2
     assert "needs MLX on CUDA" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_first_step_lists_its_kernels_in_order(timeline):
+    kernels = [(30, 35, "void mlx::core::cu::copy_v<float>(float*)"), (0, 10, "custom_kernel_hc_mix_1(float*)"),
+               (12, 20, "gather"), (100, 110, "custom_kernel_hc_mix_1(float*)"), (112, 120, "gather"),
+               (130, 135, "void mlx::core::cu::copy_v<float>(float*)")]
+    assert timeline.first_step(kernels, 2) == [(10, "hc_mix_1"), (8, "gather"), (5, "copy_v")]

@@ -1,0 +1,97 @@
+"""A decode step's host time, step by step, beside how fast the host's CPU runs meanwhile.
+
+    python scripts/host_speed.py [--model DIR] [--steps 120]
+
+Runs plain 1-row decode steps (as `bench.py e2e`'s bare step: the forward, then the greedy
+token read back) after a 261-token prompt, the warm-up first. For each step it records the
+wall time, the host's build (until `Model.decode` returns, the blocks started on the device
+as they are built), the part of the build inside `mx.async_eval` (MLX evaluating the graph)
+and `bench.host_probe_ms` (a fixed pure-Python loop, no MLX) just before it. Steps over 1.2x
+the fastest quarter's slowest are counted as slow; the two groups' means show whether a
+slow step is more work or the same work on a slower CPU (then the probe slows alike).
+Session 10 found the lent H200's host (a virtual machine) 1.25-1.45x slower in episodes of
+tens of steps this way (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+@contextlib.contextmanager
+def timed_async_eval(total: list[float]):
+    """Inside: every mx.async_eval adds its seconds to total[0]. Restored on exit."""
+    real = mx.async_eval
+
+    def timed(*args):
+        tic = time.perf_counter()
+        real(*args)
+        total[0] += time.perf_counter() - tic
+
+    mx.async_eval = timed
+    try:
+        yield
+    finally:
+        mx.async_eval = real
+
+
+def measure(model_path: str | None, steps: int) -> list[dict]:
+    import dsv41_mlx
+    from bench import host_probe_ms
+    from dsv41_mlx.generate import prefill, warm_up
+
+    model, _ = dsv41_mlx.load(model_path)
+    warm_up(model)
+    cache = model.make_cache()
+    logits, _ = prefill(model, [((i * 7919) % 50000 + 100) % model.args.vocab_size for i in range(261)], cache)
+    token, rows, inside = int(mx.argmax(logits).item()), [], [0.0]
+    with timed_async_eval(inside):
+        for _ in range(steps):
+            probe, inside[0] = host_probe_ms(), 0.0
+            tic = time.perf_counter()
+            out, _ = model.decode([token], cache)
+            built = time.perf_counter()
+            token = int(mx.argmax(out[0, -1]).item())
+            rows.append({"step_ms": (time.perf_counter() - tic) * 1e3, "build_ms": (built - tic) * 1e3,
+                         "async_eval_ms": inside[0] * 1e3, "probe_ms": probe})
+    return rows[2:]  # the first steps after the prompt settle the allocator's cache
+
+
+def split(rows: list[dict]) -> dict[str, list[dict]]:
+    """The steps as fast and slow: slow is over 1.2x the fastest quarter's slowest step."""
+    cut = 1.2 * sorted(r["step_ms"] for r in rows)[max(0, len(rows) // 4 - 1)]
+    return {"fast": [r for r in rows if r["step_ms"] <= cut], "slow": [r for r in rows if r["step_ms"] > cut]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="checkpoint (default: the embedded tiny one)")
+    parser.add_argument("--steps", type=int, default=120)
+    args = parser.parse_args()
+    rows = measure(args.model, args.steps)
+    print("| steps | count | step ms | build ms | in async_eval ms | Python ms | host probe ms |")
+    print("|---|---|---|---|---|---|---|")
+    for name, group in split(rows).items():
+        if group:
+            def mean(key):
+                return statistics.mean(r[key] for r in group)
+            print(f"| {name} | {len(group)} | {mean('step_ms'):.1f} | {mean('build_ms'):.1f} | "
+                  f"{mean('async_eval_ms'):.1f} | {mean('build_ms') - mean('async_eval_ms'):.1f} | "
+                  f"{mean('probe_ms'):.2f} |")
+    print("\nsteps in order, ms: " + " ".join(f"{r['step_ms']:.0f}" for r in rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
