@@ -1,6 +1,6 @@
 """A decode step's host time, step by step, beside how fast the host's CPU runs meanwhile.
 
-    python scripts/host_speed.py [--model DIR] [--steps 120]
+    python scripts/host_speed.py [--model DIR] [--steps 120] [--profile 40]
 
 Runs plain 1-row decode steps (as `bench.py e2e`'s bare step: the forward, then the greedy
 token read back) after a 261-token prompt, the warm-up first. For each step it records the
@@ -11,12 +11,20 @@ the fastest quarter's slowest are counted as slow; the two groups' means show wh
 slow step is more work or the same work on a slower CPU (then the probe slows alike).
 Session 10 found the lent H200's host (a virtual machine) 1.25-1.45x slower in episodes of
 tens of steps this way (docs/benchmarks.md).
+
+--profile N runs the steps under cProfile as well and prints the N functions with the most
+time of their own (cProfile roughly doubles Python's time; read its shares, not its times):
+where the host's build goes, Python function by function, with MLX's C++ calls
+(`async_eval`, `item`, each operation) as entries of their own.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
+import io
+import pstats
 import statistics
 import sys
 import time
@@ -46,7 +54,7 @@ def timed_async_eval(total: list[float]):
         mx.async_eval = real
 
 
-def measure(model_path: str | None, steps: int) -> list[dict]:
+def measure(model_path: str | None, steps: int, profiler: cProfile.Profile | None = None) -> list[dict]:
     import dsv41_mlx
     from bench import host_probe_ms
     from dsv41_mlx.generate import prefill, warm_up
@@ -56,7 +64,7 @@ def measure(model_path: str | None, steps: int) -> list[dict]:
     cache = model.make_cache()
     logits, _ = prefill(model, [((i * 7919) % 50000 + 100) % model.args.vocab_size for i in range(261)], cache)
     token, rows, inside = int(mx.argmax(logits).item()), [], [0.0]
-    with timed_async_eval(inside):
+    with timed_async_eval(inside), (profiler or contextlib.nullcontext()):
         for _ in range(steps):
             probe, inside[0] = host_probe_ms(), 0.0
             tic = time.perf_counter()
@@ -78,8 +86,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="checkpoint (default: the embedded tiny one)")
     parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also run the steps under cProfile and print its N top functions by own time")
     args = parser.parse_args()
-    rows = measure(args.model, args.steps)
+    profiler = cProfile.Profile() if args.profile else None
+    rows = measure(args.model, args.steps, profiler)
     print("| steps | count | step ms | build ms | in async_eval ms | Python ms | host probe ms |")
     print("|---|---|---|---|---|---|---|")
     for name, group in split(rows).items():
@@ -90,6 +101,11 @@ def main() -> int:
                   f"{mean('async_eval_ms'):.1f} | {mean('build_ms') - mean('async_eval_ms'):.1f} | "
                   f"{mean('probe_ms'):.2f} |")
     print("\nsteps in order, ms: " + " ".join(f"{r['step_ms']:.0f}" for r in rows))
+    if profiler is not None:
+        print(f"\ncProfile over all {args.steps} steps (the whole loop), by own time:")
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.profile)
+        print(text.getvalue())
     return 0
 
 

@@ -26,10 +26,13 @@ def test_slow_steps_are_over_a_fifth_above_the_fast_quarter():
 
 
 def test_it_runs_and_restores_async_eval():
-    out = subprocess.run([sys.executable, str(SCRIPT), "--steps", "6"], capture_output=True, text=True,
-                         timeout=600)
+    out = subprocess.run([sys.executable, str(SCRIPT), "--steps", "6", "--profile", "5"], capture_output=True,
+                         text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     assert "| fast |" in out.stdout and "steps in order, ms:" in out.stdout
+    # the profile's table: its top functions, the model's forward among the calls it saw
+    assert "cProfile over all 6 steps" in out.stdout and "Ordered by: internal time" in out.stdout
+    assert "model.py" in out.stdout
     host_speed = load()
     import mlx.core as mx
 
