@@ -104,7 +104,10 @@ SPARSE_ATTENTION = KernelSpec("sparse_attention", ("q", "ring", "index", "wmask"
 RMS_NORM = KernelSpec("rms_norm_rows", ("x", "w", "eps", "sizes"), ("y",), "rms_norm.metal", "rms_norm.cu",
                       header_files=(), twin_headers=("fp8_lane",))
 FP4_QUANT = KernelSpec("fp4_quant", ("x", "n"), ("y",), "fp4_quant.metal", "fp4_quant.cu", header_files=())
-HC_MIX = KernelSpec("hc_mix", ("h", "fn", "rows"), ("parts",), "hc_mix.metal", "hc_mix.cu", header_files=())
+HC_MIX = KernelSpec("hc_mix", ("h", "fn", "rows"), ("parts",), "hc_mix.metal", "hc_mix.cu", header_files=(),
+                    twin_headers=("hc_mix_sum",))
+HC_POST_MIX = KernelSpec("hc_post_mix", ("y", "residual", "post", "comb", "fn", "rows"), ("parts", "h"),
+                         "hc_post_mix.metal", "hc_post_mix.cu", header_files=(), twin_headers=("hc_mix_sum",))
 HC_INPUT = KernelSpec("hc_input", ("h", "pre_in", "parts", "scale", "base", "norm_w", "params", "rows"),
                       ("x", "xq", "pre", "post", "comb"), "hc_input.metal", "hc_input.cu", header_files=(),
                       twin_headers=("hc_split_row", "fp8_lane"))
@@ -364,22 +367,53 @@ def hc_input(h: mx.array, pre_in: mx.array, fn: mx.array, scale: mx.array, base:
     does the rest. Its spec is model.HyperConnection.sublayer_input's composition of hc_pre,
     rms_norm, fp8_input, the mix projection and hc_split (scripts/check_kernels.py compares
     them); only where hc_input_fits."""
+    impl = _hc_input_impl(h, impl)
+    S, hc, dim = h.shape
+    (parts,) = _compiled(HC_MIX, impl)(
+        inputs=[h, fn.astype(mx.float32), _int32s(S)], template=[("D", dim), ("HC", hc), ("CH", HC_MIX_CHUNKS)],
+        grid=(S * HC_MIX_CHUNKS * 256, 1, 1), threadgroup=(256, 1, 1),
+        output_shapes=[(S, HC_MIX_CHUNKS, (2 + hc) * hc + 1)], output_dtypes=[mx.float32])
+    return _hc_input_rest(h, parts, pre_in, scale, base, norm_w, iters, hc_norm_eps, eps, norm_eps, quantize_to, impl)
+
+
+def hc_post_input(y: mx.array, residual: mx.array, post: mx.array, comb: mx.array, pre_in: mx.array,
+                  fn: mx.array, scale: mx.array, base: mx.array, norm_w: mx.array, iters: int, hc_norm_eps: float,
+                  eps: float, norm_eps: float, quantize_to: mx.Dtype,
+                  impl: str | None = None) -> tuple[mx.array, ...]:
+    """hc_input of the stream h = model.hc_post(y, residual, post, comb) (the previous
+    sub-layer's output y [S, dim] expanded by its mixes post [S, hc], comb [S, hc, hc] onto the
+    stream residual [S, hc, dim] it ran on), in the same two launches: the first (hc_post_mix)
+    computes h as it projects it and writes it out. -> (h, x, xq, pre, post, comb). Its spec is
+    model.hc_post, then hc_input's; only where hc_input_fits the residual."""
+    impl = _hc_input_impl(residual, impl)
+    S, hc, dim = residual.shape
+    f32 = mx.float32
+    parts, h = _compiled(HC_POST_MIX, impl)(
+        inputs=[y.astype(mx.bfloat16), residual, post.astype(f32), comb.astype(f32), fn.astype(f32), _int32s(S)],
+        template=[("D", dim), ("HC", hc), ("CH", HC_MIX_CHUNKS)],
+        grid=(S * HC_MIX_CHUNKS * 256, 1, 1), threadgroup=(256, 1, 1),
+        output_shapes=[(S, HC_MIX_CHUNKS, (2 + hc) * hc + 1), (S, hc, dim)], output_dtypes=[f32, mx.bfloat16])
+    return (h, *_hc_input_rest(h, parts, pre_in, scale, base, norm_w, iters, hc_norm_eps, eps, norm_eps,
+                               quantize_to, impl))
+
+
+def _hc_input_impl(h: mx.array, impl: str | None) -> str:
     impl = impl or backend()
     if not hc_input_fits(h, impl):
         raise ValueError(f"hc_input takes a bfloat16 stream [<= {DECODE_MAX_ROWS}, hc, dim] on a GPU, "
                          f"got {h.dtype} {h.shape} on {impl}")
+    return impl
+
+
+def _hc_input_rest(h, parts, pre_in, scale, base, norm_w, iters, hc_norm_eps, eps, norm_eps, quantize_to,
+                   impl) -> tuple[mx.array, ...]:
+    """hc_input's second launch, after hc_mix or hc_post_mix made the parts of h."""
     S, hc, dim = h.shape
-    M, chunks = (2 + hc) * hc, HC_MIX_CHUNKS
     f32 = mx.float32  # the bodies read these as float32 (a build is keyed by its template values only)
-    rows = _int32s(S)
-    (parts,) = _compiled(HC_MIX, impl)(
-        inputs=[h, fn.astype(f32), rows], template=[("D", dim), ("HC", hc), ("CH", chunks)],
-        grid=(S * chunks * 256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[(S, chunks, M + 1)],
-        output_dtypes=[f32])
     return tuple(_compiled(HC_INPUT, impl)(
         inputs=[h, pre_in.astype(f32), parts, scale.astype(f32), base.astype(f32), norm_w.astype(f32),
-                _float32s(hc_norm_eps, eps, norm_eps), rows],
-        template=[("D", dim), ("HC", hc), ("ITERS", iters), ("O", quantize_to), ("CH", chunks)],
+                _float32s(hc_norm_eps, eps, norm_eps), _int32s(S)],
+        template=[("D", dim), ("HC", hc), ("ITERS", iters), ("O", quantize_to), ("CH", HC_MIX_CHUNKS)],
         grid=(S * 256, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[(S, dim), (S, dim), (S, hc), (S, hc), (S, hc, hc)],
         output_dtypes=[mx.bfloat16, quantize_to, f32, f32, f32]))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -294,6 +295,26 @@ def _hc_post(y: mx.array, residual: mx.array, post: mx.array, comb: mx.array) ->
     return (post[..., None] * y[:, None, :].astype(F32) + mixed).astype(y.dtype)  # the cast after the view: fused
 
 
+class Expansion(NamedTuple):
+    """A sub-layer's output y [S, dim] not yet expanded into the stream it ran on: the stream
+    is hc_post(y, residual, mixes) (`value`). A block hands the next block its MoE output so,
+    because on a GPU the next block's first kernel expands it as it reads it
+    (HyperConnection.expanded_input): one launch a block fewer. A tuple of arrays, so that
+    mx.eval and mx.async_eval take it as it is."""
+    y: mx.array  # [S, dim]
+    residual: mx.array  # [S, hc, dim]
+    post: mx.array  # [S, hc]
+    comb: mx.array  # [S, hc, hc]
+
+    def value(self) -> mx.array:
+        return _hc_post(self.y, self.residual, self.post, self.comb)
+
+
+def stream_value(h: mx.array | Expansion) -> mx.array:
+    """The stream [S, hc, dim], expanded where a block left it as an Expansion."""
+    return h.value() if isinstance(h, Expansion) else h
+
+
 class HyperConnection(nn.Module):
     """The learned mix parameters of one sub-layer (checkpoint: hc_{attn,ffn}_{fn,base,scale})."""
 
@@ -325,6 +346,22 @@ class HyperConnection(nn.Module):
         """sublayer_input as separate operations (prefill, the CPU; bench.py pieces times it)."""
         x = norm(hc_pre(h, pre))
         return x, fp8_input(x), self(h)
+
+    def expanded_input(self, y: mx.array, residual: mx.array, previous: HcMixes,
+                       norm: RMSNorm) -> tuple[mx.array, mx.array, mx.array, HcMixes]:
+        """The stream after the previous sub-layer, h = hc_post(y, residual, previous) (its output
+        y [S, dim] expanded onto the stream residual [S, hc, dim] it ran on), and this
+        sub-layer's input from h as sublayer_input makes it (collapsed by previous.pre):
+        (h, x, xq, mixes). On a GPU, where hc_input fits, the expansion runs inside hc_input's
+        first launch (kernels.hc_post_input) instead of as a launch of its own; this
+        composition is the kernel's spec."""
+        if kernels.hc_input_fits(residual):
+            h, x, xq, *mixes = kernels.hc_post_input(
+                y, residual, previous.post, previous.comb, previous.pre, self.fn, self.scale, self.base, norm.weight,
+                self._iters, self._norm_eps, self._eps, norm.eps, gemm_input_dtype())
+            return h, x, xq, HcMixes(*mixes)
+        h = hc_post(y, residual, previous)
+        return (h, *self.sublayer_input_unfused(h, previous.pre, norm))
 
 
 # ------------------------------------------------------------------- attention
@@ -809,15 +846,19 @@ class Block(nn.Module):
         if layer_id in args.engram_layer_ids:
             self.engram = Engram(args, layer_id)
 
-    def __call__(self, h: mx.array, pre: mx.array, positions: mx.array, *attn_args,
-                 rows: int | None = None) -> tuple[mx.array, mx.array]:
-        """h [S, hc, dim] bf16, pre [S, hc] -> (h, pre for the next block).
-        rows: how many of the S rows are real (the rest pad a decode forward)."""
-        x, xq, *attn_mix = self.attn_input(h, pre)
+    def __call__(self, h: mx.array | Expansion, pre: mx.array, positions: mx.array, *attn_args,
+                 rows: int | None = None, expand: bool = True) -> tuple[mx.array | Expansion, mx.array]:
+        """h [S, hc, dim] bf16, or the previous block's Expansion; pre [S, hc] -> (h, pre for the
+        next block). rows: how many of the S rows are real (the rest pad a decode forward).
+        expand=False: h is returned as an Expansion of the MoE's output, for the next block."""
+        if isinstance(h, Expansion):
+            h, x, xq, *attn_mix = self.expanded_attn_input(*h, pre)
+        else:
+            x, xq, *attn_mix = self.attn_input(h, pre)
         x = self.attn(x, positions, *attn_args, xq=xq)
         h, x, xq, *ffn_mix = self.ffn_input(x, h, *attn_mix)
-        h = hc_post(self.ffn(x, rows, xq), h, HcMixes(*ffn_mix))
-        return h, ffn_mix[0]
+        out = Expansion(self.ffn(x, rows, xq), h, *ffn_mix[1:])
+        return (out.value() if expand else out), ffn_mix[0]
 
     @fused("hc_attn", "attn_norm")
     def attn_input(self, h: mx.array, pre: mx.array) -> tuple[mx.array, ...]:
@@ -826,12 +867,19 @@ class Block(nn.Module):
         x, xq, mix = self.hc_attn.sublayer_input(h, pre, self.attn_norm)
         return x, xq, mix.pre, mix.post, mix.comb
 
+    @fused("hc_attn", "attn_norm")
+    def expanded_attn_input(self, y: mx.array, residual: mx.array, post: mx.array, comb: mx.array,
+                            pre: mx.array) -> tuple[mx.array, ...]:
+        """attn_input of the previous block's Expansion (y, residual, post, comb), collapsed by
+        pre: (h, x, xq, pre, post, comb), h the expanded stream."""
+        h, x, xq, mix = self.hc_attn.expanded_input(y, residual, HcMixes(pre, post, comb), self.attn_norm)
+        return h, x, xq, mix.pre, mix.post, mix.comb
+
     @fused("hc_ffn", "ffn_norm")
     def ffn_input(self, x: mx.array, h: mx.array, *attn_mix: mx.array) -> tuple[mx.array, ...]:
         """The attention's output expanded into the stream, then the MoE's normed input, that
         through fp8_input, and its sub-layer's mixes: (h, x, xq, pre, post, comb)."""
-        h = hc_post(x, h, HcMixes(*attn_mix))
-        x, xq, mix = self.hc_ffn.sublayer_input(h, attn_mix[0], self.ffn_norm)
+        h, x, xq, mix = self.hc_ffn.expanded_input(x, h, HcMixes(*attn_mix), self.ffn_norm)
         return h, x, xq, mix.pre, mix.post, mix.comb
 
 
@@ -950,11 +998,15 @@ class Model(nn.Module):
         features = []
         targets = self.args.dspark_target_layer_ids
         for i, layer in enumerate(self.layers):
+            if i in engram_rows or i in targets:
+                h = stream_value(h)
             if i in engram_rows:
                 h = layer.engram(h, engram_rows[i])
             if i in targets:
                 features.append((sum_copies(h.astype(F32)) / h.shape[1]).astype(BF16))
-            h, pre = layer(h, pre, positions, cache.layers[i], cache.layers, shared, rows=real_rows)
+            # each block hands the next its output unexpanded (Expansion); the last expands it
+            h, pre = layer(h, pre, positions, cache.layers[i], cache.layers, shared, rows=real_rows,
+                           expand=i + 1 == len(self.layers))
             if self.overlap_build:
                 mx.async_eval(h, pre)
         x = self.norm(hc_pre(h, pre))

@@ -29,20 +29,4 @@ for (unsigned int j = tid; j < (unsigned int)CHUNK; j += 32 * WARPS) {
   }
   acc[M] += v * v;
 }
-for (int m = 0; m <= M; m++) {
-  float a = acc[m];
-  for (int offset = 16; offset > 0; offset /= 2) {
-    a += __shfl_xor_sync(0xffffffffu, a, offset);
-  }
-  if (lane == 0) {
-    partial[warp][m] = a;
-  }
-}
-__syncthreads();
-if (tid <= (unsigned int)M) {  // totals over the warps, in order
-  float t = partial[0][tid];
-  for (int g = 1; g < WARPS; g++) {
-    t += partial[g][tid];
-  }
-  parts[(row * CH + chunk) * (M + 1) + tid] = t;
-}
+hc_mix_totals<M, WARPS>(acc, &partial[0][0], lane, warp, tid, parts + (row * CH + chunk) * (M + 1));

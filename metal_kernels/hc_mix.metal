@@ -8,7 +8,7 @@
 // Output: parts [S, CH, M + 1] float32: for row s and chunk c (values c * HD / CH up to the
 // next chunk), the dot products with each fn_m, then the sum of squares. Thread t sums
 // every 256th value of its chunk, each simdgroup its 32 sums in a butterfly, then the 8
-// simdgroup sums are added in order: a row's parts depend on that row alone.
+// simdgroup sums are added in order (hc_mix_sum.h): a row's parts depend on that row alone.
 // Template constants: D, HC, CH (HD a multiple of CH). 256 threads, S * CH threadgroups.
 // CUDA twin: hc_mix.cu.
 
@@ -40,20 +40,4 @@ for (uint j = tid; j < uint(CHUNK); j += 32 * WARPS) {
   }
   acc[M] += v * v;
 }
-for (int m = 0; m <= M; m++) {
-  float a = acc[m];
-  for (ushort offset = 16; offset > 0; offset /= 2) {
-    a += simd_shuffle_xor(a, offset);
-  }
-  if (lane == 0) {
-    partial[warp][m] = a;
-  }
-}
-threadgroup_barrier(mem_flags::mem_threadgroup);
-if (tid <= uint(M)) {  // totals over the simdgroups, in order
-  float t = partial[0][tid];
-  for (int g = 1; g < WARPS; g++) {
-    t += partial[g][tid];
-  }
-  parts[(row * CH + chunk) * (M + 1) + tid] = t;
-}
+hc_mix_totals<M, WARPS>(acc, &partial[0][0], lane, warp, tid, parts + (row * CH + chunk) * (M + 1));

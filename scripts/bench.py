@@ -650,7 +650,7 @@ def layer_kind(layer) -> str:
 def decode_by_layer(model, token: int, cache, on_layer) -> mx.array:
     """One decode step (padded as Model.decode pads it), calling on_layer(i, run) for each block,
     where run() builds that block's outputs; returns the logits. Mirrors Model.__call__."""
-    from dsv41_mlx.model import SharedAttention, hc_expand, hc_pre
+    from dsv41_mlx.model import SharedAttention, hc_expand, hc_pre, stream_value
 
     args = model.args
     rows = model.decode_rows or 1
@@ -661,10 +661,13 @@ def decode_by_layer(model, token: int, cache, on_layer) -> mx.array:
     h, pre = hc_expand(model.embed(mx.array(tokens, dtype=mx.int32)), args.hc_mult)
     shared = SharedAttention()
     for i, layer in enumerate(model.layers):
-        def run(i=i, layer=layer, h=h, pre=pre):
+        def run(i=i, layer=layer, h=h, pre=pre):  # h: an array or the previous block's Expansion
+            if hasattr(layer, "engram") or i in args.dspark_target_layer_ids:
+                h = stream_value(h)  # the feature tap's graph is not the step's: Model.__call__ taps it
             if hasattr(layer, "engram"):
                 h = layer.engram(h, layer.engram.gather(hashes[:, model.hasher.layer_index(i)]))
-            return layer(h, pre, positions, cache.layers[i], cache.layers, shared, rows=1)
+            return layer(h, pre, positions, cache.layers[i], cache.layers, shared, rows=1,
+                         expand=i + 1 == len(model.layers))
         h, pre = on_layer(i, run)
     logits = model.head(model.norm(hc_pre(h, pre)))
     cache.trim(rows - 1)

@@ -38,6 +38,9 @@ hc_input: a sub-layer's input from the stream at hc 4, dim 5120, rows 1..16, aga
 model.HyperConnection.sublayer_input's pure-MLX composition: x within a bf16 step
 (equal in 99% of values), the mixes within 2e-5; a row alone equals the row among
 others.
+hc_post_input: the same with the stream expanded inside the kernel from the previous
+sub-layer's output (model.hc_post's spec): the stream within a bf16 step of hc_post's
+(equal in 99%), the rest as hc_input's against the spec of the kernel's own stream.
 rms_norm: RMSNorm at widths 128..5120, rows 1..300, bf16 and fp32, against the
 spec's casts around MLX's RMSNorm: bf16 within a bf16 step (equal in 99%), fp32
 within 1e-6; a row alone equals the row among others; the quantised form bit for
@@ -61,8 +64,8 @@ import numpy as np
 
 from dsv41_mlx.kernels import (TILE, TOP_K, backend, fp8_rows_tiles, fp8_rows_top64, hc_split, hc_split_reference,
                                ring_write, ring_write_reference)
-from dsv41_mlx.kernels import (act_quant_fp8, fp4_experts, fp4_quant, fp8_gemv, hc_input, moe_gate, moe_gate_reference,
-                               rms_norm, rms_norm_reference, sparse_attention_rows)
+from dsv41_mlx.kernels import (act_quant_fp8, fp4_experts, fp4_quant, fp8_gemv, hc_input, hc_post_input, moe_gate,
+                               moe_gate_reference, rms_norm, rms_norm_reference, sparse_attention_rows)
 from dsv41_mlx.quant import fp4_fake_quant_reference, fp8_fake_quant_reference, quantize_fp8_tiles_mx
 
 POISON = -12345.0
@@ -471,10 +474,27 @@ def check_hc_input(impl: str, seed: int) -> list[str]:
     bf16 step of the spec in every value and equal in at least 99% of them; the mixes within
     2e-5. These tolerances are set before any GPU run of the kernel. A row alone equals the
     same row among others."""
+    return _check_sublayer_input(impl, seed, expanded=False)
+
+
+def check_hc_post_input(impl: str, seed: int) -> list[str]:
+    """hc_post_input (the stream expanded from the previous sub-layer's output inside the
+    sub-layer input's first launch) against model.hc_post then hc_input's spec, as
+    check_hc_input: the new stream h within one bf16 step of hc_post's in every value and equal
+    in at least 99% of them (a multiply and an add may fuse differently); the rest against the
+    spec of the kernel's own h, with check_hc_input's tolerances; a row alone equals the same
+    row among others."""
+    return _check_sublayer_input(impl, seed, expanded=True)
+
+
+def _check_sublayer_input(impl: str, seed: int, expanded: bool) -> list[str]:
+    from dsv41_mlx.model import _hc_post
+
     rng = np.random.default_rng(seed)
     problems = []
     hc, dim, iters = 4, 5120, 20
     M = (2 + hc) * hc
+    name = "hc_post_input" if expanded else "hc_input"
     fn = mx.array(rng.normal(0, 1 / np.sqrt(hc * dim), (M, hc * dim)).astype(np.float32))
     scale = mx.array(rng.normal(0, 1, 3).astype(np.float32))
     base = mx.array(rng.normal(0, 1, M).astype(np.float32))
@@ -483,21 +503,33 @@ def check_hc_input(impl: str, seed: int) -> list[str]:
         h = mx.array(rng.normal(0, 1, (rows, hc, dim)).astype(np.float32)).astype(mx.bfloat16)
         pre_in = mx.array(rng.uniform(0, 1, (rows, hc)).astype(np.float32))
         args = (fn, scale, base, norm_w, iters, 1e-6, 1e-6, 1e-6, mx.bfloat16 if rows % 2 else mx.float32)
-        got = hc_input(h, pre_in, *args, impl=impl)
-        want = hc_input_spec(h, pre_in, *args)
+        if expanded:  # h is the residual; the kernel makes the stream from it
+            y = mx.array(rng.normal(0, 1, (rows, dim)).astype(np.float32)).astype(mx.bfloat16)
+            post = mx.array(rng.uniform(0, 2, (rows, hc)).astype(np.float32))
+            comb = mx.array(rng.uniform(0, 1, (rows, hc, hc)).astype(np.float32))
+            inputs = (y, h, post, comb, pre_in)
+            got_h, *got = hc_post_input(*inputs, *args, impl=impl)
+            problem = bf16_step_problem(got_h, _hc_post(y, h, post, comb))
+            if problem:
+                problems.append(f"{name} rows={rows} h: {problem}")
+            want = hc_input_spec(got_h, pre_in, *args)
+            alone = hc_post_input(*(a[-1:] for a in inputs), *args, impl=impl)[1:]
+        else:
+            got = hc_input(h, pre_in, *args, impl=impl)
+            want = hc_input_spec(h, pre_in, *args)
+            alone = hc_input(h[-1:], pre_in[-1:], *args, impl=impl)
         problem = bf16_step_problem(got[0], want[0])
         if problem:
-            problems.append(f"hc_input rows={rows} x: {problem}")
+            problems.append(f"{name} rows={rows} x: {problem}")
         differ = bits_differ(got[1], fp8_fake_quant_reference(got[0]).astype(args[-1]))  # act_quant of its own x
         if differ:
-            problems.append(f"hc_input rows={rows} xq: {differ} values differ from act_quant of its x")
-        for name, a, b in zip(("pre", "post", "comb"), got[2:], want[2:]):
+            problems.append(f"{name} rows={rows} xq: {differ} values differ from act_quant of its x")
+        for part, a, b in zip(("pre", "post", "comb"), got[2:], want[2:]):
             err = mx.abs(a - b).max().item()
             if not err <= 2e-5:
-                problems.append(f"hc_input rows={rows} {name} off by {err:.3g}")
-        alone = hc_input(h[-1:], pre_in[-1:], *args, impl=impl)
+                problems.append(f"{name} rows={rows} {part} off by {err:.3g}")
         if not all(mx.array_equal(a, b[-1:]).item() for a, b in zip(alone, got)):
-            problems.append(f"hc_input rows={rows}: the last row alone differs from the same row among {rows}")
+            problems.append(f"{name} rows={rows}: the last row alone differs from the same row among {rows}")
     return problems
 
 
@@ -607,6 +639,7 @@ def main() -> int:
         checks.append(("quantised GEMMs, bf16-fed vs fp32-fed", check_gemms_bf16, 11))
     checks += [("fp8_gemv", check_fp8_gemv, 31), ("fp4_experts", check_fp4_experts, 37),
                ("hc_split", check_hc_split, 5), ("rms_norm", check_rms_norm, 23), ("hc_input", check_hc_input, 17),
+               ("hc_post_input", check_hc_post_input, 41),
                ("sparse_attention", check_sparse_attention, 19), ("moe_gate", check_moe_gate, 13)]
     for name, check, seed in [c for c in checks if wanted(c[0])]:
         problems, notes = (check(seed=seed) if check is check_gemms_bf16 else (check(impl, seed=seed), []))

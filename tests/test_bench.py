@@ -126,14 +126,22 @@ sys.path.insert(0, "scripts")
 import count_ops
 from dsv41_mlx import kernels
 from dsv41_mlx.tiny import default_checkpoint
+from dsv41_mlx.config import ModelArgs
 res = count_ops.count(str(default_checkpoint()), rows=8, prompt=40)
 res["restored"] = kernels.backend() == "mlx" and kernels.device_backend() == "mlx"
+args = ModelArgs.from_dict(json.loads((default_checkpoint() / "config.json").read_text()))
+res["tapped"] = sorted(set(args.engram_layer_ids) | set(args.dspark_target_layer_ids))
 print(json.dumps(res))
 """)
     layers = sum(len(v) for v in res["per_kind"].values())
     calls = res["kernel_calls"]
     assert calls["sparse_attention"] == calls["moe_gate_scores"] == calls["moe_gate_topk"] == layers
-    assert calls["hc_input"] == calls["hc_mix"] == 2 * layers
+    # every sub-layer input is hc_input after hc_mix, or after hc_post_mix where the stream is
+    # still to be expanded: every MoE's input, and a block's input from the previous block
+    # except where the stream is needed whole before it (engram layers, DSpark feature taps)
+    assert calls["hc_input"] == calls["hc_mix"] + calls["hc_post_mix"] == 2 * layers
+    entered_unexpanded = [i for i in range(1, layers) if i not in res["tapped"]]
+    assert entered_unexpanded and calls["hc_post_mix"] == layers + len(entered_unexpanded)
     assert 0 < res["total"] < 200 * layers and res["views"] > 0
     assert res["restored"]
     for kind in ("ratio 1", "ratio 2"):  # a plain layer's casts all fuse into compiled kernels

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from dsv41_mlx.cache import DraftCache
-from dsv41_mlx.kernels import (ACT_QUANT, FP4_EXPERTS, FP4_QUANT, FP8_GEMV, FP8_ROWS, HC_INPUT, HC_MIX, HC_SPLIT,
-                               MOE_GATE_SCORES, MOE_GATE_TOPK, RING_WRITE, RMS_NORM, SPARSE_ATTENTION, TOP_K,
+from dsv41_mlx.kernels import (ACT_QUANT, FP4_EXPERTS, FP4_QUANT, FP8_GEMV, FP8_ROWS, HC_INPUT, HC_MIX, HC_POST_MIX,
+                               HC_SPLIT, MOE_GATE_SCORES, MOE_GATE_TOPK, RING_WRITE, RMS_NORM, SPARSE_ATTENTION, TOP_K,
                                fp8_rows_top64, moe_gate, moe_gate_reference, ring_write, ring_write_reference)
 from dsv41_mlx.quant import e4m3_decode, e8m0_decode, quantize_fp8_tiles, quantize_fp8_tiles_mx
 
@@ -136,6 +136,9 @@ CASES = {
                          {"T": "bfloat16", "O": "float32"}),
     "hc_mix": (HC_MIX, {"h": "bfloat16", "fn": "float32", "rows": "int32"}, {"parts": "float32"},
                {"D": 5120, "HC": 4, "CH": 16}),
+    "hc_post_mix": (HC_POST_MIX, {"y": "bfloat16", "residual": "bfloat16", "post": "float32", "comb": "float32",
+                                  "fn": "float32", "rows": "int32"}, {"parts": "float32", "h": "bfloat16"},
+                    {"D": 5120, "HC": 4, "CH": 16}),
     "hc_input": (HC_INPUT, {"h": "bfloat16", "pre_in": "float32", "parts": "float32", "scale": "float32",
                             "base": "float32", "norm_w": "float32", "params": "float32", "rows": "int32"},
                  {"x": "bfloat16", "xq": "bfloat16", "pre": "float32", "post": "float32", "comb": "float32"},
@@ -215,6 +218,8 @@ def test_metal_source_type_checks(case, rows, tmp_path):
     ("hc_input", ("collapsed[d] = cb;", "collapsed[d] = cb")),  # no semicolon
     ("hc_input", ("bfloat16_t(c)", "bfloat16_t(c, 1)")),  # bad conversion
     ("hc_mix", ("acc[m] += v * fc[m * HD + j];", "acc[m] += v * fc;")),  # pointer into a float
+    ("hc_post_mix", ("(acc, &partial[0][0], lane,", "(acc, partial, lane,")),  # 2-d array for a pointer
+    ("hc_post_mix", ("h[row * HD + e] = hb;", "h[row * HD + e] = hv;")),  # misspelt variable
     ("hc_input", ("t += parts[(row * CH + c) * (M + 1) + tid];", "t += part[(row * CH + c) * (M + 1) + tid];")),
     ("fp4_quant_kv", ("simd_shuffle_xor(amax, offset)", "simd_shuffle_xor(amax)")),  # bad call
     ("rms_norm", ("sq += v * v;", "sq += v * w;")),  # type error: w is a pointer
@@ -263,7 +268,9 @@ def test_cuda_source_compiles(case):
     ("moe_gate_topk", ("choice[bi] = neg_inf;", "choice[bi] = neg_infinity;")),  # misspelt variable
     ("moe_gate_scores", ("const float wd = we[d];", "const float wd = we;")),  # pointer to float
     ("hc_input", ("__float2bfloat16(c)", "__float2bfloat16(c, 1)")),  # bad call
-    ("hc_mix", ("partial[warp][m] = a;", "partial[warp][m] = acc;")),  # array into a float
+    ("hc_mix", ("acc[m] += v * fc[m * HD + j];", "acc[m] += v * fc;")),  # pointer into a float
+    ("hc_post_mix", ("(acc, &partial[0][0], lane,", "(acc, partial, lane,")),  # 2-d array for a pointer
+    ("hc_post_mix", ("__float2bfloat16(post[row * HC + c]", "__float2bfloat16(posts[row * HC + c]")),  # misspelt
     ("fp4_quant_kv", ("const float mag = fabsf(q);", "const float mag = fabsf(q)")),  # no semicolon
     ("rms_norm", ("rsqrtf(total / (float)D + eps[0])", "rsqrtf(total / (float)D + eps)")),  # pointer + float
     ("sparse_attention", ("denom[g] = total + expf(sink[h0 + g] - row_max);",
@@ -407,7 +414,7 @@ def test_gate_check_passes_the_spec_and_flags_a_wrong_router(monkeypatch):
 def test_hc_input_runs_only_where_it_fits():
     """The sub-layer input kernel takes a GPU, a bfloat16 stream and at most 16 rows (decode
     and verify); elsewhere the model composes its spec, and a direct call says why not."""
-    from dsv41_mlx.kernels import hc_input, hc_input_fits
+    from dsv41_mlx.kernels import hc_input, hc_input_fits, hc_post_input
 
     h = mx.zeros((8, 4, 512), dtype=mx.bfloat16)
     assert not hc_input_fits(h)  # the CPU
@@ -417,6 +424,9 @@ def test_hc_input_runs_only_where_it_fits():
     with pytest.raises(ValueError, match="hc_input takes"):
         hc_input(h, mx.zeros((8, 4)), mx.zeros((24, 2048)), mx.zeros((3,)), mx.zeros((24,)), mx.ones((512,)),
                  20, 1e-6, 1e-6, 1e-6, mx.bfloat16)
+    with pytest.raises(ValueError, match="hc_input takes"):
+        hc_post_input(h[:, 0], h, mx.zeros((8, 4)), mx.zeros((8, 4, 4)), mx.zeros((8, 4)), mx.zeros((24, 2048)),
+                      mx.zeros((3,)), mx.zeros((24,)), mx.ones((512,)), 20, 1e-6, 1e-6, 1e-6, mx.bfloat16)
 
 
 def test_hc_input_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatch):
@@ -454,6 +464,33 @@ def test_hc_input_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatch):
                             (coupled_rows, "alone differs")):
         monkeypatch.setattr(check, "hc_input", broken)
         assert any(message in p for p in check.check_hc_input("mlx", seed=3)), message
+
+
+def test_hc_post_input_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatch):
+    """check_kernels.py's check of the sub-layer input that expands the stream itself: the
+    spec (model._hc_post, then hc_input's spec) passes; a kernel whose stream is off by a bf16
+    step in many values, or whose rows depend on each other, fails."""
+    from dsv41_mlx.model import _hc_post
+
+    check = _check_kernels_script()
+
+    def spec(y, residual, post, comb, pre_in, *args, impl=None):
+        h = _hc_post(y, residual, post, comb)
+        return (h, *check.hc_input_spec(h, pre_in, *args))
+
+    def h_off(*a, impl=None):
+        h, *rest = spec(*a)
+        return ((h.astype(mx.float32) * (1 + 2.0**-6)).astype(mx.bfloat16), *rest)
+
+    def coupled_rows(y, *a, impl=None):
+        h, x, xq, pre, post, comb = spec(y, *a)
+        return h, x, xq, pre, post + 1e-3 * (y.shape[0] > 1), comb
+
+    monkeypatch.setattr(check, "hc_post_input", spec)
+    assert check.check_hc_post_input("mlx", seed=3) == []
+    for broken, message in ((h_off, "h:"), (coupled_rows, "alone differs")):
+        monkeypatch.setattr(check, "hc_post_input", broken)
+        assert any(message in p for p in check.check_hc_post_input("mlx", seed=3)), message
 
 
 def test_attention_kernel_runs_only_where_it_fits():

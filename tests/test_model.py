@@ -301,3 +301,46 @@ def test_row_buffer_appends_and_drops_at_both_ends_across_moves():
             buf.drop_back(1)
             rows.pop()
         assert buf.rows.tolist() == rows and len(buf) == len(rows)
+
+
+def test_blocks_hand_on_their_output_unexpanded_to_the_next_blocks_input_kernel(monkeypatch, golden):
+    """On a GPU each block leaves its MoE output unexpanded (model.Expansion) and the next
+    block's sub-layer input kernel expands it (kernels.hc_post_input), as the MoE's input
+    kernel expands the attention's output; engram layers and DSpark feature taps take the
+    stream whole first, and the last block expands its own. Here the kernels are their specs
+    on the CPU: the forward's logits, features and cache are the plain path's bits, and the
+    expanding kernel runs where it should."""
+    from dsv41_mlx import kernels, load
+    from dsv41_mlx.model import _hc_post, _hc_project, hc_pre
+    from dsv41_mlx.quant import fp8_fake_quant
+
+    from .conftest import FIXTURE
+
+    ids = _ids(golden)[:12]
+    want = _run(load(FIXTURE)[0], ids, 4)
+    calls = []
+
+    def hc_input(h, pre_in, fn, scale, base, norm_w, iters, hc_norm_eps, eps, norm_eps, quantize_to, impl=None):
+        calls.append("hc_input")
+        x = kernels.rms_norm(hc_pre(h, pre_in), norm_w, norm_eps)
+        mixes = kernels.hc_split(_hc_project(h, fn, hc_norm_eps), scale, base, h.shape[1], iters, eps)
+        return (x, fp8_fake_quant(x, dtype=quantize_to), *mixes)
+
+    def hc_post_input(y, residual, post, comb, pre_in, *args, impl=None):
+        calls.append("hc_post_input")
+        h = _hc_post(y, residual, post, comb)
+        return (h, *hc_input(h, pre_in, *args))
+
+    monkeypatch.setattr(kernels, "hc_input_fits", lambda h, impl=None: h.dtype == mx.bfloat16 and h.shape[0] <= 16)
+    monkeypatch.setattr(kernels, "hc_input", hc_input)
+    monkeypatch.setattr(kernels, "hc_post_input", hc_post_input)
+    model = load(FIXTURE)[0]  # a fresh model: its compiled methods trace the patched path
+    got = _run(model, ids, 4)
+    assert mx.array_equal(got[0], want[0]).item() and mx.array_equal(got[1], want[1]).item()
+    _assert_same_state(got[2], want[2])
+    args, layers = model.args, model.args.num_hidden_layers
+    whole_first = {0} | set(args.engram_layer_ids) | set(args.dspark_target_layer_ids)
+    per_forward = layers + sum(1 for i in range(layers) if i not in whole_first)  # every MoE input, then blocks
+    # the compiled methods trace once (three forwards of one shape): a forward's calls
+    assert calls.count("hc_post_input") == per_forward
+    assert len(calls) == 2 * layers + per_forward  # every sub-layer input: hc_input, after its expansion or not

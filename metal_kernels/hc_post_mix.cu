@@ -1,0 +1,40 @@
+// CUDA twin of hc_post_mix.metal (see there for what it computes). 256 threads per block,
+// S * CH blocks.
+
+constexpr int WARPS = 8;
+constexpr int M = (2 + HC) * HC;
+constexpr int HD = HC * D;
+constexpr int CHUNK = HD / CH;
+__shared__ float partial[WARPS][M + 1];
+
+const unsigned int row = blockIdx.x / CH;
+const unsigned int chunk = blockIdx.x % CH;
+const unsigned int tid = threadIdx.x;
+const unsigned int lane = threadIdx.x % 32;
+const unsigned int warp = threadIdx.x / 32;
+if (row >= (unsigned int)rows[0]) {
+  return;  // the whole block
+}
+const float* fc = fn + chunk * CHUNK;
+
+float acc[M + 1];
+for (int m = 0; m <= M; m++) {
+  acc[m] = 0.0f;
+}
+for (unsigned int j = tid; j < (unsigned int)CHUNK; j += 32 * WARPS) {
+  const unsigned int e = chunk * CHUNK + j;  // the value's place in the row: copy c, feature d
+  const unsigned int c = e / D;
+  const unsigned int d = e % D;
+  float mixed = comb[row * HC * HC + c] * __bfloat162float(residual[row * HD + d]);
+  for (int i = 1; i < HC; i++) {
+    mixed += comb[(row * HC + i) * HC + c] * __bfloat162float(residual[row * HD + i * D + d]);
+  }
+  const __nv_bfloat16 hb = __float2bfloat16(post[row * HC + c] * __bfloat162float(y[row * D + d]) + mixed);
+  h[row * HD + e] = hb;
+  const float v = __bfloat162float(hb);
+  for (int m = 0; m < M; m++) {
+    acc[m] += v * fc[m * HD + j];
+  }
+  acc[M] += v * v;
+}
+hc_mix_totals<M, WARPS>(acc, &partial[0][0], lane, warp, tid, parts + (row * CH + chunk) * (M + 1));
