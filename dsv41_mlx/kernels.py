@@ -101,7 +101,8 @@ MOE_GATE_TOPK = KernelSpec("moe_gate_topk", ("scores", "bias", "params", "rows")
 SPARSE_ATTENTION = KernelSpec("sparse_attention", ("q", "ring", "index", "wmask", "kv", "ids", "pmask", "sink",
                                                   "params", "rows"),
                               ("out",), "sparse_attention.metal", "sparse_attention.cu", header_files=())
-RMS_NORM = KernelSpec("rms_norm_rows", ("x", "w", "eps", "sizes"), ("y",), "rms_norm.metal", "rms_norm.cu",
+RMS_NORM = KernelSpec("rms_norm_rows", ("x", "w", "eps", "sizes", "rope_cos", "rope_sin"), ("y",), "rms_norm.metal",
+                      "rms_norm.cu",
                       header_files=(), twin_headers=("fp8_lane",))
 FP4_QUANT = KernelSpec("fp4_quant", ("x", "n"), ("y",), "fp4_quant.metal", "fp4_quant.cu", header_files=())
 HC_MIX = KernelSpec("hc_mix", ("h", "fn", "rows"), ("parts",), "hc_mix.metal", "hc_mix.cu", header_files=(),
@@ -472,33 +473,36 @@ def rms_norm_reference(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     return mx.fast.rms_norm(x.astype(mx.float32), weight.astype(mx.float32), eps).astype(x.dtype)
 
 
-def rms_norm_fits(x: mx.array, impl: str | None = None, quantized: bool = False) -> bool:
+def rms_norm_fits(x: mx.array, impl: str | None = None, quantized: bool = False, rotated: bool = False) -> bool:
     """Whether the RMSNorm kernel runs for x: a GPU, bfloat16 or float32, and for the
-    quantised form a last axis of whole FP8 blocks (32)."""
+    quantised or rotated forms a last axis of whole FP8 blocks (32)."""
     impl = impl or backend()
     return (impl != "mlx" and x.dtype in (mx.bfloat16, mx.float32) and x.size > 0
-            and not (quantized and x.shape[-1] % 32))
+            and not ((quantized or rotated) and x.shape[-1] % 32))
 
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float, impl: str | None = None,
-             quantize_to: mx.Dtype | None = None) -> mx.array:
+             quantize_to: mx.Dtype | None = None,
+             rope: tuple[mx.array, mx.array, int] | None = None) -> mx.array:
     """RMSNorm over the last axis: on a GPU one launch (a threadgroup per row) for what the
     spec does in three operations (the casts around MLX's fp32 RMSNorm); the spec elsewhere.
-    quantize_to: the result also FP8 fake-quantised per 32 values and stored as this dtype, in
-    the same launch (what quant.fp8_input does after the spec; GPU only, see rms_norm_fits)."""
+    rope: (cos, sin, dims), the result's last dims features then rotated as model.rotate does
+    with model.Rope.tables' cos and sin [rows, D] (GPU only). quantize_to: the result also FP8
+    fake-quantised per 32 values and stored as this dtype, in the same launch (what
+    quant.fp8_input does after the spec; GPU only). Both see rms_norm_fits."""
     impl = impl or backend()
-    if not rms_norm_fits(x, impl, quantize_to is not None):
-        if quantize_to is not None:
-            raise ValueError(f"the quantised RMSNorm kernel takes bfloat16/float32 rows of whole 32-blocks on a "
-                             f"GPU, got {x.dtype} {x.shape} on {impl}")
+    if not rms_norm_fits(x, impl, quantize_to is not None, rope is not None):
+        if quantize_to is not None or rope is not None:
+            raise ValueError(f"the quantised or rotated RMSNorm kernel takes bfloat16/float32 rows of whole "
+                             f"32-blocks on a GPU, got {x.dtype} {x.shape} on {impl}")
         return rms_norm_reference(x, weight, eps)
     D = x.shape[-1]
     rows = x.size // D
     out = quantize_to or x.dtype
+    cos, sin, dims = rope if rope is not None else (_float32s(0.0), _float32s(0.0), 0)  # placeholders: unread
     kernel = _compiled(RMS_NORM, impl)
-    (y,) = kernel(inputs=[x, weight.astype(mx.float32), _float32s(eps),
-                          _int32s(rows, D)],
-                  template=[("T", x.dtype), ("O", out), ("QUANT", int(quantize_to is not None))],
+    (y,) = kernel(inputs=[x, weight.astype(mx.float32), _float32s(eps), _int32s(rows, D), cos, sin],
+                  template=[("T", x.dtype), ("O", out), ("QUANT", int(quantize_to is not None)), ("ROPE", dims)],
                   grid=(rows * 256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[x.shape], output_dtypes=[out])
     return y
 

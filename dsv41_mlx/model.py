@@ -609,8 +609,14 @@ class Attention(nn.Module):
 
     @fused("wkv", "kv_norm")
     def latent_kv(self, xq: mx.array, rope: tuple) -> mx.array:
-        """Window keys [S, D]: normed, RoPE'd, FP8 fake-quantised over the whole latent."""
-        return fp8_fake_quant(Rope.apply(self.kv_norm(self.wkv.quantized(xq)), rope))
+        """Window keys [S, D]: normed, RoPE'd, FP8 fake-quantised over the whole latent. On a
+        GPU the norm, the rotation and the fake-quant are one kernel (kernels.rms_norm)."""
+        kv = self.wkv.quantized(xq)
+        if kernels.rms_norm_fits(kv, quantized=True, rotated=True):
+            S, D = kv.shape
+            return rms_norm(kv, self.kv_norm.weight, self.kv_norm.eps, quantize_to=kv.dtype,
+                            rope=(rope[0].reshape(S, D), rope[1].reshape(S, D), self.rope.dims))
+        return fp8_fake_quant(Rope.apply(self.kv_norm(kv), rope))
 
     @fused("wo_a", "wo_b")
     def output(self, o: mx.array, rope: tuple) -> mx.array:

@@ -31,7 +31,14 @@ for (int g = 1; g < WARPS; g++) {
 }
 const float r = rsqrtf(total / (float)D + eps[0]);
 for (int d = (int)tid; d < D; d += 32 * WARPS) {
-  const float v = static_cast<float>(static_cast<T>(static_cast<float>(xr[d]) * r * w[d]));  // rounded to T
+  float v = static_cast<float>(static_cast<T>(static_cast<float>(xr[d]) * r * w[d]));  // rounded to T
+  if (ROPE) {  // then RoPE on the last ROPE features; a pair's two values sit in neighbouring lanes
+    const float partner = __shfl_xor_sync(0xffffffffu, v, 1);
+    if (d >= D - ROPE) {
+      const size_t at = (size_t)row * D + d;
+      v = static_cast<float>(static_cast<T>(v * rope_cos[at] + partner * rope_sin[at]));
+    }
+  }
   if (QUANT) {  // then the FP8 fake-quant (fp8_lane.cuh): lanes hold a block's 32 consecutive values
     y[(size_t)row * D + d] = static_cast<O>(static_cast<T>(fp8_fake_quant_lane(v)));
   } else {

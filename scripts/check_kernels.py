@@ -45,6 +45,9 @@ rms_norm: RMSNorm at widths 128..5120, rows 1..300, bf16 and fp32, against the
 spec's casts around MLX's RMSNorm: bf16 within a bf16 step (equal in 99%), fp32
 within 1e-6; a row alone equals the row among others; the quantised form bit for
 bit the FP8 fake-quant of the kernel's own norm.
+rms_norm_rope: its rotated form (the window keys' norm, RoPE and FP8 fake-quant), widths
+128 and 512, 64 rotated features: within a bf16 step of model.rotate of the kernel's own
+norm (equal in 99%); quantised, bit for bit act_quant of that; a row alone the same.
 sparse_attention: a decode forward's attention at 64 heads x 512, a 128-key window
 and 512 picks (or none), rows 1..16, masked keys and rows with none visible,
 against model.sparse_attention on gathered keys: each row-head within 1% of its
@@ -616,6 +619,50 @@ def check_rms_norm(impl: str, seed: int) -> list[str]:
     return problems
 
 
+def rotated_spec(normed: mx.array, cos: mx.array, sin: mx.array, dims: int) -> mx.array:
+    """model.rotate of rows [S, D] by Rope.tables' cos and sin [S, D]: the last dims features."""
+    from dsv41_mlx.model import rotate
+
+    S, D = normed.shape
+    pairs = (S, D // 2, 2)
+    rotated = (mx.arange(D) >= D - dims).reshape(D // 2, 2)
+    return rotate(normed, cos.reshape(pairs), sin.reshape(pairs), rotated)
+
+
+def check_rms_norm_rope(impl: str, seed: int) -> list[str]:
+    """The RMSNorm kernel's rotated form (the window keys' norm, RoPE and FP8 fake-quant in
+    one launch) at the latent's width 512 and at 128, the release's 64 rotated features and
+    YaRN tables (the flash-shaped config's) at random positions, decode to prefill rows:
+    against model.rotate of the kernel's own norm (the norm is check_rms_norm's), within one
+    bf16 step and equal in at least 99% of values (a multiply and an add may fuse differently
+    from MLX's); the quantised form bit for bit act_quant of the kernel's own rotated norm; a
+    row alone equals the same row among others. Tolerances set before any GPU run."""
+    from dsv41_mlx.model import Rope
+
+    rng = np.random.default_rng(seed)
+    problems = []
+    rope = Rope(64, 160000.0, 65536, 16.0)
+    for D in (128, 512):
+        w = mx.array(rng.normal(1, 0.3, D).astype(np.float32))
+        for rows in (1, 8, 300):
+            x = mx.array(rng.normal(0, 3, (rows, D)).astype(np.float32)).astype(mx.bfloat16)
+            tables = rope.tables(mx.array(rng.integers(0, 100000, rows).astype(np.int32)), D)
+            cos, sin = tables[0].reshape(rows, D), tables[1].reshape(rows, D)
+            got = rms_norm(x, w, 1e-6, impl=impl, rope=(cos, sin, 64))
+            problem = bf16_step_problem(got, rotated_spec(rms_norm(x, w, 1e-6, impl=impl), cos, sin, 64))
+            if problem:
+                problems.append(f"rms_norm_rope D={D} rows={rows}: {problem}")
+            quantised = rms_norm(x, w, 1e-6, impl=impl, quantize_to=mx.bfloat16, rope=(cos, sin, 64))
+            differ = bits_differ(quantised, fp8_fake_quant_reference(got))
+            if differ:
+                problems.append(f"rms_norm_rope D={D} rows={rows}: {differ} quantised values differ from "
+                                f"act_quant of the rotated norm")
+            alone = rms_norm(x[-1:], w, 1e-6, impl=impl, quantize_to=mx.bfloat16, rope=(cos[-1:], sin[-1:], 64))
+            if bits_differ(alone, quantised[-1:]):
+                problems.append(f"rms_norm_rope D={D} rows={rows}: the last row alone differs")
+    return problems
+
+
 def main() -> int:
     impl = backend()
     if impl == "mlx":
@@ -638,7 +685,8 @@ def main() -> int:
     if impl == "cuda":
         checks.append(("quantised GEMMs, bf16-fed vs fp32-fed", check_gemms_bf16, 11))
     checks += [("fp8_gemv", check_fp8_gemv, 31), ("fp4_experts", check_fp4_experts, 37),
-               ("hc_split", check_hc_split, 5), ("rms_norm", check_rms_norm, 23), ("hc_input", check_hc_input, 17),
+               ("hc_split", check_hc_split, 5), ("rms_norm", check_rms_norm, 23),
+               ("rms_norm_rope", check_rms_norm_rope, 43), ("hc_input", check_hc_input, 17),
                ("hc_post_input", check_hc_post_input, 41),
                ("sparse_attention", check_sparse_attention, 19), ("moe_gate", check_moe_gate, 13)]
     for name, check, seed in [c for c in checks if wanted(c[0])]:

@@ -123,6 +123,7 @@ def test_draft_cache_writes_through_the_ring_kernel():
 
 # ------------------------------------------------------------ Metal text check
 
+NO_ROPE = {"rope_cos": "float32", "rope_sin": "float32"}  # the placeholders a norm without RoPE gets
 CASES = {
     "fp8_rows": (FP8_ROWS, {"x": "uint16", "w": "uint8", "scales": "uint8"},
                  {"top_vals": "float32", "top_ids": "int32"}, {"R": 5, "K": 5120, "N": 129280, "TILES": 505}),
@@ -152,12 +153,16 @@ CASES = {
                                                         "pmask": "bool", "sink": "float32", "params": "float32",
                                                         "rows": "int32"}, {"out": "bfloat16"},
                                      {"D": 512, "H": 64, "G": 4, "W": 128, "K": 0}),
-    "rms_norm": (RMS_NORM, {"x": "bfloat16", "w": "float32", "eps": "float32", "sizes": "int32"}, {"y": "bfloat16"},
-                 {"T": "bfloat16", "O": "bfloat16", "QUANT": 0}),
-    "rms_norm_f32": (RMS_NORM, {"x": "float32", "w": "float32", "eps": "float32", "sizes": "int32"},
-                     {"y": "float32"}, {"T": "float32", "O": "float32", "QUANT": 0}),
-    "rms_norm_quantised": (RMS_NORM, {"x": "bfloat16", "w": "float32", "eps": "float32", "sizes": "int32"},
-                           {"y": "float32"}, {"T": "bfloat16", "O": "float32", "QUANT": 1}),
+    "rms_norm": (RMS_NORM, {"x": "bfloat16", "w": "float32", "eps": "float32", "sizes": "int32", **NO_ROPE},
+                 {"y": "bfloat16"}, {"T": "bfloat16", "O": "bfloat16", "QUANT": 0, "ROPE": 0}),
+    "rms_norm_f32": (RMS_NORM, {"x": "float32", "w": "float32", "eps": "float32", "sizes": "int32", **NO_ROPE},
+                     {"y": "float32"}, {"T": "float32", "O": "float32", "QUANT": 0, "ROPE": 0}),
+    "rms_norm_quantised": (RMS_NORM, {"x": "bfloat16", "w": "float32", "eps": "float32", "sizes": "int32",
+                                      **NO_ROPE}, {"y": "float32"}, {"T": "bfloat16", "O": "float32", "QUANT": 1,
+                                                                     "ROPE": 0}),
+    "rms_norm_rope_quantised": (RMS_NORM, {"x": "bfloat16", "w": "float32", "eps": "float32", "sizes": "int32",
+                                           "rope_cos": "float32", "rope_sin": "float32"}, {"y": "bfloat16"},
+                                {"T": "bfloat16", "O": "bfloat16", "QUANT": 1, "ROPE": 64}),
     "fp4_quant_kv": (FP4_QUANT, {"x": "bfloat16", "n": "int32"}, {"y": "bfloat16"},
                      {"T": "bfloat16", "BLOCK": 16, "SCALE_E4M3": 1}),
     "fp4_quant_index": (FP4_QUANT, {"x": "float32", "n": "int32"}, {"y": "float32"},
@@ -224,6 +229,7 @@ def test_metal_source_type_checks(case, rows, tmp_path):
     ("fp4_quant_kv", ("simd_shuffle_xor(amax, offset)", "simd_shuffle_xor(amax)")),  # bad call
     ("rms_norm", ("sq += v * v;", "sq += v * w;")),  # type error: w is a pointer
     ("rms_norm_quantised", ("fp8_fake_quant_lane(v)", "fp8_fake_quant_lanes(v)")),  # misspelt function
+    ("rms_norm_rope_quantised", ("simd_shuffle_xor(v, ushort(1))", "simd_shuffle_xor(v)")),  # bad call
     ("sparse_attention", ("threadgroup float denom[G];", "threadgroup float denom[G]")),  # no semicolon
     ("fp8_gemv", ("gemv_warp_totals<T, RB>(&acc[0][0], partial,", "gemv_warp_totals<T, RB>(acc, partial,")),  # wrong type
     ("fp4_experts", ("E2M1_HALF((word >> (4 * c)) & 0xFu)", "E2M1_HALF((word >> (4 * c)) & 0xFu, c)")),  # bad macro call
@@ -273,6 +279,7 @@ def test_cuda_source_compiles(case):
     ("hc_post_mix", ("__float2bfloat16(post[row * HC + c]", "__float2bfloat16(posts[row * HC + c]")),  # misspelt
     ("fp4_quant_kv", ("const float mag = fabsf(q);", "const float mag = fabsf(q)")),  # no semicolon
     ("rms_norm", ("rsqrtf(total / (float)D + eps[0])", "rsqrtf(total / (float)D + eps)")),  # pointer + float
+    ("rms_norm_rope_quantised", ("__shfl_xor_sync(0xffffffffu, v, 1)", "__shfl_xor_sync(v, 1)")),  # bad call
     ("sparse_attention", ("denom[g] = total + expf(sink[h0 + g] - row_max);",
                           "denom[g] = total + expf(sinks[h0 + g]);")),  # misspelt variable
     ("fp8_gemv", ("gemv_lane_accumulate<T, RB>(p, &wf[0][0], &acc[0][0], r);",
@@ -464,6 +471,35 @@ def test_hc_input_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatch):
                             (coupled_rows, "alone differs")):
         monkeypatch.setattr(check, "hc_input", broken)
         assert any(message in p for p in check.check_hc_input("mlx", seed=3)), message
+
+
+def test_rms_norm_rope_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatch):
+    """check_kernels.py's check of the rotated RMSNorm (the window keys' norm, RoPE and
+    FP8 fake-quant in one launch): the spec passes; a kernel that skips the rotation, rotates
+    the first features instead of the last, or whose rows depend on each other, fails."""
+    from dsv41_mlx.kernels import rms_norm_reference
+    from dsv41_mlx.quant import fp8_fake_quant_reference
+
+    check = _check_kernels_script()
+
+    def spec(x, w, eps, impl=None, quantize_to=None, rope=None, first=False, coupled=False):
+        y = rms_norm_reference(x, w * (1 + 1e-2 * (coupled and x.shape[0] > 1)), eps)
+        if rope is not None:
+            cos, sin, dims = rope
+            if first:  # the first dims features: the mirror image of the last
+                y = check.rotated_spec(y[:, ::-1], cos[:, ::-1], sin[:, ::-1], dims)[:, ::-1]
+            else:
+                y = check.rotated_spec(y, cos, sin, dims)
+        return y if quantize_to is None else fp8_fake_quant_reference(y).astype(quantize_to)
+
+    monkeypatch.setattr(check, "rms_norm", spec)
+    assert check.check_rms_norm_rope("mlx", seed=5) == []
+    for broken, message in (
+            (lambda *a, rope=None, **kw: spec(*a, **kw), "differ"),
+            (lambda *a, **kw: spec(*a, first=True, **kw), "differ"),
+            (lambda *a, **kw: spec(*a, coupled=True, **kw), "alone differs")):
+        monkeypatch.setattr(check, "rms_norm", broken)
+        assert any(message in p for p in check.check_rms_norm_rope("mlx", seed=5)), message
 
 
 def test_hc_post_input_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatch):
