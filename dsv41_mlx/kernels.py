@@ -99,7 +99,7 @@ MOE_GATE_SCORES = KernelSpec("moe_gate_scores", ("x", "w", "params", "sizes"), (
 MOE_GATE_TOPK = KernelSpec("moe_gate_topk", ("scores", "bias", "params", "rows"), ("weights", "ids"),
                            "moe_gate_topk.metal", "moe_gate_topk.cu", header_files=())
 SPARSE_ATTENTION = KernelSpec("sparse_attention", ("q", "ring", "index", "wmask", "kv", "ids", "pmask", "sink",
-                                                  "params", "rows"),
+                                                  "rope_cos", "rope_sin", "params", "rows"),
                               ("out",), "sparse_attention.metal", "sparse_attention.cu", header_files=())
 RMS_NORM = KernelSpec("rms_norm_rows", ("x", "w", "eps", "sizes", "rope_cos", "rope_sin"), ("y",), "rms_norm.metal",
                       "rms_norm.cu",
@@ -425,40 +425,51 @@ def _hc_input_rest(h, parts, pre_in, scale, base, norm_w, iters, hc_norm_eps, ep
 ATTENTION_HEADS_PER_GROUP = 4  # heads of one row per threadgroup: each key row is read once for them
 
 
-def attention_fits(q: mx.array, n_window: int, n_picked: int, impl: str | None = None) -> bool:
-    """Whether sparse_attention_rows runs: a GPU, at most DECODE_MAX_ROWS rows of bfloat16
-    queries [S, H, D], heads a multiple of the group, and the group's queries and scores
-    within 24 KB of threadgroup memory."""
+def attention_fits(q_shape: tuple[int, ...], q_dtype: mx.Dtype, n_window: int, n_picked: int,
+                   impl: str | None = None) -> bool:
+    """Whether sparse_attention_rows runs for queries of this shape and dtype: a GPU, at most
+    DECODE_MAX_ROWS rows of bfloat16 queries [S, H, D], heads a multiple of the group, and
+    the group's queries and scores within 24 KB of threadgroup memory. Shapes only, so that
+    a caller can decide before it makes the queries (the kernel takes them unrotated)."""
     impl = impl or backend()
-    if impl == "mlx" or q.ndim != 3 or q.dtype != mx.bfloat16 or q.shape[0] > DECODE_MAX_ROWS:
+    if impl == "mlx" or len(q_shape) != 3 or q_dtype != mx.bfloat16 or q_shape[0] > DECODE_MAX_ROWS:
         return False
     G = ATTENTION_HEADS_PER_GROUP
-    return q.shape[1] % G == 0 and 4 * (G * q.shape[2] + (G + 1) * (n_window + n_picked)) <= 24 * 1024
+    return q_shape[1] % G == 0 and 4 * (G * q_shape[2] + (G + 1) * (n_window + n_picked)) <= 24 * 1024
 
 
 def sparse_attention_rows(q: mx.array, ring: mx.array, index: mx.array, window_mask: mx.array,
                           kv: mx.array | None, ids: mx.array | None, picked_mask: mx.array | None,
-                          sink: mx.array, scale: float, impl: str | None = None) -> mx.array:
-    """model.sparse_attention for rows that each gather their own window, in one launch,
-    without gathering the keys first: q [S, H, D] bf16, ring [R, D] and index [S, W] (each
-    row's window slots), window_mask [S, W]; kv [T, D], ids [S, K], picked_mask [S, K], or
-    None for none. -> [S, H, D] bf16. Only where attention_fits."""
+                          sink: mx.array, scale: float, rope: tuple[mx.array, ...], rope_dims: int,
+                          impl: str | None = None) -> mx.array:
+    """model.Attention between its query and output projections, for rows that each gather
+    their own window, in one launch, without gathering the keys first: q rotated by
+    Rope.apply, model.sparse_attention, and its output rotated back (Rope.apply inverse);
+    that composition is the spec (scripts/check_kernels.py). q [S, H, D] bf16, not rotated;
+    ring [R, D] and index [S, W] (each row's window slots), window_mask [S, W]; kv [T, D],
+    ids [S, K], picked_mask [S, K], or None for none; rope: Rope.tables(positions, D) of the
+    S rows, whose last rope_dims features rotate (a model's constant: one build per value).
+    -> [S, H, D] bf16. Only where attention_fits."""
     impl = impl or backend()
     S, H, D = q.shape
     W = index.shape[1]
     K = 0 if ids is None else ids.shape[1]
-    if not attention_fits(q, W, K, impl):
+    if not attention_fits(q.shape, q.dtype, W, K, impl):
         raise ValueError(f"sparse_attention_rows takes bfloat16 queries [<= {DECODE_MAX_ROWS}, H, D] on a GPU "
                          f"within its threadgroup memory, got {q.dtype} {q.shape} with {W} + {K} keys on {impl}")
+    cos, sin = rope[:2]
+    if cos.shape != (S, D // 2, 2) or sin.shape != cos.shape or rope_dims % 2 or not 0 < rope_dims <= D:
+        raise ValueError(f"sparse_attention_rows takes Rope.tables of its {S} rows at width {D} and an even "
+                         f"rope_dims <= {D}, got {cos.shape} and {rope_dims}")
     if K == 0:  # placeholders the kernel does not read
         kv, ids, picked_mask = ring[:1], mx.zeros((S, 1), dtype=mx.uint32), mx.zeros((S, 1), dtype=mx.bool_)
     kernel = _compiled(SPARSE_ATTENTION, impl)
     G = ATTENTION_HEADS_PER_GROUP
     (out,) = kernel(inputs=[q, ring.astype(mx.bfloat16), index.astype(mx.int32), window_mask.astype(mx.bool_),
                             kv.astype(mx.bfloat16), ids.astype(mx.uint32), picked_mask.astype(mx.bool_),
-                            sink.astype(mx.float32),
+                            sink.astype(mx.float32), cos.astype(mx.float32), sin.astype(mx.float32),
                             _float32s(scale), _int32s(S)],
-                    template=[("D", D), ("H", H), ("G", G), ("W", W), ("K", K)],
+                    template=[("D", D), ("H", H), ("G", G), ("W", W), ("K", K), ("RD", rope_dims)],
                     grid=(S * (H // G) * 256, 1, 1), threadgroup=(256, 1, 1),
                     output_shapes=[(S, H, D)], output_dtypes=[mx.bfloat16])
     return out

@@ -584,6 +584,7 @@ class Attention(nn.Module):
         self.is_kv_source = is_backbone and layer_id in args.kv_source_layer_ids
         self.is_index_source = is_backbone and layer_id in args.index_source_layer_ids
         self.kv_source = args.kv_source_of(layer_id) if self.ratio and is_backbone else None
+        self.n_picks = args.index_topk if self.ratio else 0  # the indexer pads its picks to index_topk
         if self.is_kv_source:
             self.compressor = Compressor(args, self.ratio)
         if self.is_index_source:
@@ -599,13 +600,16 @@ class Attention(nn.Module):
     # rope: self.rope.tables(positions, self.head_dim), computed outside these compiled
     # methods so that every layer of a forward shares them
     # xq: the attention input through quant.fp8_input, once for both wq_a and wkv
+    # rope_in_kernel: the attention kernel rotates q, and its output back, itself
+    # (kernels.sparse_attention_rows), so queries leaves q unrotated and output skips the
+    # inverse rotation: two launches fewer per layer
     @fused("wq_a", "q_norm", "wq_b")
-    def queries(self, xq: mx.array, rope: tuple) -> tuple[mx.array, mx.array]:
-        """q [S, H, D] with RoPE, and the normed low-rank qr [S, q_lora] through fp8_input,
-        as wq_b takes it and the indexer's wq_b reuses it."""
+    def queries(self, xq: mx.array, rope: tuple, rope_in_kernel: bool = False) -> tuple[mx.array, mx.array]:
+        """q [S, H, D] with RoPE (unless rope_in_kernel), and the normed low-rank qr [S, q_lora]
+        through fp8_input, as wq_b takes it and the indexer's wq_b reuses it."""
         qr = self.q_norm.quantized(self.wq_a.quantized(xq))
         q = self.wq_b.quantized(qr).reshape(xq.shape[0], self.n_heads, self.head_dim)
-        return Rope.apply(q, rope), qr
+        return (q if rope_in_kernel else Rope.apply(q, rope)), qr
 
     @fused("wkv", "kv_norm")
     def latent_kv(self, xq: mx.array, rope: tuple) -> mx.array:
@@ -619,10 +623,11 @@ class Attention(nn.Module):
         return fp8_fake_quant(Rope.apply(self.kv_norm(kv), rope))
 
     @fused("wo_a", "wo_b")
-    def output(self, o: mx.array, rope: tuple) -> mx.array:
-        """Undo the query RoPE, then the grouped wo_a (block-diagonal) and wo_b."""
+    def output(self, o: mx.array, rope: tuple, rope_in_kernel: bool = False) -> mx.array:
+        """Undo the query RoPE (unless rope_in_kernel: undone already), then the grouped wo_a
+        (block-diagonal) and wo_b."""
         S = o.shape[0]
-        o = Rope.apply(o, rope, inverse=True).reshape(S, self.n_groups, -1)
+        o = (o if rope_in_kernel else Rope.apply(o, rope, inverse=True)).reshape(S, self.n_groups, -1)
         w = self.wo_a.weight.reshape(self.n_groups, self.o_lora_rank, -1)
         s = self.wo_a.scales.reshape(self.n_groups, self.o_lora_rank, -1)
         # wo_a is applied to bf16 activations as stored (the reference dequantises it, no act-quant)
@@ -641,7 +646,11 @@ class Attention(nn.Module):
         S = x.shape[0]
         rope = self.rope.tables(positions, self.head_dim)
         xq = fp8_input(x) if xq is None else xq
-        q, qr = self.queries(xq, rope)
+        # the attention kernel (rows that gather their own windows, on a GPU) takes q unrotated:
+        # decided from the shapes it will have, before q exists
+        kernel = self.row_invariant and kernels.attention_fits((S, self.n_heads, self.head_dim), BF16,
+                                                               self.window, self.n_picks)
+        q, qr = self.queries(xq, rope, kernel)
         keys, first = cache.window.update(self.latent_kv(xq, rope))
         # row_invariant: each row gathers its own window, oldest first: the same array for a
         # position whichever forward it is computed in, so its reductions run in the same order
@@ -659,15 +668,16 @@ class Attention(nn.Module):
                     shared.topk = self.indexer(x, qr, positions, source.index_keys, visible, self.rope, shared)
             if shared.topk is not None:
                 kv, (ids, picked_mask) = source.kv, shared.topk
-        if index is not None and kernels.attention_fits(q, index.shape[1], 0 if ids is None else ids.shape[1]):
-            # one launch that gathers each row's keys itself (spec: the lines below)
+        if kernel:
+            # one launch that rotates q, gathers each row's keys itself and rotates its output
+            # back (spec: the rotations in queries and output around the lines below)
             o = kernels.sparse_attention_rows(q, keys, index, window_mask, kv, ids, picked_mask, self.attn_sink,
-                                              self.scale)
+                                              self.scale, rope, self.rope.dims)
         else:
             window_keys = keys if index is None else keys[index]  # [N, D] shared, or [S, W, D] per row
             picked = None if ids is None else kv[ids]  # [S, k, D]
             o = sparse_attention(q, window_keys, window_mask, picked, picked_mask, self.attn_sink, self.scale)
-        return self.output(o, rope)
+        return self.output(o, rope, kernel)
 
     def _compress(self, x: mx.array, cache: LayerCache) -> None:
         """Pool finished groups; store their index keys and RoPE'd FP4 compressed KV."""

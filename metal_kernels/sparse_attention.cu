@@ -20,8 +20,16 @@ if (s >= (unsigned int)rows[0]) {
 const float neg_inf = __uint_as_float(0xff800000u);
 const float scale = params[0];
 
+// the queries, their last RD features rotated (rounded to bf16, as the spec's rotated q is)
+const unsigned int q0 = (s * H + h0) * D;
 for (unsigned int i = tid; i < G * D; i += 32 * WARPS) {
-  qs[i / D][i % D] = __bfloat162float(q[(s * H + h0) * D + i]);
+  const unsigned int d = i % D;
+  float v = __bfloat162float(q[q0 + i]);
+  if (d >= D - RD) {
+    v = __bfloat162float(__float2bfloat16(v * rope_cos[s * D + d] +
+                                          __bfloat162float(q[q0 + (i ^ 1)]) * rope_sin[s * D + d]));
+  }
+  qs[i / D][d] = v;
 }
 for (unsigned int j = tid; j < N; j += 32 * WARPS) {
   key_row[j] = (j < W) ? (int)index[s * W + j] : (int)ids[s * K + (j - W)];
@@ -116,6 +124,17 @@ for (unsigned int d = tid; d < D; d += 32 * WARPS) {
     }
   }
   for (int g = 0; g < G; g++) {
-    out[(s * H + h0 + g) * D + d] = __float2bfloat16((win[g] + pick[g]) / denom[g]);
+    qs[g][d] = __bfloat162float(__float2bfloat16((win[g] + pick[g]) / denom[g]));  // the spec's o; qs is free
   }
+}
+__syncthreads();
+
+// the inverse RoPE of o: a pair's two features were written by two threads
+for (unsigned int i = tid; i < G * D; i += 32 * WARPS) {
+  const unsigned int d = i % D;
+  float v = qs[i / D][d];
+  if (d >= D - RD) {
+    v = v * rope_cos[s * D + d] + qs[i / D][d ^ 1] * -rope_sin[s * D + d];
+  }
+  out[q0 + i] = __float2bfloat16(v);
 }

@@ -1,19 +1,24 @@
 // The attention of a decode or verify forward in one launch, for rows that each gather
 // their own window (the row-invariant path): a threadgroup per (row, group of G heads).
-// What model.sparse_attention computes on keys gathered first, with about fifteen
-// operations: per head, scores q . k * scale over the row's W window keys and K picked
-// compressed keys (-inf where masked), p = exp(score - max(row max, -1e30)), denominator
-// sum(p) + exp(sink - row max), and the keys weighted by p rounded to bfloat16 (window
-// keys, then picked keys, the two sums added), divided by the denominator; bfloat16 out.
+// What model.Attention does between its query and output projections, on keys gathered
+// first, with about seventeen operations: the query RoPE; per head, scores q . k * scale
+// over the row's W window keys and K picked compressed keys (-inf where masked),
+// p = exp(score - max(row max, -1e30)), denominator sum(p) + exp(sink - row max), and the
+// keys weighted by p rounded to bfloat16 (window keys, then picked keys, the two sums
+// added), divided by the denominator and rounded to bfloat16 (model.sparse_attention's o);
+// then the inverse RoPE of o, rounded to bfloat16 again.
 //
-// q [S, H, D] bfloat16; ring [R, D] bfloat16: the layer's window keys, index [S, W] int32:
-// each row's window slots, wmask [S, W] bool; kv [T, D] bfloat16: the compressed keys,
-// ids [S, K] uint32: each row's picks, pmask [S, K] bool (K = 0: none); sink [H] float32;
+// q [S, H, D] bfloat16, not rotated yet; ring [R, D] bfloat16: the layer's window keys,
+// index [S, W] int32: each row's window slots, wmask [S, W] bool; kv [T, D] bfloat16: the
+// compressed keys, ids [S, K] uint32: each row's picks, pmask [S, K] bool (K = 0: none);
+// sink [H] float32; rope_cos, rope_sin [S, D/2, 2] float32: each row's Rope.tables factors;
 // params [1] float32 = (scale,); rows [1] int32 = S. Output: out [S, H, D] bfloat16.
-// The sums run in another order than the spec's matmuls, so results match it to float32
-// noise (a probability may round to the neighbouring bfloat16), not bit for bit; each row
-// is computed alone, the same bits in any forward. Template constants: D, H, G, W, K.
-// 256 threads. CUDA twin: sparse_attention.cu.
+// RoPE as model.rotate: feature d of the last RD becomes x[d] cos[d] + x[d ^ 1] sin[d] in
+// float32 (sin is negated on a pair's first feature), rounded to bfloat16; the inverse
+// takes -sin. The attention's sums run in another order than the spec's matmuls, so
+// results match it to float32 noise (a probability may round to the neighbouring
+// bfloat16), not bit for bit; each row is computed alone, the same bits in any forward.
+// Template constants: D, H, G, W, K, RD. 256 threads. CUDA twin: sparse_attention.cu.
 
 constexpr int WARPS = 8;
 constexpr int N = W + K;
@@ -35,8 +40,15 @@ if (s >= uint(rows[0])) {
 const float neg_inf = as_type<float>(0xff800000u);
 const float scale = params[0];
 
+// the queries, their last RD features rotated (rounded to bf16, as the spec's rotated q is)
+const uint q0 = (s * H + h0) * D;
 for (uint i = tid; i < G * D; i += 32 * WARPS) {
-  qs[i / D][i % D] = float(q[(s * H + h0) * D + i]);
+  const uint d = i % D;
+  float v = float(q[q0 + i]);
+  if (d >= D - RD) {
+    v = float(bfloat16_t(v * rope_cos[s * D + d] + float(q[q0 + (i ^ 1)]) * rope_sin[s * D + d]));
+  }
+  qs[i / D][d] = v;
 }
 for (uint j = tid; j < N; j += 32 * WARPS) {
   key_row[j] = (j < W) ? int(index[s * W + j]) : int(ids[s * K + (j - W)]);
@@ -131,6 +143,17 @@ for (uint d = tid; d < D; d += 32 * WARPS) {
     }
   }
   for (int g = 0; g < G; g++) {
-    out[(s * H + h0 + g) * D + d] = bfloat16_t((win[g] + pick[g]) / denom[g]);
+    qs[g][d] = float(bfloat16_t((win[g] + pick[g]) / denom[g]));  // the spec's o; qs is free
   }
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+
+// the inverse RoPE of o: a pair's two features were written by two threads
+for (uint i = tid; i < G * D; i += 32 * WARPS) {
+  const uint d = i % D;
+  float v = qs[i / D][d];
+  if (d >= D - RD) {
+    v = v * rope_cos[s * D + d] + qs[i / D][d ^ 1] * -rope_sin[s * D + d];
+  }
+  out[q0 + i] = bfloat16_t(v);
 }

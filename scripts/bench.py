@@ -743,7 +743,7 @@ def bench_pieces(model_path: str | None, layer_ids: list[int]) -> dict:
     import dsv41_mlx
     from dsv41_mlx import kernels
     from dsv41_mlx.generate import prefill
-    from dsv41_mlx.model import HcMixes, hc_expand, hc_post, sparse_attention
+    from dsv41_mlx.model import HcMixes, Rope, hc_expand, hc_post, sparse_attention
     from dsv41_mlx.quant import fp8_input, gemm_input_dtype
 
     model, _ = dsv41_mlx.load(model_path)
@@ -758,8 +758,10 @@ def bench_pieces(model_path: str | None, layer_ids: list[int]) -> dict:
         attn, ffn = layer.attn, layer.ffn
         x, xq, *mix = layer.attn_input(h, pre)
         rope = attn.rope.tables(positions, attn.head_dim)
-        q, _ = attn.queries(xq, rope)
         W, K = attn.window, model.args.index_topk  # each row's window slots and picks, as a decode step has
+        # where the attention kernel runs, it rotates q and its output itself: queries and output do not
+        rope_in_kernel = kernels.attention_fits((rows, attn.n_heads, attn.head_dim), mx.bfloat16, W, K)
+        q, _ = attn.queries(xq, rope, rope_in_kernel)
         ring = mx.random.normal((W + rows, attn.head_dim)).astype(mx.bfloat16)
         kv = mx.random.normal((4 * K, attn.head_dim)).astype(mx.bfloat16)
         index = mx.random.randint(0, W + rows, (rows, W))
@@ -767,7 +769,7 @@ def bench_pieces(model_path: str | None, layer_ids: list[int]) -> dict:
         mask, picked_mask = mx.ones((rows, W), dtype=mx.bool_), mx.ones((rows, K), dtype=mx.bool_)
         keys, picked = ring[index], kv[picks]
         o = sparse_attention(q, keys, mask, None, None, attn.attn_sink, attn.scale)
-        y = attn.output(o, rope)
+        y = attn.output(o, rope, rope_in_kernel)
         h2, x2, x2q, *ffn_mix = layer.ffn_input(y, h, *mix)
         _, ids = ffn.gate(x2)
         xe = mx.random.normal((rows, 1, 1, model.args.hidden_size)).astype(gemm_input_dtype())
@@ -777,13 +779,13 @@ def bench_pieces(model_path: str | None, layer_ids: list[int]) -> dict:
         pieces = {
             "attn_input (hc mixes, collapse, norm)": lambda i: layer.attn_input(h, pre),
             "attention input's FP8 quantisation": lambda i: fp8_input(x),
-            "queries": lambda i: attn.queries(xq, rope),
+            "queries": lambda i: attn.queries(xq, rope, rope_in_kernel),
             "latent_kv": lambda i: attn.latent_kv(xq, rope),
             "sparse_attention, window": lambda i: sparse_attention(q, keys, mask, None, None, attn.attn_sink,
                                                                    attn.scale),
             "sparse_attention, window + top-k": lambda i: sparse_attention(q, keys, mask, picked, picked_mask,
                                                                            attn.attn_sink, attn.scale),
-            "output (wo_a, wo_b)": lambda i: attn.output(o, rope),
+            "output (wo_a, wo_b)": lambda i: attn.output(o, rope, rope_in_kernel),
             "ffn_input (expand, hc mixes, collapse, norm)": lambda i: layer.ffn_input(y, h, *mix),
             "moe, 1 real row": lambda i: ffn(x2, 1, x2q),
             f"moe, {rows} real rows": lambda i: ffn(x2, None, x2q),
@@ -795,8 +797,9 @@ def bench_pieces(model_path: str | None, layer_ids: list[int]) -> dict:
                 xe, w13.weight, w13.scales, rhs_indices=ids, transpose=True, mode="mxfp4"),
             "hc_post": lambda i: hc_post(y, h2, HcMixes(*ffn_mix)),
             "sub-layer input, its MLX operations": lambda i: hc.sublayer_input_unfused(h, pre, layer.attn_norm),
-            "attention, gathers + MLX operations": lambda i: sparse_attention(
-                q, ring[index], mask, kv[picks], picked_mask, attn.attn_sink, attn.scale),
+            "attention, gathers + MLX operations": lambda i: Rope.apply(sparse_attention(  # and the RoPEs
+                Rope.apply(q, rope), ring[index], mask, kv[picks], picked_mask, attn.attn_sink, attn.scale), rope,
+                inverse=True),
             "router, MLX operations": lambda i: kernels.moe_gate_reference(
                 x2, gate.weight, gate.bias, gate.top_k, gate.temp, gate.route_scale, gate.normalize),
         }
@@ -804,9 +807,9 @@ def bench_pieces(model_path: str | None, layer_ids: list[int]) -> dict:
             pieces["sub-layer input, hc_input kernel"] = lambda i: kernels.hc_input(
                 h, pre, hc.fn, hc.scale, hc.base, layer.attn_norm.weight, hc._iters, hc._norm_eps, hc._eps,
                 layer.attn_norm.eps, gemm_input_dtype())
-        if kernels.attention_fits(q, W, K):
+        if rope_in_kernel:
             pieces["attention, sparse_attention kernel"] = lambda i: kernels.sparse_attention_rows(
-                q, ring, index, mask, kv, picks, picked_mask, attn.attn_sink, attn.scale)
+                q, ring, index, mask, kv, picks, picked_mask, attn.attn_sink, attn.scale, rope, attn.rope.dims)
         if kernels.backend() != "mlx":
             pieces["router, moe_gate kernels"] = lambda i: kernels.moe_gate(
                 x2, gate.weight, gate.bias, gate.top_k, gate.temp, gate.route_scale, gate.normalize)

@@ -49,9 +49,11 @@ rms_norm_rope: its rotated form (the window keys' norm, RoPE and FP8 fake-quant)
 128 and 512, 64 rotated features: within a bf16 step of model.rotate of the kernel's own
 norm (equal in 99%); quantised, bit for bit act_quant of that; a row alone the same.
 sparse_attention: a decode forward's attention at 64 heads x 512, a 128-key window
-and 512 picks (or none), rows 1..16, masked keys and rows with none visible,
-against model.sparse_attention on gathered keys: each row-head within 1% of its
-largest value, 0.1% on average; a row alone equals the row among others.
+and 512 picks (or none), rows 1..16 at random positions, masked keys and rows with
+none visible, against the query RoPE, model.sparse_attention on gathered keys and
+the inverse RoPE (the release's 64 rotated features, YaRN on compressed layers):
+each row-head within 1% of its largest value, 0.1% on average; a row alone equals
+the row among others.
 """
 
 from __future__ import annotations
@@ -182,17 +184,23 @@ def check_fp4_quant(impl: str, seed: int) -> list[str]:
     return problems
 
 
-def quantised_gemm_shapes() -> tuple[set, set, set]:
-    """(dense mxfp8 (in, out), grouped wo_a (groups, in, out), mxfp4 experts (experts, in, out))
-    of every quantised GEMM in the flash-shaped model (its dense shapes are the release's)."""
+def flash_args():
+    """The flash-shaped model's ModelArgs (scripts/make_flash_shaped.py: the release's shapes)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from make_flash_shaped import flash_config
 
     from dsv41_mlx.config import ModelArgs
+
+    return ModelArgs.from_dict(flash_config())
+
+
+def quantised_gemm_shapes() -> tuple[set, set, set]:
+    """(dense mxfp8 (in, out), grouped wo_a (groups, in, out), mxfp4 experts (experts, in, out))
+    of every quantised GEMM in the flash-shaped model (its dense shapes are the release's)."""
     from dsv41_mlx.model import Attention, Fp4Stack, Model
     from dsv41_mlx.quant import Fp8Linear
 
-    model = Model(ModelArgs.from_dict(flash_config()))  # weights are lazy zeros: nothing is allocated
+    model = Model(flash_args())  # weights are lazy zeros: nothing is allocated
     dense, grouped, experts = set(), set(), set()
     for _, m in model.named_modules():
         if isinstance(m, Fp8Linear):
@@ -536,24 +544,50 @@ def _check_sublayer_input(impl: str, seed: int, expanded: bool) -> list[str]:
     return problems
 
 
-def sparse_attention_spec(q, ring, index, window_mask, kv, ids, picked_mask, sink, scale):
-    """What kernels.sparse_attention_rows computes, by model.Attention's pure-MLX path."""
-    from dsv41_mlx.model import sparse_attention
+def sparse_attention_spec(q, ring, index, window_mask, kv, ids, picked_mask, sink, scale, rope, rope_dims):
+    """What kernels.sparse_attention_rows computes, by model.Attention's pure-MLX path: q
+    rotated, the attention over gathered keys, its output rotated back (rope: Rope.tables,
+    which say themselves which features rotate; rope_dims is the kernel's copy of that)."""
+    from dsv41_mlx.model import Rope, sparse_attention
 
     picked = None if ids is None else kv[ids]
-    return sparse_attention(q, ring[index], window_mask, picked, picked_mask, sink, scale)
+    o = sparse_attention(Rope.apply(q, rope), ring[index], window_mask, picked, picked_mask, sink, scale)
+    return Rope.apply(o, rope, inverse=True)
+
+
+def release_ropes() -> tuple:
+    """The flash-shaped (release) model's attention RoPEs as model.Attention picks them:
+    (a compressed layer's, YaRN; a window-only layer's, plain)."""
+    from dsv41_mlx.model import Attention
+
+    args = flash_args()
+    ratios = args.compress_ratios[: args.num_hidden_layers]
+    compressed, window_only = next(i for i, r in enumerate(ratios) if r), ratios.index(0)
+    return Attention(args, compressed).rope, Attention(args, window_only).rope  # lazy zero weights: no memory
+
+
+def attention_rows(args: tuple, rows: slice) -> tuple:
+    """sparse_attention_rows' arguments (as check_sparse_attention passes them) for some of
+    the rows: q, index, the masks, ids and the RoPE tables are per row."""
+    q, ring, index, wmask, kv, ids, pmask, sink, scale, rope, rope_dims = args
+    rope = tuple(t[rows] for t in rope[:6]) + rope[6:]  # the rotated-feature mask is not per row
+    return (q[rows], ring, index[rows], wmask[rows], kv, None if ids is None else ids[rows],
+            None if pmask is None else pmask[rows], sink, scale, rope, rope_dims)
 
 
 def check_sparse_attention(impl: str, seed: int) -> list[str]:
     """The attention kernel against its spec at the release's shape (64 heads x 512, a
-    128-key window, 512 picks or none), rows 1..16, with masked window slots and picks, a
-    row whose window is all masked and one with no visible key at all. Its sums run in
-    another order (and a probability may round to the other bf16 neighbour), so: each
-    row-head within 1% of its largest value, and on average within 0.1%. These tolerances
-    are set before any GPU run of the kernel. A row alone equals the same row among others."""
+    128-key window, 512 picks or none; the last 64 features rotated, by the compressed
+    layers' YaRN RoPE where there are picks, by the window-only layers' plain one where
+    not), rows 1..16 at random positions, with masked window slots and picks, a row whose
+    window is all masked and one with no visible key at all. Its sums run in another order
+    (and a probability may round to the other bf16 neighbour), so: each row-head within 1%
+    of its largest value, and on average within 0.1%. These tolerances are set before any
+    GPU run of the kernel. A row alone equals the same row among others."""
     rng = np.random.default_rng(seed)
     problems = []
     H, D, W, K, R, T = 64, 512, 128, 512, 160, 700
+    ropes = dict(zip((K, 0), release_ropes()))  # by the picks: compressed layers have them
     ring = mx.array(rng.normal(0, 1, (R, D)).astype(np.float32)).astype(mx.bfloat16)
     kv = mx.array(rng.normal(0, 1, (T, D)).astype(np.float32)).astype(mx.bfloat16)
     sink = mx.array(rng.normal(0, 1, H).astype(np.float32))
@@ -568,8 +602,9 @@ def check_sparse_attention(impl: str, seed: int) -> list[str]:
             pmask = rng.random((rows, picks)) < 0.7
             if rows > 2:
                 wmask[2], pmask[2] = False, False  # a row that sees no key at all: zeros
+            rope = ropes[picks].tables(mx.array(rng.integers(0, 1 << 20, rows).astype(np.int32)), D)
             args = (q, ring, index, mx.array(wmask), kv if picks else None, ids,
-                    mx.array(pmask) if picks else None, sink, D ** -0.5)
+                    mx.array(pmask) if picks else None, sink, D ** -0.5, rope, ropes[picks].dims)
             got = np.array(sparse_attention_rows(*args, impl=impl).astype(mx.float32))
             want = np.array(sparse_attention_spec(*args).astype(mx.float32))
             scale_rh = np.abs(want).max(axis=-1, keepdims=True) + 1e-30
@@ -578,8 +613,7 @@ def check_sparse_attention(impl: str, seed: int) -> list[str]:
             if not (worst <= 1e-2 and mean <= 1e-3):
                 problems.append(f"sparse_attention picks={picks} rows={rows}: off by {worst:.3g} of a row's "
                                 f"largest value, {mean:.3g} on average")
-            alone = sparse_attention_rows(*(a[-1:] if i in (0, 2, 3, 5, 6) and a is not None else a
-                                            for i, a in enumerate(args)), impl=impl)
+            alone = sparse_attention_rows(*attention_rows(args, slice(-1, None)), impl=impl)
             if not np.array_equal(np.array(alone.astype(mx.float32)), got[-1:]):
                 problems.append(f"sparse_attention picks={picks} rows={rows}: the last row alone differs")
     return problems

@@ -146,13 +146,15 @@ CASES = {
                  {"D": 5120, "HC": 4, "ITERS": 20, "O": "bfloat16", "CH": 16}),
     "sparse_attention": (SPARSE_ATTENTION, {"q": "bfloat16", "ring": "bfloat16", "index": "int32", "wmask": "bool",
                                             "kv": "bfloat16", "ids": "uint32", "pmask": "bool", "sink": "float32",
-                                            "params": "float32", "rows": "int32"}, {"out": "bfloat16"},
-                         {"D": 512, "H": 64, "G": 4, "W": 128, "K": 512}),
+                                            "rope_cos": "float32", "rope_sin": "float32", "params": "float32",
+                                            "rows": "int32"}, {"out": "bfloat16"},
+                         {"D": 512, "H": 64, "G": 4, "W": 128, "K": 512, "RD": 64}),
     "sparse_attention_window_only": (SPARSE_ATTENTION, {"q": "bfloat16", "ring": "bfloat16", "index": "int32",
                                                         "wmask": "bool", "kv": "bfloat16", "ids": "uint32",
-                                                        "pmask": "bool", "sink": "float32", "params": "float32",
+                                                        "pmask": "bool", "sink": "float32", "rope_cos": "float32",
+                                                        "rope_sin": "float32", "params": "float32",
                                                         "rows": "int32"}, {"out": "bfloat16"},
-                                     {"D": 512, "H": 64, "G": 4, "W": 128, "K": 0}),
+                                     {"D": 512, "H": 64, "G": 4, "W": 128, "K": 0, "RD": 64}),
     "rms_norm": (RMS_NORM, {"x": "bfloat16", "w": "float32", "eps": "float32", "sizes": "int32", **NO_ROPE},
                  {"y": "bfloat16"}, {"T": "bfloat16", "O": "bfloat16", "QUANT": 0, "ROPE": 0}),
     "rms_norm_f32": (RMS_NORM, {"x": "float32", "w": "float32", "eps": "float32", "sizes": "int32", **NO_ROPE},
@@ -237,6 +239,8 @@ def test_metal_source_type_checks(case, rows, tmp_path):
     ("fp8_gemv", ("q[i] = *((const device uint4*)", "q[i] = *((const device uint2*)")),  # type error
     ("fp4_experts_quantizing", ("xs[r] = gemv_input_block_scale(", "xs[r] = gemv_input_block_scales(")),  # misspelt
     ("sparse_attention", ("float(kv[ulong(key_row[j]) * D + d])", "float(kv[ulong(key_rows[j]) * D + d])")),
+    ("sparse_attention", ("qs[i / D][d ^ 1] * -rope_sin[s * D + d]", "qs[i / D][d ^ 1] * -rope_sine[s * D + d]")),
+    ("sparse_attention_window_only", ("float(q[q0 + (i ^ 1)])", "float(q + (i ^ 1))")),  # pointer to float
 ])
 def test_a_broken_metal_source_fails_the_check(case, breakage, tmp_path):
     spec = CASES[case][0]
@@ -282,6 +286,8 @@ def test_cuda_source_compiles(case):
     ("rms_norm_rope_quantised", ("__shfl_xor_sync(0xffffffffu, v, 1)", "__shfl_xor_sync(v, 1)")),  # bad call
     ("sparse_attention", ("denom[g] = total + expf(sink[h0 + g] - row_max);",
                           "denom[g] = total + expf(sinks[h0 + g]);")),  # misspelt variable
+    ("sparse_attention", ("v * rope_cos[s * D + d] +", "v * rope_cos +")),  # float times a pointer
+    ("sparse_attention_window_only", ("float v = qs[i / D][d];", "float v = qs[i / D];")),  # array into a float
     ("fp8_gemv", ("gemv_lane_accumulate<T, RB>(p, &wf[0][0], &acc[0][0], r);",
                   "gemv_lane_accumulate<T, RB>(p, &wf[0][0], &acc[0][0]);")),
     ("fp4_experts", ("if (ids[q] == expert) {", "if (id[q] == expert) {")),  # misspelt variable
@@ -531,39 +537,60 @@ def test_hc_post_input_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatc
 
 def test_attention_kernel_runs_only_where_it_fits():
     """The attention kernel takes a GPU, bfloat16 queries, at most 16 rows, heads in groups of
-    four and its threadgroup memory; elsewhere the model gathers the keys and runs the spec."""
+    four and its threadgroup memory; elsewhere the model gathers the keys and runs the spec.
+    It decides on the queries' shape alone (the model asks before it makes them), and takes
+    its rows' RoPE tables."""
     from dsv41_mlx.kernels import attention_fits, sparse_attention_rows
+    from dsv41_mlx.model import shared_rope
 
-    q = mx.zeros((8, 64, 512), dtype=mx.bfloat16)
-    assert not attention_fits(q, 128, 512)  # the CPU
-    assert attention_fits(q, 128, 512, impl="cuda") and attention_fits(q, 128, 0, impl="metal")
-    assert not attention_fits(mx.zeros((17, 64, 512), dtype=mx.bfloat16), 128, 512, impl="cuda")
-    assert not attention_fits(mx.zeros((8, 6, 512), dtype=mx.bfloat16), 128, 512, impl="cuda")
-    assert not attention_fits(q, 128, 4096, impl="cuda")  # scores beyond the threadgroup memory
-    with pytest.raises(ValueError, match="sparse_attention_rows takes"):
-        sparse_attention_rows(q, mx.zeros((130, 512), dtype=mx.bfloat16), mx.zeros((8, 128), dtype=mx.int32),
-                              mx.ones((8, 128), dtype=mx.bool_), None, None, None, mx.zeros((64,)), 0.04)
+    bf16 = mx.bfloat16
+    assert not attention_fits((8, 64, 512), bf16, 128, 512)  # the CPU
+    assert attention_fits((8, 64, 512), bf16, 128, 512, impl="cuda")
+    assert attention_fits((8, 64, 512), bf16, 128, 0, impl="metal")
+    assert not attention_fits((17, 64, 512), bf16, 128, 512, impl="cuda")
+    assert not attention_fits((8, 6, 512), bf16, 128, 512, impl="cuda")
+    assert not attention_fits((8, 64, 512), mx.float32, 128, 512, impl="cuda")
+    assert not attention_fits((8, 64, 512), bf16, 128, 4096, impl="cuda")  # scores beyond the threadgroup memory
+    q = mx.zeros((8, 64, 512), dtype=bf16)
+    keys = (mx.zeros((130, 512), dtype=bf16), mx.zeros((8, 128), dtype=mx.int32), mx.ones((8, 128), dtype=mx.bool_))
+    rope = shared_rope(64, 10000)
+    with pytest.raises(ValueError, match="sparse_attention_rows takes bfloat16"):
+        sparse_attention_rows(q, *keys, None, None, None, mx.zeros((64,)), 0.04, rope.tables(mx.arange(8), 512), 64)
+    with pytest.raises(ValueError, match="sparse_attention_rows takes Rope.tables"):  # another row count's
+        sparse_attention_rows(q, *keys, None, None, None, mx.zeros((64,)), 0.04, rope.tables(mx.arange(4), 512), 64,
+                              impl="cuda")
 
 
 def test_attention_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatch):
     """scripts/check_kernels.py's attention check: the spec itself passes; a kernel that
-    drops the sink, reads the wrong window slot, or couples rows, fails."""
+    drops the sink, reads the wrong window slot, forgets the RoPE (of q and of the output,
+    or only the inverse), or couples rows, fails."""
+    from dsv41_mlx.model import Rope, sparse_attention
+
     check = _check_kernels_script()
     spec = check.sparse_attention_spec
 
-    def no_sink(q, ring, index, wmask, kv, ids, pmask, sink, scale, impl=None):
-        return spec(q, ring, index, wmask, kv, ids, pmask, sink - 30, scale)
+    def no_sink(q, ring, index, wmask, kv, ids, pmask, sink, *rest, impl=None):
+        return spec(q, ring, index, wmask, kv, ids, pmask, sink - 30, *rest)
 
-    def shifted_slot(q, ring, index, wmask, kv, ids, pmask, sink, scale, impl=None):
-        return spec(q, ring, (index + 1) % ring.shape[0], wmask, kv, ids, pmask, sink, scale)
+    def shifted_slot(q, ring, index, *rest, impl=None):
+        return spec(q, ring, (index + 1) % ring.shape[0], *rest)
 
-    def coupled_rows(q, ring, index, wmask, kv, ids, pmask, sink, scale, impl=None):
-        out = spec(q, ring, index, wmask, kv, ids, pmask, sink, scale)
+    def no_rope(q, ring, index, wmask, kv, ids, pmask, sink, scale, rope, rope_dims, impl=None):
+        return sparse_attention(q, ring[index], wmask, None if ids is None else kv[ids], pmask, sink, scale)
+
+    def no_inverse_rope(q, ring, index, wmask, kv, ids, pmask, sink, scale, rope, rope_dims, impl=None):
+        return sparse_attention(Rope.apply(q, rope), ring[index], wmask, None if ids is None else kv[ids], pmask,
+                                sink, scale)
+
+    def coupled_rows(q, *rest, impl=None):
+        out = spec(q, *rest)
         return (out.astype(mx.float32) * (1 + 0.01 * (q.shape[0] > 1))).astype(mx.bfloat16)
 
     monkeypatch.setattr(check, "sparse_attention_rows", lambda *a, impl=None: spec(*a))
     assert check.check_sparse_attention("mlx", seed=4) == []
-    for broken, message in ((no_sink, "off by"), (shifted_slot, "off by"), (coupled_rows, "alone differs")):
+    for broken, message in ((no_sink, "off by"), (shifted_slot, "off by"), (no_rope, "off by"),
+                            (no_inverse_rope, "off by"), (coupled_rows, "alone differs")):
         monkeypatch.setattr(check, "sparse_attention_rows", broken)
         assert any(message in p for p in check.check_sparse_attention("mlx", seed=4)), broken.__name__
 
@@ -687,8 +714,8 @@ def test_kernel_arguments_are_made_once_per_value(monkeypatch):
     x, w = mx.ones((3, 64), dtype=mx.bfloat16), mx.ones((64,))
     for _ in range(2):
         kernels.rms_norm(x, w, 1e-6, impl="cuda")
-    (eps_a, sizes_a), (eps_b, sizes_b) = seen
-    assert eps_a is eps_b and sizes_a is sizes_b
+    (eps_a, sizes_a, *rope_a), (eps_b, sizes_b, *rope_b) = seen  # rope: the placeholders, made once too
+    assert eps_a is eps_b and sizes_a is sizes_b and all(a is b for a, b in zip(rope_a, rope_b))
     assert sizes_a.tolist() == [3, 64] and sizes_a.dtype == mx.int32 and eps_a.dtype == mx.float32
     kernels.rms_norm(x[:2], w, 1e-6, impl="cuda")
     assert seen[-1][1].tolist() == [2, 64]

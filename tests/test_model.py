@@ -20,6 +20,15 @@ def _run(model, ids, chunk, cache=None):
     return mx.concatenate(logits), mx.concatenate(feats), cache
 
 
+def _two_prefilled(model, golden):
+    """(the fixture's ids after the first 41, two caches that have prefilled those 41)."""
+    ids = _ids(golden)
+    caches = model.make_cache(), model.make_cache()
+    for c in caches:
+        model(mx.array([ids[:41]], dtype=mx.int32), c)
+    return ids[41:], *caches
+
+
 def _assert_same_state(a, b):
     sa, sb = a.snapshot(), b.snapshot()
     assert len(sa) == len(sb)
@@ -64,11 +73,7 @@ def test_row_invariant_mode_gives_the_same_logits_and_cache(padded_model, golden
     """Padding to 8 rows and gathering each row's window changes no bit on the CPU: a decode
     forward's logits equal the plain forward's, and the trimmed cache equals its cache."""
     model = padded_model
-    ids = _ids(golden)
-    prompt, rest = ids[:41], ids[41:]
-    plain, padded = model.make_cache(), model.make_cache()
-    for c in (plain, padded):
-        model(mx.array([prompt], dtype=mx.int32), c)
+    rest, plain, padded = _two_prefilled(model, golden)
     for start in range(0, len(rest), 3):
         chunk = rest[start: start + 3]
         model.decode_rows = None
@@ -261,6 +266,54 @@ def test_routed_experts_take_the_fp4_kernel_for_a_decode_steps_pairs_on_a_gpu(mo
     small = Fp4Stack(5, 128, 64)  # 128 inputs: not the kernel's
     small(mx.zeros((2, 1, 1, 128)), mx.array([[0, 1], [2, 3]], dtype=mx.uint32))
     assert calls == []
+
+
+def _gpu_dispatch_with_specs(monkeypatch, attention) -> None:
+    """The kernels' dispatch answers as on a GPU (kernels.backend() is 'cuda'), every custom
+    kernel a forward reaches taking its pure-MLX spec (its fit answered no, or the call routed
+    to the spec) but the attention kernel, which is `attention`; any other launch fails."""
+    from dsv41_mlx import kernels
+    from dsv41_mlx.quant import fp8_fake_quant_reference
+
+    def no_build(spec, language):
+        raise AssertionError(f"kernel {spec.name} built on the CPU")
+
+    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
+    monkeypatch.setattr(kernels, "_compiled", no_build)
+    for fits in ("hc_input_fits", "rms_norm_fits", "fp8_gemv_fits", "fp4_quant_fits", "fp4_experts_fits"):
+        monkeypatch.setattr(kernels, fits, lambda *args, **kw: False)
+    monkeypatch.setattr(kernels, "hc_split", lambda *args, impl=None: kernels.hc_split_reference(*args))
+    monkeypatch.setattr(kernels, "moe_gate", lambda *args, impl=None: kernels.moe_gate_reference(*args))
+    monkeypatch.setattr(kernels, "act_quant_fp8",
+                        lambda x, impl, dtype=None: fp8_fake_quant_reference(x).astype(dtype or x.dtype))
+    monkeypatch.setattr(kernels, "sparse_attention_rows", attention)
+
+
+def test_attention_kernel_takes_the_queries_unrotated_and_rotates_its_output_back(padded_model, golden,
+                                                                                  monkeypatch):
+    """On a GPU a decode or verify step's attention runs kernels.sparse_attention_rows, which
+    rotates q and its output back itself: queries leaves q unrotated and output skips the
+    inverse rotation (two launches fewer per layer). With that kernel replaced by its spec
+    (scripts/check_kernels.py) and every other kernel on its spec, decode steps are the same
+    bits as the CPU's path, whose queries and output rotate: logits, features and cache."""
+    from .test_kernels import _check_kernels_script
+
+    spec = _check_kernels_script().sparse_attention_spec
+    model = padded_model
+    rest, plain, kernel = _two_prefilled(model, golden)
+    want = [model.decode(rest[start: start + 3], plain) for start in range(0, len(rest), 3)]
+    calls = []
+
+    def attention(*args, impl=None):
+        calls.append(args[0].shape)
+        return spec(*args)
+
+    _gpu_dispatch_with_specs(monkeypatch, attention)
+    got = [model.decode(rest[start: start + 3], kernel) for start in range(0, len(rest), 3)]
+    assert calls == [(8, model.args.num_attention_heads, model.args.head_dim)] * len(model.layers) * len(got)
+    for (want_logits, want_feats), (logits, feats) in zip(want, got):
+        assert mx.array_equal(want_logits, logits).item() and mx.array_equal(want_feats, feats).item()
+    _assert_same_state(plain, kernel)
 
 
 def test_window_cache_keeps_the_newest_rows_through_its_buffer_moves():
