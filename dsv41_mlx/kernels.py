@@ -441,15 +441,17 @@ def attention_fits(q_shape: tuple[int, ...], q_dtype: mx.Dtype, n_window: int, n
 def sparse_attention_rows(q: mx.array, ring: mx.array, index: mx.array, window_mask: mx.array,
                           kv: mx.array | None, ids: mx.array | None, picked_mask: mx.array | None,
                           sink: mx.array, scale: float, rope: tuple[mx.array, ...], rope_dims: int,
-                          impl: str | None = None) -> mx.array:
+                          real_rows: int | None = None, impl: str | None = None) -> mx.array:
     """model.Attention between its query and output projections, for rows that each gather
     their own window, in one launch, without gathering the keys first: q rotated by
     Rope.apply, model.sparse_attention, and its output rotated back (Rope.apply inverse);
     that composition is the spec (scripts/check_kernels.py). q [S, H, D] bf16, not rotated;
     ring [R, D] and index [S, W] (each row's window slots), window_mask [S, W]; kv [T, D],
     ids [S, K], picked_mask [S, K], or None for none; rope: Rope.tables(positions, D) of the
-    S rows, whose last rope_dims features rotate (a model's constant: one build per value).
-    -> [S, H, D] bf16. Only where attention_fits."""
+    S rows, whose last rope_dims features rotate (a model's constant: one build per value);
+    real_rows: only the first real_rows rows are computed (default all), the rest, a padded
+    forward's padding (model.Model.padded), come out zeros. -> [S, H, D] bf16. Only where
+    attention_fits."""
     impl = impl or backend()
     S, H, D = q.shape
     W = index.shape[1]
@@ -468,7 +470,7 @@ def sparse_attention_rows(q: mx.array, ring: mx.array, index: mx.array, window_m
     (out,) = kernel(inputs=[q, ring.astype(mx.bfloat16), index.astype(mx.int32), window_mask.astype(mx.bool_),
                             kv.astype(mx.bfloat16), ids.astype(mx.uint32), picked_mask.astype(mx.bool_),
                             sink.astype(mx.float32), cos.astype(mx.float32), sin.astype(mx.float32),
-                            _float32s(scale), _int32s(S)],
+                            _float32s(scale), _int32s(S if real_rows is None else min(real_rows, S))],
                     template=[("D", D), ("H", H), ("G", G), ("W", W), ("K", K), ("RD", rope_dims)],
                     grid=(S * (H // G) * 256, 1, 1), threadgroup=(256, 1, 1),
                     output_shapes=[(S, H, D)], output_dtypes=[mx.bfloat16])
@@ -544,18 +546,22 @@ def fp4_quant(x: mx.array, block: int, e4m3_scale: bool, impl: str) -> mx.array:
 
 # -------------------------------------------------------------------- fp8_gemv
 
-def fp8_gemv_reference(x: mx.array, w: mx.array, scales: mx.array, quantize_input: bool = False) -> mx.array:
+def fp8_gemv_reference(x: mx.array, w: mx.array, scales: mx.array, quantize_input: bool = False,
+                       real_rows: int | None = None) -> mx.array:
     """Pure-MLX spec: x [S, G, K] through G `mxfp8` matrices w [G, N, K/4] (scales [G, N, K/32]),
     group g of every row through matrix g -> bf16 [S, G, N], accumulated in float32. (A
     gather_qmm: MLX 0.32.4's CUDA quantized_matmul does not broadcast stacked weights over
     rows, as the H200 showed: other values from the second row on.) quantize_input: x FP8
     fake-quantised first (quant.fp8_fake_quant). The dense form, x [..., K] through one matrix
-    w [N, K/4] -> [..., N], is that of one group."""
+    w [N, K/4] -> [..., N], is that of one group. real_rows: rows from there on (a padded
+    forward's padding) are zeros."""
     if w.ndim == 2:
-        y = fp8_gemv_reference(x.reshape(-1, 1, x.shape[-1]), w[None], scales[None], quantize_input)
+        y = fp8_gemv_reference(x.reshape(-1, 1, x.shape[-1]), w[None], scales[None], quantize_input, real_rows)
         return y.reshape(*x.shape[:-1], w.shape[0])
-    return _gathered(_quantized_input(x, quantize_input), w, scales, mx.arange(w.shape[0]),
-                     "mxfp8").astype(mx.bfloat16)
+    y = _gathered(_quantized_input(x, quantize_input), w, scales, mx.arange(w.shape[0]), "mxfp8").astype(mx.bfloat16)
+    if real_rows is not None:
+        y = mx.where((mx.arange(y.shape[0]) < real_rows)[:, None, None], y, mx.zeros_like(y))
+    return y
 
 
 def _quantized_input(x: mx.array, quantize: bool) -> mx.array:
@@ -607,7 +613,8 @@ def gemv_threads_per_output(k: int) -> int:
 
 
 def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None,
-             init_value: float | None = None, quantize_input: bool = False) -> mx.array:
+             init_value: float | None = None, quantize_input: bool = False,
+             real_rows: int | None = None) -> mx.array:
     """The FP8 GEMMs of a decode or verify step in one launch each: x [S, G, K] (FP8
     fake-quantised or bf16 values, exact in bf16) through G `mxfp8` matrices w [G, N, K/4] ->
     bf16 [S, G, N] (attention's wo_a: its groups), or x [..., K] through one matrix w [N, K/4]
@@ -616,7 +623,9 @@ def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None
     order of the float32 sums (scripts/check_kernels.py); only where fp8_gemv_fits.
     init_value poisons the output before the launch (for checks). quantize_input: x is a bf16
     activation the kernel FP8 fake-quantises as it reads it: the bits of quant.fp8_input
-    followed by this kernel, in one launch."""
+    followed by this kernel, in one launch. real_rows: only the first real_rows rows are
+    computed (default all); the rest, a padded forward's padding (model.Model.padded), come
+    out zeros, their weight reads and sums spared."""
     impl = impl or backend()
     if not fp8_gemv_fits(x, w, impl):
         raise ValueError(f"fp8_gemv takes x [<= {DECODE_MAX_ROWS}, G, K] and w [G, N, K/4], or x [..., K] of at most "
@@ -625,7 +634,8 @@ def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None
     _bf16_to_quantize(x, quantize_input)
     K, G = x.shape[-1], (w.shape[0] if w.ndim == 3 else 1)
     S, N = x.size // (G * K), w.shape[-2]
-    return _gemv_launch(FP8_GEMV, impl, [x.astype(mx.bfloat16), w, scales, _int32s(S, N, K, G)],
+    R = S if real_rows is None else min(real_rows, S)
+    return _gemv_launch(FP8_GEMV, impl, [x.astype(mx.bfloat16), w, scales, _int32s(R, N, K, G, S)],
                         S, K, G, (*x.shape[:-1], N), init_value, quantize_input)
 
 

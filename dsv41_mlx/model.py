@@ -477,7 +477,7 @@ class Indexer(nn.Module):
         before its position).
         """
         S = x.shape[0]
-        q = self.wq_b.quantized(qr).reshape(S, self.n_heads, self.head_dim)
+        q = self.wq_b.quantized(qr, shared.real_rows).reshape(S, self.n_heads, self.head_dim)
         q = fp4_fake_quant(rope(q, positions), 32, "e8m0")
         w = head_weights(self.weights_proj(x), self.weight_scale)  # [S, Hi] bf16
         dots = q.astype(BF16) @ index_keys.astype(BF16).T  # [S, Hi, T] bf16
@@ -516,9 +516,11 @@ class Indexer(nn.Module):
 
 class SharedAttention:
     """What one forward hands down the layer stack (the reference's module-global
-    `shared_attn`, made explicit): the index sources' top-k and the candidate mask."""
+    `shared_attn`, made explicit): the index sources' top-k and the candidate mask, and how
+    many rows are real."""
 
-    def __init__(self):
+    def __init__(self, real_rows: int | None = None):
+        self.real_rows = real_rows  # rows before a padded forward's padding (None: all are real)
         self.topk: tuple[mx.array, mx.array] | None = None  # ids [S, k], valid [S, k]
         self.candidates: mx.array | None = None  # [S, T] bool
         self._window: tuple | None = None
@@ -603,19 +605,22 @@ class Attention(nn.Module):
     # rope_in_kernel: the attention kernel rotates q, and its output back, itself
     # (kernels.sparse_attention_rows), so queries leaves q unrotated and output skips the
     # inverse rotation: two launches fewer per layer
+    # real: only the first `real` rows matter (a padded forward's, SharedAttention.real_rows):
+    # on a GPU the FP8 GEMMs compute those alone (Fp8Linear)
     @fused("wq_a", "q_norm", "wq_b")
-    def queries(self, xq: mx.array, rope: tuple, rope_in_kernel: bool = False) -> tuple[mx.array, mx.array]:
+    def queries(self, xq: mx.array, rope: tuple, rope_in_kernel: bool = False,
+                real: int | None = None) -> tuple[mx.array, mx.array]:
         """q [S, H, D] with RoPE (unless rope_in_kernel), and the normed low-rank qr [S, q_lora]
         through fp8_input, as wq_b takes it and the indexer's wq_b reuses it."""
-        qr = self.q_norm.quantized(self.wq_a.quantized(xq))
-        q = self.wq_b.quantized(qr).reshape(xq.shape[0], self.n_heads, self.head_dim)
+        qr = self.q_norm.quantized(self.wq_a.quantized(xq, real))
+        q = self.wq_b.quantized(qr, real).reshape(xq.shape[0], self.n_heads, self.head_dim)
         return (q if rope_in_kernel else Rope.apply(q, rope)), qr
 
     @fused("wkv", "kv_norm")
-    def latent_kv(self, xq: mx.array, rope: tuple) -> mx.array:
+    def latent_kv(self, xq: mx.array, rope: tuple, real: int | None = None) -> mx.array:
         """Window keys [S, D]: normed, RoPE'd, FP8 fake-quantised over the whole latent. On a
         GPU the norm, the rotation and the fake-quant are one kernel (kernels.rms_norm)."""
-        kv = self.wkv.quantized(xq)
+        kv = self.wkv.quantized(xq, real)
         if kernels.rms_norm_fits(kv, quantized=True, rotated=True):
             S, D = kv.shape
             return rms_norm(kv, self.kv_norm.weight, self.kv_norm.eps, quantize_to=kv.dtype,
@@ -623,7 +628,7 @@ class Attention(nn.Module):
         return fp8_fake_quant(Rope.apply(self.kv_norm(kv), rope))
 
     @fused("wo_a", "wo_b")
-    def output(self, o: mx.array, rope: tuple, rope_in_kernel: bool = False) -> mx.array:
+    def output(self, o: mx.array, rope: tuple, rope_in_kernel: bool = False, real: int | None = None) -> mx.array:
         """Undo the query RoPE (unless rope_in_kernel: undone already), then the grouped wo_a
         (block-diagonal) and wo_b."""
         S = o.shape[0]
@@ -632,7 +637,7 @@ class Attention(nn.Module):
         s = self.wo_a.scales.reshape(self.n_groups, self.o_lora_rank, -1)
         # wo_a is applied to bf16 activations as stored (the reference dequantises it, no act-quant)
         if kernels.fp8_gemv_fits(o, w):  # a decode or verify step on a GPU
-            return self.wo_b(kernels.fp8_gemv(o, w, s).reshape(S, -1))
+            return self.wo_b(kernels.fp8_gemv(o, w, s, real_rows=real).reshape(S, -1), real)
         o = o[:, :, None]  # [S, groups, 1, in]
         groups = self._pair_ids[: self.n_groups]
         pairs = self._pair_ids[: S * self.n_groups].reshape(S, -1) if S <= MAX_CONSTANT_ROWS else None
@@ -650,8 +655,9 @@ class Attention(nn.Module):
         # decided from the shapes it will have, before q exists
         kernel = self.row_invariant and kernels.attention_fits((S, self.n_heads, self.head_dim), BF16,
                                                                self.window, self.n_picks)
-        q, qr = self.queries(xq, rope, kernel)
-        keys, first = cache.window.update(self.latent_kv(xq, rope))
+        real = shared.real_rows
+        q, qr = self.queries(xq, rope, kernel, real)
+        keys, first = cache.window.update(self.latent_kv(xq, rope, real))
         # row_invariant: each row gathers its own window, oldest first: the same array for a
         # position whichever forward it is computed in, so its reductions run in the same order
         index, window_mask = shared.window(positions, first, keys.shape[0], self.window, self.row_invariant)
@@ -672,12 +678,12 @@ class Attention(nn.Module):
             # one launch that rotates q, gathers each row's keys itself and rotates its output
             # back (spec: the rotations in queries and output around the lines below)
             o = kernels.sparse_attention_rows(q, keys, index, window_mask, kv, ids, picked_mask, self.attn_sink,
-                                              self.scale, rope, self.rope.dims)
+                                              self.scale, rope, self.rope.dims, shared.real_rows)
         else:
             window_keys = keys if index is None else keys[index]  # [N, D] shared, or [S, W, D] per row
             picked = None if ids is None else kv[ids]  # [S, k, D]
             o = sparse_attention(q, window_keys, window_mask, picked, picked_mask, self.attn_sink, self.scale)
-        return self.output(o, rope, kernel)
+        return self.output(o, rope, kernel, real)
 
     def _compress(self, x: mx.array, cache: LayerCache) -> None:
         """Pool finished groups; store their index keys and RoPE'd FP4 compressed KV."""
@@ -748,10 +754,11 @@ class Expert(nn.Module):
         self.w13, self.w2 = Fp8Linear(dim, 2 * inter), Fp8Linear(inter, dim)
         self.limit = limit
 
-    def __call__(self, xq: mx.array) -> mx.array:
-        """xq: the input through quant.fp8_input (shared with the routed experts)."""
-        gate, up = mx.split(self.w13.quantized(xq), 2, axis=-1)
-        return self.w2(swiglu(gate.astype(F32), up.astype(F32), self.limit).astype(BF16))
+    def __call__(self, xq: mx.array, real: int | None = None) -> mx.array:
+        """xq: the input through quant.fp8_input (shared with the routed experts); real: the
+        rows that matter, the first `real` (on a GPU the others come out zeros; Fp8Linear)."""
+        gate, up = mx.split(self.w13.quantized(xq, real), 2, axis=-1)
+        return self.w2(swiglu(gate.astype(F32), up.astype(F32), self.limit).astype(BF16), real)
 
 
 class Gate(nn.Module):
@@ -818,7 +825,7 @@ class MoE(nn.Module):
             order = mx.argsort(flat)
             pairs = self._routed(xq[order // k, 0], weights.flatten()[order][:, None, None], flat[order], True)
             y = pairs[mx.argsort(order)].reshape(real, -1)
-        shared = self.shared_experts(x8)  # bf16
+        shared = self.shared_experts(x8, rows)  # bf16; the padding rows' zeros on a GPU
         # each expert's bf16 product cast where it is added (one fused pass), in expert-id order,
         # as the reference adds them; the k column blocks of y as one split (one view)
         out = _add_all([part.astype(F32) for part in mx.split(y, k, axis=1)])
@@ -1010,7 +1017,7 @@ class Model(nn.Module):
         cache.tokens.extend(tokens)
 
         h, pre = hc_expand(self.embed(ids[0]), self.args.hc_mult)  # [S, hc, dim], [S, hc]
-        shared = SharedAttention()
+        shared = SharedAttention(real_rows)
         features = []
         targets = self.args.dspark_target_layer_ids
         for i, layer in enumerate(self.layers):

@@ -137,13 +137,15 @@ class Fp8Linear(nn.Module):
         self.weight = mx.zeros((out_dims, in_dims // 4), dtype=mx.uint32)
         self.scales = mx.zeros((out_dims, in_dims // 32), dtype=mx.uint8)
 
-    def __call__(self, x: mx.array) -> mx.array:
-        return fp8_linear(x, self.weight, self.scales)
+    # real: the rows of x that matter, the first `real` (a padded decode or verify forward's,
+    # model.Model.padded); on a GPU the others are not computed and come out zeros
+    def __call__(self, x: mx.array, real: int | None = None) -> mx.array:
+        return fp8_linear(x, self.weight, self.scales, real)
 
-    def quantized(self, xq: mx.array) -> mx.array:
+    def quantized(self, xq: mx.array, real: int | None = None) -> mx.array:
         """The product for an input already through `fp8_input`: an activation that feeds
         several FP8 GEMMs is quantised once (on a GPU, one kernel launch fewer each)."""
-        return fp8_matmul(xq, self.weight, self.scales)
+        return fp8_matmul(xq, self.weight, self.scales, real)
 
 
 def gemm_input_dtype() -> mx.Dtype:
@@ -165,12 +167,13 @@ def fp8_input(x: mx.array) -> mx.array:
     return fp8_fake_quant(x, dtype=gemm_input_dtype())
 
 
-def fp8_matmul(xq: mx.array, weight: mx.array, scales: mx.array) -> mx.array:
+def fp8_matmul(xq: mx.array, weight: mx.array, scales: mx.array, real: int | None = None) -> mx.array:
     """An `fp8_input` activation times an `mxfp8` weight, bf16 out: on a GPU, a decode or
     verify step's few rows through kernels.fp8_gemv (each weight byte read once for all
-    rows), otherwise MLX's quantized_matmul."""
+    rows; real: only the first `real` rows computed, the padding's zeros), otherwise MLX's
+    quantized_matmul (every row)."""
     if kernels.fp8_gemv_fits(xq, weight):
-        return kernels.fp8_gemv(xq, weight, scales)
+        return kernels.fp8_gemv(xq, weight, scales, real_rows=real)
     return _fp8_matmul_mlx(xq, weight, scales)
 
 
@@ -180,9 +183,9 @@ def _fp8_matmul_mlx(xq: mx.array, weight: mx.array, scales: mx.array) -> mx.arra
 
 
 @mx.compile
-def fp8_linear(x: mx.array, weight: mx.array, scales: mx.array) -> mx.array:
+def fp8_linear(x: mx.array, weight: mx.array, scales: mx.array, real: int | None = None) -> mx.array:
     """Fp8Linear's product: FP8 fake-quantised x times an `mxfp8` weight, bf16 out."""
-    return fp8_matmul(fp8_input(x), weight, scales)
+    return fp8_matmul(fp8_input(x), weight, scales, real)
 
 
 @dataclass

@@ -6,6 +6,7 @@ const int rows = sizes[0];
 const int N = sizes[1];
 const int K = sizes[2];
 const int G = sizes[3];
+const int out_rows = sizes[4];
 constexpr int GROUPS = 256 / C;  // thread groups per block, T outputs each
 const unsigned int col = threadIdx.x % C;
 const unsigned int grp = threadIdx.x / C;
@@ -74,7 +75,7 @@ for (unsigned int s = 0; s < steps; s++) {
 
 gemv_warp_totals<T, RB>(&acc[0][0], partial);
 for (unsigned int o = col; o < T * RB; o += C) {  // output n0 + o / RB, row o % RB
-  if ((int)(o % RB) < rows) {
+  if ((int)(o % RB) < out_rows) {  // a row past `rows`: its sums stayed zero
     y[((size_t)(o % RB) * G + g) * N + n0 + o / RB] = __float2bfloat16(gemv_group_total<T, RB, C>(partial, grp, o));
   }
 }

@@ -4,8 +4,10 @@
 // w: MLX `mxfp8` codes [G, N, K / 4] (uint32, four E4M3 bytes each, column order) with
 // one E8M0 scale per row and 32 columns, scales [G, N, K / 32]. x: bf16 [rows, G, K]
 // (exact: an FP8 fake-quantised activation, or wo_a's bf16 one). Output y: bf16
-// [rows, G, N]. G = 1 for a dense GEMM; wo_a's 8 groups otherwise. sizes [4] int32 =
-// (rows, N, K, G); rows <= RB. N a multiple of (256 / C) * T, K of 32.
+// [out_rows, G, N]. G = 1 for a dense GEMM; wo_a's 8 groups otherwise. sizes [5] int32 =
+// (rows, N, K, G, out_rows): the first `rows` rows are computed, the rest of the out_rows
+// (a padded forward's padding, model.Model.padded) come out zeros; rows <= out_rows <= RB.
+// N a multiple of (256 / C) * T, K of 32.
 //
 // The arithmetic: an E4M3 code becomes the fp16 of its value / 256 by moving bits
 // (fp8_common.h), then a float times its scale * 256 (a power of two: exact). Its
@@ -34,6 +36,7 @@ const int rows = sizes[0];
 const int N = sizes[1];
 const int K = sizes[2];
 const int G = sizes[3];
+const int out_rows = sizes[4];
 constexpr int GROUPS = 256 / C;  // thread groups per threadgroup, T outputs each
 const uint col = thread_position_in_threadgroup.x % C;
 const uint grp = thread_position_in_threadgroup.x / C;
@@ -96,7 +99,7 @@ for (uint s = 0; s < steps; s++) {
 
 gemv_warp_totals<T, RB>(&acc[0][0], partial, thread_index_in_simdgroup, simdgroup_index_in_threadgroup);
 for (uint o = col; o < T * RB; o += C) {  // output n0 + o / RB, row o % RB
-  if (int(o % RB) < rows) {
+  if (int(o % RB) < out_rows) {  // a row past `rows`: its sums stayed zero
     y[(ulong(o % RB) * G + g) * N + n0 + o / RB] = bfloat16_t(gemv_group_total<T, RB, C>(partial, grp, o));
   }
 }

@@ -14,8 +14,11 @@ const unsigned int h0 = (blockIdx.x % groups) * G;
 const unsigned int tid = threadIdx.x;
 const unsigned int lane = threadIdx.x % 32;
 const unsigned int warp = threadIdx.x / 32;
-if (s >= (unsigned int)rows[0]) {
-  return;  // the whole block
+if (s >= (unsigned int)rows[0]) {  // a padding row: zeros (the whole block)
+  for (unsigned int i = tid; i < G * D; i += 32 * WARPS) {
+    out[(s * H + h0) * D + i] = __float2bfloat16(0.0f);
+  }
+  return;
 }
 const float neg_inf = __uint_as_float(0xff800000u);
 const float scale = params[0];

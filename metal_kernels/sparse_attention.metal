@@ -12,7 +12,9 @@
 // index [S, W] int32: each row's window slots, wmask [S, W] bool; kv [T, D] bfloat16: the
 // compressed keys, ids [S, K] uint32: each row's picks, pmask [S, K] bool (K = 0: none);
 // sink [H] float32; rope_cos, rope_sin [S, D/2, 2] float32: each row's Rope.tables factors;
-// params [1] float32 = (scale,); rows [1] int32 = S. Output: out [S, H, D] bfloat16.
+// params [1] float32 = (scale,); rows [1] int32: the real rows, those before the padding
+// (model.Model.padded), which alone are computed; a padding row's output is zeros.
+// Output: out [S, H, D] bfloat16.
 // RoPE as model.rotate: feature d of the last RD becomes x[d] cos[d] + x[d ^ 1] sin[d] in
 // float32 (sin is negated on a pair's first feature), rounded to bfloat16; the inverse
 // takes -sin. The attention's sums run in another order than the spec's matmuls, so
@@ -34,8 +36,11 @@ const uint h0 = (threadgroup_position_in_grid.x % groups) * G;
 const uint tid = thread_position_in_threadgroup.x;
 const uint lane = thread_index_in_simdgroup;
 const uint warp = simdgroup_index_in_threadgroup;
-if (s >= uint(rows[0])) {
-  return;  // the whole threadgroup
+if (s >= uint(rows[0])) {  // a padding row: zeros (the whole threadgroup)
+  for (uint i = tid; i < G * D; i += 32 * WARPS) {
+    out[(s * H + h0) * D + i] = bfloat16_t(0.0f);
+  }
+  return;
 }
 const float neg_inf = as_type<float>(0xff800000u);
 const float scale = params[0];

@@ -659,7 +659,7 @@ def decode_by_layer(model, token: int, cache, on_layer) -> mx.array:
     hashes = model.hasher(cache.tokens, tokens) if model.hasher is not None else None
     cache.tokens.extend(tokens)
     h, pre = hc_expand(model.embed(mx.array(tokens, dtype=mx.int32)), args.hc_mult)
-    shared = SharedAttention()
+    shared = SharedAttention(real_rows=1)
     for i, layer in enumerate(model.layers):
         def run(i=i, layer=layer, h=h, pre=pre):  # h: an array or the previous block's Expansion
             if hasattr(layer, "engram") or i in args.dspark_target_layer_ids:

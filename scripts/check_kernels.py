@@ -23,7 +23,8 @@ magnitudes, zeros and E2M1 ties: bit equality with quant's spec.
 fp8_gemv: the decode FP8 GEMM at every FP8 shape of the flash-shaped model (and
 wo_a's grouped one) and two ragged ones, 1..16 rows, outputs poisoned: within the
 bound of another fp32 summation order of MLX's fp32-fed gather_qmm; a row
-alone equals the row among 8 and among 16.
+alone equals the row among 8 and among 16; with fewer real rows than rows, the
+real rows the same bits and the padding zeros.
 fp4_experts: the routed experts' FP4 GEMMs at the model's expert stacks and a ragged
 one, 1..16 rows of distinct experts, x per row and per slot, outputs poisoned: within
 the bound of another fp32 summation order of MLX's fp32-fed gather_qmm; a row alone
@@ -338,7 +339,8 @@ def check_fp8_gemv(impl: str, seed: int) -> list[str]:
     ones, 1..16 rows, outputs poisoned before the launch: every value within the bound of
     another float32 summation order (`gemm_agreement`); a row alone the same bits as among
     others, at 8 rows and at 16 (the kernel's two row bounds); a dense GEMM's 2-D form the same
-    bits as one group."""
+    bits as one group; asked for fewer real rows (a padded forward), those the same bits and
+    the rest zeros."""
     mx.random.seed(seed)
     problems = []
     dense, grouped, _ = quantised_gemm_shapes()
@@ -354,6 +356,12 @@ def check_fp8_gemv(impl: str, seed: int) -> list[str]:
             problems.extend([problem] if problem else [])
             if rows in (8, 16) and not mx.array_equal(fp8_gemv(x[:1], w, s, impl=impl), got[:1]).item():
                 problems.append(f"{name}: row 0 alone differs from row 0 of {rows}")
+            if rows in (8, 16):  # a padded forward: its real rows the same bits, the padding zeros
+                for real in (1, rows - 2):
+                    padded = fp8_gemv(x, w, s, impl=impl, init_value=POISON, real_rows=real)
+                    if not (mx.array_equal(padded[:real], got[:real]).item() and not padded[real:].any().item()):
+                        problems.append(f"{name}: with {real} real rows, not the same real rows and zeros after "
+                                        f"them")
             if groups == 1 and not mx.array_equal(fp8_gemv(x[:, 0], w[0], s[0], impl=impl), got[:, 0]).item():
                 problems.append(f"{name}: the dense form (x [S, K], w [N, K/4]) differs from one group")
             problems.extend(quantizing_problems(name, lambda v, **kw: fp8_gemv(v, w, s, impl=impl, **kw),
@@ -544,15 +552,20 @@ def _check_sublayer_input(impl: str, seed: int, expanded: bool) -> list[str]:
     return problems
 
 
-def sparse_attention_spec(q, ring, index, window_mask, kv, ids, picked_mask, sink, scale, rope, rope_dims):
+def sparse_attention_spec(q, ring, index, window_mask, kv, ids, picked_mask, sink, scale, rope, rope_dims,
+                          real_rows=None):
     """What kernels.sparse_attention_rows computes, by model.Attention's pure-MLX path: q
     rotated, the attention over gathered keys, its output rotated back (rope: Rope.tables,
-    which say themselves which features rotate; rope_dims is the kernel's copy of that)."""
+    which say themselves which features rotate; rope_dims is the kernel's copy of that);
+    rows from real_rows on (a padded forward's padding) zeros."""
     from dsv41_mlx.model import Rope, sparse_attention
 
     picked = None if ids is None else kv[ids]
     o = sparse_attention(Rope.apply(q, rope), ring[index], window_mask, picked, picked_mask, sink, scale)
-    return Rope.apply(o, rope, inverse=True)
+    o = Rope.apply(o, rope, inverse=True)
+    if real_rows is not None:
+        o = mx.where((mx.arange(o.shape[0]) < real_rows)[:, None, None], o, mx.zeros_like(o))
+    return o
 
 
 def release_ropes() -> tuple:
@@ -616,6 +629,12 @@ def check_sparse_attention(impl: str, seed: int) -> list[str]:
             alone = sparse_attention_rows(*attention_rows(args, slice(-1, None)), impl=impl)
             if not np.array_equal(np.array(alone.astype(mx.float32)), got[-1:]):
                 problems.append(f"sparse_attention picks={picks} rows={rows}: the last row alone differs")
+            if rows in (8, 16):  # a padded forward: its real rows the same bits, the padding zeros
+                for real in (1, rows - 2):
+                    padded = np.array(sparse_attention_rows(*args, real, impl=impl).astype(mx.float32))
+                    if not (np.array_equal(padded[:real], got[:real]) and not padded[real:].any()):
+                        problems.append(f"sparse_attention picks={picks} rows={rows}: with {real} real rows, "
+                                        f"not the same real rows and zeros after them")
     return problems
 
 

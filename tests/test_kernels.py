@@ -348,24 +348,25 @@ def test_gemm_agreement_allows_only_summation_order_differences():
 
 
 def _wrong_gemm_kernels(reference):
-    """Stand-ins for a GEMM kernel (x first; impl=, init_value= and quantize_input= keywords)
-    that a check must flag, each with the words its problem carries: values off, an output left
-    as poisoned, rows that depend on each other, an input not quantised when asked."""
-    def off(*args, impl=None, init_value=None, quantize_input=False):
-        return (reference(*args, quantize_input=quantize_input).astype(mx.float32) * 1.01).astype(mx.bfloat16)
+    """Stand-ins for a GEMM kernel (x first; impl=, init_value=, quantize_input= and, for
+    fp8_gemv, real_rows= keywords) that a check must flag, each with the words its problem
+    carries: values off, an output left as poisoned, rows that depend on each other, an input
+    not quantised when asked."""
+    def off(*args, impl=None, init_value=None, **kw):
+        return (reference(*args, **kw).astype(mx.float32) * 1.01).astype(mx.bfloat16)
 
-    def unwritten(*args, impl=None, init_value=None, quantize_input=False):
-        y = reference(*args, quantize_input=quantize_input)
+    def unwritten(*args, impl=None, init_value=None, **kw):
+        y = reference(*args, **kw)
         if init_value is None:
             return y
         flat = y.flatten()
         return mx.concatenate([flat[:-1], mx.array([init_value], dtype=y.dtype)]).reshape(y.shape)
 
-    def coupled_rows(x, *args, impl=None, init_value=None, quantize_input=False):
-        return reference(x + x[:1] * (x.shape[0] > 1) * 1e-2, *args, quantize_input=quantize_input)
+    def coupled_rows(x, *args, impl=None, init_value=None, **kw):
+        return reference(x + x[:1] * (x.shape[0] > 1) * 1e-2, *args, **kw)
 
-    def unquantised(*args, impl=None, init_value=None, quantize_input=False):
-        return reference(*args)
+    def unquantised(*args, impl=None, init_value=None, quantize_input=False, **kw):
+        return reference(*args, **kw)
 
     return ((off, "values differ"), (unwritten, "beyond the fp32 summation-order bound"),
             (coupled_rows, "alone differs"), (unquantised, "quantising its input"))
@@ -378,23 +379,26 @@ def _wrong_gemm_kernels(reference):
 def test_gemm_kernel_checks_pass_the_spec_and_flag_wrong_kernels(monkeypatch, kernel, shapes):
     """scripts/check_kernels.py's fp8_gemv and fp4_experts checks: the spec itself passes; a
     kernel whose values are off, that leaves an output unwritten, whose rows depend on each
-    other, or that does not quantise its input when asked, fails."""
+    other, or that does not quantise its input when asked, fails; so does an fp8_gemv whose
+    2-D form differs, or that computes a padded forward's padding rows."""
     from dsv41_mlx import kernels
 
     check = _check_kernels_script()
     run = getattr(check, f"check_{kernel}")
     reference = getattr(kernels, f"{kernel}_reference")
     monkeypatch.setattr(check, "quantised_gemm_shapes", lambda: shapes)
-    monkeypatch.setattr(check, kernel, lambda *args, impl=None, init_value=None, quantize_input=False:
-                        reference(*args, quantize_input=quantize_input))
+    monkeypatch.setattr(check, kernel, lambda *args, impl=None, init_value=None, **kw: reference(*args, **kw))
     assert run("mlx", seed=1) == []
     wrong = _wrong_gemm_kernels(reference)
     if kernel == "fp8_gemv":
-        def dense_off(x, w, s, impl=None, init_value=None, quantize_input=False):
-            y = reference(x, w, s, quantize_input=quantize_input)
+        def dense_off(x, w, s, impl=None, init_value=None, **kw):
+            y = reference(x, w, s, **kw)
             return (y.astype(mx.float32) * 1.01).astype(mx.bfloat16) if w.ndim == 2 else y
 
-        wrong += ((dense_off, "the dense form"),)
+        def padding_computed(*args, impl=None, init_value=None, real_rows=None, **kw):
+            return reference(*args, **kw)
+
+        wrong += ((dense_off, "the dense form"), (padding_computed, "zeros after them"))
     for broken, message in wrong:
         monkeypatch.setattr(check, kernel, broken)
         assert any(message in p for p in run("mlx", seed=1)), message
@@ -564,7 +568,7 @@ def test_attention_kernel_runs_only_where_it_fits():
 def test_attention_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatch):
     """scripts/check_kernels.py's attention check: the spec itself passes; a kernel that
     drops the sink, reads the wrong window slot, forgets the RoPE (of q and of the output,
-    or only the inverse), or couples rows, fails."""
+    or only the inverse), couples rows, or computes a padded forward's padding rows, fails."""
     from dsv41_mlx.model import Rope, sparse_attention
 
     check = _check_kernels_script()
@@ -576,10 +580,11 @@ def test_attention_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatch):
     def shifted_slot(q, ring, index, *rest, impl=None):
         return spec(q, ring, (index + 1) % ring.shape[0], *rest)
 
-    def no_rope(q, ring, index, wmask, kv, ids, pmask, sink, scale, rope, rope_dims, impl=None):
+    def no_rope(q, ring, index, wmask, kv, ids, pmask, sink, scale, rope, rope_dims, real_rows=None, impl=None):
         return sparse_attention(q, ring[index], wmask, None if ids is None else kv[ids], pmask, sink, scale)
 
-    def no_inverse_rope(q, ring, index, wmask, kv, ids, pmask, sink, scale, rope, rope_dims, impl=None):
+    def no_inverse_rope(q, ring, index, wmask, kv, ids, pmask, sink, scale, rope, rope_dims, real_rows=None,
+                        impl=None):
         return sparse_attention(Rope.apply(q, rope), ring[index], wmask, None if ids is None else kv[ids], pmask,
                                 sink, scale)
 
@@ -587,10 +592,14 @@ def test_attention_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatch):
         out = spec(q, *rest)
         return (out.astype(mx.float32) * (1 + 0.01 * (q.shape[0] > 1))).astype(mx.bfloat16)
 
+    def padding_computed(*args, impl=None):  # ignores real_rows
+        return spec(*args[:11])
+
     monkeypatch.setattr(check, "sparse_attention_rows", lambda *a, impl=None: spec(*a))
     assert check.check_sparse_attention("mlx", seed=4) == []
     for broken, message in ((no_sink, "off by"), (shifted_slot, "off by"), (no_rope, "off by"),
-                            (no_inverse_rope, "off by"), (coupled_rows, "alone differs")):
+                            (no_inverse_rope, "off by"), (coupled_rows, "alone differs"),
+                            (padding_computed, "zeros after them")):
         monkeypatch.setattr(check, "sparse_attention_rows", broken)
         assert any(message in p for p in check.check_sparse_attention("mlx", seed=4)), broken.__name__
 

@@ -268,10 +268,11 @@ def test_routed_experts_take_the_fp4_kernel_for_a_decode_steps_pairs_on_a_gpu(mo
     assert calls == []
 
 
-def _gpu_dispatch_with_specs(monkeypatch, attention) -> None:
+def _gpu_dispatch_with_specs(monkeypatch, attention, gemv=None) -> None:
     """The kernels' dispatch answers as on a GPU (kernels.backend() is 'cuda'), every custom
     kernel a forward reaches taking its pure-MLX spec (its fit answered no, or the call routed
-    to the spec) but the attention kernel, which is `attention`; any other launch fails."""
+    to the spec) but the attention kernel, which is `attention`, and the FP8 GEMMs of up to 16
+    rows, which are `gemv` where given; any other launch fails."""
     from dsv41_mlx import kernels
     from dsv41_mlx.quant import fp8_fake_quant_reference
 
@@ -287,6 +288,10 @@ def _gpu_dispatch_with_specs(monkeypatch, attention) -> None:
     monkeypatch.setattr(kernels, "act_quant_fp8",
                         lambda x, impl, dtype=None: fp8_fake_quant_reference(x).astype(dtype or x.dtype))
     monkeypatch.setattr(kernels, "sparse_attention_rows", attention)
+    if gemv is not None:
+        monkeypatch.setattr(kernels, "fp8_gemv_fits", lambda x, w, impl=None: x.size // x.shape[-1] <= 16 * w.shape[0]
+                            if w.ndim == 3 else x.size // x.shape[-1] <= 16)
+        monkeypatch.setattr(kernels, "fp8_gemv", gemv)
 
 
 def test_attention_kernel_takes_the_queries_unrotated_and_rotates_its_output_back(padded_model, golden,
@@ -397,3 +402,31 @@ def test_blocks_hand_on_their_output_unexpanded_to_the_next_blocks_input_kernel(
     # the compiled methods trace once (three forwards of one shape): a forward's calls
     assert calls.count("hc_post_input") == per_forward
     assert len(calls) == 2 * layers + per_forward  # every sub-layer input: hc_input, after its expansion or not
+
+
+def test_padded_forwards_compute_their_real_rows_alone(padded_model, golden, monkeypatch):
+    """A padded decode or verify forward on a GPU computes its real rows alone where a kernel
+    can skip the padding: the FP8 GEMMs (kernels.fp8_gemv's real_rows) and the attention give
+    the padding rows zeros. With those kernels their specs (zeros after the real rows), decode
+    steps of 3 real rows in 8 are the CPU path's bits (logits, features and cache), and every
+    GEMM call of the forwards was told how many rows are real."""
+    from dsv41_mlx import kernels
+
+    from .test_kernels import _check_kernels_script
+
+    spec = _check_kernels_script().sparse_attention_spec
+    model = padded_model
+    rest, plain, kernel = _two_prefilled(model, golden)
+    want = [model.decode(rest[start: start + 3], plain) for start in range(0, len(rest), 3)]
+    told = []
+
+    def gemv(x, w, s, impl=None, init_value=None, quantize_input=False, real_rows=None):
+        told.append(real_rows)
+        return kernels.fp8_gemv_reference(x, w, s, quantize_input, real_rows)
+
+    _gpu_dispatch_with_specs(monkeypatch, lambda *args, impl=None: spec(*args), gemv)
+    got = [model.decode(rest[start: start + 3], kernel) for start in range(0, len(rest), 3)]
+    for (want_logits, want_feats), (logits, feats) in zip(want, got):
+        assert mx.array_equal(want_logits, logits).item() and mx.array_equal(want_feats, feats).item()
+    _assert_same_state(plain, kernel)
+    assert told and set(told) <= {3, len(rest) % 3 or 3}  # traced once per real-row count
