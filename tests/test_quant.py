@@ -442,15 +442,16 @@ def test_fp4_release_weight_through_mx_dequantize():
 
 def test_fp8_matmul_takes_the_gemv_kernel_for_a_decode_steps_rows_on_a_gpu(monkeypatch):
     """On a GPU, an FP8 GEMM of up to 16 rows (a decode or verify step) runs kernels.fp8_gemv
-    in its dense form (x [S, K], w [N, K/4]: no reshapes around it); more rows, or a shape the
-    kernel does not take, keep MLX's GEMM."""
+    in its dense form (x [S, K], w [N, K/4]: no reshapes around it), told how many rows are
+    real where the caller says (the rest come out zeros); more rows, or a shape the kernel
+    does not take, keep MLX's GEMM."""
     from dsv41_mlx import kernels, quant
 
     calls = []
 
-    def gemv(x, w, s, impl=None, init_value=None):
+    def gemv(x, w, s, impl=None, init_value=None, real_rows=None):
         calls.append((x.shape, w.shape))
-        return kernels.fp8_gemv_reference(x, w, s)
+        return kernels.fp8_gemv_reference(x, w, s, real_rows=real_rows)
 
     monkeypatch.setattr(kernels, "backend", lambda: "cuda")
     monkeypatch.setattr(kernels, "fp8_gemv", gemv)
@@ -464,6 +465,10 @@ def test_fp8_matmul_takes_the_gemv_kernel_for_a_decode_steps_rows_on_a_gpu(monke
         assert calls == ([((rows, 256), (96, 64))] if kernel else [])
         want = mx.quantized_matmul(x[:rows], w, s, transpose=True, mode="mxfp8").astype(mx.bfloat16)
         assert got.shape == (rows, 96) and mx.array_equal(got, want).item()
+    calls.clear()
+    got = quant.fp8_matmul(x[:8], w, s, real=3)  # a padded forward's 3 real rows of 8
+    want = mx.quantized_matmul(x[:3], w, s, transpose=True, mode="mxfp8").astype(mx.bfloat16)
+    assert mx.array_equal(got[:3], want).item() and not got[3:].any().item()
     calls.clear()
     quant.fp8_matmul(mx.random.normal((8, 128)), w[:, :32], s[:, :4])  # K = 128: not the kernel's
     assert calls == []
