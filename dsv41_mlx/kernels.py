@@ -614,7 +614,7 @@ def gemv_threads_per_output(k: int) -> int:
 
 def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None,
              init_value: float | None = None, quantize_input: bool = False,
-             real_rows: int | None = None) -> mx.array:
+             real_rows: int | None = None, threads: int | None = None) -> mx.array:
     """The FP8 GEMMs of a decode or verify step in one launch each: x [S, G, K] (FP8
     fake-quantised or bf16 values, exact in bf16) through G `mxfp8` matrices w [G, N, K/4] ->
     bf16 [S, G, N] (attention's wo_a: its groups), or x [..., K] through one matrix w [N, K/4]
@@ -625,7 +625,9 @@ def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None
     activation the kernel FP8 fake-quantises as it reads it: the bits of quant.fp8_input
     followed by this kernel, in one launch. real_rows: only the first real_rows rows are
     computed (default all); the rest, a padded forward's padding (model.Model.padded), come
-    out zeros, their weight reads and sums spared."""
+    out zeros, their weight reads and sums spared. threads: the threads per output (C), for
+    `bench.py gemms --threads` to compare layouts; a forward keeps the default,
+    gemv_threads_per_output(K), so that a sum's order depends on K alone."""
     impl = impl or backend()
     if not fp8_gemv_fits(x, w, impl):
         raise ValueError(f"fp8_gemv takes x [<= {DECODE_MAX_ROWS}, G, K] and w [G, N, K/4], or x [..., K] of at most "
@@ -636,7 +638,7 @@ def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None
     S, N = x.size // (G * K), w.shape[-2]
     R = S if real_rows is None else min(real_rows, S)
     return _gemv_launch(FP8_GEMV, impl, [x.astype(mx.bfloat16), w, scales, _int32s(R, N, K, G, S)],
-                        S, K, G, (*x.shape[:-1], N), init_value, quantize_input)
+                        S, K, G, (*x.shape[:-1], N), init_value, quantize_input, threads)
 
 
 def _bf16_to_quantize(x: mx.array, quantize_input: bool) -> None:
@@ -647,12 +649,16 @@ def _bf16_to_quantize(x: mx.array, quantize_input: bool) -> None:
 
 
 def _gemv_launch(spec: KernelSpec, impl: str, inputs: list, rows: int, k: int, sets: int, out_shape: tuple,
-                 init_value: float | None, quantize_input: bool) -> mx.array:
+                 init_value: float | None, quantize_input: bool, threads: int | None = None) -> mx.array:
     """Launch fp8_gemv or fp4_experts for up to 16 rows and k inputs: `sets` sets of
     out_shape[-1] outputs (matrices, or (row, expert) pairs), a threadgroup of 256 threads per
-    (256 / C) * GEMV_OUTPUTS outputs of a set -> bf16."""
+    (256 / C) * GEMV_OUTPUTS outputs of a set -> bf16. threads: C (default
+    gemv_threads_per_output(k))."""
     n = out_shape[-1]
-    threads = gemv_threads_per_output(k)
+    if threads is None:
+        threads = gemv_threads_per_output(k)
+    elif threads not in (32, 64, 128, 256):  # a threadgroup then holds 32 to 4 outputs: N is a multiple of 32
+        raise ValueError(f"a GEMV kernel takes 32, 64, 128 or 256 threads per output, got {threads}")
     (y,) = _compiled(spec, impl)(
         inputs=inputs, template=[("RB", 8 if rows <= 8 else 16), ("T", GEMV_OUTPUTS), ("C", threads),
                                  ("QX", int(quantize_input))],

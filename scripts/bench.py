@@ -7,7 +7,8 @@
                                                # mlx-lm beside it, also interleaved prompt by prompt
     python scripts/bench.py profile [--model M] # a decode step by layer: MLX operations and ms, compiled or not
     python scripts/bench.py pieces [--model M]  # one block's pieces (attention, MoE, experts' GEMM...), ms each
-    python scripts/bench.py gemms               # the decode step's quantised GEMMs: MLX's and fp8_gemv
+    python scripts/bench.py gemms [--real 1] [--threads 32 64 128 256]
+                                                # the decode step's quantised GEMMs: MLX's and fp8_gemv
 
 Speed is measured here and nowhere else: ratios against baselines measured in
 the same run, and fractions of the memory-bandwidth floor (bytes that must
@@ -821,13 +822,15 @@ def bench_pieces(model_path: str | None, layer_ids: list[int]) -> dict:
 
 
 def bench_gemms(rows: int = 8, experts: int = 24, dim: int = 5120, inter: int = 2304,
-                cache_bytes: int = 256 << 20) -> dict:
+                cache_bytes: int = 256 << 20, real: int | None = None, threads: tuple[int, ...] = ()) -> dict:
     """The quantised GEMMs of a decode step, ms per call: the routed experts' mxfp4 GEMMs (24
     experts, top-6) fed fp32 or bf16, and every FP8 GEMM shape of the flash-shaped model (the
     release's dense shapes, and wo_a's grouped one) through MLX's quantized_matmul /
     gather_qmm fed bf16 and, on a GPU, through kernels.fp8_gemv, with each one's share of the
     copy bandwidth. Every call reads its own copy of the weights, from copies that overflow
-    any cache, as a decode step reads each weight once."""
+    any cache, as a decode step reads each weight once. real: fp8_gemv computes that many of
+    the rows (a padded forward's real rows; default all). threads: also the chained fp8_gemv
+    with each of these threads per output (C), to compare layouts in a forward's conditions."""
     from dsv41_mlx import kernels
     from scripts.check_kernels import quantised_gemm_shapes, random_scales as scales, random_words as words
 
@@ -839,7 +842,8 @@ def bench_gemms(rows: int = 8, experts: int = 24, dim: int = 5120, inter: int = 
     ids = mx.sort(mx.random.randint(0, experts, (rows, top)).astype(mx.uint32), axis=-1)
     x, h = mx.random.normal((rows, 1, 1, dim)), mx.random.normal((rows, top, 1, inter))
     mx.eval(w13, s13, w2, s2, ids, x, h)
-    out = {"rows": rows, "experts": experts, "copy_GBps": copy_bandwidth() / 1e9, "routed": {}, "fp8": []}
+    out = {"rows": rows, "real": real or rows, "experts": experts, "copy_GBps": copy_bandwidth() / 1e9,
+           "routed": {}, "fp8": []}
     for dtype in (mx.float32, mx.bfloat16):
         name = str(dtype).rsplit(".", 1)[-1]
         xt, ht = x.astype(dtype), h.astype(dtype)
@@ -890,8 +894,13 @@ def bench_gemms(rows: int = 8, experts: int = 24, dim: int = 5120, inter: int = 
                "MB": nbytes / 1e6, "mlx_ms": timed(lambda i: mlx_gemm(xq, i), 10, 3) * 1e3,
                "mlx_chained_ms": chained(mlx_gemm, xq) * 1e3}
         if gpu:
-            row["kernel_ms"] = timed(lambda i: kernels.fp8_gemv(xq, *ws[i % copies]), 10, 3) * 1e3
-            row["kernel_chained_ms"] = chained(lambda v, i: kernels.fp8_gemv(v, *ws[i % copies]), xq) * 1e3
+            row["kernel_ms"] = timed(lambda i: kernels.fp8_gemv(xq, *ws[i % copies], real_rows=real), 10, 3) * 1e3
+            row["kernel_chained_ms"] = chained(
+                lambda v, i: kernels.fp8_gemv(v, *ws[i % copies], real_rows=real), xq) * 1e3
+            row["default_threads"] = kernels.gemv_threads_per_output(d_in)
+            row["kernel_chained_ms_by_threads"] = {
+                c: chained(lambda v, i: kernels.fp8_gemv(v, *ws[i % copies], real_rows=real, threads=c), xq) * 1e3
+                for c in threads}
             # an activation not yet quantised: act_quant then the kernel, or the kernel quantising as it reads
             row["act_quant_kernel_chained_ms"] = chained(
                 lambda v, i: kernels.fp8_gemv(kernels.act_quant_fp8(v, kernels.backend()), *ws[i % copies]), xq) * 1e3
@@ -929,6 +938,18 @@ def print_gemms(env: dict, res: dict) -> None:
                      f"{r['mlx_ms'] / r['kernel_ms']:.2f} | {_ratio(r['mlx_chained_ms'], r['kernel_chained_ms'])} |")
         print(line)
     print()
+    swept = sorted({c for r in res["fp8"] for c in r.get("kernel_chained_ms_by_threads", {})})
+    if swept:
+        print(f"fp8_gemv chained ms by threads per output (C), {res['real']} of {res['rows']} rows computed; "
+              "* the kernel's default for that K\n")
+        print("| FP8 GEMM | " + " | ".join(f"C = {c}" for c in swept) + " |")
+        print("|---|" + "---|" * len(swept))
+        for r in res["fp8"]:
+            by = r.get("kernel_chained_ms_by_threads", {})
+            cells = [("-" if c not in by else f"{by[c]:.4f}" + ("*" if c == r["default_threads"] else ""))
+                     for c in swept]
+            print(f"| {r['shape']} | " + " | ".join(cells) + " |")
+        print()
     if any("quantizing_kernel_chained_ms" in r for r in res["fp8"]):
         print("An activation not yet FP8 fake-quantised, chained ms: act_quant then fp8_gemv (two launches), "
               "against fp8_gemv quantising as it reads (one)\n")
@@ -1012,7 +1033,11 @@ def main() -> int:
     p.add_argument("--layers", type=int, nargs="+", default=[2, 3], help="layer ids to take apart")
     p.add_argument("--json")
     p = sub.add_parser("gemms")
-    p.add_argument("--rows", type=int, default=8, help="rows of the forward (1: plain decode; 2..7: verify)")
+    p.add_argument("--rows", type=int, default=8, help="rows of the forward (a GPU's decode and verify: 8)")
+    p.add_argument("--real", type=int, default=None,
+                   help="rows fp8_gemv computes, the padded forward's real ones (1: plain decode; 2..7: verify)")
+    p.add_argument("--threads", type=int, nargs="*", default=[], choices=[32, 64, 128, 256],
+                   help="also time fp8_gemv chained with each of these threads per output")
     p.add_argument("--json")
     p = sub.add_parser("propose")
     p.add_argument("--rounds", type=int, default=10)
@@ -1032,7 +1057,7 @@ def main() -> int:
         res = bench_pieces(args.model, args.layers)
         print_pieces(env, res, args.model or "the embedded tiny checkpoint")
     elif args.what == "gemms":
-        res = bench_gemms(rows=args.rows)
+        res = bench_gemms(rows=args.rows, real=args.real, threads=tuple(args.threads))
         print_gemms(env, res)
     elif args.what == "propose":
         res = bench_propose(args.rounds)

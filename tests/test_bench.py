@@ -182,6 +182,34 @@ def test_gemms_times_every_fp8_shape(bench, monkeypatch, capsys):
     assert "| 2 x 512 -> 32 |" in out and "chained" in out
 
 
+def test_gemms_sweeps_the_gemv_layouts_on_a_gpu():
+    """On a GPU, `bench.py gemms --real R --threads ...` also times fp8_gemv chained at each
+    of those threads-per-output counts, computing R rows, and prints them as one table with
+    the kernel's default marked; here on the CPU with the GPU path's kernels stubbed
+    (scripts/count_ops.py)."""
+    res = _in_own_process("""
+import collections, contextlib, io, json, sys
+sys.path.insert(0, "scripts")
+import bench, count_ops
+import scripts.check_kernels as check
+check.quantised_gemm_shapes = lambda: ({(256, 64), (512, 32)}, set(), set())
+bench.copy_bandwidth = lambda: 1e11  # its 1 GiB copies take half a minute on a CI core, and say nothing here
+with count_ops.gpu_path_with_stub_kernels(collections.Counter()):
+    res = bench.bench_gemms(rows=8, experts=4, dim=256, inter=64, cache_bytes=1 << 16, real=1, threads=(32, 128))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        bench.print_gemms(bench.environment(), res)
+print(json.dumps({"rows": [{k: r[k] for k in ("shape", "default_threads", "kernel_chained_ms_by_threads")}
+                           for r in res["fp8"]], "real": res["real"], "out": out.getvalue()}))
+""")
+    rows = {r["shape"]: r for r in res["rows"]}
+    assert res["real"] == 1
+    assert all(set(r["kernel_chained_ms_by_threads"]) == {"32", "128"} for r in rows.values())
+    assert rows["256 -> 64"]["default_threads"] == rows["512 -> 32"]["default_threads"] == 32
+    assert "| FP8 GEMM | C = 32 | C = 128 |" in res["out"] and "1 of 8 rows computed" in res["out"]
+    assert "| 512 -> 32 | " in res["out"] and "* the kernel's default" in res["out"]
+
+
 def test_chained_times_a_gemm_waiting_for_the_one_before(bench):
     """`chained` charges a GEMM its latency in a chain: each link's input depends on the last
     link's output, and the chain's own element-wise links are subtracted, so a GEMM that is

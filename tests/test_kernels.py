@@ -730,6 +730,30 @@ def test_kernel_arguments_are_made_once_per_value(monkeypatch):
     assert seen[-1][1].tolist() == [2, 64]
 
 
+def test_gemv_threads_per_output_default_by_k_and_can_be_set_for_benchmarks(monkeypatch):
+    """fp8_gemv launches with C = gemv_threads_per_output(K) unless told otherwise (bench.py
+    gemms --threads), its grid sized for C; a C other than 32, 64, 128 or 256 is refused."""
+    from dsv41_mlx import kernels
+
+    seen = []
+
+    def compiled(spec, language):
+        def run(inputs, template, grid, output_shapes, output_dtypes, **_):
+            seen.append((dict(template)["C"], grid[0]))
+            return [mx.zeros(shape, dtype=dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
+        return run
+
+    monkeypatch.setattr(kernels, "_compiled", compiled)
+    x, w, s = mx.zeros((8, 5120), dtype=mx.bfloat16), mx.zeros((512, 1280), dtype=mx.uint32), mx.zeros((512, 160))
+    kernels.fp8_gemv(x, w, s, impl="cuda")
+    kernels.fp8_gemv(x, w, s, impl="cuda", threads=128)
+    assert seen == [(kernels.gemv_threads_per_output(5120), 512 // (256 // 32 * 4) * 256),
+                    (128, 512 // (256 // 128 * 4) * 256)]
+    for bad in (48, 512):
+        with pytest.raises(ValueError, match="threads per output"):
+            kernels.fp8_gemv(x, w, s, impl="cuda", threads=bad)
+
+
 def test_gemv_kernels_quantise_bf16_input_only():
     """Asked to FP8 fake-quantise its input, a GEMV kernel takes bfloat16 only: float32 input
     would be rounded to bf16 first, and rounded twice could land elsewhere than the spec."""
