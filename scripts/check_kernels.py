@@ -54,7 +54,8 @@ and 512 picks (or none), rows 1..16 at random positions, masked keys and rows wi
 none visible, against the query RoPE, model.sparse_attention on gathered keys and
 the inverse RoPE (the release's 64 rotated features, YaRN on compressed layers):
 each row-head within 1% of its largest value, 0.1% on average; a row alone equals
-the row among others.
+the row among others; with fewer real rows than rows, the real rows the same bits
+and the padding zeros.
 """
 
 from __future__ import annotations
@@ -690,27 +691,26 @@ def check_rms_norm_rope(impl: str, seed: int) -> list[str]:
     bf16 step and equal in at least 99% of values (a multiply and an add may fuse differently
     from MLX's); the quantised form bit for bit act_quant of the kernel's own rotated norm; a
     row alone equals the same row among others. Tolerances set before any GPU run."""
-    from dsv41_mlx.model import Rope
-
     rng = np.random.default_rng(seed)
     problems = []
-    rope = Rope(64, 160000.0, 65536, 16.0)
+    rope = release_ropes()[0]  # a compressed layer's: YaRN, 64 rotated features
     for D in (128, 512):
         w = mx.array(rng.normal(1, 0.3, D).astype(np.float32))
         for rows in (1, 8, 300):
             x = mx.array(rng.normal(0, 3, (rows, D)).astype(np.float32)).astype(mx.bfloat16)
             tables = rope.tables(mx.array(rng.integers(0, 100000, rows).astype(np.int32)), D)
             cos, sin = tables[0].reshape(rows, D), tables[1].reshape(rows, D)
-            got = rms_norm(x, w, 1e-6, impl=impl, rope=(cos, sin, 64))
-            problem = bf16_step_problem(got, rotated_spec(rms_norm(x, w, 1e-6, impl=impl), cos, sin, 64))
+            got = rms_norm(x, w, 1e-6, impl=impl, rope=(cos, sin, rope.dims))
+            problem = bf16_step_problem(got, rotated_spec(rms_norm(x, w, 1e-6, impl=impl), cos, sin, rope.dims))
             if problem:
                 problems.append(f"rms_norm_rope D={D} rows={rows}: {problem}")
-            quantised = rms_norm(x, w, 1e-6, impl=impl, quantize_to=mx.bfloat16, rope=(cos, sin, 64))
+            quantised = rms_norm(x, w, 1e-6, impl=impl, quantize_to=mx.bfloat16, rope=(cos, sin, rope.dims))
             differ = bits_differ(quantised, fp8_fake_quant_reference(got))
             if differ:
                 problems.append(f"rms_norm_rope D={D} rows={rows}: {differ} quantised values differ from "
                                 f"act_quant of the rotated norm")
-            alone = rms_norm(x[-1:], w, 1e-6, impl=impl, quantize_to=mx.bfloat16, rope=(cos[-1:], sin[-1:], 64))
+            alone = rms_norm(x[-1:], w, 1e-6, impl=impl, quantize_to=mx.bfloat16,
+                             rope=(cos[-1:], sin[-1:], rope.dims))
             if bits_differ(alone, quantised[-1:]):
                 problems.append(f"rms_norm_rope D={D} rows={rows}: the last row alone differs")
     return problems
