@@ -152,8 +152,9 @@ class CompressorCache:
             held = len(self._raw_kv)
             self._raw_kv.drop_back(held - (end - self.raw_start))
             self._raw_score.drop_back(held - (end - self.raw_start))
-        self._kv.drop_back(max(0, self.n_groups - groups))
-        self._index_keys.drop_back(max(0, len(self._index_keys) - groups))
+        reopened = max(0, self.n_groups - groups)  # groups and their index keys are appended together
+        self._kv.drop_back(reopened)
+        self._index_keys.drop_back(reopened)
         self.end = end
 
 

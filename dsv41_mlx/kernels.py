@@ -342,6 +342,21 @@ def moe_gate(x: mx.array, w: mx.array, bias: mx.array, k: int, temp: float, rout
     return weights, ids
 
 
+def computed_rows(real_rows: int | None, rows: int) -> int:
+    """How many of a forward's rows a kernel that can skip padding computes: the real ones
+    (a padded forward's, model.Model.padded), or all where real_rows is None."""
+    return rows if real_rows is None else min(real_rows, rows)
+
+
+def padding_zeroed(y: mx.array, real_rows: int | None) -> mx.array:
+    """y [rows, ...] as such a kernel gives it: the rows from real_rows on zeros (the spec's
+    side of computed_rows)."""
+    if real_rows is None:
+        return y
+    keep = (mx.arange(y.shape[0]) < real_rows).reshape(-1, *([1] * (y.ndim - 1)))
+    return mx.where(keep, y, mx.zeros_like(y))
+
+
 # -------------------------------------------------------------------- hc_input
 
 HC_MIX_CHUNKS = 16  # hc_mix's threadgroups per row (a row holds hc * dim values, a multiple of 32)
@@ -470,7 +485,7 @@ def sparse_attention_rows(q: mx.array, ring: mx.array, index: mx.array, window_m
     (out,) = kernel(inputs=[q, ring.astype(mx.bfloat16), index.astype(mx.int32), window_mask.astype(mx.bool_),
                             kv.astype(mx.bfloat16), ids.astype(mx.uint32), picked_mask.astype(mx.bool_),
                             sink.astype(mx.float32), cos.astype(mx.float32), sin.astype(mx.float32),
-                            _float32s(scale), _int32s(S if real_rows is None else min(real_rows, S))],
+                            _float32s(scale), _int32s(computed_rows(real_rows, S))],
                     template=[("D", D), ("H", H), ("G", G), ("W", W), ("K", K), ("RD", rope_dims)],
                     grid=(S * (H // G) * 256, 1, 1), threadgroup=(256, 1, 1),
                     output_shapes=[(S, H, D)], output_dtypes=[mx.bfloat16])
@@ -559,9 +574,7 @@ def fp8_gemv_reference(x: mx.array, w: mx.array, scales: mx.array, quantize_inpu
         y = fp8_gemv_reference(x.reshape(-1, 1, x.shape[-1]), w[None], scales[None], quantize_input, real_rows)
         return y.reshape(*x.shape[:-1], w.shape[0])
     y = _gathered(_quantized_input(x, quantize_input), w, scales, mx.arange(w.shape[0]), "mxfp8").astype(mx.bfloat16)
-    if real_rows is not None:
-        y = mx.where((mx.arange(y.shape[0]) < real_rows)[:, None, None], y, mx.zeros_like(y))
-    return y
+    return padding_zeroed(y, real_rows)
 
 
 def _quantized_input(x: mx.array, quantize: bool) -> mx.array:
@@ -636,8 +649,8 @@ def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None
     _bf16_to_quantize(x, quantize_input)
     K, G = x.shape[-1], (w.shape[0] if w.ndim == 3 else 1)
     S, N = x.size // (G * K), w.shape[-2]
-    R = S if real_rows is None else min(real_rows, S)
-    return _gemv_launch(FP8_GEMV, impl, [x.astype(mx.bfloat16), w, scales, _int32s(R, N, K, G, S)],
+    return _gemv_launch(FP8_GEMV, impl, [x.astype(mx.bfloat16), w, scales,
+                                         _int32s(computed_rows(real_rows, S), N, K, G, S)],
                         S, K, G, (*x.shape[:-1], N), init_value, quantize_input, threads)
 
 

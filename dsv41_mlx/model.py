@@ -678,7 +678,7 @@ class Attention(nn.Module):
             # one launch that rotates q, gathers each row's keys itself and rotates its output
             # back (spec: the rotations in queries and output around the lines below)
             o = kernels.sparse_attention_rows(q, keys, index, window_mask, kv, ids, picked_mask, self.attn_sink,
-                                              self.scale, rope, self.rope.dims, shared.real_rows)
+                                              self.scale, rope, self.rope.dims, real)
         else:
             window_keys = keys if index is None else keys[index]  # [N, D] shared, or [S, W, D] per row
             picked = None if ids is None else kv[ids]  # [S, k, D]
@@ -993,6 +993,11 @@ class Model(nn.Module):
         cache.trim(rows - n)
         return (logits if last_logits_only else logits[:, :n]), features[:, :n]
 
+    def takes_whole_stream(self, i: int) -> bool:
+        """Whether block i needs the stream whole before it runs (an engram layer adds to it, a
+        DSpark target layer taps it), so that a previous block's Expansion is expanded first."""
+        return i in self.args.engram_layer_ids or i in self.args.dspark_target_layer_ids
+
     def make_cache(self) -> ModelCache:
         return ModelCache([LayerCache(self.args.sliding_window,
                                       self.args.compress_ratios[i] if layer.attn.is_kv_source else 0)
@@ -1021,7 +1026,7 @@ class Model(nn.Module):
         features = []
         targets = self.args.dspark_target_layer_ids
         for i, layer in enumerate(self.layers):
-            if i in engram_rows or i in targets:
+            if self.takes_whole_stream(i):
                 h = stream_value(h)
             if i in engram_rows:
                 h = layer.engram(h, engram_rows[i])

@@ -663,7 +663,7 @@ def decode_by_layer(model, token: int, cache, on_layer) -> mx.array:
     shared = SharedAttention(real_rows=1)
     for i, layer in enumerate(model.layers):
         def run(i=i, layer=layer, h=h, pre=pre):  # h: an array or the previous block's Expansion
-            if hasattr(layer, "engram") or i in args.dspark_target_layer_ids:
+            if model.takes_whole_stream(i):
                 h = stream_value(h)  # the feature tap's graph is not the step's: Model.__call__ taps it
             if hasattr(layer, "engram"):
                 h = layer.engram(h, layer.engram.gather(hashes[:, model.hasher.layer_index(i)]))

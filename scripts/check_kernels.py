@@ -72,7 +72,8 @@ import numpy as np
 from dsv41_mlx.kernels import (TILE, TOP_K, backend, fp8_rows_tiles, fp8_rows_top64, hc_split, hc_split_reference,
                                ring_write, ring_write_reference)
 from dsv41_mlx.kernels import (act_quant_fp8, fp4_experts, fp4_quant, fp8_gemv, hc_input, hc_post_input, moe_gate,
-                               moe_gate_reference, rms_norm, rms_norm_reference, sparse_attention_rows)
+                               moe_gate_reference, padding_zeroed, rms_norm, rms_norm_reference,
+                               sparse_attention_rows)
 from dsv41_mlx.quant import fp4_fake_quant_reference, fp8_fake_quant_reference, quantize_fp8_tiles_mx
 
 POISON = -12345.0
@@ -563,10 +564,7 @@ def sparse_attention_spec(q, ring, index, window_mask, kv, ids, picked_mask, sin
 
     picked = None if ids is None else kv[ids]
     o = sparse_attention(Rope.apply(q, rope), ring[index], window_mask, picked, picked_mask, sink, scale)
-    o = Rope.apply(o, rope, inverse=True)
-    if real_rows is not None:
-        o = mx.where((mx.arange(o.shape[0]) < real_rows)[:, None, None], o, mx.zeros_like(o))
-    return o
+    return padding_zeroed(Rope.apply(o, rope, inverse=True), real_rows)
 
 
 def release_ropes() -> tuple:
