@@ -612,15 +612,22 @@ def _gemv_fits(rows: int, n: int, k: int, impl: str | None) -> bool:
 GEMV_OUTPUTS = 4  # outputs per thread group: each x value read serves 4 weight rows (T)
 
 
-def gemv_threads_per_output(k: int) -> int:
+GEMV_FILL = 1 << 18  # outputs x threads per output: at least 256 threadgroups of 1024 / T outputs' threads
+
+
+def gemv_threads_per_output(k: int, outputs: int = 0) -> int:
     """The GEMV kernels' C: how many threads split the k inputs of an output, 32 (a simdgroup)
-    to 256 (a threadgroup), the fewest that leave each thread at most 10 steps of 16 inputs.
-    A forward is a chain of GEMMs, each waiting for the last, so a GEMM's time is its latency:
-    more threads per output put more bytes in flight at once. Measured on an H200 at every FP8
-    and FP4 shape of the release (docs/benchmarks.md, session 7). Depends on k only, so each
-    output's order of additions is the same in every forward."""
+    to 256 (a threadgroup), the fewest that leave each thread at most 10 steps of 16 inputs
+    and give a matrix of `outputs` outputs at least 256 threadgroups. A forward is a chain of
+    GEMMs, each waiting for the last, so a GEMM's time is its latency: more threads per output
+    put more bytes in flight at once, and a matrix of few outputs (wq_a's 1280, wkv's 512)
+    would otherwise keep most of a GPU's cores idle. The steps rule was measured on an H200 at
+    every FP8 and FP4 shape of the release (docs/benchmarks.md, session 7), the fill rule at
+    the FP8 ones (session 12); fp4_experts, whose launch holds every picked expert's
+    outputs, passes no outputs. Depends on the matrix's shape only, so each output's order of
+    additions is the same in every forward."""
     c = 32
-    while c < 256 and 160 * c < k:
+    while c < 256 and (160 * c < k or 0 < outputs * c < GEMV_FILL):
         c *= 2
     return c
 
@@ -640,7 +647,7 @@ def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None
     computed (default all); the rest, a padded forward's padding (model.Model.padded), come
     out zeros, their weight reads and sums spared. threads: the threads per output (C), for
     `bench.py gemms --threads` to compare layouts; a forward keeps the default,
-    gemv_threads_per_output(K), so that a sum's order depends on K alone."""
+    gemv_threads_per_output(K, N * G), so that a sum's order depends on the matrix's shape alone."""
     impl = impl or backend()
     if not fp8_gemv_fits(x, w, impl):
         raise ValueError(f"fp8_gemv takes x [<= {DECODE_MAX_ROWS}, G, K] and w [G, N, K/4], or x [..., K] of at most "
@@ -651,7 +658,8 @@ def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None
     S, N = x.size // (G * K), w.shape[-2]
     return _gemv_launch(FP8_GEMV, impl, [x.astype(mx.bfloat16), w, scales,
                                          _int32s(computed_rows(real_rows, S), N, K, G, S)],
-                        S, K, G, (*x.shape[:-1], N), init_value, quantize_input, threads)
+                        S, K, G, (*x.shape[:-1], N), init_value, quantize_input,
+                        threads or gemv_threads_per_output(K, N * G))
 
 
 def _bf16_to_quantize(x: mx.array, quantize_input: bool) -> None:

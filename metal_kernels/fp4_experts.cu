@@ -31,6 +31,11 @@ for (int r = 0; r < RB; r++) {
     }
   }
 }
+__shared__ float e2m1[16];  // each E2M1 code's value / 2^14 (a table read costs less than a conversion)
+if (threadIdx.x < 16) {
+  e2m1[threadIdx.x] = fp16_bits_to_float(E2M1_HALF(threadIdx.x));
+}
+__syncthreads();
 const unsigned int words = (unsigned int)K / 8;
 const unsigned int blocks = (unsigned int)K / 32;
 
@@ -68,9 +73,10 @@ for (unsigned int s = 0; s < steps; s++) {
 #pragma unroll
     for (int i = 0; i < T; i++) {
       const unsigned int word = h ? q[i].y : q[i].x;
+      const unsigned int codes[2] = {E2M1_EVEN_CODES(word), E2M1_ODD_CODES(word)};
 #pragma unroll
-      for (int c = 0; c < 8; c++) {
-        wf[i][c] = fp16_bits_to_float(E2M1_HALF((word >> (4 * c)) & 0xFu)) * sc[i];
+      for (int c = 0; c < 8; c++) {  // code c: byte c / 2 of codes[c % 2]
+        wf[i][c] = e2m1[(codes[c % 2] >> (8 * (c / 2))) & 0xFu] * sc[i];
       }
     }
 #pragma unroll

@@ -10,7 +10,9 @@
 // (256 / C) * T, K of 32.
 //
 // The arithmetic is fp8_gemv's: an E2M1 code becomes the fp16 of its value / 2^14 by moving
-// bits (fp8_common.h), then a float times its scale * 2^14 (a power of two: exact); products
+// bits (fp8_common.h), then a float (read from a 16-entry table the threadgroup fills first:
+// one table read a code, where converting each would bound the kernel by the GPU's slow
+// conversion rate) times its scale * 2^14 (a power of two: exact); products
 // with bf16 values are exact in float32, summed per thread in column order, then over each
 // simdgroup in a butterfly and over a thread group's simdgroups in order (gemv_lane.h). Each pair's outputs are computed alone: the same bits whatever the
 // other rows and their experts. The spec is MLX's gather_qmm (kernels.fp4_experts_reference),
@@ -55,6 +57,11 @@ for (int r = 0; r < RB; r++) {
     }
   }
 }
+threadgroup float e2m1[16];  // each E2M1 code's value / 2^14 (a table read costs less than a conversion)
+if (thread_position_in_threadgroup.x < 16) {
+  e2m1[thread_position_in_threadgroup.x] = float(as_type<half>(ushort(E2M1_HALF(thread_position_in_threadgroup.x))));
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
 const uint words = uint(K) / 8;
 const uint blocks = uint(K) / 32;
 
@@ -88,8 +95,9 @@ for (uint s = 0; s < steps; s++) {
     float wf[T][8];  // the weights' values (scale folded in), columns in order
     for (int i = 0; i < T; i++) {
       const uint word = h ? q[i].y : q[i].x;
-      for (int c = 0; c < 8; c++) {
-        wf[i][c] = float(as_type<half>(ushort(E2M1_HALF((word >> (4 * c)) & 0xFu)))) * sc[i];
+      const uint codes[2] = {E2M1_EVEN_CODES(word), E2M1_ODD_CODES(word)};
+      for (int c = 0; c < 8; c++) {  // code c: byte c / 2 of codes[c % 2]
+        wf[i][c] = e2m1[(codes[c % 2] >> (8 * (c / 2))) & 0xFu] * sc[i];
       }
     }
     for (int r = 0; r < RB; r++) {

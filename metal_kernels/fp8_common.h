@@ -13,6 +13,10 @@
 // same number times 2^-14 (0.5, the one subnormal code, lands on the fp16 subnormal 2^-15),
 // the factor 2^14 folded into the block scale.
 #define E2M1_HALF(c) ((((c) & 0x8u) << 12) | (((c) & 0x7u) << 9))
+// The eight codes of a 32-bit word by parity: code 2b is byte b of E2M1_EVEN_CODES(w), code
+// 2b + 1 byte b of E2M1_ODD_CODES(w) (two masks for eight codes).
+#define E2M1_EVEN_CODES(w) ((w) & 0x0F0F0F0Fu)
+#define E2M1_ODD_CODES(w) (((w) >> 4) & 0x0F0F0F0Fu)
 
 // E8M0 byte e -> float bits of its scale 2^(e-127). Valid for e >= 1 (e = 0, a
 // scale of 2^-127, would need a subnormal; the FP8 head builder never emits it).

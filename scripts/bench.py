@@ -897,7 +897,7 @@ def bench_gemms(rows: int = 8, experts: int = 24, dim: int = 5120, inter: int = 
             row["kernel_ms"] = timed(lambda i: kernels.fp8_gemv(xq, *ws[i % copies], real_rows=real), 10, 3) * 1e3
             row["kernel_chained_ms"] = chained(
                 lambda v, i: kernels.fp8_gemv(v, *ws[i % copies], real_rows=real), xq) * 1e3
-            row["default_threads"] = kernels.gemv_threads_per_output(d_in)
+            row["default_threads"] = kernels.gemv_threads_per_output(d_in, groups * d_out)
             row["kernel_chained_ms_by_threads"] = {
                 c: chained(lambda v, i: kernels.fp8_gemv(v, *ws[i % copies], real_rows=real, threads=c), xq) * 1e3
                 for c in threads}

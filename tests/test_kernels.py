@@ -234,7 +234,7 @@ def test_metal_source_type_checks(case, rows, tmp_path):
     ("rms_norm_rope_quantised", ("simd_shuffle_xor(v, ushort(1))", "simd_shuffle_xor(v)")),  # bad call
     ("sparse_attention", ("threadgroup float denom[G];", "threadgroup float denom[G]")),  # no semicolon
     ("fp8_gemv", ("gemv_warp_totals<T, RB>(&acc[0][0], partial,", "gemv_warp_totals<T, RB>(acc, partial,")),  # wrong type
-    ("fp4_experts", ("E2M1_HALF((word >> (4 * c)) & 0xFu)", "E2M1_HALF((word >> (4 * c)) & 0xFu, c)")),  # bad macro call
+    ("fp4_experts", ("E2M1_ODD_CODES(word)}", "E2M1_ODD_CODES(word, c)}")),  # bad macro call
     ("fp4_experts", ("int slot[RB];", "int slot[RB]")),  # no semicolon
     ("fp8_gemv", ("q[i] = *((const device uint4*)", "q[i] = *((const device uint2*)")),  # type error
     ("fp4_experts_quantizing", ("xs[r] = gemv_input_block_scale(", "xs[r] = gemv_input_block_scales(")),  # misspelt
@@ -730,11 +730,17 @@ def test_kernel_arguments_are_made_once_per_value(monkeypatch):
     assert seen[-1][1].tolist() == [2, 64]
 
 
-def test_gemv_threads_per_output_default_by_k_and_can_be_set_for_benchmarks(monkeypatch):
-    """fp8_gemv launches with C = gemv_threads_per_output(K) unless told otherwise (bench.py
-    gemms --threads), its grid sized for C; a C other than 32, 64, 128 or 256 is refused."""
+def test_gemv_threads_per_output_default_by_shape_and_can_be_set_for_benchmarks(monkeypatch):
+    """fp8_gemv launches with C = gemv_threads_per_output(K, N * G) unless told otherwise (bench.py
+    gemms --threads), its grid sized for C; a C other than 32, 64, 128 or 256 is refused. The rule:
+    the fewest threads that leave each at most 10 steps of 16 inputs and, given the matrix's outputs,
+    fill 256 threadgroups."""
     from dsv41_mlx import kernels
 
+    threads = kernels.gemv_threads_per_output
+    assert [threads(5120), threads(8192), threads(15360)] == [32, 64, 128]  # steps alone (fp4_experts)
+    assert [threads(5120, 512), threads(5120, 1280), threads(5120, 4608)] == [256, 256, 64]  # wkv, wq_a, w13
+    assert [threads(1280, 32768), threads(4096, 8 * 1024), threads(15360, 5120)] == [32, 32, 128]
     seen = []
 
     def compiled(spec, language):
@@ -747,8 +753,7 @@ def test_gemv_threads_per_output_default_by_k_and_can_be_set_for_benchmarks(monk
     x, w, s = mx.zeros((8, 5120), dtype=mx.bfloat16), mx.zeros((512, 1280), dtype=mx.uint32), mx.zeros((512, 160))
     kernels.fp8_gemv(x, w, s, impl="cuda")
     kernels.fp8_gemv(x, w, s, impl="cuda", threads=128)
-    assert seen == [(kernels.gemv_threads_per_output(5120), 512 // (256 // 32 * 4) * 256),
-                    (128, 512 // (256 // 128 * 4) * 256)]
+    assert seen == [(256, 512 // (256 // 256 * 4) * 256), (128, 512 // (256 // 128 * 4) * 256)]
     for bad in (48, 512):
         with pytest.raises(ValueError, match="threads per output"):
             kernels.fp8_gemv(x, w, s, impl="cuda", threads=bad)
