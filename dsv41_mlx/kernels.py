@@ -609,10 +609,21 @@ def _gemv_fits(rows: int, n: int, k: int, impl: str | None) -> bool:
     return (impl or backend()) != "mlx" and rows <= DECODE_MAX_ROWS and n % 32 == 0 and k % 256 == 0
 
 
-GEMV_OUTPUTS = 4  # outputs per thread group: each x value read serves 4 weight rows (T)
+def gemv_layout(rows: int) -> tuple[int, int]:
+    """(RB, T) of the GEMV kernels for `rows` computed rows. RB, the bound on rows, is the
+    least power of two holding them, T the outputs per thread group: 4 at one row (each x
+    value read serves T weight rows), 2 above. A thread holds T * RB sums in registers, and
+    the fewer registers a thread holds the more threadgroups share a core: on an H200 (NVRTC's
+    register counts, session 12) fp8_gemv fits four at RB 1 to 8 this way where RB 8 with T 4
+    fitted two, fp4_experts four at RB 1 to 4. Neither changes a row's bits: its sums run in
+    the same order whatever the bound or the grouping."""
+    rb = 1
+    while rb < rows:
+        rb *= 2
+    return rb, (4 if rb == 1 else 2)
 
 
-GEMV_FILL = 1 << 18  # outputs x threads per output: at least 256 threadgroups of 1024 / T outputs' threads
+GEMV_FILL = 1 << 18  # outputs x threads per output to fill: 256 threadgroups at T = 4, 512 at T = 2
 
 
 def gemv_threads_per_output(k: int, outputs: int = 0) -> int:
@@ -656,9 +667,9 @@ def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None
     _bf16_to_quantize(x, quantize_input)
     K, G = x.shape[-1], (w.shape[0] if w.ndim == 3 else 1)
     S, N = x.size // (G * K), w.shape[-2]
-    return _gemv_launch(FP8_GEMV, impl, [x.astype(mx.bfloat16), w, scales,
-                                         _int32s(computed_rows(real_rows, S), N, K, G, S)],
-                        S, K, G, (*x.shape[:-1], N), init_value, quantize_input,
+    rows = computed_rows(real_rows, S)
+    return _gemv_launch(FP8_GEMV, impl, [x.astype(mx.bfloat16), w, scales, _int32s(rows, N, K, G, S)],
+                        rows, K, G, (*x.shape[:-1], N), init_value, quantize_input,
                         threads or gemv_threads_per_output(K, N * G))
 
 
@@ -671,19 +682,19 @@ def _bf16_to_quantize(x: mx.array, quantize_input: bool) -> None:
 
 def _gemv_launch(spec: KernelSpec, impl: str, inputs: list, rows: int, k: int, sets: int, out_shape: tuple,
                  init_value: float | None, quantize_input: bool, threads: int | None = None) -> mx.array:
-    """Launch fp8_gemv or fp4_experts for up to 16 rows and k inputs: `sets` sets of
-    out_shape[-1] outputs (matrices, or (row, expert) pairs), a threadgroup of 256 threads per
-    (256 / C) * GEMV_OUTPUTS outputs of a set -> bf16. threads: C (default
-    gemv_threads_per_output(k))."""
+    """Launch fp8_gemv or fp4_experts for `rows` computed rows (up to 16) and k inputs: `sets`
+    sets of out_shape[-1] outputs (matrices, or (row, expert) pairs), a threadgroup of 256
+    threads per (256 / C) * T outputs of a set -> bf16. threads: C (default
+    gemv_threads_per_output(k)); RB and T: gemv_layout(rows)."""
     n = out_shape[-1]
     if threads is None:
         threads = gemv_threads_per_output(k)
     elif threads not in (32, 64, 128, 256):  # a threadgroup then holds 32 to 4 outputs: N is a multiple of 32
         raise ValueError(f"a GEMV kernel takes 32, 64, 128 or 256 threads per output, got {threads}")
+    rb, t = gemv_layout(rows)
     (y,) = _compiled(spec, impl)(
-        inputs=inputs, template=[("RB", 8 if rows <= 8 else 16), ("T", GEMV_OUTPUTS), ("C", threads),
-                                 ("QX", int(quantize_input))],
-        grid=(sets * n // (256 // threads * GEMV_OUTPUTS) * 256, 1, 1), threadgroup=(256, 1, 1),
+        inputs=inputs, template=[("RB", rb), ("T", t), ("C", threads), ("QX", int(quantize_input))],
+        grid=(sets * n // (256 // threads * t) * 256, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[out_shape], output_dtypes=[mx.bfloat16], init_value=init_value)
     return y
 

@@ -96,7 +96,12 @@ for (unsigned int s = 0; s < steps; s++) {
 gemv_warp_totals<T, RB>(&acc[0][0], partial);
 for (unsigned int o = col; o < T * RB; o += C) {  // output n0 + o / RB of row o % RB's pair
   const int r = (int)(o % RB);
-  if (slot[r] >= 0) {
-    y[((size_t)r * KS + slot[r]) * N + n0 + o / RB] = __float2bfloat16(gemv_group_total<T, RB, C>(partial, grp, o));
+  int picked = -1;  // slot[r], picked out so that slot stays in registers (a variable index would not)
+#pragma unroll
+  for (int i = 0; i < RB; i++) {
+    picked = i == r ? slot[i] : picked;
+  }
+  if (picked >= 0) {
+    y[((size_t)r * KS + picked) * N + n0 + o / RB] = __float2bfloat16(gemv_group_total<T, RB, C>(partial, grp, o));
   }
 }

@@ -24,8 +24,9 @@
 // fp8_gemv runs its rows: a thread group of C threads owns T outputs and splits K, thread c
 // taking columns 16c .. 16c + 15 of every 16 * C (8 bytes of each weight row per step).
 // QX = 1: x not yet FP8 fake-quantised, the kernel quantises it as it reads it (fp8_gemv.metal).
-// Template constants: RB (a bound on rows: 8 or 16), T (outputs per thread group), C
-// (threads per thread group, a multiple of 32), QX (0 or 1).
+// Template constants: RB (a bound on rows, a power of two up to 16), T (outputs per thread
+// group), C (threads per thread group, a multiple of 32), QX (0 or 1); a pair's bits do not
+// depend on RB or T (kernels.gemv_layout picks them).
 // CUDA twin: fp4_experts.cu.
 
 threadgroup float partial[8 * T * RB];  // each simdgroup's sums (gemv_warp_totals)
@@ -116,7 +117,11 @@ for (uint s = 0; s < steps; s++) {
 gemv_warp_totals<T, RB>(&acc[0][0], partial, thread_index_in_simdgroup, simdgroup_index_in_threadgroup);
 for (uint o = col; o < T * RB; o += C) {  // output n0 + o / RB of row o % RB's pair
   const int r = int(o % RB);
-  if (slot[r] >= 0) {
-    y[(ulong(r) * KS + slot[r]) * N + n0 + o / RB] = bfloat16_t(gemv_group_total<T, RB, C>(partial, grp, o));
+  int picked = -1;  // slot[r], picked out so that slot stays in registers (a variable index would not)
+  for (int i = 0; i < RB; i++) {
+    picked = i == r ? slot[i] : picked;
+  }
+  if (picked >= 0) {
+    y[(ulong(r) * KS + picked) * N + n0 + o / RB] = bfloat16_t(gemv_group_total<T, RB, C>(partial, grp, o));
   }
 }

@@ -79,3 +79,7 @@ for (unsigned int o = col; o < T * RB; o += C) {  // output n0 + o / RB, row o %
     y[((size_t)(o % RB) * G + g) * N + n0 + o / RB] = __float2bfloat16(gemv_group_total<T, RB, C>(partial, grp, o));
   }
 }
+const int pad = out_rows - RB;  // padding rows past RB: zeros
+for (int o = (int)col; o < T * pad; o += C) {  // output n0 + o / pad, row RB + o % pad
+  y[((size_t)(RB + o % pad) * G + g) * N + n0 + o / pad] = __float2bfloat16(0.0f);
+}

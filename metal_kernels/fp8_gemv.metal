@@ -6,7 +6,8 @@
 // (exact: an FP8 fake-quantised activation, or wo_a's bf16 one). Output y: bf16
 // [out_rows, G, N]. G = 1 for a dense GEMM; wo_a's 8 groups otherwise. sizes [5] int32 =
 // (rows, N, K, G, out_rows): the first `rows` rows are computed, the rest of the out_rows
-// (a padded forward's padding, model.Model.padded) come out zeros; rows <= out_rows <= RB.
+// (a padded forward's padding, model.Model.padded) come out zeros; rows <= RB, and the
+// padding rows past RB are written zeros without any sums.
 // N a multiple of (256 / C) * T, K of 32.
 //
 // The arithmetic: an E4M3 code becomes the fp16 of its value / 256 by moving bits
@@ -28,8 +29,9 @@
 // halves' largest magnitudes, which gives the bits of act_quant followed by QX = 0 (one
 // launch fewer). Every thread then runs the same number of steps (the exchange needs all
 // lanes), the steps past K only taking part in it.
-// Template constants: RB (a bound on rows: 8 or 16), T (outputs per thread group), C
-// (threads per thread group, a multiple of 32), QX (0 or 1). CUDA twin: fp8_gemv.cu.
+// Template constants: RB (a bound on the computed rows, a power of two up to 16), T (outputs
+// per thread group), C (threads per thread group, a multiple of 32), QX (0 or 1); a row's
+// bits do not depend on RB or T (kernels.gemv_layout picks them). CUDA twin: fp8_gemv.cu.
 
 threadgroup float partial[8 * T * RB];  // each simdgroup's sums (gemv_warp_totals)
 const int rows = sizes[0];
@@ -102,4 +104,8 @@ for (uint o = col; o < T * RB; o += C) {  // output n0 + o / RB, row o % RB
   if (int(o % RB) < out_rows) {  // a row past `rows`: its sums stayed zero
     y[(ulong(o % RB) * G + g) * N + n0 + o / RB] = bfloat16_t(gemv_group_total<T, RB, C>(partial, grp, o));
   }
+}
+const int pad = out_rows - RB;  // padding rows past RB: zeros
+for (int o = int(col); o < T * pad; o += C) {  // output n0 + o / pad, row RB + o % pad
+  y[(ulong(RB + o % pad) * G + g) * N + n0 + o / pad] = bfloat16_t(0.0f);
 }

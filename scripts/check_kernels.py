@@ -340,7 +340,7 @@ def check_fp8_gemv(impl: str, seed: int) -> list[str]:
     of the flash-shaped model (the release's dense ones and wo_a's 8 groups) and two ragged
     ones, 1..16 rows, outputs poisoned before the launch: every value within the bound of
     another float32 summation order (`gemm_agreement`); a row alone the same bits as among
-    others, at 8 rows and at 16 (the kernel's two row bounds); a dense GEMM's 2-D form the same
+    others, at 8 rows and at 16 (row bounds RB 8 and 16 against RB 1); a dense GEMM's 2-D form the same
     bits as one group; asked for fewer real rows (a padded forward), those the same bits and
     the rest zeros."""
     mx.random.seed(seed)

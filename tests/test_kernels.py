@@ -753,10 +753,37 @@ def test_gemv_threads_per_output_default_by_shape_and_can_be_set_for_benchmarks(
     x, w, s = mx.zeros((8, 5120), dtype=mx.bfloat16), mx.zeros((512, 1280), dtype=mx.uint32), mx.zeros((512, 160))
     kernels.fp8_gemv(x, w, s, impl="cuda")
     kernels.fp8_gemv(x, w, s, impl="cuda", threads=128)
-    assert seen == [(256, 512 // (256 // 256 * 4) * 256), (128, 512 // (256 // 128 * 4) * 256)]
+    assert seen == [(256, 512 // (256 // 256 * 2) * 256), (128, 512 // (256 // 128 * 2) * 256)]  # 8 rows: T = 2
     for bad in (48, 512):
         with pytest.raises(ValueError, match="threads per output"):
             kernels.fp8_gemv(x, w, s, impl="cuda", threads=bad)
+
+
+def test_gemv_layout_bounds_the_computed_rows_by_a_power_of_two(monkeypatch):
+    """The GEMV kernels' row bound RB is the least power of two holding the rows they compute
+    (a padded forward's real rows: a 1-row decode runs RB = 1), T outputs per thread group 4
+    at RB 1 and 2 above; the grid follows T."""
+    from dsv41_mlx import kernels
+
+    assert [kernels.gemv_layout(r) for r in (1, 2, 3, 5, 8, 9, 16)] == [
+        (1, 4), (2, 2), (4, 2), (8, 2), (8, 2), (16, 2), (16, 2)]
+    seen = []
+
+    def compiled(spec, language):
+        def run(inputs, template, grid, output_shapes, output_dtypes, **_):
+            seen.append((spec.name, dict(template)["RB"], dict(template)["T"], grid[0], output_shapes[0]))
+            return [mx.zeros(shape, dtype=dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
+        return run
+
+    monkeypatch.setattr(kernels, "_compiled", compiled)
+    x, w, s = mx.zeros((8, 4096), dtype=mx.bfloat16), mx.zeros((8192, 1024), dtype=mx.uint32), mx.zeros((8192, 128))
+    kernels.fp8_gemv(x, w, s, impl="cuda", real_rows=1)
+    kernels.fp8_gemv(x, w, s, impl="cuda", real_rows=6)
+    xe, we, se = mx.zeros((3, 1, 512), dtype=mx.bfloat16), mx.zeros((4, 64, 64), dtype=mx.uint32), mx.zeros((4, 64, 16))
+    kernels.fp4_experts(xe, we, se, mx.zeros((3, 2), dtype=mx.uint32), impl="cuda")
+    assert seen == [("fp8_gemv", 1, 4, 8192 // (8 * 4) * 256, (8, 8192)),  # all 8 rows out, padding zeros
+                    ("fp8_gemv", 8, 2, 8192 // (8 * 2) * 256, (8, 8192)),
+                    ("fp4_experts", 4, 2, 3 * 2 * 64 // (8 * 2) * 256, (3, 2, 64))]
 
 
 def test_gemv_kernels_quantise_bf16_input_only():
