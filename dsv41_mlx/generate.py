@@ -74,8 +74,9 @@ def warm_up(model, chunk: int = DEFAULT_PREFILL_CHUNK) -> float:
     per kernel in every new process, minutes the first time on a machine while MLX builds
     them). Prefill: a last chunk of every padded row count, on an empty cache and on one
     holding a full chunk; then a few tokens greedy and sampled, plain and (with DSpark
-    stages) drafted, which also measures the verify costs the schedule policy uses. Returns
-    the seconds it took."""
+    stages) drafted, which also measures the verify costs the schedule policy uses (a target
+    forward of every verify size), and the drafter's ingest of every size (the GEMV kernels
+    are built per bound on their rows). Returns the seconds it took."""
     tic = time.perf_counter()
     vocab = model.args.vocab_size
     for rows in sorted(set(range(PREFILL_ROUND, chunk + 1, PREFILL_ROUND)) | {chunk}):
@@ -85,12 +86,24 @@ def warm_up(model, chunk: int = DEFAULT_PREFILL_CHUNK) -> float:
     for params in (SamplingParams(), SamplingParams(temperature=1.0)):
         for draft in (False, True) if model.drafter is not None else (False,):
             list(generate_step(model, prompt[:PREFILL_ROUND], params, 3, chunk, make_decoder(model, params, draft)))
+    if model.drafter is not None:
+        _warm_up_ingest(model)
     # Start MLX's buffer cache afresh. On an H200 (MLX 0.32.4, CUDA), after these forwards the
     # allocator stopped reusing buffers (its cache stayed empty through later steps) and a
     # decode step took 88-93 ms against 56 ms before the warm-up; after mx.clear_cache() it
     # reused them again and a step took 58 ms. Measured, not explained (docs/benchmarks.md).
     mx.clear_cache()
     return time.perf_counter() - tic
+
+
+def _warm_up_ingest(model) -> None:
+    """Every ingest a drafting round can make (1 .. block + 1 committed positions), on a
+    scratch draft cache."""
+    drafter, cache = model.drafter, model.drafter.make_cache()
+    width = len(model.args.dspark_target_layer_ids) * model.args.hidden_size
+    for n in range(1, drafter.block + 2):
+        drafter.ingest(cache, mx.zeros((n, width), dtype=mx.bfloat16))
+        mx.eval(cache.rings)
 
 
 def generate_step(model, prompt: list[int], params: SamplingParams, max_tokens: int,

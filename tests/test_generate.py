@@ -96,8 +96,8 @@ def test_the_context_length_bounds_prompt_and_reply(default_model, monkeypatch):
 def test_warm_up_runs_every_chunk_shape_then_plain_and_drafted_tokens(default_model, monkeypatch):
     """generate.warm_up (server --warm-up, bench.py e2e) forwards a chunk of every padded row
     count a prompt can end in, on an empty cache and on one holding a chunk, then generates a
-    few tokens greedy and sampled, plain and drafted (measuring the verify costs), and clears
-    MLX's buffer cache."""
+    few tokens greedy and sampled, plain and drafted (measuring the verify costs), ingests
+    every size a round can commit into a scratch draft cache, and clears MLX's buffer cache."""
     import importlib
 
     generate = importlib.import_module("dsv41_mlx.generate")  # the module (the package exports a function so named)
@@ -113,8 +113,15 @@ def test_warm_up_runs_every_chunk_shape_then_plain_and_drafted_tokens(default_mo
         runs.append((params.greedy, decoder is not None))
         return step(model_, prompt, params, max_tokens, chunk, decoder)
 
+    ingested, ingest = [], model.drafter.ingest
+
+    def record_ingest(cache, features):
+        ingested.append(features.shape[0])
+        return ingest(cache, features)
+
     monkeypatch.setattr(model, "padded", record)
     monkeypatch.setattr(generate, "generate_step", generation)
+    monkeypatch.setattr(model.drafter, "ingest", record_ingest)
     model.drafter.verify_costs = None
     assert generate.warm_up(model, chunk=40) > 0
     assert generate.PREFILL_ROUND == 16
@@ -122,6 +129,7 @@ def test_warm_up_runs_every_chunk_shape_then_plain_and_drafted_tokens(default_mo
     assert not any(r % 16 and r != 40 for r, o in seen if r > 8)  # nothing else but decode / verify rows
     assert sorted(runs) == [(False, False), (False, True), (True, False), (True, True)]
     assert model.drafter.verify_costs is not None
+    assert set(range(1, model.drafter.block + 2)) <= set(ingested)
     assert mx.get_cache_memory() == 0  # the buffer cache started afresh
 
 
