@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -195,7 +196,7 @@ import scripts.check_kernels as check
 check.quantised_gemm_shapes = lambda: ({(256, 64), (512, 32)}, set(), set())
 bench.copy_bandwidth = lambda: 1e11  # its 1 GiB copies take half a minute on a CI core, and say nothing here
 with count_ops.gpu_path_with_stub_kernels(collections.Counter()):
-    res = bench.bench_gemms(rows=8, experts=4, dim=256, inter=64, cache_bytes=1 << 16, real=1, threads=(32, 128))
+    res = bench.bench_gemms(rows=8, experts=4, dim=256, inter=64, cache_bytes=1 << 16, real=1, threads=(32, 256))
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         bench.print_gemms(bench.environment(), res)
@@ -204,10 +205,12 @@ print(json.dumps({"rows": [{k: r[k] for k in ("shape", "default_threads", "kerne
 """)
     rows = {r["shape"]: r for r in res["rows"]}
     assert res["real"] == 1
-    assert all(set(r["kernel_chained_ms_by_threads"]) == {"32", "128"} for r in rows.values())
-    assert rows["256 -> 64"]["default_threads"] == rows["512 -> 32"]["default_threads"] == 32
-    assert "| FP8 GEMM | C = 32 | C = 128 |" in res["out"] and "1 of 8 rows computed" in res["out"]
+    assert all(set(r["kernel_chained_ms_by_threads"]) == {"32", "256"} for r in rows.values())
+    # few outputs: the default fills the GPU with 256 threads per output (gemv_threads_per_output)
+    assert rows["256 -> 64"]["default_threads"] == rows["512 -> 32"]["default_threads"] == 256
+    assert "| FP8 GEMM | C = 32 | C = 256 |" in res["out"] and "1 of 8 rows computed" in res["out"]
     assert "| 512 -> 32 | " in res["out"] and "* the kernel's default" in res["out"]
+    assert re.search(r"\| 512 -> 32 \| [-0-9.]+ \| [-0-9.]+\* \|", res["out"])
 
 
 def test_chained_times_a_gemm_waiting_for_the_one_before(bench):
