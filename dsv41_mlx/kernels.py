@@ -615,8 +615,8 @@ def gemv_layout(rows: int) -> tuple[int, int]:
     value read serves T weight rows), 2 above. A thread holds T * RB sums in registers, and
     the fewer registers a thread holds the more threadgroups share a core: on an H200 (NVRTC's
     register counts, session 12) fp8_gemv fits four at RB 1 to 8 this way where RB 8 with T 4
-    fitted two, fp4_experts four at RB 1 to 4. Neither changes a row's bits: its sums run in
-    the same order whatever the bound or the grouping."""
+    fitted two, fp4_experts four or five at RB 1 to 4 (two at RB 8 either way). Neither changes
+    a row's bits: its sums run in the same order whatever the bound or the grouping."""
     rb = 1
     while rb < rows:
         rb *= 2
