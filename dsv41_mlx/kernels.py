@@ -669,7 +669,7 @@ def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None
     S, N = x.size // (G * K), w.shape[-2]
     rows = computed_rows(real_rows, S)
     return _gemv_launch(FP8_GEMV, impl, [x.astype(mx.bfloat16), w, scales, _int32s(rows, N, K, G, S)],
-                        rows, K, G, (*x.shape[:-1], N), init_value, quantize_input,
+                        rows, G, (*x.shape[:-1], N), init_value, quantize_input,
                         threads or gemv_threads_per_output(K, N * G))
 
 
@@ -680,16 +680,14 @@ def _bf16_to_quantize(x: mx.array, quantize_input: bool) -> None:
         raise ValueError(f"a GEMV kernel quantises bfloat16 input only, got {x.dtype}")
 
 
-def _gemv_launch(spec: KernelSpec, impl: str, inputs: list, rows: int, k: int, sets: int, out_shape: tuple,
-                 init_value: float | None, quantize_input: bool, threads: int | None = None) -> mx.array:
-    """Launch fp8_gemv or fp4_experts for `rows` computed rows (up to 16) and k inputs: `sets`
-    sets of out_shape[-1] outputs (matrices, or (row, expert) pairs), a threadgroup of 256
-    threads per (256 / C) * T outputs of a set -> bf16. threads: C (default
-    gemv_threads_per_output(k)); RB and T: gemv_layout(rows)."""
+def _gemv_launch(spec: KernelSpec, impl: str, inputs: list, rows: int, sets: int, out_shape: tuple,
+                 init_value: float | None, quantize_input: bool, threads: int) -> mx.array:
+    """Launch fp8_gemv or fp4_experts for `rows` computed rows (up to 16): `sets` sets of
+    out_shape[-1] outputs (matrices, or (row, expert) pairs), a threadgroup of 256 threads per
+    (256 / C) * T outputs of a set -> bf16. threads: C, which each caller picks
+    (gemv_threads_per_output); RB and T: gemv_layout(rows)."""
     n = out_shape[-1]
-    if threads is None:
-        threads = gemv_threads_per_output(k)
-    elif threads not in (32, 64, 128, 256):  # a threadgroup then holds 32 to 4 outputs: N is a multiple of 32
+    if threads not in (32, 64, 128, 256):  # a threadgroup then holds 32 to 4 outputs: N is a multiple of 32
         raise ValueError(f"a GEMV kernel takes 32, 64, 128 or 256 threads per output, got {threads}")
     rb, t = gemv_layout(rows)
     (y,) = _compiled(spec, impl)(
@@ -735,4 +733,4 @@ def fp4_experts(x: mx.array, w: mx.array, scales: mx.array, ids: mx.array, impl:
     N, K = w.shape[1], x.shape[2]
     return _gemv_launch(FP4_EXPERTS, impl, [x.astype(mx.bfloat16), w, scales, ids.astype(mx.uint32).reshape(-1),
                                             _int32s(R, k, N, K, x.shape[1])],
-                        R, K, R * k, (R, k, N), init_value, quantize_input)
+                        R, R * k, (R, k, N), init_value, quantize_input, gemv_threads_per_output(K))
