@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -293,6 +294,32 @@ def _hc_post(y: mx.array, residual: mx.array, post: mx.array, comb: mx.array) ->
     columns, rows = copies(comb.swapaxes(1, 2), 2), copies(residual, 1)
     mixed = _add_all([c * r.astype(F32) for c, r in zip(columns, rows)])  # cast after the view: fused
     return (post[..., None] * y[:, None, :].astype(F32) + mixed).astype(y.dtype)  # the cast after the view: fused
+
+
+class BlockEvaluator:
+    """Hands each block's output to mx.async_eval on a thread of its own, in order.
+
+    mx.async_eval spends about as long encoding a block's operations for the device as
+    Python spends building them, and it releases the GIL meanwhile: on this thread, MLX
+    encodes block i while the caller's thread builds block i+1, where the two took turns.
+    The graphs, and so the bits, are those of evaluating on the caller's thread. `drain`
+    waits until every block handed over is encoded; until then the caller evaluates
+    nothing itself (MLX's encoders are not shared between threads)."""
+
+    def __init__(self):
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv41-block-eval")
+        self._last: Future | None = None
+        # the stream a forward's operations go on: MLX's streams belong to the thread that made
+        # them, but for this kind, which any thread may evaluate, one at a time
+        self.stream = mx.new_thread_unsafe_stream(mx.default_device())
+
+    def submit(self, *arrays) -> None:
+        self._last = self._thread.submit(mx.async_eval, *arrays)
+
+    def drain(self) -> None:
+        last, self._last = self._last, None
+        if last is not None:
+            last.result()  # an error on the thread is raised here
 
 
 class Expansion(NamedTuple):
@@ -720,17 +747,21 @@ class Fp4Stack(nn.Module):
         self.weight = mx.zeros((n_experts, out_dims, in_dims // 8), dtype=mx.uint32)
         self.scales = mx.zeros((n_experts, out_dims, in_dims // 32), dtype=mx.uint8)
 
-    def __call__(self, x: mx.array, ids: mx.array, sorted_ids: bool = False, rows: mx.array | None = None) -> mx.array:
+    def __call__(self, x: mx.array, ids: mx.array, sorted_ids: bool = False, rows: mx.array | None = None,
+                 quantize: bool = False) -> mx.array:
         """x [N, 1|k, 1, in] FP8-rounded activations through experts ids [N, k] -> bf16
         [N, k, 1, out]: the fp32 products summed in fp32, rounded to bf16 once. sorted_ids:
         ids are in ascending order (MLX then runs each expert's rows as one GEMM). rows: which
-        x row each pair takes (default: x's own batch order). On a GPU, a decode or verify
-        step's pairs run kernels.fp4_experts (each expert's weights read once for all the rows
-        that picked it); the spec is MLX's gather_qmm, which runs everywhere else."""
+        x row each pair takes (default: x's own batch order). quantize: x is a bf16 activation
+        to go through quant.fp8_input first. On a GPU, a decode or verify step's pairs run
+        kernels.fp4_experts (each expert's weights read once for all the rows that picked
+        it; it quantises x as it reads it, the same bits in one launch); the spec is MLX's
+        gather_qmm, which runs everywhere else."""
         if not sorted_ids and x.ndim == 4 and x.shape[2] == 1:
             per_row = x[:, :, 0]  # [N, 1|k, in]: pair (n, j) takes x[n, 0] or x[n, j]
-            if kernels.fp4_experts_fits(per_row, self.weight, ids):
-                return kernels.fp4_experts(per_row, self.weight, self.scales, ids)[:, :, None]
+            if kernels.fp4_experts_fits(per_row, self.weight, ids) and (x.dtype == BF16 or not quantize):
+                return kernels.fp4_experts(per_row, self.weight, self.scales, ids, quantize_input=quantize)[:, :, None]
+        x = fp8_input(x) if quantize else x
         y = mx.gather_qmm(x.astype(gemm_input_dtype()), self.weight, self.scales, lhs_indices=rows, rhs_indices=ids,
                           transpose=True, mode="mxfp4", sorted_indices=sorted_ids)
         return y.astype(BF16)
@@ -846,8 +877,8 @@ class MoE(nn.Module):
             N, k = ids.shape
             rows, pairs = self._pair_ids[:N, None], self._pair_ids[: N * k].reshape(N, k)
         gate, up = mx.split(self.experts.w13(xq, ids, sorted_ids, rows), 2, axis=-1)  # views: the casts fuse
-        h = fp8_input((swiglu(gate.astype(F32), up.astype(F32), self.limit) * weights).astype(BF16))
-        return self.experts.w2(h, ids, sorted_ids, pairs)  # bf16
+        h = (swiglu(gate.astype(F32), up.astype(F32), self.limit) * weights).astype(BF16)
+        return self.experts.w2(h, ids, sorted_ids, pairs, quantize=True)  # bf16
 
 
 # ----------------------------------------------------------------------- block
@@ -952,6 +983,9 @@ class Model(nn.Module):
         # that Python builds block i+1 while the device runs block i, instead of building
         # the whole forward first with the device idle. The same graph, the same bits.
         self.overlap_build = on_gpu
+        # where the blocks are handed to mx.async_eval: a thread of their own (BlockEvaluator)
+        # or, None, the caller's thread between blocks
+        self.evaluator: BlockEvaluator | None = None
 
     @property
     def decode_rows(self) -> int | None:
@@ -1007,6 +1041,16 @@ class Model(nn.Module):
                  real_rows: int | None = None) -> tuple[mx.array, mx.array]:
         """ids [1, S] -> (logits [1, S, V], features [1, S, F]). real_rows: only the first
         real_rows positions matter (the rest pad a decode forward and are trimmed off again)."""
+        if self.evaluator is None or not self.overlap_build:
+            return self._forward(ids, cache, last_logits_only, real_rows)
+        with mx.stream(self.evaluator.stream):
+            try:
+                return self._forward(ids, cache, last_logits_only, real_rows)
+            finally:
+                self.evaluator.drain()
+
+    def _forward(self, ids: mx.array, cache: ModelCache | None, last_logits_only: bool,
+                 real_rows: int | None) -> tuple[mx.array, mx.array]:
         if ids.ndim != 2 or ids.shape[0] != 1:
             raise ValueError(f"ids must have shape [1, n]; got {ids.shape}")
         cache = cache if cache is not None else self.make_cache()
@@ -1025,6 +1069,7 @@ class Model(nn.Module):
         shared = SharedAttention(real_rows)
         features = []
         targets = self.args.dspark_target_layer_ids
+        evaluate = (self.evaluator.submit if self.evaluator is not None else mx.async_eval) if self.overlap_build else None
         for i, layer in enumerate(self.layers):
             if self.takes_whole_stream(i):
                 h = stream_value(h)
@@ -1035,8 +1080,8 @@ class Model(nn.Module):
             # each block hands the next its output unexpanded (Expansion); the last expands it
             h, pre = layer(h, pre, positions, cache.layers[i], cache.layers, shared, rows=real_rows,
                            expand=i + 1 == len(self.layers))
-            if self.overlap_build:
-                mx.async_eval(h, pre)
+            if evaluate is not None:
+                evaluate(h, pre)
         x = self.norm(hc_pre(h, pre))
         if last_logits_only:
             last = S if real_rows is None else real_rows

@@ -301,6 +301,14 @@ def test_a_broken_cuda_source_fails_the_compile(case, breakage):
     assert not ok and "error" in log
 
 
+def act_quant_spec(x: mx.array, impl: str, dtype: mx.Dtype | None = None) -> mx.array:
+    """A stand-in for kernels.act_quant_fp8 in tests that take the GPU path on the CPU: its
+    spec, quant.fp8_fake_quant_reference, with the kernel's signature."""
+    from dsv41_mlx.quant import fp8_fake_quant_reference
+
+    return fp8_fake_quant_reference(x).astype(dtype or x.dtype)
+
+
 def _check_kernels_script():
     import importlib.util
     from pathlib import Path

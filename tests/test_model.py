@@ -215,18 +215,38 @@ def test_decode_steps_keep_their_shapes_as_the_compressed_cache_grows(padded_mod
     assert traces == []
 
 
-def test_overlapped_build_changes_no_bit(fixture_model, golden):
-    """Starting each block on the device while the next is built (the GPU default) gives
-    the same logits, features and cache as building the whole forward first."""
+@pytest.mark.parametrize("own_thread", [False, True])
+def test_overlapped_build_changes_no_bit(fixture_model, golden, own_thread):
+    """Starting each block on the device while the next is built (the GPU default), from
+    the caller's thread or from a BlockEvaluator's, gives the same logits, features and
+    cache as building the whole forward first; a forward returns with every block handed
+    over encoded (the evaluator drained)."""
+    from dsv41_mlx.model import BlockEvaluator
+
     ids = _ids(golden)
     fixture_model.overlap_build = True
+    fixture_model.evaluator = BlockEvaluator() if own_thread else None
     try:
         overlapped = _run(fixture_model, ids, 5)
+        assert fixture_model.evaluator is None or fixture_model.evaluator._last is None
     finally:
-        fixture_model.overlap_build = False
+        fixture_model.overlap_build, fixture_model.evaluator = False, None
     whole = _run(fixture_model, ids, 5)
     assert mx.array_equal(overlapped[0], whole[0]).item() and mx.array_equal(overlapped[1], whole[1]).item()
     _assert_same_state(overlapped[2], whole[2])
+
+
+def test_block_evaluator_raises_its_threads_error_at_drain():
+    """An evaluation that fails on the evaluator's thread is raised to the caller when it
+    drains, not lost with the thread."""
+    from dsv41_mlx.model import BlockEvaluator
+
+    evaluator = BlockEvaluator()
+    own = mx.new_stream(mx.default_device())  # an ordinary stream: this thread's alone
+    evaluator.submit(mx.add(mx.ones(3), mx.ones(3), stream=own))
+    with pytest.raises(RuntimeError, match="in current thread"):
+        evaluator.drain()
+    evaluator.drain()  # nothing pending
 
 
 def test_routed_experts_take_the_fp4_kernel_for_a_decode_steps_pairs_on_a_gpu(monkeypatch):
@@ -236,15 +256,19 @@ def test_routed_experts_take_the_fp4_kernel_for_a_decode_steps_pairs_on_a_gpu(mo
     gather_qmm; either way the values are the spec's."""
     from dsv41_mlx import kernels
     from dsv41_mlx.model import Fp4Stack
+    from dsv41_mlx.quant import fp8_fake_quant_reference
+
+    from .test_kernels import act_quant_spec
 
     calls = []
 
-    def experts(x, w, s, ids, impl=None, init_value=None):
-        calls.append((x.shape, ids.shape))
-        return kernels.fp4_experts_reference(x, w, s, ids)
+    def experts(x, w, s, ids, impl=None, init_value=None, quantize_input=False):
+        calls.append((x.shape, ids.shape, quantize_input))
+        return kernels.fp4_experts_reference(x, w, s, ids, quantize_input)
 
     monkeypatch.setattr(kernels, "backend", lambda: "cuda")
     monkeypatch.setattr(kernels, "fp4_experts", experts)
+    monkeypatch.setattr(kernels, "act_quant_fp8", act_quant_spec)  # prefill's down projection quantises first
     mx.random.seed(6)
     stack = Fp4Stack(5, 256, 64)
     stack.weight = mx.random.randint(0, 2**31, stack.weight.shape).astype(mx.uint32)
@@ -257,11 +281,14 @@ def test_routed_experts_take_the_fp4_kernel_for_a_decode_steps_pairs_on_a_gpu(mo
         if sorted_ids:
             ids = mx.sort(ids.flatten())[:, None]
         x = mx.random.normal((ids.shape[0], 3 if per_pair else 1, 1, 256)).astype(mx.bfloat16)
-        got = stack(x, ids, sorted_ids)
-        assert calls == ([((rows, 3 if per_pair else 1, 256), (rows, 3))] if kernel else [])
-        want = mx.gather_qmm(x.astype(mx.float32), stack.weight, stack.scales, rhs_indices=ids, transpose=True,
-                             mode="mxfp4", sorted_indices=sorted_ids).astype(mx.bfloat16)
-        assert got.shape == want.shape and mx.array_equal(got, want).item()
+        for quantize in (False, True):  # True: the down projection's bf16 input, quantised by the kernel
+            calls.clear()
+            got = stack(x, ids, sorted_ids, quantize=quantize)
+            assert calls == ([((rows, 3 if per_pair else 1, 256), (rows, 3), quantize)] if kernel else [])
+            xq = fp8_fake_quant_reference(x) if quantize else x
+            want = mx.gather_qmm(xq.astype(mx.float32), stack.weight, stack.scales, rhs_indices=ids, transpose=True,
+                                 mode="mxfp4", sorted_indices=sorted_ids).astype(mx.bfloat16)
+            assert got.shape == want.shape and mx.array_equal(got, want).item()
     calls.clear()
     small = Fp4Stack(5, 128, 64)  # 128 inputs: not the kernel's
     small(mx.zeros((2, 1, 1, 128)), mx.array([[0, 1], [2, 3]], dtype=mx.uint32))
@@ -274,7 +301,8 @@ def _gpu_dispatch_with_specs(monkeypatch, attention, gemv=None) -> None:
     to the spec) but the attention kernel, which is `attention`, and the FP8 GEMMs of up to 16
     rows, which are `gemv` where given; any other launch fails."""
     from dsv41_mlx import kernels
-    from dsv41_mlx.quant import fp8_fake_quant_reference
+
+    from .test_kernels import act_quant_spec
 
     def no_build(spec, language):
         raise AssertionError(f"kernel {spec.name} built on the CPU")
@@ -285,8 +313,7 @@ def _gpu_dispatch_with_specs(monkeypatch, attention, gemv=None) -> None:
         monkeypatch.setattr(kernels, fits, lambda *args, **kw: False)
     monkeypatch.setattr(kernels, "hc_split", lambda *args, impl=None: kernels.hc_split_reference(*args))
     monkeypatch.setattr(kernels, "moe_gate", lambda *args, impl=None: kernels.moe_gate_reference(*args))
-    monkeypatch.setattr(kernels, "act_quant_fp8",
-                        lambda x, impl, dtype=None: fp8_fake_quant_reference(x).astype(dtype or x.dtype))
+    monkeypatch.setattr(kernels, "act_quant_fp8", act_quant_spec)
     monkeypatch.setattr(kernels, "sparse_attention_rows", attention)
     if gemv is not None:
         monkeypatch.setattr(kernels, "fp8_gemv_fits", lambda x, w, impl=None: x.size // x.shape[-1] <= 16 * w.shape[0]

@@ -449,7 +449,7 @@ def test_fp8_matmul_takes_the_gemv_kernel_for_a_decode_steps_rows_on_a_gpu(monke
 
     calls = []
 
-    def gemv(x, w, s, impl=None, init_value=None, real_rows=None):
+    def gemv(x, w, s, impl=None, init_value=None, quantize_input=False, real_rows=None):
         calls.append((x.shape, w.shape))
         return kernels.fp8_gemv_reference(x, w, s, real_rows=real_rows)
 
@@ -472,3 +472,40 @@ def test_fp8_matmul_takes_the_gemv_kernel_for_a_decode_steps_rows_on_a_gpu(monke
     calls.clear()
     quant.fp8_matmul(mx.random.normal((8, 128)), w[:, :32], s[:, :4])  # K = 128: not the kernel's
     assert calls == []
+
+
+def test_fp8_linear_lets_the_gemv_kernel_quantise_a_bf16_input_on_a_gpu(monkeypatch):
+    """On a GPU, Fp8Linear's product of a decode step's bf16 rows is one fp8_gemv launch that
+    FP8-quantises x as it reads it (quantize_input), where it was act_quant then the GEMM; an
+    input of another dtype (the kernel quantises bf16 only) or of more than 16 rows is
+    quantised first, as before. Either way the values are fp8_input's then the GEMM's."""
+    from dsv41_mlx import kernels, quant
+
+    from .test_kernels import act_quant_spec
+
+    calls, quantised = [], []
+
+    def gemv(x, w, s, impl=None, init_value=None, quantize_input=False, real_rows=None):
+        calls.append((x.dtype, quantize_input, real_rows))
+        return kernels.fp8_gemv_reference(x, w, s, quantize_input, real_rows)
+
+    def act_quant(x, impl, dtype=None):
+        quantised.append(x.shape)
+        return act_quant_spec(x, impl, dtype)
+
+    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
+    monkeypatch.setattr(kernels, "fp8_gemv", gemv)
+    monkeypatch.setattr(kernels, "act_quant_fp8", act_quant)
+    mx.random.seed(5)
+    w = (mx.random.randint(0, 2**31, (96, 64)).astype(mx.uint32) & 0x3F3F3F3F)
+    s = mx.random.randint(118, 124, (96, 8)).astype(mx.uint8)
+    for x, real, launches, grouped in ((mx.random.normal((8, 256)).astype(mx.bfloat16), 3, [(mx.bfloat16, True, 3)], []),
+                                       (mx.random.normal((4, 256)), None, [(mx.float32, False, None)], [(4, 256)]),
+                                       (mx.random.normal((17, 256)).astype(mx.bfloat16), None, [], [(17, 256)])):
+        calls.clear(), quantised.clear()
+        got = quant.fp8_linear(x, w, s, real)
+        assert calls == launches and quantised == grouped
+        rows = real or x.shape[0]
+        want = mx.quantized_matmul(quant.fp8_fake_quant_reference(x[:rows]).astype(mx.float32), w, s, transpose=True,
+                                   mode="mxfp8").astype(mx.bfloat16)
+        assert mx.array_equal(got[:rows], want).item() and not got[rows:].any().item()
