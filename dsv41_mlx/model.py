@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import math
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -117,6 +116,7 @@ class Rope:
             freqs = freqs / np.float32(factor) * (1 - smooth) + freqs * smooth
         self.freqs = mx.array(freqs.astype(np.float32))
         self._tables: dict[int, tuple] = {}  # feature width -> the last two (positions, tables)
+        self._widths: dict[int, tuple[mx.array, mx.array]] = {}  # feature width -> _per_pair's arrays
 
     def __call__(self, x: mx.array, positions: mx.array, inverse: bool = False) -> mx.array:
         """x [S, ..., F] with positions [S]; rotates x[..., -dims:]. Inside a compiled
@@ -142,22 +142,36 @@ class Rope:
         for seen, tables in recent:
             if seen is positions:
                 return tables
-        tables = _rope_tables(positions, self.freqs, width)
+        tables = _rope_tables(positions, *self._per_pair(width))
         self._tables[width] = ((positions, tables),) + recent[:1]  # a forward's and a compressor's
         return tables
 
+    def _per_pair(self, width: int) -> tuple[mx.array, mx.array]:
+        """For features of that width, made once: each pair's frequency [width/2] (0 for the
+        pairs before the last `dims` features, which do not rotate: their angle is 0, whose
+        cos is 1 and sin 0, as the reference leaves them) and which features rotate
+        [width/2, 2]. From numpy, so never an operation of a forward."""
+        if width not in self._widths:
+            fixed = width - self.dims
+            freqs = np.concatenate([np.zeros(fixed // 2, np.float32), np.array(self.freqs, dtype=np.float32)])
+            rotated = (np.arange(width) >= fixed).reshape(width // 2, 2)
+            self._widths[width] = mx.array(freqs), mx.array(rotated)
+        return self._widths[width]
+
 
 @mx.compile
-def _rope_tables(positions: mx.array, freqs: mx.array, width: int) -> tuple[mx.array, ...]:
-    """Rope.tables' arrays, one compiled function: its element-wise steps fuse."""
-    S, fixed = positions.shape[0], width - 2 * freqs.shape[0]
-    angles = positions.astype(F32)[:, None] * freqs[None, :]  # [S, dims/2]
+def _rope_tables(positions: mx.array, freqs: mx.array, rotated: mx.array) -> tuple[mx.array, ...]:
+    """Rope.tables' arrays, one compiled function of element-wise steps only (they fuse):
+    freqs and rotated from Rope._per_pair. The pairs' layout comes from broadcasting against
+    a pair axis (exact factors 1 and +-1), not from concatenating and repeating, each of
+    which would be a launch."""
+    angles = (positions.astype(F32)[:, None] * freqs[None, :])[:, :, None]  # [S, width/2, 1]
     cos, sin = mx.cos(angles), mx.sin(angles)
-    cos = mx.concatenate([mx.ones((S, fixed), dtype=F32), mx.repeat(cos, 2, axis=-1)], axis=-1)
-    sin = mx.concatenate([mx.zeros((S, fixed), dtype=F32), mx.stack([-sin, sin], axis=-1).reshape(S, -1)], axis=-1)
-    pairs = (S, width // 2, 2)
-    flat = (cos.reshape(pairs), sin.reshape(pairs), -sin.reshape(pairs))
-    return flat + tuple(t[:, None] for t in flat) + ((mx.arange(width) >= fixed).reshape(width // 2, 2),)
+    signs = mx.array([-1.0, 1.0], dtype=F32)  # a pair's sin factors: (-sin, sin)
+    cos = mx.where(rotated, cos, 1.0)  # cos(0) = 1 already where nothing rotates: a broadcast
+    sin = mx.where(rotated, sin * signs, 0.0)  # +0 where nothing rotates, as the reference's table
+    flat = (cos, sin, -sin)
+    return flat + tuple(t[:, None] for t in flat) + (rotated,)
 
 
 @functools.lru_cache(maxsize=None)
@@ -294,32 +308,6 @@ def _hc_post(y: mx.array, residual: mx.array, post: mx.array, comb: mx.array) ->
     columns, rows = copies(comb.swapaxes(1, 2), 2), copies(residual, 1)
     mixed = _add_all([c * r.astype(F32) for c, r in zip(columns, rows)])  # cast after the view: fused
     return (post[..., None] * y[:, None, :].astype(F32) + mixed).astype(y.dtype)  # the cast after the view: fused
-
-
-class BlockEvaluator:
-    """Hands each block's output to mx.async_eval on a thread of its own, in order.
-
-    mx.async_eval spends about as long encoding a block's operations for the device as
-    Python spends building them, and it releases the GIL meanwhile: on this thread, MLX
-    encodes block i while the caller's thread builds block i+1, where the two took turns.
-    The graphs, and so the bits, are those of evaluating on the caller's thread. `drain`
-    waits until every block handed over is encoded; until then the caller evaluates
-    nothing itself (MLX's encoders are not shared between threads)."""
-
-    def __init__(self):
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv41-block-eval")
-        self._last: Future | None = None
-        # the stream a forward's operations go on: MLX's streams belong to the thread that made
-        # them, but for this kind, which any thread may evaluate, one at a time
-        self.stream = mx.new_thread_unsafe_stream(mx.default_device())
-
-    def submit(self, *arrays) -> None:
-        self._last = self._thread.submit(mx.async_eval, *arrays)
-
-    def drain(self) -> None:
-        last, self._last = self._last, None
-        if last is not None:
-            last.result()  # an error on the thread is raised here
 
 
 class Expansion(NamedTuple):
@@ -552,6 +540,7 @@ class SharedAttention:
         self.candidates: mx.array | None = None  # [S, T] bool
         self._window: tuple | None = None
         self._visible: dict[int, mx.array] = {}
+        self._groups: dict[tuple[int, int, int], mx.array] = {}
 
     def visible(self, positions: mx.array, ratio: int) -> mx.array:
         """How many compressed groups of `ratio` positions each row may see [S] (the groups
@@ -560,6 +549,17 @@ class SharedAttention:
         if ratio not in self._visible:
             self._visible[ratio] = (positions + 1) // ratio
         return self._visible[ratio]
+
+    def group_positions(self, first: int, n: int, ratio: int) -> mx.array:
+        """Where compressed groups first .. first + n - 1 of `ratio` positions sit (a group at
+        its first position) [n]: the same for every KV-source layer of that ratio in a
+        forward, so made once, and so are their RoPE tables (Rope.tables keeps them by
+        array)."""
+        key = (first, n, ratio)
+        if key not in self._groups:
+            ids = key_ids(first + n)[first:]
+            self._groups[key] = ids if ratio == 1 else ids * ratio
+        return self._groups[key]
 
     def window(self, positions: mx.array, first: int, n_keys: int, window: int,
                row_invariant: bool) -> tuple[mx.array | None, mx.array]:
@@ -692,7 +692,7 @@ class Attention(nn.Module):
         kv = ids = picked_mask = None
         if self.ratio:
             if self.is_kv_source:
-                self._compress(x, cache)
+                self._compress(x, cache, shared)
             source = caches[self.kv_source].compressor
             if self.is_index_source:
                 shared.topk = None
@@ -712,13 +712,13 @@ class Attention(nn.Module):
             o = sparse_attention(q, window_keys, window_mask, picked, picked_mask, self.attn_sink, self.scale)
         return self.output(o, rope, kernel, real)
 
-    def _compress(self, x: mx.array, cache: LayerCache) -> None:
+    def _compress(self, x: mx.array, cache: LayerCache, shared: SharedAttention) -> None:
         """Pool finished groups; store their index keys and RoPE'd FP4 compressed KV."""
         state = cache.compressor
         latent, first_group = self.compressor(x, state)
         if latent is None:
             return
-        group_pos = (first_group + mx.arange(latent.shape[0])) * self.ratio  # a group sits at its first token
+        group_pos = shared.group_positions(first_group, latent.shape[0], self.ratio)
         index_keys = self.indexer.keys(latent, group_pos, self.rope)
         kv = fp4_fake_quant(self.rope(latent, group_pos), 16, "e4m3")
         state.append_groups(kv, index_keys)
@@ -755,12 +755,15 @@ class Fp4Stack(nn.Module):
         x row each pair takes (default: x's own batch order). quantize: x is a bf16 activation
         to go through quant.fp8_input first. On a GPU, a decode or verify step's pairs run
         kernels.fp4_experts (each expert's weights read once for all the rows that picked
-        it; it quantises x as it reads it, the same bits in one launch); the spec is MLX's
-        gather_qmm, which runs everywhere else."""
+        it; a decode step's x it quantises as it reads it, the same bits in one launch:
+        kernels.quantizes_in_kernel); the spec is MLX's gather_qmm, which runs everywhere else."""
         if not sorted_ids and x.ndim == 4 and x.shape[2] == 1:
             per_row = x[:, :, 0]  # [N, 1|k, in]: pair (n, j) takes x[n, 0] or x[n, j]
-            if kernels.fp4_experts_fits(per_row, self.weight, ids) and (x.dtype == BF16 or not quantize):
-                return kernels.fp4_experts(per_row, self.weight, self.scales, ids, quantize_input=quantize)[:, :, None]
+            if kernels.fp4_experts_fits(per_row, self.weight, ids):
+                in_kernel = quantize and kernels.quantizes_in_kernel(per_row, per_row.shape[0])
+                if quantize and not in_kernel:
+                    per_row = fp8_input(per_row)
+                return kernels.fp4_experts(per_row, self.weight, self.scales, ids, quantize_input=in_kernel)[:, :, None]
         x = fp8_input(x) if quantize else x
         y = mx.gather_qmm(x.astype(gemm_input_dtype()), self.weight, self.scales, lhs_indices=rows, rhs_indices=ids,
                           transpose=True, mode="mxfp4", sorted_indices=sorted_ids)
@@ -983,9 +986,6 @@ class Model(nn.Module):
         # that Python builds block i+1 while the device runs block i, instead of building
         # the whole forward first with the device idle. The same graph, the same bits.
         self.overlap_build = on_gpu
-        # where the blocks are handed to mx.async_eval: a thread of their own (BlockEvaluator)
-        # or, None, the caller's thread between blocks
-        self.evaluator: BlockEvaluator | None = None
 
     @property
     def decode_rows(self) -> int | None:
@@ -1041,16 +1041,6 @@ class Model(nn.Module):
                  real_rows: int | None = None) -> tuple[mx.array, mx.array]:
         """ids [1, S] -> (logits [1, S, V], features [1, S, F]). real_rows: only the first
         real_rows positions matter (the rest pad a decode forward and are trimmed off again)."""
-        if self.evaluator is None or not self.overlap_build:
-            return self._forward(ids, cache, last_logits_only, real_rows)
-        with mx.stream(self.evaluator.stream):
-            try:
-                return self._forward(ids, cache, last_logits_only, real_rows)
-            finally:
-                self.evaluator.drain()
-
-    def _forward(self, ids: mx.array, cache: ModelCache | None, last_logits_only: bool,
-                 real_rows: int | None) -> tuple[mx.array, mx.array]:
         if ids.ndim != 2 or ids.shape[0] != 1:
             raise ValueError(f"ids must have shape [1, n]; got {ids.shape}")
         cache = cache if cache is not None else self.make_cache()
@@ -1069,7 +1059,6 @@ class Model(nn.Module):
         shared = SharedAttention(real_rows)
         features = []
         targets = self.args.dspark_target_layer_ids
-        evaluate = (self.evaluator.submit if self.evaluator is not None else mx.async_eval) if self.overlap_build else None
         for i, layer in enumerate(self.layers):
             if self.takes_whole_stream(i):
                 h = stream_value(h)
@@ -1080,8 +1069,8 @@ class Model(nn.Module):
             # each block hands the next its output unexpanded (Expansion); the last expands it
             h, pre = layer(h, pre, positions, cache.layers[i], cache.layers, shared, rows=real_rows,
                            expand=i + 1 == len(self.layers))
-            if evaluate is not None:
-                evaluate(h, pre)
+            if self.overlap_build:
+                mx.async_eval(h, pre)
         x = self.norm(hc_pre(h, pre))
         if last_logits_only:
             last = S if real_rows is None else real_rows

@@ -185,9 +185,10 @@ def _fp8_matmul_mlx(xq: mx.array, weight: mx.array, scales: mx.array) -> mx.arra
 @mx.compile
 def fp8_linear(x: mx.array, weight: mx.array, scales: mx.array, real: int | None = None) -> mx.array:
     """Fp8Linear's product: FP8 fake-quantised x times an `mxfp8` weight, bf16 out. On a GPU,
-    a decode or verify step's bf16 x is quantised by kernels.fp8_gemv as it reads it: the
-    bits of fp8_input then fp8_matmul, in one launch instead of two."""
-    if x.dtype == mx.bfloat16 and kernels.fp8_gemv_fits(x, weight):
+    a decode step's bf16 x is quantised by kernels.fp8_gemv as it reads it: the bits of
+    fp8_input then fp8_matmul, in one launch instead of two (kernels.quantizes_in_kernel)."""
+    rows = kernels.computed_rows(real, x.size // x.shape[-1])
+    if kernels.fp8_gemv_fits(x, weight) and kernels.quantizes_in_kernel(x, rows):
         return kernels.fp8_gemv(x, weight, scales, quantize_input=True, real_rows=real)
     return fp8_matmul(fp8_input(x), weight, scales, real)
 

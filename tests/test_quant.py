@@ -474,11 +474,13 @@ def test_fp8_matmul_takes_the_gemv_kernel_for_a_decode_steps_rows_on_a_gpu(monke
     assert calls == []
 
 
-def test_fp8_linear_lets_the_gemv_kernel_quantise_a_bf16_input_on_a_gpu(monkeypatch):
-    """On a GPU, Fp8Linear's product of a decode step's bf16 rows is one fp8_gemv launch that
-    FP8-quantises x as it reads it (quantize_input), where it was act_quant then the GEMM; an
-    input of another dtype (the kernel quantises bf16 only) or of more than 16 rows is
-    quantised first, as before. Either way the values are fp8_input's then the GEMM's."""
+def test_fp8_linear_lets_the_gemv_kernel_quantise_a_decode_steps_row_on_a_gpu(monkeypatch):
+    """On a GPU, Fp8Linear's product of a decode step's one computed bf16 row (of a padded
+    forward's 8, or alone) is one fp8_gemv launch that FP8-quantises x as it reads it
+    (quantize_input), where it was act_quant then the GEMM. More computed rows (a verify
+    step: the kernel would quantise every row again in each threadgroup), another dtype (the
+    kernel quantises bf16 only) or more than 16 rows are quantised first, as before. Either
+    way the values are fp8_input's then the GEMM's."""
     from dsv41_mlx import kernels, quant
 
     from .test_kernels import act_quant_spec
@@ -499,9 +501,13 @@ def test_fp8_linear_lets_the_gemv_kernel_quantise_a_bf16_input_on_a_gpu(monkeypa
     mx.random.seed(5)
     w = (mx.random.randint(0, 2**31, (96, 64)).astype(mx.uint32) & 0x3F3F3F3F)
     s = mx.random.randint(118, 124, (96, 8)).astype(mx.uint8)
-    for x, real, launches, grouped in ((mx.random.normal((8, 256)).astype(mx.bfloat16), 3, [(mx.bfloat16, True, 3)], []),
-                                       (mx.random.normal((4, 256)), None, [(mx.float32, False, None)], [(4, 256)]),
-                                       (mx.random.normal((17, 256)).astype(mx.bfloat16), None, [], [(17, 256)])):
+    bf16 = mx.random.normal((17, 256)).astype(mx.bfloat16)
+    fed = quant.gemm_input_dtype()  # what act_quant hands the GEMM
+    for x, real, launches, grouped in ((bf16[:8], 1, [(mx.bfloat16, True, 1)], []),
+                                       (bf16[:1], None, [(mx.bfloat16, True, None)], []),
+                                       (bf16[:8], 3, [(fed, False, 3)], [(8, 256)]),
+                                       (mx.random.normal((1, 256)), None, [(fed, False, None)], [(1, 256)]),
+                                       (bf16, None, [], [(17, 256)])):
         calls.clear(), quantised.clear()
         got = quant.fp8_linear(x, w, s, real)
         assert calls == launches and quantised == grouped
