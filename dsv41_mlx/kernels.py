@@ -676,7 +676,7 @@ def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None
 # The decode path lets a GEMV kernel quantise its bf16 input (quantize_input) for a forward of
 # up to this many computed rows, and quantises it first (act_quant) for more. Each threadgroup
 # quantises every row it reads again, so that work grows with the rows while the launch it
-# saves does not: on the H200 (session 13) a 1-row decode step ran 122 launches fewer and its
+# saves does not: on the H200 (session 13) a 1-row decode step ran 119 launches fewer and its
 # GEMV kernels took no longer, while a 6-row verify step's kernels took 7 ms more (fp4_experts'
 # down projection 301 us a call against 207, fp8_gemv at the shared expert's and wo_b's
 # shapes 79 against 31, against 2.6 ms of act_quant saved). Either way the same bits.

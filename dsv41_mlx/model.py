@@ -449,10 +449,18 @@ def key_ids(n: int) -> mx.array:
 
 
 @functools.partial(mx.compile, shapeless=True)
-def visible_scores(summed: mx.array, key_ids: mx.array, visible: mx.array) -> mx.array:
-    """The head sum [S, T] rounded to bf16 (as the reference), fp32; -inf at the key ids [T] a
-    row may not see yet (id >= visible [S])."""
-    return mx.where(key_ids[None, :] < visible[:, None], summed.astype(BF16).astype(F32), -mx.inf)
+def negated_scores(summed: mx.array, key_ids: mx.array, visible: mx.array) -> mx.array:
+    """The index scores negated, as the top-k's argpartition takes them (one launch with the
+    rest): the head sum [S, T] rounded to bf16 (as the reference), fp32, negated; +inf at
+    the key ids [T] a row may not see yet (id >= visible [S])."""
+    return mx.where(key_ids[None, :] < visible[:, None], -summed.astype(BF16).astype(F32), mx.inf)
+
+
+@functools.partial(mx.compile, shapeless=True)
+def negated_candidate_scores(summed: mx.array, key_ids: mx.array, visible: mx.array,
+                             candidates: mx.array) -> mx.array:
+    """negated_scores, +inf also outside a row's candidate blocks (candidates [S, T])."""
+    return mx.where(candidates, negated_scores(summed, key_ids, visible), mx.inf)
 
 
 class Indexer(nn.Module):
@@ -497,18 +505,21 @@ class Indexer(nn.Module):
         w = head_weights(self.weights_proj(x), self.weight_scale)  # [S, Hi] bf16
         dots = q.astype(BF16) @ index_keys.astype(BF16).T  # [S, Hi, T] bf16
         n = index_keys.shape[0]
-        scores = visible_scores(weighted_relu(dots, w).sum(axis=1), key_ids(n), visible)  # [S, T]
+        summed = weighted_relu(dots, w).sum(axis=1)  # [S, T]
+        # the scores negated (+inf: masked), so that the top-k is argpartition's k smallest
+        if self.uses_candidates:
+            negated = negated_candidate_scores(summed, key_ids(n), visible, shared.candidates)
+        else:
+            negated = negated_scores(summed, key_ids(n), visible)
         if self.is_candidate_source:
-            shared.candidates = self._candidate_mask(scores, visible)
-        elif self.uses_candidates:
-            scores = mx.where(shared.candidates, scores, -mx.inf)
+            shared.candidates = self._candidate_mask(-negated, visible)
         if n < self.topk:
             # Fewer compressed positions than picks: pad with masked columns, so that every
             # forward picks `topk` (the same shapes each step: no retrace of the compiled
             # attention, whose result the masked picks do not change; tests/test_model.py)
-            scores = mx.concatenate([scores, mx.full((S, self.topk - n), -mx.inf)], axis=1)
-        ids = mx.sort(mx.argpartition(-scores, kth=self.topk - 1, axis=-1)[:, : self.topk], axis=-1)
-        valid = mx.take_along_axis(scores, ids, axis=-1) > -mx.inf
+            negated = mx.concatenate([negated, mx.full((S, self.topk - n), mx.inf)], axis=1)
+        ids = mx.sort(mx.argpartition(negated, kth=self.topk - 1, axis=-1)[:, : self.topk], axis=-1)
+        valid = mx.take_along_axis(negated, ids, axis=-1) < mx.inf
         return mx.minimum(ids, n - 1), valid  # a padding pick reads the last position, masked
 
     def _candidate_mask(self, scores: mx.array, visible: mx.array) -> mx.array:
