@@ -179,9 +179,11 @@ class Engram(nn.Module):
         """This layer's table rows for row_ids [S, n_cols] (EngramTable.gather), for __call__."""
         return self.table.gather(row_ids)
 
-    def __call__(self, h: mx.array, rows: tuple[mx.array, mx.array]) -> mx.array:
-        """h [S, hc, dim] bf16 and this layer's rows (gather) -> h with the gated value added (bf16)."""
-        kv = self.wkv(dequantize_rows(*rows).reshape(h.shape[0], -1))  # [S, (hc+1)*dim]
+    def __call__(self, h: mx.array, rows: tuple[mx.array, mx.array], real: int | None = None) -> mx.array:
+        """h [S, hc, dim] bf16 and this layer's rows (gather) -> h with the gated value added
+        (bf16). real: the rows that matter, the first `real` (a padded forward's); on a GPU
+        the others' projection comes out zeros, which leaves their h as it was."""
+        kv = self.wkv(dequantize_rows(*rows).reshape(h.shape[0], -1), real)  # [S, (hc+1)*dim]
         return gated_add(h, kv, self.q_weight, self.k_weight, self.eps)
 
 

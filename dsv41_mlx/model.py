@@ -135,16 +135,15 @@ class Rope:
         second, negated on the first; that negated (the inverse rotation); the same three
         as [S, 1, width/2, 2] (for x with a heads axis); and which features rotate
         [width/2, 2] (the last `dims`). Shaped here, once per forward, so that no rotation
-        adds views of its own. Kept for the last two positions arrays per width (a
-        forward's, which all its layers share, and a compressor's group positions): one
-        set per forward instead of one per call."""
+        adds views of its own. Kept for the last three positions arrays used per width, the
+        latest first (a forward's, which all its layers share, and its compressed groups'
+        of each ratio: SharedAttention.group_positions): one set per forward instead of one
+        per call."""
         recent = self._tables.get(width, ())  # one read: a forward in another thread may replace it
-        for seen, tables in recent:
-            if seen is positions:
-                return tables
-        tables = _rope_tables(positions, *self._per_pair(width))
-        self._tables[width] = ((positions, tables),) + recent[:1]  # a forward's and a compressor's
-        return tables
+        hit = next((entry for entry in recent if entry[0] is positions), None)
+        entry = hit or (positions, _rope_tables(positions, *self._per_pair(width)))
+        self._tables[width] = (entry,) + tuple(e for e in recent if e is not hit)[:2]
+        return entry[1]
 
     def _per_pair(self, width: int) -> tuple[mx.array, mx.array]:
         """For features of that width, made once: each pair's frequency [width/2] (0 for the
@@ -512,7 +511,7 @@ class Indexer(nn.Module):
         else:
             negated = negated_scores(summed, key_ids(n), visible)
         if self.is_candidate_source:
-            shared.candidates = self._candidate_mask(-negated, visible)
+            shared.candidates = self._candidate_mask(negated, visible)
         if n < self.topk:
             # Fewer compressed positions than picks: pad with masked columns, so that every
             # forward picks `topk` (the same shapes each step: no retrace of the compiled
@@ -522,19 +521,20 @@ class Indexer(nn.Module):
         valid = mx.take_along_axis(negated, ids, axis=-1) < mx.inf
         return mx.minimum(ids, n - 1), valid  # a padding pick reads the last position, masked
 
-    def _candidate_mask(self, scores: mx.array, visible: mx.array) -> mx.array:
+    def _candidate_mask(self, negated: mx.array, visible: mx.array) -> mx.array:
         """Level one of the two-level top-k: each row keeps its best blocks of positions,
-        the block holding its newest position always included. [S, T] bool."""
-        S, n = scores.shape
+        the block holding its newest position always included. negated: the scores negated
+        (negated_scores), as the top-k takes them. [S, T] bool."""
+        S, n = negated.shape
         bs = self.candidate_block_size
         n_blocks = -(-n // bs)
-        padded = mx.concatenate([scores, mx.full((S, n_blocks * bs - n), -mx.inf)], axis=1)
-        block_scores = padded.reshape(S, n_blocks, bs).max(axis=-1)
+        padded = mx.concatenate([negated, mx.full((S, n_blocks * bs - n), mx.inf)], axis=1)
+        blocks = padded.reshape(S, n_blocks, bs).min(axis=-1)  # each block's best score, negated
         newest = (visible - 1) // bs
-        block_scores = mx.where(key_ids(n_blocks)[None, :] == newest[:, None], mx.inf, block_scores)
+        blocks = mx.where(key_ids(n_blocks)[None, :] == newest[:, None], -mx.inf, blocks)
         k = min(self.candidate_blocks, n_blocks)
-        top = mx.argpartition(-block_scores, kth=k - 1, axis=-1)[:, :k]
-        keep_top = mx.take_along_axis(block_scores, top, axis=-1) > -mx.inf
+        top = mx.argpartition(blocks, kth=k - 1, axis=-1)[:, :k]
+        keep_top = mx.take_along_axis(blocks, top, axis=-1) < mx.inf
         keep = mx.zeros((S, n_blocks), dtype=mx.bool_)
         keep = mx.put_along_axis(keep, top, keep_top, axis=-1)
         return mx.repeat(keep, bs, axis=1)[:, :n]
@@ -1074,7 +1074,7 @@ class Model(nn.Module):
             if self.takes_whole_stream(i):
                 h = stream_value(h)
             if i in engram_rows:
-                h = layer.engram(h, engram_rows[i])
+                h = layer.engram(h, engram_rows[i], real_rows)
             if i in targets:
                 features.append((sum_copies(h.astype(F32)) / h.shape[1]).astype(BF16))
             # each block hands the next its output unexpanded (Expansion); the last expands it

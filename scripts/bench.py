@@ -666,7 +666,7 @@ def decode_by_layer(model, token: int, cache, on_layer) -> mx.array:
             if model.takes_whole_stream(i):
                 h = stream_value(h)  # the feature tap's graph is not the step's: Model.__call__ taps it
             if hasattr(layer, "engram"):
-                h = layer.engram(h, layer.engram.gather(hashes[:, model.hasher.layer_index(i)]))
+                h = layer.engram(h, layer.engram.gather(hashes[:, model.hasher.layer_index(i)]), 1)
             return layer(h, pre, positions, cache.layers[i], cache.layers, shared, rows=1,
                          expand=i + 1 == len(model.layers))
         h, pre = on_layer(i, run)

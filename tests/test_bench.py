@@ -147,6 +147,12 @@ print(json.dumps(res))
     assert res["restored"]
     for kind in ("ratio 1", "ratio 2"):  # a plain layer's casts all fuse into compiled kernels
         assert res["names_per_kind"][kind].get("AsType", 0) == 0, res["names_per_kind"][kind]
+    # a decode step's one real row: every FP8 and FP4 GEMM kernel quantises its input itself
+    assert "act_quant_fp8" not in calls, calls
+    for kind, names in res["names_per_kind"].items():
+        # RoPE's tables and the indexer's negated scores: element-wise steps fused into
+        # compiled kernels, no operations of their own
+        assert not {"Cos", "Sin", "Negative"} & set(names), (kind, names)
 
 
 def test_count_ops_counts_a_stubbed_kernel_as_one_launch_and_no_views(bench):
