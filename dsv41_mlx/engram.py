@@ -167,7 +167,6 @@ class Engram(nn.Module):
 
     def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
-        self.dim, self.hc = args.hidden_size, args.hc_mult
         n_cols = (args.engram_max_ngram_size - 1) * args.engram_n_heads
         self.wkv = Fp8Linear(n_cols * args.engram_head_dim, args.hidden_size * (args.hc_mult + 1))
         self.q_weight = mx.ones((args.hc_mult, args.hidden_size), dtype=BF16)
