@@ -250,7 +250,7 @@ def test_routed_experts_take_the_fp4_kernel_for_a_decode_steps_pairs_on_a_gpu(mo
 
     monkeypatch.setattr(kernels, "backend", lambda: "cuda")
     monkeypatch.setattr(kernels, "fp4_experts", experts)
-    monkeypatch.setattr(kernels, "act_quant_fp8", act_quant_spec)  # prefill's down projection quantises first
+    monkeypatch.setattr(kernels, "act_quant_fp8", act_quant_spec)  # where the kernel does not quantise
     mx.random.seed(6)
     stack = Fp4Stack(5, 256, 64)
     stack.weight = mx.random.randint(0, 2**31, stack.weight.shape).astype(mx.uint32)

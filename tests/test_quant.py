@@ -449,7 +449,7 @@ def test_fp8_matmul_takes_the_gemv_kernel_for_a_decode_steps_rows_on_a_gpu(monke
 
     calls = []
 
-    def gemv(x, w, s, impl=None, init_value=None, quantize_input=False, real_rows=None):
+    def gemv(x, w, s, impl=None, init_value=None, real_rows=None):
         calls.append((x.shape, w.shape))
         return kernels.fp8_gemv_reference(x, w, s, real_rows=real_rows)
 
