@@ -417,7 +417,11 @@ def paired_plain_decode(model, model_path, ids_list: list[list[int]], tokens: in
             "host_probe_ms": statistics.median(probes)}
 
 
-def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float, paired: bool = True) -> dict:
+def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float, paired: bool = True,
+              report=None) -> dict:
+    """Everything `bench.py e2e` measures. report(results so far), where given, is called before
+    the paired measurement, the slowest part and the last: a run stopped during it (a time
+    limit) has printed its tables already."""
     import hashlib
 
     import dsv41_mlx
@@ -551,9 +555,23 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float, 
     # ours and mlx-lm interleaved prompt by prompt (both loaded): the ratio above compares runs
     # minutes apart, and the host's speed drifts (docs/benchmarks.md, session 10)
     skipped = paired_skip_reason(paired, out["mlxlm"], machine_memory())
+    if report is not None and not skipped:
+        report({**out, "paired": {"skipped": PAIRED_LATER}})
     out["paired"] = {"skipped": skipped} if skipped else paired_plain_decode(model, model_path, ids_list, tokens)
     print(f"  paired plain decode: {out['paired']}", flush=True)
     return out
+
+
+PAIRED_LATER = "measured after this table, printed below it"
+
+
+def paired_row(paired: dict) -> str:
+    """The mlx-lm table's paired row, or why there is none."""
+    if "ratio" not in paired:
+        return f"\npaired decode not run: {paired.get('skipped', 'not measured')}\n"
+    return (f"| decode tok/s, paired (the two interleaved prompt by prompt; median of {paired['pairs']} "
+            f"pairs' ratios; host probe {paired['host_probe_ms']:.2f} ms) | {paired['tok_s']:.2f} | "
+            f"{paired['mlxlm_tok_s']:.2f} | {paired['ratio']:.2f} |\n")
 
 
 def print_e2e(env: dict, res: dict, model: str) -> None:
@@ -586,13 +604,7 @@ def print_e2e(env: dict, res: dict, model: str) -> None:
               f"{base['decode_tok_s'] * res['floor_ms'] / 1e3:.1%} | |")
         print(f"| host probe ms (median around the run) | {res['runs']['plain greedy']['host_probe_ms']:.2f} | "
               f"{base['host_probe_ms']:.2f} | |")
-        paired = res.get("paired", {})
-        if "ratio" in paired:
-            print(f"| decode tok/s, paired (the two interleaved prompt by prompt; median of {paired['pairs']} "
-                  f"pairs' ratios; host probe {paired['host_probe_ms']:.2f} ms) | {paired['tok_s']:.2f} | "
-                  f"{paired['mlxlm_tok_s']:.2f} | {paired['ratio']:.2f} |\n")
-        else:
-            print(f"\npaired decode not run: {paired.get('skipped', 'not measured')}\n")
+        print(paired_row(res.get("paired", {})))
     print(f"host probe (a fixed pure-Python loop, `host_probe_ms`): {res['host_probe_ms']:.2f} ms after the load; "
           "each run's median of its probes (before it and after each prompt) is in the table: a larger one "
           "means the host's CPU ran slower during that run, and so did every step's host side\n")
@@ -1048,8 +1060,19 @@ def main() -> int:
         res = bench_head(args.vocab, args.dim, args.rows)
         print_head(env, res, args.vocab, args.dim)
     elif args.what == "e2e":
-        res = bench_e2e(args.model, args.prompts, args.tokens, args.oracle_rate, paired=not args.no_paired)
-        print_e2e(env, res, args.model)
+        printed = []  # the tables, printed before the paired measurement where there is one
+
+        def report(partial):
+            print_e2e(env, partial, args.model)
+            printed.append(True)
+
+        res = bench_e2e(args.model, args.prompts, args.tokens, args.oracle_rate, paired=not args.no_paired,
+                        report=report)
+        if printed:
+            print("the paired decode (ours and mlx-lm interleaved prompt by prompt), ours / mlx-lm:\n\n"
+                  "| | ours | mlx-lm | ours / mlx-lm |\n|---|---|---|---|\n" + paired_row(res["paired"]))
+        else:
+            print_e2e(env, res, args.model)
     elif args.what == "profile":
         res = bench_profile(args.model, args.steps)
         print_profile(env, res, args.model or "the embedded tiny checkpoint")
