@@ -125,7 +125,7 @@ def expected_tensors(args: ModelArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
             p = f"mtp.{k}"
             block(p, args.num_hidden_layers + k)
             if k == 0:
-                fp8(f"{p}.main_proj", dim, dim * len(args.dspark_target_layer_ids))
+                fp8(f"{p}.main_proj", dim, args.dspark_feature_dim)
                 bf16(f"{p}.main_norm.weight", dim)
             if k == last:
                 bf16(f"{p}.norm.weight", dim)

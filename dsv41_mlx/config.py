@@ -119,6 +119,11 @@ class ModelArgs:
     def has_dspark(self) -> bool:
         return self.num_nextn_predict_layers > 0 and self.dspark_block_size > 0
 
+    @property
+    def dspark_feature_dim(self) -> int:
+        """Width of the DSpark features: the tapped layers' streams side by side."""
+        return len(self.dspark_target_layer_ids) * self.hidden_size
+
     def moe_shape(self, layer_id: int) -> tuple[int, int]:
         """(routed experts, experts per token) of a backbone layer or DSpark stage."""
         if layer_id < self.num_hidden_layers:

@@ -100,7 +100,7 @@ class DSparkStage(Block):
         self.stage = stage
         dim = args.hidden_size
         if stage == 0:
-            self.main_proj = Fp8Linear(dim * len(args.dspark_target_layer_ids), dim)
+            self.main_proj = Fp8Linear(args.dspark_feature_dim, dim)
             self.main_norm = RMSNorm(dim, args.rms_norm_eps)
         if stage == args.num_nextn_predict_layers - 1:
             self.norm = RMSNorm(dim, args.rms_norm_eps)

@@ -100,9 +100,8 @@ def _warm_up_ingest(model) -> None:
     """Every ingest a drafting round can make (1 .. block + 1 committed positions), on a
     scratch draft cache."""
     drafter, cache = model.drafter, model.drafter.make_cache()
-    width = len(model.args.dspark_target_layer_ids) * model.args.hidden_size
     for n in range(1, drafter.block + 2):
-        drafter.ingest(cache, mx.zeros((n, width), dtype=mx.bfloat16))
+        drafter.ingest(cache, mx.zeros((n, model.args.dspark_feature_dim), dtype=mx.bfloat16))
         mx.eval(cache.rings)
 
 
