@@ -114,8 +114,8 @@ class Rope:
             ramp = np.clip((np.arange(dims // 2, dtype=np.float32) - low) / max(high - low, 1e-3), 0, 1)
             smooth = (1 - ramp).astype(np.float32)
             freqs = freqs / np.float32(factor) * (1 - smooth) + freqs * smooth
-        self.freqs = mx.array(freqs.astype(np.float32))
-        self._tables: dict[int, tuple] = {}  # feature width -> the last two (positions, tables)
+        self.freqs = freqs.astype(np.float32)  # each pair's, numpy: _per_pair lays them out per width
+        self._tables: dict[int, tuple] = {}  # feature width -> the last three (positions, tables)
         self._widths: dict[int, tuple[mx.array, mx.array]] = {}  # feature width -> _per_pair's arrays
 
     def __call__(self, x: mx.array, positions: mx.array, inverse: bool = False) -> mx.array:
@@ -152,7 +152,7 @@ class Rope:
         [width/2, 2]. From numpy, so never an operation of a forward."""
         if width not in self._widths:
             fixed = width - self.dims
-            freqs = np.concatenate([np.zeros(fixed // 2, np.float32), np.array(self.freqs, dtype=np.float32)])
+            freqs = np.concatenate([np.zeros(fixed // 2, np.float32), self.freqs])
             rotated = (np.arange(width) >= fixed).reshape(width // 2, 2)
             self._widths[width] = mx.array(freqs), mx.array(rotated)
         return self._widths[width]
