@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import mlx.core as mx
 
@@ -112,9 +112,10 @@ HC_POST_MIX = KernelSpec("hc_post_mix", ("y", "residual", "post", "comb", "fn", 
 HC_INPUT = KernelSpec("hc_input", ("h", "pre_in", "parts", "scale", "base", "norm_w", "params", "rows"),
                       ("x", "xq", "pre", "post", "comb"), "hc_input.metal", "hc_input.cu", header_files=(),
                       twin_headers=("hc_split_row", "fp8_lane"))
-FP8_GEMV = KernelSpec("fp8_gemv", ("x", "w", "scales", "sizes"), ("y",), "fp8_gemv.metal", "fp8_gemv.cu",
+FP8_GEMV = KernelSpec("fp8_gemv", ("x", "w", "scales", "sizes", "swiglu"), ("y",), "fp8_gemv.metal", "fp8_gemv.cu",
                       twin_headers=("fp8_lane", "gemv_lane"))
-FP4_EXPERTS = KernelSpec("fp4_experts", ("x", "w", "scales", "ids", "sizes"), ("y",), "fp4_experts.metal",
+FP4_EXPERTS = KernelSpec("fp4_experts", ("x", "w", "scales", "ids", "sizes", "swiglu", "weights"), ("y",),
+                         "fp4_experts.metal",
                          "fp4_experts.cu", twin_headers=("fp8_lane", "gemv_lane"))
 
 
@@ -559,22 +560,67 @@ def fp4_quant(x: mx.array, block: int, e4m3_scale: bool, impl: str) -> mx.array:
     return y
 
 
+# ---------------------------------------------------------------------- SwiGLU
+
+@mx.compile
+def swiglu(gate: mx.array, up: mx.array, limit: float) -> mx.array:
+    """SiLU(gate) * up in fp32, up clamped to +-limit and gate from above (limit > 0)."""
+    if limit > 0:
+        up = mx.clip(up, -limit, limit)
+        gate = mx.minimum(gate, limit)
+    return gate / (1 + mx.exp(-gate)) * up  # torch's SiLU: x / (1 + e^-x)
+
+
+class SwiGLU(NamedTuple):
+    """The SwiGLU a GEMV kernel can apply to its outputs as it writes them (its SW): the
+    matrix is a gate projection's rows then an up projection's (w13), and the kernel writes
+    swiglu_halves of what it would have written, in one launch instead of two. weights: a
+    routed expert pair's weight, for fp4_experts ([R, k] in its pairs' order; any shape
+    that flattens so and broadcasts over the outputs where the spec runs)."""
+    limit: float
+    weights: mx.array | None = None
+
+
+def swiglu_halves(y: mx.array, act: SwiGLU) -> mx.array:
+    """The spec of a GEMV kernel's SwiGLU: y [..., 2I] bf16, gate outputs then up outputs ->
+    bf16 [..., I] = swiglu(gate, up) [* weights], in fp32, rounded to bf16 once."""
+    gate, up = mx.split(y, 2, axis=-1)  # views: the casts fuse
+    h = swiglu(gate.astype(mx.float32), up.astype(mx.float32), act.limit)
+    return (h if act.weights is None else h * act.weights).astype(mx.bfloat16)
+
+
+def _swiglu_arguments(act: SwiGLU | None, pairs: int = 0) -> tuple[int, mx.array, mx.array]:
+    """A GEMV kernel's SW and its swiglu and weights inputs: SW 0 without a SwiGLU (neither
+    read), 1 with [limit], 2 with [limit] and the pairs' weights (fp4_experts)."""
+    unread = _float32s(0.0)
+    if act is None:
+        return 0, unread, unread
+    if act.weights is None:
+        return 1, _float32s(float(act.limit)), unread
+    if act.weights.size != pairs:
+        raise ValueError(f"a SwiGLU's weights are one a (row, expert) pair: {pairs}, got {act.weights.shape}")
+    return 2, _float32s(float(act.limit)), act.weights.astype(mx.float32).reshape(-1)
+
+
 # -------------------------------------------------------------------- fp8_gemv
 
 def fp8_gemv_reference(x: mx.array, w: mx.array, scales: mx.array, quantize_input: bool = False,
-                       real_rows: int | None = None) -> mx.array:
+                       real_rows: int | None = None, swiglu: SwiGLU | None = None) -> mx.array:
     """Pure-MLX spec: x [S, G, K] through G `mxfp8` matrices w [G, N, K/4] (scales [G, N, K/32]),
     group g of every row through matrix g -> bf16 [S, G, N], accumulated in float32. (A
     gather_qmm: MLX 0.32.4's CUDA quantized_matmul does not broadcast stacked weights over
     rows, as the H200 showed: other values from the second row on.) quantize_input: x FP8
     fake-quantised first (quant.fp8_fake_quant). The dense form, x [..., K] through one matrix
     w [N, K/4] -> [..., N], is that of one group. real_rows: rows from there on (a padded
-    forward's padding) are zeros."""
+    forward's padding) are zeros. swiglu: w's rows a gate and an up projection, the output
+    their swiglu_halves [..., N / 2]."""
     if w.ndim == 2:
         y = fp8_gemv_reference(x.reshape(-1, 1, x.shape[-1]), w[None], scales[None], quantize_input, real_rows)
-        return y.reshape(*x.shape[:-1], w.shape[0])
-    y = _gathered(_quantized_input(x, quantize_input), w, scales, mx.arange(w.shape[0]), "mxfp8").astype(mx.bfloat16)
-    return padding_zeroed(y, real_rows)
+        y = y.reshape(*x.shape[:-1], w.shape[0])
+    else:
+        y = _gathered(_quantized_input(x, quantize_input), w, scales, mx.arange(w.shape[0]), "mxfp8")
+        y = padding_zeroed(y.astype(mx.bfloat16), real_rows)
+    return y if swiglu is None else swiglu_halves(y, swiglu)
 
 
 def _quantized_input(x: mx.array, quantize: bool) -> mx.array:
@@ -645,7 +691,7 @@ def gemv_threads_per_output(k: int, outputs: int = 0) -> int:
 
 def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None,
              init_value: float | None = None, quantize_input: bool = False,
-             real_rows: int | None = None, threads: int | None = None) -> mx.array:
+             real_rows: int | None = None, threads: int | None = None, swiglu: SwiGLU | None = None) -> mx.array:
     """The FP8 GEMMs of a decode or verify step in one launch each: x [S, G, K] (FP8
     fake-quantised or bf16 values, exact in bf16) through G `mxfp8` matrices w [G, N, K/4] ->
     bf16 [S, G, N] (attention's wo_a: its groups), or x [..., K] through one matrix w [N, K/4]
@@ -658,19 +704,24 @@ def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None
     computed (default all); the rest, a padded forward's padding (model.Model.padded), come
     out zeros, their weight reads and sums spared. threads: the threads per output (C), for
     `bench.py gemms --threads` to compare layouts; a forward keeps the default,
-    gemv_threads_per_output(K, N * G), so that a sum's order depends on the matrix's shape alone."""
+    gemv_threads_per_output(K, N * G), so that a sum's order depends on the matrix's shape alone.
+    swiglu: w is a SwiGLU's gate and up projections stacked (the shared expert's w13); the
+    kernel writes their swiglu_halves [..., N / 2] instead (no weights here)."""
     impl = impl or backend()
     if not fp8_gemv_fits(x, w, impl):
         raise ValueError(f"fp8_gemv takes x [<= {DECODE_MAX_ROWS}, G, K] and w [G, N, K/4], or x [..., K] of at most "
                          f"{DECODE_MAX_ROWS} rows and w [N, K/4], with N a multiple of 32 and K of 256 on a GPU, got "
                          f"{x.shape} and {w.shape} on {impl}")
     _bf16_to_quantize(x, quantize_input)
+    if swiglu is not None and swiglu.weights is not None:
+        raise ValueError("fp8_gemv's SwiGLU takes no weights (fp4_experts' pairs have them)")
     K, G = x.shape[-1], (w.shape[0] if w.ndim == 3 else 1)
     S, N = x.size // (G * K), w.shape[-2]
     rows = computed_rows(real_rows, S)
-    return _gemv_launch(FP8_GEMV, impl, [x.astype(mx.bfloat16), w, scales, _int32s(rows, N, K, G, S)],
-                        rows, G, (*x.shape[:-1], N), init_value, quantize_input,
-                        threads or gemv_threads_per_output(K, N * G))
+    sw, limit, _ = _swiglu_arguments(swiglu)
+    return _gemv_launch(FP8_GEMV, impl, [x.astype(mx.bfloat16), w, scales, _int32s(rows, N, K, G, S), limit],
+                        rows, G, N, x.shape[:-1], init_value, quantize_input,
+                        threads or gemv_threads_per_output(K, N * G), sw)
 
 
 # The decode path lets a GEMV kernel quantise its bf16 input (quantize_input) for a forward of
@@ -696,31 +747,35 @@ def _bf16_to_quantize(x: mx.array, quantize_input: bool) -> None:
         raise ValueError(f"a GEMV kernel quantises bfloat16 input only, got {x.dtype}")
 
 
-def _gemv_launch(spec: KernelSpec, impl: str, inputs: list, rows: int, sets: int, out_shape: tuple,
-                 init_value: float | None, quantize_input: bool, threads: int) -> mx.array:
-    """Launch fp8_gemv or fp4_experts for `rows` computed rows (up to 16): `sets` sets of
-    out_shape[-1] outputs (matrices, or (row, expert) pairs), a threadgroup of 256 threads per
-    (256 / C) * T outputs of a set -> bf16. threads: C, which each caller picks
-    (gemv_threads_per_output); RB and T: gemv_layout(rows)."""
-    n = out_shape[-1]
+def _gemv_launch(spec: KernelSpec, impl: str, inputs: list, rows: int, sets: int, n: int, lead: tuple,
+                 init_value: float | None, quantize_input: bool, threads: int, sw: int) -> mx.array:
+    """Launch fp8_gemv or fp4_experts for `rows` computed rows (up to 16): `sets` sets of n
+    outputs (matrices, or (row, expert) pairs), a threadgroup of 256 threads per (256 / C) * T
+    outputs of a set -> bf16 [*lead, n], or [*lead, n / 2] with a SwiGLU (sw > 0). threads: C,
+    which each caller picks (gemv_threads_per_output); RB and T: gemv_layout(rows)."""
     if threads not in (32, 64, 128, 256):  # a threadgroup then holds 32 to 4 outputs: N is a multiple of 32
         raise ValueError(f"a GEMV kernel takes 32, 64, 128 or 256 threads per output, got {threads}")
     rb, t = gemv_layout(rows)
     (y,) = _compiled(spec, impl)(
-        inputs=inputs, template=[("RB", rb), ("T", t), ("C", threads), ("QX", int(quantize_input))],
+        inputs=inputs, template=[("RB", rb), ("T", t), ("C", threads), ("QX", int(quantize_input)), ("SW", sw)],
         grid=(sets * n // (256 // threads * t) * 256, 1, 1), threadgroup=(256, 1, 1),
-        output_shapes=[out_shape], output_dtypes=[mx.bfloat16], init_value=init_value)
+        output_shapes=[(*lead, n // 2 if sw else n)], output_dtypes=[mx.bfloat16], init_value=init_value)
     return y
 
 
 # ----------------------------------------------------------------- fp4_experts
 
 def fp4_experts_reference(x: mx.array, w: mx.array, scales: mx.array, ids: mx.array,
-                          quantize_input: bool = False) -> mx.array:
+                          quantize_input: bool = False, swiglu: SwiGLU | None = None) -> mx.array:
     """Pure-MLX spec: pair (r, j) = row r's j-th expert ids[r, j] of the `mxfp4` stack w [E, N, K/8]
     (scales [E, N, K/32]) applied to x[r, 0] (x [R, 1, K]) or x[r, j] (x [R, k, K]) -> bf16
-    [R, k, N], accumulated in float32. quantize_input: x FP8 fake-quantised first."""
-    return _gathered(_quantized_input(x, quantize_input), w, scales, ids, "mxfp4").astype(mx.bfloat16)
+    [R, k, N], accumulated in float32. quantize_input: x FP8 fake-quantised first. swiglu:
+    the output's swiglu_halves [R, k, N / 2], the pairs' weights [R, k] applied."""
+    y = _gathered(_quantized_input(x, quantize_input), w, scales, ids, "mxfp4").astype(mx.bfloat16)
+    if swiglu is None:
+        return y
+    weights = None if swiglu.weights is None else swiglu.weights.reshape(*ids.shape, 1)
+    return swiglu_halves(y, SwiGLU(swiglu.limit, weights))
 
 
 def fp4_experts_fits(x: mx.array, w: mx.array, ids: mx.array, impl: str | None = None) -> bool:
@@ -732,14 +787,17 @@ def fp4_experts_fits(x: mx.array, w: mx.array, ids: mx.array, impl: str | None =
 
 
 def fp4_experts(x: mx.array, w: mx.array, scales: mx.array, ids: mx.array, impl: str | None = None,
-                init_value: float | None = None, quantize_input: bool = False) -> mx.array:
+                init_value: float | None = None, quantize_input: bool = False,
+                swiglu: SwiGLU | None = None) -> mx.array:
     """The routed experts' FP4 GEMMs of a decode or verify step in one launch: x [R, 1 or k, K]
     (FP8 fake-quantised, exact in bf16) through each row's experts ids [R, k] of the `mxfp4`
     stack w [E, N, K/8] -> bf16 [R, k, N], each expert's weights read once for all the rows
     that picked it (MLX's gather_qmm reads them once per (row, expert) pair). The spec is
     fp4_experts_reference, equal up to the order of the float32 sums; only where
     fp4_experts_fits. A row's experts must be distinct (a router's top-k are). init_value
-    poisons the output before the launch (for checks); quantize_input as fp8_gemv's."""
+    poisons the output before the launch (for checks); quantize_input as fp8_gemv's. swiglu:
+    w is the experts' gate and up projections stacked (w13); the kernel writes their
+    swiglu_halves [R, k, N / 2], times each pair's weight where swiglu has weights [R, k]."""
     impl = impl or backend()
     if not fp4_experts_fits(x, w, ids, impl):
         raise ValueError(f"fp4_experts takes x [<= {DECODE_MAX_ROWS}, 1 or k, K], ids [R, k] and w [E, N, K/8] with N "
@@ -747,6 +805,7 @@ def fp4_experts(x: mx.array, w: mx.array, scales: mx.array, ids: mx.array, impl:
     _bf16_to_quantize(x, quantize_input)
     R, k = ids.shape
     N, K = w.shape[1], x.shape[2]
+    sw, limit, weights = _swiglu_arguments(swiglu, R * k)
     return _gemv_launch(FP4_EXPERTS, impl, [x.astype(mx.bfloat16), w, scales, ids.astype(mx.uint32).reshape(-1),
-                                            _int32s(R, k, N, K, x.shape[1])],
-                        R, R * k, (R, k, N), init_value, quantize_input, gemv_threads_per_output(K))
+                                            _int32s(R, k, N, K, x.shape[1]), limit, weights],
+                        R, R * k, N, (R, k), init_value, quantize_input, gemv_threads_per_output(K), sw)

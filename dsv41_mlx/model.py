@@ -737,15 +737,6 @@ class Attention(nn.Module):
 
 # ------------------------------------------------------------------------- MoE
 
-@mx.compile
-def swiglu(gate: mx.array, up: mx.array, limit: float) -> mx.array:
-    """SiLU(gate) * up in fp32, up clamped to +-limit and gate from above (limit > 0)."""
-    if limit > 0:
-        up = mx.clip(up, -limit, limit)
-        gate = mx.minimum(gate, limit)
-    return gate / (1 + mx.exp(-gate)) * up  # torch's SiLU: x / (1 + e^-x)
-
-
 class Fp4Stack(nn.Module):
     """One projection of every routed expert: release FP4 bits in MLX `mxfp4` layout.
 
@@ -759,7 +750,7 @@ class Fp4Stack(nn.Module):
         self.scales = mx.zeros((n_experts, out_dims, in_dims // 32), dtype=mx.uint8)
 
     def __call__(self, x: mx.array, ids: mx.array, sorted_ids: bool = False, rows: mx.array | None = None,
-                 quantize: bool = False) -> mx.array:
+                 quantize: bool = False, swiglu: kernels.SwiGLU | None = None) -> mx.array:
         """x [N, 1|k, 1, in] FP8-rounded activations through experts ids [N, k] -> bf16
         [N, k, 1, out]: the fp32 products summed in fp32, rounded to bf16 once. sorted_ids:
         ids are in ascending order (MLX then runs each expert's rows as one GEMM). rows: which
@@ -767,18 +758,21 @@ class Fp4Stack(nn.Module):
         to go through quant.fp8_input first. On a GPU, a decode or verify step's pairs run
         kernels.fp4_experts (each expert's weights read once for all the rows that picked
         it; a decode step's x it quantises as it reads it, the same bits in one launch:
-        kernels.quantizes_in_kernel); the spec is MLX's gather_qmm, which runs everywhere else."""
+        kernels.quantizes_in_kernel); the spec is MLX's gather_qmm, which runs everywhere else.
+        swiglu: this is a w13 stack (gate rows, then up rows); the output is their
+        kernels.swiglu_halves [.., out / 2], which the kernel computes as it writes."""
         if not sorted_ids and x.ndim == 4 and x.shape[2] == 1:
             per_row = x[:, :, 0]  # [N, 1|k, in]: pair (n, j) takes x[n, 0] or x[n, j]
             if kernels.fp4_experts_fits(per_row, self.weight, ids):
                 in_kernel = quantize and kernels.quantizes_in_kernel(per_row, per_row.shape[0])
                 if quantize and not in_kernel:
                     per_row = fp8_input(per_row)
-                return kernels.fp4_experts(per_row, self.weight, self.scales, ids, quantize_input=in_kernel)[:, :, None]
+                return kernels.fp4_experts(per_row, self.weight, self.scales, ids, quantize_input=in_kernel,
+                                           swiglu=swiglu)[:, :, None]
         x = fp8_input(x) if quantize else x
         y = mx.gather_qmm(x.astype(gemm_input_dtype()), self.weight, self.scales, lhs_indices=rows, rhs_indices=ids,
-                          transpose=True, mode="mxfp4", sorted_indices=sorted_ids)
-        return y.astype(BF16)
+                          transpose=True, mode="mxfp4", sorted_indices=sorted_ids).astype(BF16)
+        return y if swiglu is None else kernels.swiglu_halves(y, swiglu)
 
 
 class Fp4Experts(nn.Module):
@@ -802,8 +796,7 @@ class Expert(nn.Module):
     def __call__(self, xq: mx.array, real: int | None = None) -> mx.array:
         """xq: the input through quant.fp8_input (shared with the routed experts); real: the
         rows that matter, the first `real` (on a GPU the others come out zeros; Fp8Linear)."""
-        gate, up = mx.split(self.w13.quantized(xq, real), 2, axis=-1)
-        return self.w2(swiglu(gate.astype(F32), up.astype(F32), self.limit).astype(BF16), real)
+        return self.w2(self.w13.quantized(xq, real, kernels.SwiGLU(self.limit)), real)
 
 
 class Gate(nn.Module):
@@ -890,8 +883,7 @@ class MoE(nn.Module):
         if not sorted_ids and ids.size <= self._pair_ids.size:
             N, k = ids.shape
             rows, pairs = self._pair_ids[:N, None], self._pair_ids[: N * k].reshape(N, k)
-        gate, up = mx.split(self.experts.w13(xq, ids, sorted_ids, rows), 2, axis=-1)  # views: the casts fuse
-        h = (swiglu(gate.astype(F32), up.astype(F32), self.limit) * weights).astype(BF16)
+        h = self.experts.w13(xq, ids, sorted_ids, rows, swiglu=kernels.SwiGLU(self.limit, weights))
         return self.experts.w2(h, ids, sorted_ids, pairs, quantize=True)  # bf16
 
 

@@ -142,10 +142,11 @@ class Fp8Linear(nn.Module):
     def __call__(self, x: mx.array, real: int | None = None) -> mx.array:
         return fp8_linear(x, self.weight, self.scales, real)
 
-    def quantized(self, xq: mx.array, real: int | None = None) -> mx.array:
+    def quantized(self, xq: mx.array, real: int | None = None, swiglu: kernels.SwiGLU | None = None) -> mx.array:
         """The product for an input already through `fp8_input`: an activation that feeds
-        several FP8 GEMMs is quantised once (on a GPU, one kernel launch fewer each)."""
-        return fp8_matmul(xq, self.weight, self.scales, real)
+        several FP8 GEMMs is quantised once (on a GPU, one kernel launch fewer each).
+        swiglu: this is a SwiGLU's w13 (fp8_matmul)."""
+        return fp8_matmul(xq, self.weight, self.scales, real, swiglu)
 
 
 def gemm_input_dtype() -> mx.Dtype:
@@ -167,14 +168,17 @@ def fp8_input(x: mx.array) -> mx.array:
     return fp8_fake_quant(x, dtype=gemm_input_dtype())
 
 
-def fp8_matmul(xq: mx.array, weight: mx.array, scales: mx.array, real: int | None = None) -> mx.array:
+def fp8_matmul(xq: mx.array, weight: mx.array, scales: mx.array, real: int | None = None,
+               swiglu: kernels.SwiGLU | None = None) -> mx.array:
     """An `fp8_input` activation times an `mxfp8` weight, bf16 out: on a GPU, a decode or
     verify step's few rows through kernels.fp8_gemv (each weight byte read once for all
     rows; real: only the first `real` rows computed, the padding's zeros), otherwise MLX's
-    quantized_matmul (every row)."""
+    quantized_matmul (every row). swiglu: the weight is a SwiGLU's gate and up projections
+    stacked, the output their kernels.swiglu_halves (on a GPU, written by fp8_gemv itself)."""
     if kernels.fp8_gemv_fits(xq, weight):
-        return kernels.fp8_gemv(xq, weight, scales, real_rows=real)
-    return _fp8_matmul_mlx(xq, weight, scales)
+        return kernels.fp8_gemv(xq, weight, scales, real_rows=real, swiglu=swiglu)
+    y = _fp8_matmul_mlx(xq, weight, scales)
+    return y if swiglu is None else kernels.swiglu_halves(y, swiglu)
 
 
 @mx.compile

@@ -63,7 +63,7 @@ for (unsigned int s = 0; s < steps; s++) {
   float sc[T];
 #pragma unroll
   for (int i = 0; i < T; i++) {
-    const size_t n = (size_t)expert * N + n0 + i;
+    const size_t n = (size_t)expert * N + gemv_weight_row<T, SW>(n0, i, (unsigned int)N);
     q[i] = __ldg(reinterpret_cast<const uint2*>(w + n * words + k / 8));
     sc[i] = __uint_as_float(((unsigned int)scales[n * blocks + k / 32] + 14u) << 23);  // 2^(e-127) * 2^14
   }
@@ -94,7 +94,9 @@ for (unsigned int s = 0; s < steps; s++) {
 }
 
 gemv_warp_totals<T, RB>(&acc[0][0], partial);
-for (unsigned int o = col; o < T * RB; o += C) {  // output n0 + o / RB of row o % RB's pair
+constexpr int OT = SW ? T / 2 : T;  // outputs a thread group writes: with SW, one a (gate, up) pair
+const unsigned int NY = SW ? (unsigned int)N / 2 : (unsigned int)N;  // outputs a pair has in y
+for (unsigned int o = col; o < OT * RB; o += C) {  // output n0 * OT / T + o / RB of row o % RB's pair
   const int r = (int)(o % RB);
   int picked = -1;  // slot[r], picked out so that slot stays in registers (a variable index would not)
 #pragma unroll
@@ -102,6 +104,13 @@ for (unsigned int o = col; o < T * RB; o += C) {  // output n0 + o / RB of row o
     picked = i == r ? slot[i] : picked;
   }
   if (picked >= 0) {
-    y[((size_t)r * KS + picked) * N + n0 + o / RB] = __float2bfloat16(gemv_group_total<T, RB, C>(partial, grp, o));
+    float v = gemv_group_total<T, RB, C>(partial, grp, o);
+    if (SW) {  // o is a gate row's sum, o + OT * RB its up row's
+      v = gemv_swiglu(v, gemv_group_total<T, RB, C>(partial, grp, o + OT * RB), swiglu[0]);
+    }
+    if (SW == 2) {
+      v = v * weights[r * KS + picked];  // the pair's routing weight
+    }
+    y[((size_t)r * KS + picked) * NY + n0 * OT / T + o / RB] = __float2bfloat16(v);
   }
 }

@@ -24,9 +24,13 @@
 // fp8_gemv runs its rows: a thread group of C threads owns T outputs and splits K, thread c
 // taking columns 16c .. 16c + 15 of every 16 * C (8 bytes of each weight row per step).
 // QX = 1: x not yet FP8 fake-quantised, the kernel quantises it as it reads it (fp8_gemv.metal).
+// SW = 1: the experts' gate and up projections stacked (w13), y [rows, KS, N / 2] their SwiGLU
+// in bf16, as fp8_gemv's SW; SW = 2: that times the pair's routing weight, float32, before
+// the rounding (the MoE's weighted SwiGLU: kernels.swiglu_halves of the SW = 0 output, bit for
+// bit). swiglu: float32 [limit]; weights: float32 [rows * KS], each pair's (read with SW = 2).
 // Template constants: RB (a bound on rows, a power of two up to 16), T (outputs per thread
-// group), C (threads per thread group, a multiple of 32), QX (0 or 1); a pair's bits do not
-// depend on RB or T (kernels.gemv_layout picks them).
+// group), C (threads per thread group, a multiple of 32), QX (0 or 1), SW (0, 1 or 2); a
+// pair's bits do not depend on RB or T (kernels.gemv_layout picks them).
 // CUDA twin: fp4_experts.cu.
 
 threadgroup float partial[8 * T * RB];  // each simdgroup's sums (gemv_warp_totals)
@@ -88,7 +92,7 @@ for (uint s = 0; s < steps; s++) {
   uint2 q[T];  // 16 E2M1 codes of each output row
   float sc[T];
   for (int i = 0; i < T; i++) {
-    const ulong n = ulong(expert) * N + n0 + i;
+    const ulong n = ulong(expert) * N + gemv_weight_row<T, SW>(n0, i, uint(N));
     q[i] = *((const device uint2*)(w + n * words + k / 8));
     sc[i] = as_type<float>((uint(scales[n * blocks + k / 32]) + 14u) << 23);  // 2^(e-127) * 2^14
   }
@@ -115,13 +119,22 @@ for (uint s = 0; s < steps; s++) {
 }
 
 gemv_warp_totals<T, RB>(&acc[0][0], partial, thread_index_in_simdgroup, simdgroup_index_in_threadgroup);
-for (uint o = col; o < T * RB; o += C) {  // output n0 + o / RB of row o % RB's pair
+constexpr int OT = SW ? T / 2 : T;  // outputs a thread group writes: with SW, one a (gate, up) pair
+const uint NY = SW ? uint(N) / 2 : uint(N);  // outputs a pair has in y
+for (uint o = col; o < OT * RB; o += C) {  // output n0 * OT / T + o / RB of row o % RB's pair
   const int r = int(o % RB);
   int picked = -1;  // slot[r], picked out so that slot stays in registers (a variable index would not)
   for (int i = 0; i < RB; i++) {
     picked = i == r ? slot[i] : picked;
   }
   if (picked >= 0) {
-    y[(ulong(r) * KS + picked) * N + n0 + o / RB] = bfloat16_t(gemv_group_total<T, RB, C>(partial, grp, o));
+    float v = gemv_group_total<T, RB, C>(partial, grp, o);
+    if (SW) {  // o is a gate row's sum, o + OT * RB its up row's
+      v = gemv_swiglu(v, gemv_group_total<T, RB, C>(partial, grp, o + OT * RB), swiglu[0]);
+    }
+    if (SW == 2) {
+      v = v * weights[r * KS + picked];  // the pair's routing weight
+    }
+    y[(ulong(r) * KS + picked) * NY + n0 * OT / T + o / RB] = bfloat16_t(v);
   }
 }

@@ -40,7 +40,7 @@ for (unsigned int s = 0; s < steps; s++) {
   float sc[T];
 #pragma unroll
   for (int i = 0; i < T; i++) {
-    const size_t n = (size_t)g * N + n0 + i;
+    const size_t n = (size_t)g * N + gemv_weight_row<T, SW>(n0, i, (unsigned int)N);
     q[i] = __ldg(reinterpret_cast<const uint4*>(w + n * words + k / 4));
     sc[i] = __uint_as_float(((unsigned int)scales[n * blocks + k / 32] + 8u) << 23);  // 2^(e-127) * 256
   }
@@ -74,12 +74,19 @@ for (unsigned int s = 0; s < steps; s++) {
 }
 
 gemv_warp_totals<T, RB>(&acc[0][0], partial);
-for (unsigned int o = col; o < T * RB; o += C) {  // output n0 + o / RB, row o % RB
+constexpr int OT = SW ? T / 2 : T;  // outputs a thread group writes: with SW, one a (gate, up) pair
+const unsigned int NY = SW ? (unsigned int)N / 2 : (unsigned int)N;  // outputs a matrix has in y
+const unsigned int y0 = n0 * OT / T;  // the thread group's first output in y
+for (unsigned int o = col; o < OT * RB; o += C) {  // output y0 + o / RB, row o % RB
   if ((int)(o % RB) < out_rows) {  // a row past `rows`: its sums stayed zero
-    y[((size_t)(o % RB) * G + g) * N + n0 + o / RB] = __float2bfloat16(gemv_group_total<T, RB, C>(partial, grp, o));
+    float v = gemv_group_total<T, RB, C>(partial, grp, o);
+    if (SW) {  // o is a gate row's sum, o + OT * RB its up row's
+      v = gemv_swiglu(v, gemv_group_total<T, RB, C>(partial, grp, o + OT * RB), swiglu[0]);
+    }
+    y[((size_t)(o % RB) * G + g) * NY + y0 + o / RB] = __float2bfloat16(v);
   }
 }
 const int pad = out_rows - RB;  // padding rows past RB: zeros
-for (int o = (int)col; o < T * pad; o += C) {  // output n0 + o / pad, row RB + o % pad
-  y[((size_t)(RB + o % pad) * G + g) * N + n0 + o / pad] = __float2bfloat16(0.0f);
+for (int o = (int)col; o < OT * pad; o += C) {  // output y0 + o / pad, row RB + o % pad
+  y[((size_t)(RB + o % pad) * G + g) * NY + y0 + o / pad] = __float2bfloat16(0.0f);
 }

@@ -29,9 +29,16 @@
 // halves' largest magnitudes, which gives the bits of act_quant followed by QX = 0 (one
 // launch fewer). Every thread then runs the same number of steps (the exchange needs all
 // lanes), the steps past K only taking part in it.
+// SW = 1: w is a SwiGLU's gate (rows 0 .. N / 2 - 1) and up (rows N / 2 ..) projections
+// stacked, and y [out_rows, G, N / 2] their SwiGLU in bf16, limit swiglu[0] (gemv_lane.h):
+// each thread group sums T / 2 gate rows and their up rows and writes T / 2 outputs, each
+// sum the same bits as without SW (its order depends on K and C alone), so y is
+// kernels.swiglu_halves of the SW = 0 output, bit for bit, in one launch instead of two.
+// swiglu: float32, [limit] (read only with SW).
 // Template constants: RB (a bound on the computed rows, a power of two up to 16), T (outputs
-// per thread group), C (threads per thread group, a multiple of 32), QX (0 or 1); a row's
-// bits do not depend on RB or T (kernels.gemv_layout picks them). CUDA twin: fp8_gemv.cu.
+// per thread group), C (threads per thread group, a multiple of 32), QX (0 or 1), SW (0 or
+// 1); a row's bits do not depend on RB or T (kernels.gemv_layout picks them). CUDA twin:
+// fp8_gemv.cu.
 
 threadgroup float partial[8 * T * RB];  // each simdgroup's sums (gemv_warp_totals)
 const int rows = sizes[0];
@@ -70,7 +77,7 @@ for (uint s = 0; s < steps; s++) {
   uint4 q[T];  // 16 E4M3 codes of each output row
   float sc[T];
   for (int i = 0; i < T; i++) {
-    const ulong n = ulong(g) * N + n0 + i;
+    const ulong n = ulong(g) * N + gemv_weight_row<T, SW>(n0, i, uint(N));
     q[i] = *((const device uint4*)(w + n * words + k / 4));
     sc[i] = as_type<float>((uint(scales[n * blocks + k / 32]) + 8u) << 23);  // 2^(e-127) * 256
   }
@@ -100,12 +107,19 @@ for (uint s = 0; s < steps; s++) {
 }
 
 gemv_warp_totals<T, RB>(&acc[0][0], partial, thread_index_in_simdgroup, simdgroup_index_in_threadgroup);
-for (uint o = col; o < T * RB; o += C) {  // output n0 + o / RB, row o % RB
+constexpr int OT = SW ? T / 2 : T;  // outputs a thread group writes: with SW, one a (gate, up) pair
+const uint NY = SW ? uint(N) / 2 : uint(N);  // outputs a matrix has in y
+const uint y0 = n0 * OT / T;  // the thread group's first output in y
+for (uint o = col; o < OT * RB; o += C) {  // output y0 + o / RB, row o % RB
   if (int(o % RB) < out_rows) {  // a row past `rows`: its sums stayed zero
-    y[(ulong(o % RB) * G + g) * N + n0 + o / RB] = bfloat16_t(gemv_group_total<T, RB, C>(partial, grp, o));
+    float v = gemv_group_total<T, RB, C>(partial, grp, o);
+    if (SW) {  // o is a gate row's sum, o + OT * RB its up row's
+      v = gemv_swiglu(v, gemv_group_total<T, RB, C>(partial, grp, o + OT * RB), swiglu[0]);
+    }
+    y[(ulong(o % RB) * G + g) * NY + y0 + o / RB] = bfloat16_t(v);
   }
 }
 const int pad = out_rows - RB;  // padding rows past RB: zeros
-for (int o = int(col); o < T * pad; o += C) {  // output n0 + o / pad, row RB + o % pad
-  y[(ulong(RB + o % pad) * G + g) * N + n0 + o / pad] = bfloat16_t(0.0f);
+for (int o = int(col); o < OT * pad; o += C) {  // output y0 + o / pad, row RB + o % pad
+  y[(ulong(RB + o % pad) * G + g) * NY + y0 + o / pad] = bfloat16_t(0.0f);
 }

@@ -71,9 +71,9 @@ import numpy as np
 
 from dsv41_mlx.kernels import (TILE, TOP_K, backend, fp8_rows_tiles, fp8_rows_top64, hc_split, hc_split_reference,
                                ring_write, ring_write_reference)
-from dsv41_mlx.kernels import (act_quant_fp8, fp4_experts, fp4_quant, fp8_gemv, hc_input, hc_post_input, moe_gate,
-                               moe_gate_reference, padding_zeroed, rms_norm, rms_norm_reference,
-                               sparse_attention_rows)
+from dsv41_mlx.kernels import (SwiGLU, act_quant_fp8, fp4_experts, fp4_quant, fp8_gemv, hc_input, hc_post_input,
+                               moe_gate, moe_gate_reference, padding_zeroed, rms_norm, rms_norm_reference,
+                               sparse_attention_rows, swiglu_halves)
 from dsv41_mlx.quant import fp4_fake_quant_reference, fp8_fake_quant_reference, quantize_fp8_tiles_mx
 
 POISON = -12345.0
@@ -342,7 +342,8 @@ def check_fp8_gemv(impl: str, seed: int) -> list[str]:
     another float32 summation order (`gemm_agreement`); a row alone the same bits as among
     others, at 8 rows and at 16 (row bounds RB 8 and 16 against RB 1); a dense GEMM's 2-D form the same
     bits as one group; asked for fewer real rows (a padded forward), those the same bits and
-    the rest zeros."""
+    the rest zeros; with a SwiGLU, the same bits as the kernel's output through the spec's
+    swiglu_halves (`swiglu_problems`)."""
     mx.random.seed(seed)
     problems = []
     dense, grouped, _ = quantised_gemm_shapes()
@@ -368,6 +369,32 @@ def check_fp8_gemv(impl: str, seed: int) -> list[str]:
                 problems.append(f"{name}: the dense form (x [S, K], w [N, K/4]) differs from one group")
             problems.extend(quantizing_problems(name, lambda v, **kw: fp8_gemv(v, w, s, impl=impl, **kw),
                                                 (rows, groups, d_in), rows in (8, 16)))
+            problems.extend(swiglu_problems(name, lambda v, **kw: fp8_gemv(v, w, s, impl=impl, **kw), x,
+                                            None, rows - 2 if rows in (8, 16) else None))
+    return problems
+
+
+def swiglu_problems(name: str, kernel, x: mx.array, weights: mx.array | None, real: int | None) -> list[str]:
+    """A GEMV kernel writing the SwiGLU of its outputs' halves (swiglu=, the gate rows then the
+    up rows) against the same kernel's plain output through the spec, kernels.swiglu_halves:
+    the same bits, outputs poisoned. Clamped at a limit that some of the outputs pass and at
+    none (limit 0), fed an FP8 input and a raw one it quantises, and, where real is given, a
+    padded forward's (the padding zeros either way)."""
+    problems = []
+    plain = kernel(x)
+    for limit in (float(mx.abs(plain.astype(mx.float32)).max().item()) / 4, 0.0):
+        act = SwiGLU(limit, weights)
+        cases = [("", x, {}), (", quantising its input", raw_activation(x.shape), {"quantize_input": True})]
+        if real is not None:
+            cases.append((f", {real} real rows", x, {"real_rows": real}))
+        for what, v, kw in cases:
+            got = kernel(v, swiglu=act, init_value=POISON, **kw)
+            want = swiglu_halves(kernel(v, **kw), act)
+            differ = bits_differ(got, want) if got.shape == want.shape else -1
+            if differ:
+                problems.append(f"{name}, SwiGLU at limit {limit:g}{what}: "
+                                + (f"{differ} values differ from swiglu_halves of its output" if differ > 0 else
+                                   f"shape {got.shape}, the spec's {want.shape}"))
     return problems
 
 
@@ -403,7 +430,8 @@ def check_fp4_experts(impl: str, seed: int) -> list[str]:
     model's expert stacks (gate + up, down; target and DSpark) and a ragged one, 1..16 rows
     of distinct sorted experts, x per row and per slot, outputs poisoned before the launch:
     every value within the bound of another float32 summation order (`gemm_agreement`); a row
-    alone the same bits as among others, at 8 rows and at 16."""
+    alone the same bits as among others, at 8 rows and at 16; with x per row, the weighted
+    SwiGLU the same bits as the kernel's output through the spec (`swiglu_problems`)."""
     mx.random.seed(seed)
     rng = np.random.default_rng(seed)
     problems = []
@@ -426,6 +454,9 @@ def check_fp4_experts(impl: str, seed: int) -> list[str]:
                 problems.extend(quantizing_problems(
                     name, lambda v, **kw: fp4_experts(v, w, s, ids[: v.shape[0]], impl=impl, **kw),
                     x.shape, rows in (8, 16)))
+                if not per_slot:  # the gate and up projection: its pairs' weighted SwiGLU
+                    problems.extend(swiglu_problems(name, lambda v, **kw: fp4_experts(v, w, s, ids, impl=impl, **kw),
+                                                    x, mx.random.uniform(shape=(*ids.shape, 1)), None))
     return problems
 
 

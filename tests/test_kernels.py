@@ -124,6 +124,9 @@ def test_draft_cache_writes_through_the_ring_kernel():
 # ------------------------------------------------------------ Metal text check
 
 NO_ROPE = {"rope_cos": "float32", "rope_sin": "float32"}  # the placeholders a norm without RoPE gets
+GEMV_IN = {"x": "bfloat16", "w": "uint32", "scales": "uint8", "sizes": "int32", "swiglu": "float32"}
+EXPERTS_IN = {"x": "bfloat16", "w": "uint32", "scales": "uint8", "ids": "uint32", "sizes": "int32",
+              "swiglu": "float32", "weights": "float32"}
 CASES = {
     "fp8_rows": (FP8_ROWS, {"x": "uint16", "w": "uint8", "scales": "uint8"},
                  {"top_vals": "float32", "top_ids": "int32"}, {"R": 5, "K": 5120, "N": 129280, "TILES": 505}),
@@ -171,18 +174,17 @@ CASES = {
                         {"T": "float32", "BLOCK": 32, "SCALE_E4M3": 0}),
     "moe_gate_scores": (MOE_GATE_SCORES, {"x": "bfloat16", "w": "float32", "params": "float32", "sizes": "int32"},
                         {"scores": "float32"}, {"T": "bfloat16", "RB": 8}),
-    "fp8_gemv": (FP8_GEMV, {"x": "bfloat16", "w": "uint32", "scales": "uint8", "sizes": "int32"}, {"y": "bfloat16"},
-                 {"RB": 8, "T": 4, "C": 32, "QX": 0}),
-    "fp8_gemv_16_rows": (FP8_GEMV, {"x": "bfloat16", "w": "uint32", "scales": "uint8", "sizes": "int32"},
-                         {"y": "bfloat16"}, {"RB": 16, "T": 4, "C": 256, "QX": 0}),
-    "fp4_experts": (FP4_EXPERTS, {"x": "bfloat16", "w": "uint32", "scales": "uint8", "ids": "uint32",
-                                  "sizes": "int32"}, {"y": "bfloat16"}, {"RB": 8, "T": 4, "C": 32, "QX": 0}),
-    "fp4_experts_16_rows": (FP4_EXPERTS, {"x": "bfloat16", "w": "uint32", "scales": "uint8", "ids": "uint32",
-                                         "sizes": "int32"}, {"y": "bfloat16"}, {"RB": 16, "T": 4, "C": 128, "QX": 0}),
-    "fp8_gemv_quantizing": (FP8_GEMV, {"x": "bfloat16", "w": "uint32", "scales": "uint8", "sizes": "int32"},
-                            {"y": "bfloat16"}, {"RB": 16, "T": 4, "C": 64, "QX": 1}),
-    "fp4_experts_quantizing": (FP4_EXPERTS, {"x": "bfloat16", "w": "uint32", "scales": "uint8", "ids": "uint32",
-                                            "sizes": "int32"}, {"y": "bfloat16"}, {"RB": 8, "T": 4, "C": 32, "QX": 1}),
+    "fp8_gemv": (FP8_GEMV, GEMV_IN, {"y": "bfloat16"}, {"RB": 8, "T": 4, "C": 32, "QX": 0, "SW": 0}),
+    "fp8_gemv_16_rows": (FP8_GEMV, GEMV_IN, {"y": "bfloat16"}, {"RB": 16, "T": 4, "C": 256, "QX": 0, "SW": 0}),
+    "fp4_experts": (FP4_EXPERTS, EXPERTS_IN, {"y": "bfloat16"}, {"RB": 8, "T": 4, "C": 32, "QX": 0, "SW": 0}),
+    "fp4_experts_16_rows": (FP4_EXPERTS, EXPERTS_IN, {"y": "bfloat16"}, {"RB": 16, "T": 4, "C": 128, "QX": 0, "SW": 0}),
+    "fp8_gemv_quantizing": (FP8_GEMV, GEMV_IN, {"y": "bfloat16"}, {"RB": 16, "T": 4, "C": 64, "QX": 1, "SW": 0}),
+    "fp4_experts_quantizing": (FP4_EXPERTS, EXPERTS_IN, {"y": "bfloat16"}, {"RB": 8, "T": 4, "C": 32, "QX": 1, "SW": 0}),
+    "fp8_gemv_swiglu": (FP8_GEMV, GEMV_IN, {"y": "bfloat16"}, {"RB": 1, "T": 4, "C": 64, "QX": 1, "SW": 1}),
+    "fp8_gemv_swiglu_8_rows": (FP8_GEMV, GEMV_IN, {"y": "bfloat16"}, {"RB": 8, "T": 2, "C": 32, "QX": 0, "SW": 1}),
+    "fp4_experts_swiglu": (FP4_EXPERTS, EXPERTS_IN, {"y": "bfloat16"}, {"RB": 1, "T": 4, "C": 32, "QX": 0, "SW": 2}),
+    "fp4_experts_swiglu_16_rows": (FP4_EXPERTS, EXPERTS_IN, {"y": "bfloat16"},
+                                   {"RB": 16, "T": 2, "C": 128, "QX": 0, "SW": 1}),
     "moe_gate_topk": (MOE_GATE_TOPK, {"scores": "float32", "bias": "float32", "params": "float32", "rows": "int32"},
                       {"weights": "float32", "ids": "uint32"}, {"E": 384, "K": 6, "NORMALIZE": 1}),
 }
@@ -238,6 +240,8 @@ def test_metal_source_type_checks(case, rows, tmp_path):
     ("fp4_experts", ("int slot[RB];", "int slot[RB]")),  # no semicolon
     ("fp8_gemv", ("q[i] = *((const device uint4*)", "q[i] = *((const device uint2*)")),  # type error
     ("fp4_experts_quantizing", ("xs[r] = gemv_input_block_scale(", "xs[r] = gemv_input_block_scales(")),  # misspelt
+    ("fp8_gemv_swiglu", ("partial, grp, o + OT * RB), swiglu[0]);", "partial, grp, o + OT * RB), swiglu);")),  # array for float
+    ("fp4_experts_swiglu", ("v = v * weights[r * KS + picked];", "v = v * weight[r * KS + picked];")),  # misspelt
     ("sparse_attention", ("float(kv[ulong(key_row[j]) * D + d])", "float(kv[ulong(key_rows[j]) * D + d])")),
     ("sparse_attention", ("qs[i / D][d ^ 1] * -rope_sin[s * D + d]", "qs[i / D][d ^ 1] * -rope_sine[s * D + d]")),
     ("sparse_attention_window_only", ("float(q[q0 + (i ^ 1)])", "float(q + (i ^ 1))")),  # pointer to float
@@ -292,6 +296,8 @@ def test_cuda_source_compiles(case):
                   "gemv_lane_accumulate<T, RB>(p, &wf[0][0], &acc[0][0]);")),
     ("fp4_experts", ("if (ids[q] == expert) {", "if (id[q] == expert) {")),  # misspelt variable
     ("fp8_gemv_quantizing", ("p = gemv_fake_quant8(p, xs[r]);", "p = gemv_fake_quant8(p, xs);")),  # array for float
+    ("fp8_gemv_swiglu", ("partial, grp, o + OT * RB), swiglu[0]);", "partial, grp, o + OT * RB), swiglu);")),  # array for float
+    ("fp4_experts_swiglu", ("v = v * weights[r * KS + picked];", "v = v * weight[r * KS + picked];")),  # misspelt
 ])
 def test_a_broken_cuda_source_fails_the_compile(case, breakage):
     old, new = breakage
@@ -359,7 +365,9 @@ def _wrong_gemm_kernels(reference):
     """Stand-ins for a GEMM kernel (x first; impl=, init_value=, quantize_input= and, for
     fp8_gemv, real_rows= keywords) that a check must flag, each with the words its problem
     carries: values off, an output left as poisoned, rows that depend on each other, an input
-    not quantised when asked."""
+    not quantised when asked, a SwiGLU that ignores its limit."""
+    from dsv41_mlx import kernels
+
     def off(*args, impl=None, init_value=None, **kw):
         return (reference(*args, **kw).astype(mx.float32) * 1.01).astype(mx.bfloat16)
 
@@ -376,8 +384,12 @@ def _wrong_gemm_kernels(reference):
     def unquantised(*args, impl=None, init_value=None, quantize_input=False, **kw):
         return reference(*args, **kw)
 
+    def unclamped(*args, impl=None, init_value=None, swiglu=None, **kw):
+        return reference(*args, swiglu=swiglu and kernels.SwiGLU(0.0, swiglu.weights), **kw)
+
     return ((off, "values differ"), (unwritten, "beyond the fp32 summation-order bound"),
-            (coupled_rows, "alone differs"), (unquantised, "quantising its input"))
+            (coupled_rows, "alone differs"), (unquantised, "quantising its input"),
+            (unclamped, "SwiGLU at limit"))
 
 
 @pytest.mark.parametrize("kernel, shapes", [

@@ -233,9 +233,10 @@ def test_routed_experts_take_the_fp4_kernel_for_a_decode_steps_pairs_on_a_gpu(mo
     """On a GPU, a decode or verify step's (row, expert) pairs run kernels.fp4_experts: the
     gate and up projection with x per row, the down projection with x per pair, whose bf16
     input the kernel quantises as it reads it for one row (a decode step) and act_quant
-    quantises first for more. Prefill's pairs grouped by expert, more than 16 rows, or a
-    shape the kernel does not take keep MLX's gather_qmm; either way the values are the
-    spec's."""
+    quantises first for more; the gate and up projection's SwiGLU (each pair's weight
+    applied) is the kernel's too. Prefill's pairs grouped by expert, more than 16 rows, or a
+    shape the kernel does not take keep MLX's gather_qmm, then kernels.swiglu_halves; either
+    way the values are the spec's."""
     from dsv41_mlx import kernels
     from dsv41_mlx.model import Fp4Stack
     from dsv41_mlx.quant import fp8_fake_quant_reference
@@ -244,9 +245,9 @@ def test_routed_experts_take_the_fp4_kernel_for_a_decode_steps_pairs_on_a_gpu(mo
 
     calls = []
 
-    def experts(x, w, s, ids, impl=None, init_value=None, quantize_input=False):
-        calls.append((x.shape, ids.shape, quantize_input))
-        return kernels.fp4_experts_reference(x, w, s, ids, quantize_input)
+    def experts(x, w, s, ids, impl=None, init_value=None, quantize_input=False, swiglu=None):
+        calls.append((x.shape, ids.shape, quantize_input, swiglu is not None))
+        return kernels.fp4_experts_reference(x, w, s, ids, quantize_input, swiglu)
 
     monkeypatch.setattr(kernels, "backend", lambda: "cuda")
     monkeypatch.setattr(kernels, "fp4_experts", experts)
@@ -263,14 +264,19 @@ def test_routed_experts_take_the_fp4_kernel_for_a_decode_steps_pairs_on_a_gpu(mo
         if sorted_ids:
             ids = mx.sort(ids.flatten())[:, None]
         x = mx.random.normal((ids.shape[0], 3 if per_pair else 1, 1, 256)).astype(mx.bfloat16)
-        for quantize in (False, True):  # True: the down projection's bf16 input, to be quantised
+        weights = mx.random.uniform(shape=(*ids.shape, 1, 1))
+        # quantize: the down projection's bf16 input, to be quantised; act: the gate and up's SwiGLU
+        for quantize, act in ((False, None), (True, None), (False, kernels.SwiGLU(3.0, weights)),
+                              (False, kernels.SwiGLU(0.0, weights))):
             calls.clear()
-            got = stack(x, ids, sorted_ids, quantize=quantize)
+            got = stack(x, ids, sorted_ids, quantize=quantize, swiglu=act)
             in_kernel = quantize and rows == 1
-            assert calls == ([((rows, 3 if per_pair else 1, 256), (rows, 3), in_kernel)] if kernel else [])
+            assert calls == ([((rows, 3 if per_pair else 1, 256), (rows, 3), in_kernel, act is not None)]
+                             if kernel else [])
             xq = fp8_fake_quant_reference(x) if quantize else x
             want = mx.gather_qmm(xq.astype(mx.float32), stack.weight, stack.scales, rhs_indices=ids, transpose=True,
                                  mode="mxfp4", sorted_indices=sorted_ids).astype(mx.bfloat16)
+            want = want if act is None else kernels.swiglu_halves(want, act)
             assert got.shape == want.shape and mx.array_equal(got, want).item()
     calls.clear()
     small = Fp4Stack(5, 128, 64)  # 128 inputs: not the kernel's
@@ -430,9 +436,9 @@ def test_padded_forwards_compute_their_real_rows_alone(padded_model, golden, mon
     want = [model.decode(rest[start: start + 3], plain) for start in range(0, len(rest), 3)]
     told = []
 
-    def gemv(x, w, s, impl=None, init_value=None, quantize_input=False, real_rows=None):
+    def gemv(x, w, s, impl=None, init_value=None, quantize_input=False, real_rows=None, swiglu=None):
         told.append(real_rows)
-        return kernels.fp8_gemv_reference(x, w, s, quantize_input, real_rows)
+        return kernels.fp8_gemv_reference(x, w, s, quantize_input, real_rows, swiglu)
 
     _gpu_dispatch_with_specs(monkeypatch, lambda *args, impl=None: spec(*args), gemv)
     got = [model.decode(rest[start: start + 3], kernel) for start in range(0, len(rest), 3)]

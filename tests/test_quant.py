@@ -443,15 +443,16 @@ def test_fp4_release_weight_through_mx_dequantize():
 def test_fp8_matmul_takes_the_gemv_kernel_for_a_decode_steps_rows_on_a_gpu(monkeypatch):
     """On a GPU, an FP8 GEMM of up to 16 rows (a decode or verify step) runs kernels.fp8_gemv
     in its dense form (x [S, K], w [N, K/4]: no reshapes around it), told how many rows are
-    real where the caller says (the rest come out zeros); more rows, or a shape the kernel
-    does not take, keep MLX's GEMM."""
+    real where the caller says (the rest come out zeros), and given a SwiGLU's w13 it writes
+    their swiglu_halves itself; more rows, or a shape the kernel does not take, keep MLX's
+    GEMM (then swiglu_halves)."""
     from dsv41_mlx import kernels, quant
 
     calls = []
 
-    def gemv(x, w, s, impl=None, init_value=None, real_rows=None):
+    def gemv(x, w, s, impl=None, init_value=None, real_rows=None, swiglu=None):
         calls.append((x.shape, w.shape))
-        return kernels.fp8_gemv_reference(x, w, s, real_rows=real_rows)
+        return kernels.fp8_gemv_reference(x, w, s, real_rows=real_rows, swiglu=swiglu)
 
     monkeypatch.setattr(kernels, "backend", lambda: "cuda")
     monkeypatch.setattr(kernels, "fp8_gemv", gemv)
@@ -469,6 +470,13 @@ def test_fp8_matmul_takes_the_gemv_kernel_for_a_decode_steps_rows_on_a_gpu(monke
     got = quant.fp8_matmul(x[:8], w, s, real=3)  # a padded forward's 3 real rows of 8
     want = mx.quantized_matmul(x[:3], w, s, transpose=True, mode="mxfp8").astype(mx.bfloat16)
     assert mx.array_equal(got[:3], want).item() and not got[3:].any().item()
+    act = kernels.SwiGLU(1.5)  # w's rows as a gate projection's 48 and an up projection's 48
+    for rows, kernel in ((1, True), (16, True), (17, False)):
+        calls.clear()
+        got = quant.fp8_matmul(x[:rows], w, s, swiglu=act)
+        assert calls == ([((rows, 256), (96, 64))] if kernel else [])
+        want = mx.quantized_matmul(x[:rows], w, s, transpose=True, mode="mxfp8").astype(mx.bfloat16)
+        assert got.shape == (rows, 48) and mx.array_equal(got, kernels.swiglu_halves(want, act)).item()
     calls.clear()
     quant.fp8_matmul(mx.random.normal((8, 128)), w[:, :32], s[:, :4])  # K = 128: not the kernel's
     assert calls == []
@@ -487,7 +495,7 @@ def test_fp8_linear_lets_the_gemv_kernel_quantise_a_decode_steps_row_on_a_gpu(mo
 
     calls, quantised = [], []
 
-    def gemv(x, w, s, impl=None, init_value=None, quantize_input=False, real_rows=None):
+    def gemv(x, w, s, impl=None, init_value=None, quantize_input=False, real_rows=None, swiglu=None):
         calls.append((x.dtype, quantize_input, real_rows))
         return kernels.fp8_gemv_reference(x, w, s, quantize_input, real_rows)
 

@@ -104,6 +104,11 @@ float min(float a, float b);
 float rint(float x);
 float abs(float x);
 uint max(uint a, uint b);
+bool isnan(float x);
+namespace precise {
+float exp(float x);
+float divide(float x, float y);
+}
 }
 using metal::mem_flags;
 void threadgroup_barrier(mem_flags flags);
