@@ -29,6 +29,10 @@ fp4_experts: the routed experts' FP4 GEMMs at the model's expert stacks and a ra
 one, 1..16 rows of distinct experts, x per row and per slot, outputs poisoned: within
 the bound of another fp32 summation order of MLX's fp32-fed gather_qmm; a row alone
 equals the row among 8 and among 16.
+gemv_swiglu: both GEMV kernels' SwiGLU epilogue at the model's gate and up projections
+(FP8 shared expert, FP4 routed stacks with each pair's weight) and a ragged one each,
+1..16 rows, clamped and not, fed FP8 and raw (quantised in the kernel) input, padded:
+the same bits as the kernel's plain output through kernels.swiglu_halves.
 hc_split: random mixes at 1..300 rows, release hc 4 / 20 iterations, within
 2e-6 of the spec (the spec's exp and sigmoid are not bit for bit the kernel's).
 moe_gate: the router at 384 / 24 / 16 experts (top 6, 6, 3), rows 1..16: the
@@ -342,8 +346,7 @@ def check_fp8_gemv(impl: str, seed: int) -> list[str]:
     another float32 summation order (`gemm_agreement`); a row alone the same bits as among
     others, at 8 rows and at 16 (row bounds RB 8 and 16 against RB 1); a dense GEMM's 2-D form the same
     bits as one group; asked for fewer real rows (a padded forward), those the same bits and
-    the rest zeros; with a SwiGLU, the same bits as the kernel's output through the spec's
-    swiglu_halves (`swiglu_problems`)."""
+    the rest zeros."""
     mx.random.seed(seed)
     problems = []
     dense, grouped, _ = quantised_gemm_shapes()
@@ -369,8 +372,34 @@ def check_fp8_gemv(impl: str, seed: int) -> list[str]:
                 problems.append(f"{name}: the dense form (x [S, K], w [N, K/4]) differs from one group")
             problems.extend(quantizing_problems(name, lambda v, **kw: fp8_gemv(v, w, s, impl=impl, **kw),
                                                 (rows, groups, d_in), rows in (8, 16)))
-            problems.extend(swiglu_problems(name, lambda v, **kw: fp8_gemv(v, w, s, impl=impl, **kw), x,
-                                            None, rows - 2 if rows in (8, 16) else None))
+    return problems
+
+
+def check_gemv_swiglu(impl: str, seed: int) -> list[str]:
+    """The GEMV kernels' SwiGLU epilogue (swiglu=) at the flash-shaped model's gate and up
+    projections (the shared experts' FP8 w13, the routed experts' FP4 w13 stacks with each
+    pair's weight) and a ragged one of each, 1..16 rows: `swiglu_problems`."""
+    mx.random.seed(seed)
+    rng = np.random.default_rng(seed)
+    problems = []
+    dense, _, experts = quantised_gemm_shapes()
+    inter2 = 2 * flash_args().moe_intermediate_size
+    for d_in, d_out in sorted(shape for shape in dense if shape[1] == inter2) + [(512, 96)]:
+        w, s = random_words((d_out, d_in // 4)), random_scales((d_out, d_in // 32))
+        for rows in (1, 2, 5, 8, 16):
+            problems.extend(swiglu_problems(f"fp8_gemv {d_in}->{d_out} rows={rows}",
+                                            lambda v, **kw: fp8_gemv(v, w, s, impl=impl, **kw),
+                                            random_fp8_input((rows, d_in)), None, rows - 2 if rows > 2 else None))
+    for n_experts, d_in, d_out in sorted(shape for shape in experts if shape[2] == inter2) + [(5, 256, 96)]:
+        w, s = random_words((n_experts, d_out, d_in // 8), fp4=True), random_scales((n_experts, d_out, d_in // 32))
+        for rows in (1, 2, 5, 8, 16):
+            top = min(6, n_experts)
+            ids = mx.array(np.sort([rng.choice(n_experts, top, replace=False) for _ in range(rows)], axis=1)
+                           .astype(np.uint32))
+            problems.extend(swiglu_problems(f"fp4_experts {n_experts}x{d_in}->{d_out} rows={rows}",
+                                            lambda v, **kw: fp4_experts(v, w, s, ids, impl=impl, **kw),
+                                            random_fp8_input((rows, 1, d_in)), mx.random.uniform(shape=(rows, top, 1)),
+                                            None))
     return problems
 
 
@@ -430,8 +459,7 @@ def check_fp4_experts(impl: str, seed: int) -> list[str]:
     model's expert stacks (gate + up, down; target and DSpark) and a ragged one, 1..16 rows
     of distinct sorted experts, x per row and per slot, outputs poisoned before the launch:
     every value within the bound of another float32 summation order (`gemm_agreement`); a row
-    alone the same bits as among others, at 8 rows and at 16; with x per row, the weighted
-    SwiGLU the same bits as the kernel's output through the spec (`swiglu_problems`)."""
+    alone the same bits as among others, at 8 rows and at 16."""
     mx.random.seed(seed)
     rng = np.random.default_rng(seed)
     problems = []
@@ -454,9 +482,6 @@ def check_fp4_experts(impl: str, seed: int) -> list[str]:
                 problems.extend(quantizing_problems(
                     name, lambda v, **kw: fp4_experts(v, w, s, ids[: v.shape[0]], impl=impl, **kw),
                     x.shape, rows in (8, 16)))
-                if not per_slot:  # the gate and up projection: its pairs' weighted SwiGLU
-                    problems.extend(swiglu_problems(name, lambda v, **kw: fp4_experts(v, w, s, ids, impl=impl, **kw),
-                                                    x, mx.random.uniform(shape=(*ids.shape, 1)), None))
     return problems
 
 
@@ -767,6 +792,7 @@ def main() -> int:
     if impl == "cuda":
         checks.append(("quantised GEMMs, bf16-fed vs fp32-fed", check_gemms_bf16, 11))
     checks += [("fp8_gemv", check_fp8_gemv, 31), ("fp4_experts", check_fp4_experts, 37),
+               ("gemv_swiglu", check_gemv_swiglu, 47),
                ("hc_split", check_hc_split, 5), ("rms_norm", check_rms_norm, 23),
                ("rms_norm_rope", check_rms_norm_rope, 43), ("hc_input", check_hc_input, 17),
                ("hc_post_input", check_hc_post_input, 41),

@@ -365,9 +365,7 @@ def _wrong_gemm_kernels(reference):
     """Stand-ins for a GEMM kernel (x first; impl=, init_value=, quantize_input= and, for
     fp8_gemv, real_rows= keywords) that a check must flag, each with the words its problem
     carries: values off, an output left as poisoned, rows that depend on each other, an input
-    not quantised when asked, a SwiGLU that ignores its limit."""
-    from dsv41_mlx import kernels
-
+    not quantised when asked."""
     def off(*args, impl=None, init_value=None, **kw):
         return (reference(*args, **kw).astype(mx.float32) * 1.01).astype(mx.bfloat16)
 
@@ -384,12 +382,8 @@ def _wrong_gemm_kernels(reference):
     def unquantised(*args, impl=None, init_value=None, quantize_input=False, **kw):
         return reference(*args, **kw)
 
-    def unclamped(*args, impl=None, init_value=None, swiglu=None, **kw):
-        return reference(*args, swiglu=swiglu and kernels.SwiGLU(0.0, swiglu.weights), **kw)
-
     return ((off, "values differ"), (unwritten, "beyond the fp32 summation-order bound"),
-            (coupled_rows, "alone differs"), (unquantised, "quantising its input"),
-            (unclamped, "SwiGLU at limit"))
+            (coupled_rows, "alone differs"), (unquantised, "quantising its input"))
 
 
 @pytest.mark.parametrize("kernel, shapes", [
@@ -422,6 +416,50 @@ def test_gemm_kernel_checks_pass_the_spec_and_flag_wrong_kernels(monkeypatch, ke
     for broken, message in wrong:
         monkeypatch.setattr(check, kernel, broken)
         assert any(message in p for p in run("mlx", seed=1)), message
+
+
+def test_swiglu_check_passes_the_spec_and_flags_a_wrong_epilogue(monkeypatch):
+    """scripts/check_kernels.py's gemv_swiglu check: the specs themselves pass; a SwiGLU that
+    ignores its limit, drops the pairs' weights, or takes its halves in the other order fails."""
+    from dsv41_mlx import kernels
+
+    check = _check_kernels_script()
+    monkeypatch.setattr(check, "quantised_gemm_shapes", lambda: ({(256, 64)}, set(), {(4, 256, 64)}))
+    monkeypatch.setattr(check, "flash_args", lambda: type("Args", (), {"moe_intermediate_size": 32}))
+    for name in ("fp8_gemv", "fp4_experts"):
+        reference = getattr(kernels, f"{name}_reference")
+        monkeypatch.setattr(check, name, lambda *a, impl=None, init_value=None, _ref=reference, **kw: _ref(*a, **kw))
+    assert check.check_gemv_swiglu("mlx", seed=3) == []
+
+    def unclamped(act):
+        return kernels.SwiGLU(0.0, act.weights)
+
+    def unweighted(act):
+        return kernels.SwiGLU(act.limit)
+
+    def swapped(act):  # up first: the halves of the output read the other way round
+        return "swapped"
+
+    for name in ("fp8_gemv", "fp4_experts"):
+        reference = getattr(kernels, f"{name}_reference")
+        for broken in (unclamped, unweighted, swapped):
+            if name == "fp8_gemv" and broken is unweighted:
+                continue  # the shared expert's has no weights
+
+            def kernel(*a, impl=None, init_value=None, swiglu=None, _ref=reference, _broken=broken, **kw):
+                if swiglu is None:
+                    return _ref(*a, **kw)
+                change = _broken(swiglu)
+                if change == "swapped":
+                    y = _ref(*a, **kw)
+                    half = y.shape[-1] // 2
+                    return kernels.swiglu_halves(mx.concatenate([y[..., half:], y[..., :half]], axis=-1), swiglu)
+                return _ref(*a, swiglu=change, **kw)
+
+            monkeypatch.setattr(check, name, kernel)
+            problems = check.check_gemv_swiglu("mlx", seed=3)
+            assert any(p.startswith(name) and "SwiGLU" in p for p in problems), (name, broken.__name__)
+            monkeypatch.setattr(check, name, lambda *a, impl=None, init_value=None, _ref=reference, **kw: _ref(*a, **kw))
 
 
 def test_gate_check_passes_the_spec_and_flags_a_wrong_router(monkeypatch):
