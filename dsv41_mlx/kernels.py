@@ -112,7 +112,8 @@ HC_POST_MIX = KernelSpec("hc_post_mix", ("y", "residual", "post", "comb", "fn", 
 HC_INPUT = KernelSpec("hc_input", ("h", "pre_in", "parts", "scale", "base", "norm_w", "params", "rows"),
                       ("x", "xq", "pre", "post", "comb"), "hc_input.metal", "hc_input.cu", header_files=(),
                       twin_headers=("hc_split_row", "fp8_lane"))
-FP8_GEMV = KernelSpec("fp8_gemv", ("x", "w", "scales", "sizes", "swiglu"), ("y",), "fp8_gemv.metal", "fp8_gemv.cu",
+FP8_GEMV = KernelSpec("fp8_gemv", ("x", "w", "scales", "sizes", "swiglu", "parts"), ("y",), "fp8_gemv.metal",
+                      "fp8_gemv.cu",
                       twin_headers=("fp8_lane", "gemv_lane"))
 FP4_EXPERTS = KernelSpec("fp4_experts", ("x", "w", "scales", "ids", "sizes", "swiglu", "weights"), ("y",),
                          "fp4_experts.metal",
@@ -589,6 +590,14 @@ def swiglu_halves(y: mx.array, act: SwiGLU) -> mx.array:
     return (h if act.weights is None else h * act.weights).astype(mx.bfloat16)
 
 
+@lru_cache(maxsize=1)
+def _no_parts() -> mx.array:
+    """fp8_gemv's parts input where it adds none (AP 0: never read), made once."""
+    a = mx.zeros((1,), dtype=mx.bfloat16)
+    mx.eval(a)
+    return a
+
+
 def _swiglu_arguments(act: SwiGLU | None, pairs: int = 0) -> tuple[int, mx.array, mx.array]:
     """A GEMV kernel's SW and its swiglu and weights inputs: SW 0 without a SwiGLU (neither
     read), 1 with [limit], 2 with [limit] and the pairs' weights (fp4_experts)."""
@@ -602,10 +611,29 @@ def _swiglu_arguments(act: SwiGLU | None, pairs: int = 0) -> tuple[int, mx.array
     return 2, _float32s(float(act.limit)), act.weights.astype(mx.float32).reshape(-1)
 
 
+def parts_added(y: mx.array, parts: mx.array) -> mx.array:
+    """The spec of fp8_gemv's parts: y [S, N] bf16 with, in each of its first R rows, the
+    parts [R, P, N] bf16 added: bf16(((parts[r, 0] + parts[r, 1]) + ...) + y[r]) in fp32 in
+    that order, the later rows y's as they are (a MoE's routed experts' outputs and its
+    shared expert's; the rows past R, a padded forward's padding)."""
+    R, S = parts.shape[0], y.shape[0]
+    total = parts[:, 0].astype(mx.float32)
+    for j in range(1, parts.shape[1]):
+        total = total + parts[:, j].astype(mx.float32)
+    if R == S:
+        return (total + y.astype(mx.float32)).astype(mx.bfloat16)
+    if R == 1:  # a decode step: one select over the padding (a concatenate would be two copies)
+        keep = _int32s(*range(S))[:, None] < 1
+        return mx.where(keep, (total + y.astype(mx.float32)).astype(mx.bfloat16), y)
+    real, padding = mx.split(y, [R])
+    return mx.concatenate([(total + real.astype(mx.float32)).astype(mx.bfloat16), padding])
+
+
 # -------------------------------------------------------------------- fp8_gemv
 
 def fp8_gemv_reference(x: mx.array, w: mx.array, scales: mx.array, quantize_input: bool = False,
-                       real_rows: int | None = None, swiglu: SwiGLU | None = None) -> mx.array:
+                       real_rows: int | None = None, swiglu: SwiGLU | None = None,
+                       parts: mx.array | None = None) -> mx.array:
     """Pure-MLX spec: x [S, G, K] through G `mxfp8` matrices w [G, N, K/4] (scales [G, N, K/32]),
     group g of every row through matrix g -> bf16 [S, G, N], accumulated in float32. (A
     gather_qmm: MLX 0.32.4's CUDA quantized_matmul does not broadcast stacked weights over
@@ -613,14 +641,15 @@ def fp8_gemv_reference(x: mx.array, w: mx.array, scales: mx.array, quantize_inpu
     fake-quantised first (quant.fp8_fake_quant). The dense form, x [..., K] through one matrix
     w [N, K/4] -> [..., N], is that of one group. real_rows: rows from there on (a padded
     forward's padding) are zeros. swiglu: w's rows a gate and an up projection, the output
-    their swiglu_halves [..., N / 2]."""
+    their swiglu_halves [..., N / 2]. parts: [R, P, N] added to the first R rows (parts_added)."""
     if w.ndim == 2:
         y = fp8_gemv_reference(x.reshape(-1, 1, x.shape[-1]), w[None], scales[None], quantize_input, real_rows)
         y = y.reshape(*x.shape[:-1], w.shape[0])
     else:
         y = _gathered(_quantized_input(x, quantize_input), w, scales, mx.arange(w.shape[0]), "mxfp8")
         y = padding_zeroed(y.astype(mx.bfloat16), real_rows)
-    return y if swiglu is None else swiglu_halves(y, swiglu)
+    y = y if swiglu is None else swiglu_halves(y, swiglu)
+    return y if parts is None else parts_added(y, parts)
 
 
 def _quantized_input(x: mx.array, quantize: bool) -> mx.array:
@@ -691,7 +720,8 @@ def gemv_threads_per_output(k: int, outputs: int = 0) -> int:
 
 def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None,
              init_value: float | None = None, quantize_input: bool = False,
-             real_rows: int | None = None, threads: int | None = None, swiglu: SwiGLU | None = None) -> mx.array:
+             real_rows: int | None = None, threads: int | None = None, swiglu: SwiGLU | None = None,
+             parts: mx.array | None = None) -> mx.array:
     """The FP8 GEMMs of a decode or verify step in one launch each: x [S, G, K] (FP8
     fake-quantised or bf16 values, exact in bf16) through G `mxfp8` matrices w [G, N, K/4] ->
     bf16 [S, G, N] (attention's wo_a: its groups), or x [..., K] through one matrix w [N, K/4]
@@ -706,7 +736,9 @@ def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None
     `bench.py gemms --threads` to compare layouts; a forward keeps the default,
     gemv_threads_per_output(K, N * G), so that a sum's order depends on the matrix's shape alone.
     swiglu: w is a SwiGLU's gate and up projections stacked (the shared expert's w13); the
-    kernel writes their swiglu_halves [..., N / 2] instead (no weights here)."""
+    kernel writes their swiglu_halves [..., N / 2] instead (no weights here). parts: [R, P, N]
+    bf16, R the computed rows, added to the output as it is written (parts_added: a MoE's
+    routed experts' outputs and the shared expert's sum, of a dense x [S, K]; P <= 16)."""
     impl = impl or backend()
     if not fp8_gemv_fits(x, w, impl):
         raise ValueError(f"fp8_gemv takes x [<= {DECODE_MAX_ROWS}, G, K] and w [G, N, K/4], or x [..., K] of at most "
@@ -719,9 +751,16 @@ def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None
     S, N = x.size // (G * K), w.shape[-2]
     rows = computed_rows(real_rows, S)
     sw, limit, _ = _swiglu_arguments(swiglu)
-    return _gemv_launch(FP8_GEMV, impl, [x.astype(mx.bfloat16), w, scales, _int32s(rows, N, K, G, S), limit],
+    if parts is not None and (w.ndim != 2 or x.ndim != 2 or swiglu is not None or parts.ndim != 3
+                              or parts.shape[0] != rows or parts.shape[2] != N or not 0 < parts.shape[1] <= 16):
+        raise ValueError(f"fp8_gemv adds parts [computed rows, 1..16, N] to a dense GEMM's x [S, K] without a "
+                         f"SwiGLU: got parts {None if parts is None else parts.shape} for x {x.shape}, w {w.shape}, "
+                         f"{rows} computed rows")
+    added = _no_parts() if parts is None else parts.astype(mx.bfloat16)
+    return _gemv_launch(FP8_GEMV, impl, [x.astype(mx.bfloat16), w, scales, _int32s(rows, N, K, G, S), limit, added],
                         rows, G, N, x.shape[:-1], init_value, quantize_input,
-                        threads or gemv_threads_per_output(K, N * G), sw)
+                        threads or gemv_threads_per_output(K, N * G), sw,
+                        [("AP", 0 if parts is None else parts.shape[1])])
 
 
 # The decode path lets a GEMV kernel quantise its bf16 input (quantize_input) for a forward of
@@ -748,16 +787,19 @@ def _bf16_to_quantize(x: mx.array, quantize_input: bool) -> None:
 
 
 def _gemv_launch(spec: KernelSpec, impl: str, inputs: list, rows: int, sets: int, n: int, lead: tuple,
-                 init_value: float | None, quantize_input: bool, threads: int, sw: int) -> mx.array:
+                 init_value: float | None, quantize_input: bool, threads: int, sw: int,
+                 more: list | None = None) -> mx.array:
     """Launch fp8_gemv or fp4_experts for `rows` computed rows (up to 16): `sets` sets of n
     outputs (matrices, or (row, expert) pairs), a threadgroup of 256 threads per (256 / C) * T
     outputs of a set -> bf16 [*lead, n], or [*lead, n / 2] with a SwiGLU (sw > 0). threads: C,
-    which each caller picks (gemv_threads_per_output); RB and T: gemv_layout(rows)."""
+    which each caller picks (gemv_threads_per_output); RB and T: gemv_layout(rows). more: the
+    kernel's other template constants."""
     if threads not in (32, 64, 128, 256):  # a threadgroup then holds 32 to 4 outputs: N is a multiple of 32
         raise ValueError(f"a GEMV kernel takes 32, 64, 128 or 256 threads per output, got {threads}")
     rb, t = gemv_layout(rows)
     (y,) = _compiled(spec, impl)(
-        inputs=inputs, template=[("RB", rb), ("T", t), ("C", threads), ("QX", int(quantize_input)), ("SW", sw)],
+        inputs=inputs,
+        template=[("RB", rb), ("T", t), ("C", threads), ("QX", int(quantize_input)), ("SW", sw), *(more or [])],
         grid=(sets * n // (256 // threads * t) * 256, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[(*lead, n // 2 if sw else n)], output_dtypes=[mx.bfloat16], init_value=init_value)
     return y

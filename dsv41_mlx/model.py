@@ -793,10 +793,12 @@ class Expert(nn.Module):
         self.w13, self.w2 = Fp8Linear(dim, 2 * inter), Fp8Linear(inter, dim)
         self.limit = limit
 
-    def __call__(self, xq: mx.array, real: int | None = None) -> mx.array:
+    def __call__(self, xq: mx.array, real: int | None = None, routed: mx.array | None = None) -> mx.array:
         """xq: the input through quant.fp8_input (shared with the routed experts); real: the
-        rows that matter, the first `real` (on a GPU the others come out zeros; Fp8Linear)."""
-        return self.w2(self.w13.quantized(xq, real, kernels.SwiGLU(self.limit)), real)
+        rows that matter, the first `real` (on a GPU the others come out zeros; Fp8Linear).
+        routed: the routed experts' outputs [real, k, dim] bf16, added to this one's
+        (kernels.parts_added): the MoE's output."""
+        return self.w2(self.w13.quantized(xq, real, kernels.SwiGLU(self.limit)), real, routed)
 
 
 class Gate(nn.Module):
@@ -855,26 +857,18 @@ class MoE(nn.Module):
         x8 = fp8_input(x) if x8 is None else x8  # once, for the routed experts and the shared expert
         xq = x8[:real, None, None, :]
         weights, ids = weights[:real], ids[:real]
-        # y [real, k * dim]: row r's j-th expert's output in columns j * dim ..
+        # y [real, k, dim]: row r's j-th expert's output at [r, j]
         if ids.size < SORT_EXPERTS_AT:  # decode and verify: each row through its own k experts
-            y = self._routed(xq, weights[:, :, None, None], ids, False).reshape(real, -1)
+            y = self._routed(xq, weights[:, :, None, None], ids, False).reshape(real, k, -1)
         else:  # prefill: the (row, expert) pairs grouped by expert, so each expert's rows form one GEMM
             flat = ids.flatten()
             order = mx.argsort(flat)
             pairs = self._routed(xq[order // k, 0], weights.flatten()[order][:, None, None], flat[order], True)
-            y = pairs[mx.argsort(order)].reshape(real, -1)
-        shared = self.shared_experts(x8, rows)  # bf16; the padding rows' zeros on a GPU
-        # each expert's bf16 product cast where it is added (one fused pass), in expert-id order,
-        # as the reference adds them; the k column blocks of y as one split (one view)
-        out = _add_all([part.astype(F32) for part in mx.split(y, k, axis=1)])
-        if real == N:
-            return (out + shared.astype(F32)).astype(BF16)
-        if real == 1:  # a decode step: its row broadcast over the padding, which keeps the shared
-            # expert alone, in the same fused pass (no concatenate: its two copies are launches)
-            return mx.where(key_ids(N)[:, None] < 1, (out + shared.astype(F32)).astype(BF16), shared)
-        shared, padding = mx.split(shared, [real])
-        # padding rows: the shared expert alone (its bf16 output, which the sum with zeros rounds back to)
-        return mx.concatenate([(out + shared.astype(F32)).astype(BF16), padding])
+            y = pairs[mx.argsort(order)].reshape(real, k, -1)
+        # the shared expert adds them to its own output, in expert-id order as the reference adds
+        # them (kernels.parts_added; on a GPU inside its last GEMM); the padding rows get the
+        # shared expert alone (zeros on a GPU)
+        return self.shared_experts(x8, rows, y)
 
     def _routed(self, xq: mx.array, weights: mx.array, ids: mx.array, sorted_ids: bool) -> mx.array:
         """The routed experts' SwiGLU, weighted before the down projection (as the reference):

@@ -139,8 +139,9 @@ class Fp8Linear(nn.Module):
 
     # real: the rows of x that matter, the first `real` (a padded decode or verify forward's,
     # model.Model.padded); on a GPU the others are not computed and come out zeros
-    def __call__(self, x: mx.array, real: int | None = None) -> mx.array:
-        return fp8_linear(x, self.weight, self.scales, real)
+    # parts: [real, P, out] bf16 added to the product (kernels.parts_added; fp8_linear)
+    def __call__(self, x: mx.array, real: int | None = None, parts: mx.array | None = None) -> mx.array:
+        return fp8_linear(x, self.weight, self.scales, real, parts)
 
     def quantized(self, xq: mx.array, real: int | None = None, swiglu: kernels.SwiGLU | None = None) -> mx.array:
         """The product for an input already through `fp8_input`: an activation that feeds
@@ -169,16 +170,20 @@ def fp8_input(x: mx.array) -> mx.array:
 
 
 def fp8_matmul(xq: mx.array, weight: mx.array, scales: mx.array, real: int | None = None,
-               swiglu: kernels.SwiGLU | None = None) -> mx.array:
+               swiglu: kernels.SwiGLU | None = None, parts: mx.array | None = None) -> mx.array:
     """An `fp8_input` activation times an `mxfp8` weight, bf16 out: on a GPU, a decode or
     verify step's few rows through kernels.fp8_gemv (each weight byte read once for all
     rows; real: only the first `real` rows computed, the padding's zeros), otherwise MLX's
     quantized_matmul (every row). swiglu: the weight is a SwiGLU's gate and up projections
-    stacked, the output their kernels.swiglu_halves (on a GPU, written by fp8_gemv itself)."""
-    if kernels.fp8_gemv_fits(xq, weight):
-        return kernels.fp8_gemv(xq, weight, scales, real_rows=real, swiglu=swiglu)
+    stacked, the output their kernels.swiglu_halves (on a GPU, written by fp8_gemv itself).
+    parts: [R, P, out] bf16 added to the first R rows (kernels.parts_added; on a GPU, by
+    fp8_gemv as it writes them, where x is [S, K] and R its computed rows)."""
+    rows = kernels.computed_rows(real, xq.size // xq.shape[-1])
+    if kernels.fp8_gemv_fits(xq, weight) and (parts is None or (xq.ndim == 2 and parts.shape[0] == rows)):
+        return kernels.fp8_gemv(xq, weight, scales, real_rows=real, swiglu=swiglu, parts=parts)
     y = _fp8_matmul_mlx(xq, weight, scales)
-    return y if swiglu is None else kernels.swiglu_halves(y, swiglu)
+    y = y if swiglu is None else kernels.swiglu_halves(y, swiglu)
+    return y if parts is None else kernels.parts_added(y, parts)
 
 
 @mx.compile
@@ -187,14 +192,17 @@ def _fp8_matmul_mlx(xq: mx.array, weight: mx.array, scales: mx.array) -> mx.arra
 
 
 @mx.compile
-def fp8_linear(x: mx.array, weight: mx.array, scales: mx.array, real: int | None = None) -> mx.array:
-    """Fp8Linear's product: FP8 fake-quantised x times an `mxfp8` weight, bf16 out. On a GPU,
-    a decode step's bf16 x is quantised by kernels.fp8_gemv as it reads it: the bits of
-    fp8_input then fp8_matmul, in one launch instead of two (kernels.quantizes_in_kernel)."""
+def fp8_linear(x: mx.array, weight: mx.array, scales: mx.array, real: int | None = None,
+               parts: mx.array | None = None) -> mx.array:
+    """Fp8Linear's product: FP8 fake-quantised x times an `mxfp8` weight, bf16 out, parts
+    added as fp8_matmul adds them. On a GPU, a decode step's bf16 x is quantised by
+    kernels.fp8_gemv as it reads it: the bits of fp8_input then fp8_matmul, in one launch
+    instead of two (kernels.quantizes_in_kernel)."""
     rows = kernels.computed_rows(real, x.size // x.shape[-1])
-    if kernels.fp8_gemv_fits(x, weight) and kernels.quantizes_in_kernel(x, rows):
-        return kernels.fp8_gemv(x, weight, scales, quantize_input=True, real_rows=real)
-    return fp8_matmul(fp8_input(x), weight, scales, real)
+    if (kernels.fp8_gemv_fits(x, weight) and kernels.quantizes_in_kernel(x, rows)
+            and (parts is None or (x.ndim == 2 and parts.shape[0] == rows))):
+        return kernels.fp8_gemv(x, weight, scales, quantize_input=True, real_rows=real, parts=parts)
+    return fp8_matmul(fp8_input(x), weight, scales, real, parts=parts)
 
 
 @dataclass

@@ -35,10 +35,14 @@
 // sum the same bits as without SW (its order depends on K and C alone), so y is
 // kernels.swiglu_halves of the SW = 0 output, bit for bit, in one launch instead of two.
 // swiglu: float32, [limit] (read only with SW).
+// AP > 0 (G = 1): each computed row's output is added to AP parts, parts [rows, AP, N] bf16:
+// y[r, n] = bf16(((parts[r, 0, n] + parts[r, 1, n]) + ...) + bf16(sum)), in float32 in that
+// order (the MoE's routed experts' outputs, then the shared expert's, which is this GEMM:
+// kernels.parts_added is the spec, bit for bit), one launch where the sum took another.
 // Template constants: RB (a bound on the computed rows, a power of two up to 16), T (outputs
 // per thread group), C (threads per thread group, a multiple of 32), QX (0 or 1), SW (0 or
-// 1); a row's bits do not depend on RB or T (kernels.gemv_layout picks them). CUDA twin:
-// fp8_gemv.cu.
+// 1), AP (0 to 16); a row's bits do not depend on RB or T (kernels.gemv_layout picks them).
+// CUDA twin: fp8_gemv.cu.
 
 threadgroup float partial[8 * T * RB];  // each simdgroup's sums (gemv_warp_totals)
 const int rows = sizes[0];
@@ -115,6 +119,14 @@ for (uint o = col; o < OT * RB; o += C) {  // output y0 + o / RB, row o % RB
     float v = gemv_group_total<T, RB, C>(partial, grp, o);
     if (SW) {  // o is a gate row's sum, o + OT * RB its up row's
       v = gemv_swiglu(v, gemv_group_total<T, RB, C>(partial, grp, o + OT * RB), swiglu[0]);
+    }
+    if (AP > 0 && int(o % RB) < rows) {  // the row's AP parts, in order, then this output as bf16
+      const device bfloat16_t* pr = parts + ulong(o % RB) * AP * NY + y0 + o / RB;
+      float t = float(pr[0]);
+      for (int j = 1; j < AP; j++) {
+        t += float(pr[ulong(j) * NY]);
+      }
+      v = t + float(bfloat16_t(v));
     }
     y[(ulong(o % RB) * G + g) * NY + y0 + o / RB] = bfloat16_t(v);
   }

@@ -29,10 +29,12 @@ fp4_experts: the routed experts' FP4 GEMMs at the model's expert stacks and a ra
 one, 1..16 rows of distinct experts, x per row and per slot, outputs poisoned: within
 the bound of another fp32 summation order of MLX's fp32-fed gather_qmm; a row alone
 equals the row among 8 and among 16.
-gemv_swiglu: both GEMV kernels' SwiGLU epilogue at the model's gate and up projections
-(FP8 shared expert, FP4 routed stacks with each pair's weight) and a ragged one each,
-1..16 rows, clamped and not, fed FP8 and raw (quantised in the kernel) input, padded:
-the same bits as the kernel's plain output through kernels.swiglu_halves.
+gemv_epilogues: both GEMV kernels' SwiGLU epilogue at the model's gate and up
+projections (FP8 shared expert, FP4 routed stacks with each pair's weight) and a ragged
+one each, and fp8_gemv's added parts (the MoE's sum) at the shared expert's down
+projection and a ragged one; 1..16 rows, clamped and not, fed FP8 and raw (quantised in
+the kernel) input, padded: the same bits as the kernel's plain output through the spec
+(kernels.swiglu_halves, kernels.parts_added).
 hc_split: random mixes at 1..300 rows, release hc 4 / 20 iterations, within
 2e-6 of the spec (the spec's exp and sigmoid are not bit for bit the kernel's).
 moe_gate: the router at 384 / 24 / 16 experts (top 6, 6, 3), rows 1..16: the
@@ -76,8 +78,8 @@ import numpy as np
 from dsv41_mlx.kernels import (TILE, TOP_K, backend, fp8_rows_tiles, fp8_rows_top64, hc_split, hc_split_reference,
                                ring_write, ring_write_reference)
 from dsv41_mlx.kernels import (SwiGLU, act_quant_fp8, fp4_experts, fp4_quant, fp8_gemv, hc_input, hc_post_input,
-                               moe_gate, moe_gate_reference, padding_zeroed, rms_norm, rms_norm_reference,
-                               sparse_attention_rows, swiglu_halves)
+                               moe_gate, moe_gate_reference, padding_zeroed, parts_added, rms_norm,
+                               rms_norm_reference, sparse_attention_rows, swiglu_halves)
 from dsv41_mlx.quant import fp4_fake_quant_reference, fp8_fake_quant_reference, quantize_fp8_tiles_mx
 
 POISON = -12345.0
@@ -375,10 +377,12 @@ def check_fp8_gemv(impl: str, seed: int) -> list[str]:
     return problems
 
 
-def check_gemv_swiglu(impl: str, seed: int) -> list[str]:
-    """The GEMV kernels' SwiGLU epilogue (swiglu=) at the flash-shaped model's gate and up
-    projections (the shared experts' FP8 w13, the routed experts' FP4 w13 stacks with each
-    pair's weight) and a ragged one of each, 1..16 rows: `swiglu_problems`."""
+def check_gemv_epilogues(impl: str, seed: int) -> list[str]:
+    """The GEMV kernels' epilogues, 1..16 rows: the SwiGLU (swiglu=) at the flash-shaped
+    model's gate and up projections (the shared experts' FP8 w13, the routed experts' FP4 w13
+    stacks with each pair's weight) and a ragged one of each (`swiglu_problems`), and
+    fp8_gemv's added parts at the shared experts' down projection and a ragged one
+    (`parts_problems`)."""
     mx.random.seed(seed)
     rng = np.random.default_rng(seed)
     problems = []
@@ -390,6 +394,11 @@ def check_gemv_swiglu(impl: str, seed: int) -> list[str]:
             problems.extend(swiglu_problems(f"fp8_gemv {d_in}->{d_out} rows={rows}",
                                             lambda v, **kw: fp8_gemv(v, w, s, impl=impl, **kw),
                                             random_fp8_input((rows, d_in)), None, rows - 2 if rows > 2 else None))
+    for d_in, d_out in sorted(shape for shape in dense if shape[0] == inter2 // 2) + [(512, 96)]:
+        w, s = random_words((d_out, d_in // 4)), random_scales((d_out, d_in // 32))
+        for rows in (1, 2, 5, 8, 16):
+            problems.extend(parts_problems(f"fp8_gemv {d_in}->{d_out} rows={rows}",
+                                           lambda v, **kw: fp8_gemv(v, w, s, impl=impl, **kw), (rows, d_in), d_out))
     for n_experts, d_in, d_out in sorted(shape for shape in experts if shape[2] == inter2) + [(5, 256, 96)]:
         w, s = random_words((n_experts, d_out, d_in // 8), fp4=True), random_scales((n_experts, d_out, d_in // 32))
         for rows in (1, 2, 5, 8, 16):
@@ -400,6 +409,38 @@ def check_gemv_swiglu(impl: str, seed: int) -> list[str]:
                                             lambda v, **kw: fp4_experts(v, w, s, ids, impl=impl, **kw),
                                             random_fp8_input((rows, 1, d_in)), mx.random.uniform(shape=(rows, top, 1)),
                                             None))
+    return problems
+
+
+def mixed_parts(rows: int, n: int) -> mx.array:
+    """A MoE's routed parts [rows, 6, n] bf16 whose sums depend on the order of their float32
+    additions, even in bf16: magnitudes 2^-6 to 2^6, and half the places with a large part
+    and its negative in parts 0 and 1 (in order they cancel exactly; the other way round the
+    small ones are rounded to the large one's precision first)."""
+    p = mx.random.normal((rows, 6, n)) * mx.power(2.0, mx.random.randint(-6, 6, (rows, 6, n)).astype(mx.float32))
+    big = mx.where(mx.random.uniform(shape=(rows, n)) < 0.5, 2.0**18, 0.0)
+    return mx.concatenate([(p[:, 0] + big)[:, None], (p[:, 1] - big)[:, None], p[:, 2:]], axis=1).astype(mx.bfloat16)
+
+
+def parts_problems(name: str, kernel, shape: tuple, n: int) -> list[str]:
+    """fp8_gemv adding a MoE's routed parts [rows, 6, n] to its output as it writes it
+    (parts=) against the same kernel's plain output through the spec, kernels.parts_added:
+    the same bits, outputs poisoned; fed an FP8 input and a raw one it quantises; and, from
+    3 rows on, a padded forward's (parts for the real rows, the padding zeros)."""
+    problems = []
+    x, raw = random_fp8_input(shape), raw_activation(shape)
+    cases = [("", x, shape[0], {}), (", quantising its input", raw, shape[0], {"quantize_input": True})]
+    if shape[0] > 2:
+        cases.append((", 2 real rows", x, 2, {"real_rows": 2}))
+    for what, v, real, kw in cases:
+        parts = mixed_parts(real, n)
+        got = kernel(v, parts=parts, init_value=POISON, **kw)
+        want = parts_added(kernel(v, **kw), parts)
+        differ = bits_differ(got, want) if got.shape == want.shape else -1
+        if differ:
+            problems.append(f"{name}, parts added{what}: "
+                            + (f"{differ} values differ from parts_added to its output" if differ > 0 else
+                               f"shape {got.shape}, the spec's {want.shape}"))
     return problems
 
 
@@ -792,7 +833,7 @@ def main() -> int:
     if impl == "cuda":
         checks.append(("quantised GEMMs, bf16-fed vs fp32-fed", check_gemms_bf16, 11))
     checks += [("fp8_gemv", check_fp8_gemv, 31), ("fp4_experts", check_fp4_experts, 37),
-               ("gemv_swiglu", check_gemv_swiglu, 47),
+               ("gemv_epilogues", check_gemv_epilogues, 47),
                ("hc_split", check_hc_split, 5), ("rms_norm", check_rms_norm, 23),
                ("rms_norm_rope", check_rms_norm_rope, 43), ("hc_input", check_hc_input, 17),
                ("hc_post_input", check_hc_post_input, 41),

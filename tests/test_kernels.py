@@ -124,9 +124,20 @@ def test_draft_cache_writes_through_the_ring_kernel():
 # ------------------------------------------------------------ Metal text check
 
 NO_ROPE = {"rope_cos": "float32", "rope_sin": "float32"}  # the placeholders a norm without RoPE gets
-GEMV_IN = {"x": "bfloat16", "w": "uint32", "scales": "uint8", "sizes": "int32", "swiglu": "float32"}
-EXPERTS_IN = {"x": "bfloat16", "w": "uint32", "scales": "uint8", "ids": "uint32", "sizes": "int32",
+
+
+def _gemv_case(RB, T, C, QX=0, SW=0, AP=0):  # noqa: N803 (the kernel's template names)
+    inputs = {"x": "bfloat16", "w": "uint32", "scales": "uint8", "sizes": "int32", "swiglu": "float32",
+              "parts": "bfloat16"}
+    return FP8_GEMV, inputs, {"y": "bfloat16"}, {"RB": RB, "T": T, "C": C, "QX": QX, "SW": SW, "AP": AP}
+
+
+def _experts_case(RB, T, C, QX=0, SW=0):  # noqa: N803
+    inputs = {"x": "bfloat16", "w": "uint32", "scales": "uint8", "ids": "uint32", "sizes": "int32",
               "swiglu": "float32", "weights": "float32"}
+    return FP4_EXPERTS, inputs, {"y": "bfloat16"}, {"RB": RB, "T": T, "C": C, "QX": QX, "SW": SW}
+
+
 CASES = {
     "fp8_rows": (FP8_ROWS, {"x": "uint16", "w": "uint8", "scales": "uint8"},
                  {"top_vals": "float32", "top_ids": "int32"}, {"R": 5, "K": 5120, "N": 129280, "TILES": 505}),
@@ -174,17 +185,18 @@ CASES = {
                         {"T": "float32", "BLOCK": 32, "SCALE_E4M3": 0}),
     "moe_gate_scores": (MOE_GATE_SCORES, {"x": "bfloat16", "w": "float32", "params": "float32", "sizes": "int32"},
                         {"scores": "float32"}, {"T": "bfloat16", "RB": 8}),
-    "fp8_gemv": (FP8_GEMV, GEMV_IN, {"y": "bfloat16"}, {"RB": 8, "T": 4, "C": 32, "QX": 0, "SW": 0}),
-    "fp8_gemv_16_rows": (FP8_GEMV, GEMV_IN, {"y": "bfloat16"}, {"RB": 16, "T": 4, "C": 256, "QX": 0, "SW": 0}),
-    "fp4_experts": (FP4_EXPERTS, EXPERTS_IN, {"y": "bfloat16"}, {"RB": 8, "T": 4, "C": 32, "QX": 0, "SW": 0}),
-    "fp4_experts_16_rows": (FP4_EXPERTS, EXPERTS_IN, {"y": "bfloat16"}, {"RB": 16, "T": 4, "C": 128, "QX": 0, "SW": 0}),
-    "fp8_gemv_quantizing": (FP8_GEMV, GEMV_IN, {"y": "bfloat16"}, {"RB": 16, "T": 4, "C": 64, "QX": 1, "SW": 0}),
-    "fp4_experts_quantizing": (FP4_EXPERTS, EXPERTS_IN, {"y": "bfloat16"}, {"RB": 8, "T": 4, "C": 32, "QX": 1, "SW": 0}),
-    "fp8_gemv_swiglu": (FP8_GEMV, GEMV_IN, {"y": "bfloat16"}, {"RB": 1, "T": 4, "C": 64, "QX": 1, "SW": 1}),
-    "fp8_gemv_swiglu_8_rows": (FP8_GEMV, GEMV_IN, {"y": "bfloat16"}, {"RB": 8, "T": 2, "C": 32, "QX": 0, "SW": 1}),
-    "fp4_experts_swiglu": (FP4_EXPERTS, EXPERTS_IN, {"y": "bfloat16"}, {"RB": 1, "T": 4, "C": 32, "QX": 0, "SW": 2}),
-    "fp4_experts_swiglu_16_rows": (FP4_EXPERTS, EXPERTS_IN, {"y": "bfloat16"},
-                                   {"RB": 16, "T": 2, "C": 128, "QX": 0, "SW": 1}),
+    "fp8_gemv": _gemv_case(RB=8, T=4, C=32),
+    "fp8_gemv_16_rows": _gemv_case(RB=16, T=4, C=256),
+    "fp8_gemv_quantizing": _gemv_case(RB=16, T=4, C=64, QX=1),
+    "fp8_gemv_swiglu": _gemv_case(RB=1, T=4, C=64, QX=1, SW=1),
+    "fp8_gemv_swiglu_8_rows": _gemv_case(RB=8, T=2, C=32, SW=1),
+    "fp8_gemv_parts": _gemv_case(RB=1, T=4, C=64, QX=1, AP=6),
+    "fp8_gemv_parts_8_rows": _gemv_case(RB=8, T=2, C=64, AP=6),
+    "fp4_experts": _experts_case(RB=8, T=4, C=32),
+    "fp4_experts_16_rows": _experts_case(RB=16, T=4, C=128),
+    "fp4_experts_quantizing": _experts_case(RB=8, T=4, C=32, QX=1),
+    "fp4_experts_swiglu": _experts_case(RB=1, T=4, C=32, SW=2),
+    "fp4_experts_swiglu_16_rows": _experts_case(RB=16, T=2, C=128, SW=1),
     "moe_gate_topk": (MOE_GATE_TOPK, {"scores": "float32", "bias": "float32", "params": "float32", "rows": "int32"},
                       {"weights": "float32", "ids": "uint32"}, {"E": 384, "K": 6, "NORMALIZE": 1}),
 }
@@ -242,6 +254,7 @@ def test_metal_source_type_checks(case, rows, tmp_path):
     ("fp4_experts_quantizing", ("xs[r] = gemv_input_block_scale(", "xs[r] = gemv_input_block_scales(")),  # misspelt
     ("fp8_gemv_swiglu", ("partial, grp, o + OT * RB), swiglu[0]);", "partial, grp, o + OT * RB), swiglu);")),  # array for float
     ("fp4_experts_swiglu", ("v = v * weights[r * KS + picked];", "v = v * weight[r * KS + picked];")),  # misspelt
+    ("fp8_gemv_parts", ("t += float(pr[ulong(j) * NY]);", "t += float(pr);")),  # pointer to float
     ("sparse_attention", ("float(kv[ulong(key_row[j]) * D + d])", "float(kv[ulong(key_rows[j]) * D + d])")),
     ("sparse_attention", ("qs[i / D][d ^ 1] * -rope_sin[s * D + d]", "qs[i / D][d ^ 1] * -rope_sine[s * D + d]")),
     ("sparse_attention_window_only", ("float(q[q0 + (i ^ 1)])", "float(q + (i ^ 1))")),  # pointer to float
@@ -298,6 +311,7 @@ def test_cuda_source_compiles(case):
     ("fp8_gemv_quantizing", ("p = gemv_fake_quant8(p, xs[r]);", "p = gemv_fake_quant8(p, xs);")),  # array for float
     ("fp8_gemv_swiglu", ("partial, grp, o + OT * RB), swiglu[0]);", "partial, grp, o + OT * RB), swiglu);")),  # array for float
     ("fp4_experts_swiglu", ("v = v * weights[r * KS + picked];", "v = v * weight[r * KS + picked];")),  # misspelt
+    ("fp8_gemv_parts", ("t += __bfloat162float(pr[(size_t)j * NY]);", "t += __bfloat162float(pr);")),
 ])
 def test_a_broken_cuda_source_fails_the_compile(case, breakage):
     old, new = breakage
@@ -418,48 +432,52 @@ def test_gemm_kernel_checks_pass_the_spec_and_flag_wrong_kernels(monkeypatch, ke
         assert any(message in p for p in run("mlx", seed=1)), message
 
 
-def test_swiglu_check_passes_the_spec_and_flags_a_wrong_epilogue(monkeypatch):
-    """scripts/check_kernels.py's gemv_swiglu check: the specs themselves pass; a SwiGLU that
-    ignores its limit, drops the pairs' weights, or takes its halves in the other order fails."""
+def test_epilogue_check_passes_the_spec_and_flags_a_wrong_epilogue(monkeypatch):
+    """scripts/check_kernels.py's gemv_epilogues check: the specs themselves pass; a SwiGLU that
+    ignores its limit, drops the pairs' weights, or takes its halves the other way round fails;
+    so do parts added in another order, or to the padding rows too."""
     from dsv41_mlx import kernels
 
     check = _check_kernels_script()
-    monkeypatch.setattr(check, "quantised_gemm_shapes", lambda: ({(256, 64)}, set(), {(4, 256, 64)}))
+    monkeypatch.setattr(check, "quantised_gemm_shapes", lambda: ({(256, 64), (32, 256)}, set(), {(4, 256, 64)}))
     monkeypatch.setattr(check, "flash_args", lambda: type("Args", (), {"moe_intermediate_size": 32}))
-    for name in ("fp8_gemv", "fp4_experts"):
+
+    def spec(name, swiglu_change=None, parts_change=None):
+        """The kernel's spec, its epilogue's arguments changed as a broken kernel would."""
         reference = getattr(kernels, f"{name}_reference")
-        monkeypatch.setattr(check, name, lambda *a, impl=None, init_value=None, _ref=reference, **kw: _ref(*a, **kw))
-    assert check.check_gemv_swiglu("mlx", seed=3) == []
 
-    def unclamped(act):
-        return kernels.SwiGLU(0.0, act.weights)
-
-    def unweighted(act):
-        return kernels.SwiGLU(act.limit)
-
-    def swapped(act):  # up first: the halves of the output read the other way round
-        return "swapped"
-
-    for name in ("fp8_gemv", "fp4_experts"):
-        reference = getattr(kernels, f"{name}_reference")
-        for broken in (unclamped, unweighted, swapped):
-            if name == "fp8_gemv" and broken is unweighted:
-                continue  # the shared expert's has no weights
-
-            def kernel(*a, impl=None, init_value=None, swiglu=None, _ref=reference, _broken=broken, **kw):
-                if swiglu is None:
-                    return _ref(*a, **kw)
-                change = _broken(swiglu)
-                if change == "swapped":
-                    y = _ref(*a, **kw)
+        def kernel(*args, impl=None, init_value=None, swiglu=None, parts=None, **kw):
+            if swiglu is not None and swiglu_change:
+                if swiglu_change == "swapped":  # the up projection's half read as the gate's
+                    y = reference(*args, **kw)
                     half = y.shape[-1] // 2
                     return kernels.swiglu_halves(mx.concatenate([y[..., half:], y[..., :half]], axis=-1), swiglu)
-                return _ref(*a, swiglu=change, **kw)
+                swiglu = swiglu_change(swiglu)
+            if parts is not None and parts_change:
+                if parts_change == "padding":  # every row's: the padding rows get the parts too
+                    y = reference(*args, **kw)
+                    return kernels.parts_added(y, mx.broadcast_to(parts[:1], (y.shape[0], *parts.shape[1:])))
+                parts = parts[:, ::-1]
+            return reference(*args, **({"swiglu": swiglu} if swiglu is not None else {}),
+                             **({"parts": parts} if parts is not None else {}), **kw)
 
-            monkeypatch.setattr(check, name, kernel)
-            problems = check.check_gemv_swiglu("mlx", seed=3)
-            assert any(p.startswith(name) and "SwiGLU" in p for p in problems), (name, broken.__name__)
-            monkeypatch.setattr(check, name, lambda *a, impl=None, init_value=None, _ref=reference, **kw: _ref(*a, **kw))
+        return kernel
+
+    for name in ("fp8_gemv", "fp4_experts"):
+        monkeypatch.setattr(check, name, spec(name))
+    assert check.check_gemv_epilogues("mlx", seed=3) == []
+    broken = [("fp8_gemv", "SwiGLU", {"swiglu_change": lambda act: kernels.SwiGLU(0.0, act.weights)}),
+              ("fp8_gemv", "SwiGLU", {"swiglu_change": "swapped"}),
+              ("fp4_experts", "SwiGLU", {"swiglu_change": lambda act: kernels.SwiGLU(0.0, act.weights)}),
+              ("fp4_experts", "SwiGLU", {"swiglu_change": lambda act: kernels.SwiGLU(act.limit)}),
+              ("fp4_experts", "SwiGLU", {"swiglu_change": "swapped"}),
+              ("fp8_gemv", "parts added", {"parts_change": "reversed"}),
+              ("fp8_gemv", "parts added, 2 real rows", {"parts_change": "padding"})]
+    for name, words, change in broken:
+        monkeypatch.setattr(check, name, spec(name, **change))
+        problems = check.check_gemv_epilogues("mlx", seed=3)
+        assert any(p.startswith(name) and words in p for p in problems), (name, change)
+        monkeypatch.setattr(check, name, spec(name))
 
 
 def test_gate_check_passes_the_spec_and_flags_a_wrong_router(monkeypatch):

@@ -436,9 +436,9 @@ def test_padded_forwards_compute_their_real_rows_alone(padded_model, golden, mon
     want = [model.decode(rest[start: start + 3], plain) for start in range(0, len(rest), 3)]
     told = []
 
-    def gemv(x, w, s, impl=None, init_value=None, quantize_input=False, real_rows=None, swiglu=None):
+    def gemv(x, w, s, impl=None, init_value=None, quantize_input=False, real_rows=None, swiglu=None, parts=None):
         told.append(real_rows)
-        return kernels.fp8_gemv_reference(x, w, s, quantize_input, real_rows, swiglu)
+        return kernels.fp8_gemv_reference(x, w, s, quantize_input, real_rows, swiglu, parts)
 
     _gpu_dispatch_with_specs(monkeypatch, lambda *args, impl=None: spec(*args), gemv)
     got = [model.decode(rest[start: start + 3], kernel) for start in range(0, len(rest), 3)]

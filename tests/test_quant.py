@@ -450,9 +450,9 @@ def test_fp8_matmul_takes_the_gemv_kernel_for_a_decode_steps_rows_on_a_gpu(monke
 
     calls = []
 
-    def gemv(x, w, s, impl=None, init_value=None, real_rows=None, swiglu=None):
+    def gemv(x, w, s, impl=None, init_value=None, real_rows=None, swiglu=None, parts=None):
         calls.append((x.shape, w.shape))
-        return kernels.fp8_gemv_reference(x, w, s, real_rows=real_rows, swiglu=swiglu)
+        return kernels.fp8_gemv_reference(x, w, s, real_rows=real_rows, swiglu=swiglu, parts=parts)
 
     monkeypatch.setattr(kernels, "backend", lambda: "cuda")
     monkeypatch.setattr(kernels, "fp8_gemv", gemv)
@@ -495,9 +495,9 @@ def test_fp8_linear_lets_the_gemv_kernel_quantise_a_decode_steps_row_on_a_gpu(mo
 
     calls, quantised = [], []
 
-    def gemv(x, w, s, impl=None, init_value=None, quantize_input=False, real_rows=None, swiglu=None):
+    def gemv(x, w, s, impl=None, init_value=None, quantize_input=False, real_rows=None, swiglu=None, parts=None):
         calls.append((x.dtype, quantize_input, real_rows))
-        return kernels.fp8_gemv_reference(x, w, s, quantize_input, real_rows)
+        return kernels.fp8_gemv_reference(x, w, s, quantize_input, real_rows, parts=parts)
 
     def act_quant(x, impl, dtype=None):
         quantised.append(x.shape)
@@ -523,3 +523,43 @@ def test_fp8_linear_lets_the_gemv_kernel_quantise_a_decode_steps_row_on_a_gpu(mo
         want = mx.quantized_matmul(quant.fp8_fake_quant_reference(x[:rows]).astype(mx.float32), w, s, transpose=True,
                                    mode="mxfp8").astype(mx.bfloat16)
         assert mx.array_equal(got[:rows], want).item() and not got[rows:].any().item()
+
+
+def test_fp8_linear_adds_a_moes_routed_parts_in_the_gemv_kernel_on_a_gpu(monkeypatch):
+    """A MoE's output is its shared expert's down projection with the routed experts' parts
+    added (kernels.parts_added). On a GPU, a decode or verify step's is one fp8_gemv launch
+    that adds them as it writes its output (parts=, one for each computed row), where the sum
+    took a launch of its own; a padded forward's padding rows stay the kernel's zeros. More
+    than 16 rows take MLX's GEMM and then parts_added. Either way the values are the spec's."""
+    from dsv41_mlx import kernels, quant
+
+    from .test_kernels import act_quant_spec
+
+    calls = []
+
+    def gemv(x, w, s, impl=None, init_value=None, quantize_input=False, real_rows=None, swiglu=None, parts=None):
+        calls.append((x.shape[0], real_rows, None if parts is None else parts.shape))
+        return kernels.fp8_gemv_reference(x, w, s, quantize_input, real_rows, parts=parts)
+
+    kernel_wrapper = kernels.fp8_gemv
+    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
+    monkeypatch.setattr(kernels, "fp8_gemv", gemv)
+    monkeypatch.setattr(kernels, "act_quant_fp8", act_quant_spec)
+    mx.random.seed(7)
+    w = (mx.random.randint(0, 2**31, (96, 64)).astype(mx.uint32) & 0x3F3F3F3F)
+    s = mx.random.randint(118, 124, (96, 8)).astype(mx.uint8)
+    x = mx.random.normal((17, 256)).astype(mx.bfloat16)
+    for rows, real, kernel in ((8, 1, True), (1, None, True), (8, 3, True), (6, None, True), (17, None, False)):
+        computed = real or rows
+        parts = mx.random.normal((computed, 3, 96)).astype(mx.bfloat16)
+        calls.clear()
+        got = quant.fp8_linear(x[:rows], w, s, real, parts)
+        assert calls == ([(rows, real, (computed, 3, 96))] if kernel else [])
+        plain = mx.quantized_matmul(quant.fp8_fake_quant_reference(x[:rows]).astype(mx.float32), w, s,
+                                    transpose=True, mode="mxfp8").astype(mx.bfloat16)
+        total = parts[:, 0].astype(mx.float32) + parts[:, 1].astype(mx.float32) + parts[:, 2].astype(mx.float32)
+        want = (total + plain[:computed].astype(mx.float32)).astype(mx.bfloat16)
+        assert got.shape == (rows, 96) and mx.array_equal(got[:computed], want).item()
+        assert not got[computed:].any().item()  # the padding: the kernel's zeros
+    with pytest.raises(ValueError, match="adds parts"):  # parts for 3 rows where 4 are computed
+        kernel_wrapper(x[:4], w, s, impl="cuda", parts=mx.zeros((3, 2, 96), dtype=mx.bfloat16))
