@@ -2,6 +2,7 @@
 
     python scripts/check_kernels.py            # exits 1 on any mismatch
     python scripts/check_kernels.py moe_gate   # only the checks whose names start so
+    python scripts/check_kernels.py --rows=1,6 # at these row counts only (fewer kernel builds)
 
 fp8_rows: release head shape (129280 x 5120) and a small ragged one, rows 1, 2,
 5, 8, 16, fresh random inputs each time, outputs poisoned before the launch
@@ -83,6 +84,7 @@ from dsv41_mlx.kernels import (SwiGLU, act_quant_fp8, fp4_experts, fp4_quant, fp
 from dsv41_mlx.quant import fp4_fake_quant_reference, fp8_fake_quant_reference, quantize_fp8_tiles_mx
 
 POISON = -12345.0
+CHECK_ROWS = (1, 2, 5, 8, 16)  # the row counts most checks run (--rows: others, for a quicker pass)
 
 
 def check_fp8_rows(n: int, k: int, rows: int, impl: str, seed: int) -> list[str]:
@@ -390,18 +392,18 @@ def check_gemv_epilogues(impl: str, seed: int) -> list[str]:
     inter2 = 2 * flash_args().moe_intermediate_size
     for d_in, d_out in sorted(shape for shape in dense if shape[1] == inter2) + [(512, 96)]:
         w, s = random_words((d_out, d_in // 4)), random_scales((d_out, d_in // 32))
-        for rows in (1, 2, 5, 8, 16):
+        for rows in CHECK_ROWS:
             problems.extend(swiglu_problems(f"fp8_gemv {d_in}->{d_out} rows={rows}",
                                             lambda v, **kw: fp8_gemv(v, w, s, impl=impl, **kw),
                                             random_fp8_input((rows, d_in)), None, rows - 2 if rows > 2 else None))
     for d_in, d_out in sorted(shape for shape in dense if shape[0] == inter2 // 2) + [(512, 96)]:
         w, s = random_words((d_out, d_in // 4)), random_scales((d_out, d_in // 32))
-        for rows in (1, 2, 5, 8, 16):
+        for rows in CHECK_ROWS:
             problems.extend(parts_problems(f"fp8_gemv {d_in}->{d_out} rows={rows}",
                                            lambda v, **kw: fp8_gemv(v, w, s, impl=impl, **kw), (rows, d_in), d_out))
     for n_experts, d_in, d_out in sorted(shape for shape in experts if shape[2] == inter2) + [(5, 256, 96)]:
         w, s = random_words((n_experts, d_out, d_in // 8), fp4=True), random_scales((n_experts, d_out, d_in // 32))
-        for rows in (1, 2, 5, 8, 16):
+        for rows in CHECK_ROWS:
             top = min(6, n_experts)
             ids = mx.array(np.sort([rng.choice(n_experts, top, replace=False) for _ in range(rows)], axis=1)
                            .astype(np.uint32))
@@ -555,7 +557,7 @@ def check_moe_gate(impl: str, seed: int) -> list[str]:
     for E, k, normalize in ((384, 6, True), (24, 6, True), (16, 3, False)):
         w = mx.array(rng.normal(0, 1 / np.sqrt(5120), (E, 5120)).astype(np.float32))
         bias = mx.array(rng.normal(0, 0.05, E).astype(np.float32))
-        for rows in (1, 2, 5, 8, 16):
+        for rows in CHECK_ROWS:
             x = mx.array(rng.normal(0, 1, (rows, 5120)).astype(np.float32)).astype(mx.bfloat16)
             got_w, got_ids = moe_gate(x, w, bias, k, 1.0, 2.5, normalize, impl=impl)
             want_w, want_ids = moe_gate_reference(x, w, bias, k, 1.0, 2.5, normalize)
@@ -617,7 +619,7 @@ def _check_sublayer_input(impl: str, seed: int, expanded: bool) -> list[str]:
     scale = mx.array(rng.normal(0, 1, 3).astype(np.float32))
     base = mx.array(rng.normal(0, 1, M).astype(np.float32))
     norm_w = mx.array(rng.normal(1, 0.2, dim).astype(np.float32))
-    for rows in (1, 2, 5, 8, 16):
+    for rows in CHECK_ROWS:
         h = mx.array(rng.normal(0, 1, (rows, hc, dim)).astype(np.float32)).astype(mx.bfloat16)
         pre_in = mx.array(rng.uniform(0, 1, (rows, hc)).astype(np.float32))
         args = (fn, scale, base, norm_w, iters, 1e-6, 1e-6, 1e-6, mx.bfloat16 if rows % 2 else mx.float32)
@@ -701,7 +703,7 @@ def check_sparse_attention(impl: str, seed: int) -> list[str]:
     kv = mx.array(rng.normal(0, 1, (T, D)).astype(np.float32)).astype(mx.bfloat16)
     sink = mx.array(rng.normal(0, 1, H).astype(np.float32))
     for picks in (K, 0):
-        for rows in (1, 2, 5, 8, 16):
+        for rows in CHECK_ROWS:
             q = mx.array(rng.normal(0, 1, (rows, H, D)).astype(np.float32)).astype(mx.bfloat16)
             index = mx.array(rng.integers(0, R, (rows, W)).astype(np.int32))
             wmask = rng.random((rows, W)) < 0.9
@@ -816,15 +818,19 @@ def main() -> int:
     if impl == "mlx":
         print("no GPU backend here (Metal or CUDA): nothing to check")
         return 1
-    print(f"checking the {impl} kernels against the pure-MLX spec")
-    only = sys.argv[1:]
+    global CHECK_ROWS
+    only = [a for a in sys.argv[1:] if not a.startswith("--rows=")]
+    for a in sys.argv[1:]:
+        if a.startswith("--rows="):  # e.g. --rows=1,6: a decode step's and a verify step's, each kernel
+            CHECK_ROWS = tuple(int(r) for r in a.split("=", 1)[1].split(","))  # build fewer (NVRTC's minutes)
+    print(f"checking the {impl} kernels against the pure-MLX spec at {', '.join(map(str, CHECK_ROWS))} rows")
 
     def wanted(name):
         return not only or any(name.startswith(prefix) for prefix in only)
 
     failures = 0
     for n, k in [(129280, 5120), (8192 + 96, 128)] if wanted("fp8_rows") else []:
-        for rows in (1, 2, 5, 8, 16):
+        for rows in CHECK_ROWS:
             problems = check_fp8_rows(n, k, rows, impl, seed=rows * 7 + k)
             failures += bool(problems)
             print(f"fp8_rows N={n} K={k} rows={rows}: {'ok' if not problems else '; '.join(problems[:3])}")
