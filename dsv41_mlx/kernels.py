@@ -113,11 +113,9 @@ HC_INPUT = KernelSpec("hc_input", ("h", "pre_in", "parts", "scale", "base", "nor
                       ("x", "xq", "pre", "post", "comb"), "hc_input.metal", "hc_input.cu", header_files=(),
                       twin_headers=("hc_split_row", "fp8_lane"))
 FP8_GEMV = KernelSpec("fp8_gemv", ("x", "w", "scales", "sizes", "swiglu", "parts"), ("y",), "fp8_gemv.metal",
-                      "fp8_gemv.cu",
-                      twin_headers=("fp8_lane", "gemv_lane"))
+                      "fp8_gemv.cu", twin_headers=("fp8_lane", "gemv_lane"))
 FP4_EXPERTS = KernelSpec("fp4_experts", ("x", "w", "scales", "ids", "sizes", "swiglu", "weights"), ("y",),
-                         "fp4_experts.metal",
-                         "fp4_experts.cu", twin_headers=("fp8_lane", "gemv_lane"))
+                         "fp4_experts.metal", "fp4_experts.cu", twin_headers=("fp8_lane", "gemv_lane"))
 
 
 @lru_cache(maxsize=None)

@@ -88,4 +88,3 @@ __device__ __forceinline__ float gemv_swiglu(const float gate_sum, const float u
   }
   return gate / (1.0f + expf(-gate)) * up;  // no fast math: IEEE division, precise expf
 }
-

@@ -21,7 +21,7 @@
 // and an up sum, each rounded to bf16 first (as the GEMM's bf16 output would be): SiLU(gate) *
 // up in float32, up clamped to [-limit, limit] and gate from above where limit > 0, in the
 // operations of kernels.swiglu (MLX's fused kernel for it: x / (1 + e^-x) * up, precise exp
-// and division; a NaN stays a NaN through the clamps, as through MLX's minimum and maximum).
+// and division; a NaN passes the clamps as a NaN).
 template <int T, int RB>  // wf: [T][8], acc: [T][RB]
 inline void gemv_lane_accumulate(const uint4 p, thread const float* wf, thread float* acc, const int r) {
   const uint pairs[4] = {p.x, p.y, p.z, p.w};
