@@ -436,14 +436,18 @@ def parts_problems(name: str, kernel, shape: tuple, n: int) -> list[str]:
         cases.append((", 2 real rows", x, 2, {"real_rows": 2}))
     for what, v, real, kw in cases:
         parts = mixed_parts(real, n)
-        got = kernel(v, parts=parts, init_value=POISON, **kw)
-        want = parts_added(kernel(v, **kw), parts)
-        differ = bits_differ(got, want) if got.shape == want.shape else -1
-        if differ:
-            problems.append(f"{name}, parts added{what}: "
-                            + (f"{differ} values differ from parts_added to its output" if differ > 0 else
-                               f"shape {got.shape}, the spec's {want.shape}"))
+        problems += epilogue_problems(f"{name}, parts added{what}", kernel(v, parts=parts, init_value=POISON, **kw),
+                                      parts_added(kernel(v, **kw), parts), "parts_added to its output")
     return problems
+
+
+def epilogue_problems(label: str, got: mx.array, want: mx.array, spec: str) -> list[str]:
+    """A kernel's output with an epilogue against its plain output through the epilogue's
+    spec (want): [] where they are the same bits, else what differs."""
+    if got.shape != want.shape:
+        return [f"{label}: shape {got.shape}, the spec's {want.shape}"]
+    differ = bits_differ(got, want)
+    return [f"{label}: {differ} values differ from {spec}"] if differ else []
 
 
 def swiglu_problems(name: str, kernel, x: mx.array, weights: mx.array | None, real: int | None) -> list[str]:
@@ -460,13 +464,9 @@ def swiglu_problems(name: str, kernel, x: mx.array, weights: mx.array | None, re
         if real is not None:
             cases.append((f", {real} real rows", x, {"real_rows": real}))
         for what, v, kw in cases:
-            got = kernel(v, swiglu=act, init_value=POISON, **kw)
-            want = swiglu_halves(kernel(v, **kw), act)
-            differ = bits_differ(got, want) if got.shape == want.shape else -1
-            if differ:
-                problems.append(f"{name}, SwiGLU at limit {limit:g}{what}: "
-                                + (f"{differ} values differ from swiglu_halves of its output" if differ > 0 else
-                                   f"shape {got.shape}, the spec's {want.shape}"))
+            problems += epilogue_problems(f"{name}, SwiGLU at limit {limit:g}{what}",
+                                          kernel(v, swiglu=act, init_value=POISON, **kw),
+                                          swiglu_halves(kernel(v, **kw), act), "swiglu_halves of its output")
     return problems
 
 

@@ -482,6 +482,21 @@ def test_fp8_matmul_takes_the_gemv_kernel_for_a_decode_steps_rows_on_a_gpu(monke
     assert calls == []
 
 
+def _gemv_on_a_gpu(monkeypatch, gemv, act_quant, seed: int) -> tuple[mx.array, mx.array, mx.array]:
+    """The kernels' dispatch answers as on a GPU, with fp8_gemv and act_quant_fp8 replaced
+    (by stand-ins that run their specs); returns a random `mxfp8` weight of 96 outputs and 256
+    inputs (codes, scales) and 17 bf16 rows of input."""
+    from dsv41_mlx import kernels
+
+    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
+    monkeypatch.setattr(kernels, "fp8_gemv", gemv)
+    monkeypatch.setattr(kernels, "act_quant_fp8", act_quant)
+    mx.random.seed(seed)
+    w = (mx.random.randint(0, 2**31, (96, 64)).astype(mx.uint32) & 0x3F3F3F3F)
+    s = mx.random.randint(118, 124, (96, 8)).astype(mx.uint8)
+    return w, s, mx.random.normal((17, 256)).astype(mx.bfloat16)
+
+
 def test_fp8_linear_lets_the_gemv_kernel_quantise_a_decode_steps_row_on_a_gpu(monkeypatch):
     """On a GPU, Fp8Linear's product of a decode step's one computed bf16 row (of a padded
     forward's 8, or alone) is one fp8_gemv launch that FP8-quantises x as it reads it
@@ -503,13 +518,7 @@ def test_fp8_linear_lets_the_gemv_kernel_quantise_a_decode_steps_row_on_a_gpu(mo
         quantised.append(x.shape)
         return act_quant_spec(x, impl, dtype)
 
-    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
-    monkeypatch.setattr(kernels, "fp8_gemv", gemv)
-    monkeypatch.setattr(kernels, "act_quant_fp8", act_quant)
-    mx.random.seed(5)
-    w = (mx.random.randint(0, 2**31, (96, 64)).astype(mx.uint32) & 0x3F3F3F3F)
-    s = mx.random.randint(118, 124, (96, 8)).astype(mx.uint8)
-    bf16 = mx.random.normal((17, 256)).astype(mx.bfloat16)
+    w, s, bf16 = _gemv_on_a_gpu(monkeypatch, gemv, act_quant, seed=5)
     fed = quant.gemm_input_dtype()  # what act_quant hands the GEMM
     for x, real, launches, grouped in ((bf16[:8], 1, [(mx.bfloat16, True, 1)], []),
                                        (bf16[:1], None, [(mx.bfloat16, True, None)], []),
@@ -542,13 +551,7 @@ def test_fp8_linear_adds_a_moes_routed_parts_in_the_gemv_kernel_on_a_gpu(monkeyp
         return kernels.fp8_gemv_reference(x, w, s, quantize_input, real_rows, parts=parts)
 
     kernel_wrapper = kernels.fp8_gemv
-    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
-    monkeypatch.setattr(kernels, "fp8_gemv", gemv)
-    monkeypatch.setattr(kernels, "act_quant_fp8", act_quant_spec)
-    mx.random.seed(7)
-    w = (mx.random.randint(0, 2**31, (96, 64)).astype(mx.uint32) & 0x3F3F3F3F)
-    s = mx.random.randint(118, 124, (96, 8)).astype(mx.uint8)
-    x = mx.random.normal((17, 256)).astype(mx.bfloat16)
+    w, s, x = _gemv_on_a_gpu(monkeypatch, gemv, act_quant_spec, seed=7)
     for rows, real, kernel in ((8, 1, True), (1, None, True), (8, 3, True), (6, None, True), (17, None, False)):
         computed = real or rows
         parts = mx.random.normal((computed, 3, 96)).astype(mx.bfloat16)
