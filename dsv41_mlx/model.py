@@ -462,6 +462,14 @@ def negated_candidate_scores(summed: mx.array, key_ids: mx.array, visible: mx.ar
     return mx.where(candidates, negated_scores(summed, key_ids, visible), mx.inf)
 
 
+@functools.partial(mx.compile, shapeless=True)
+def every_pick(ids: mx.array, last: mx.array, visible: mx.array) -> tuple[mx.array, mx.array]:
+    """SharedAttention.every_pick's arrays from ids 0 .. k - 1 [k] (uint32), last = n - 1 [1]
+    and visible [S]: (min(ids, last), id < visible and id <= last), both [S, k]."""
+    last_rows = (visible[:, None] * 0 + last).astype(mx.uint32)  # n - 1 in each row: [S, 1], so [S, k] out
+    return mx.minimum(ids[None, :], last_rows), (ids[None, :] < visible[:, None]) & (ids[None, :] <= last_rows)
+
+
 class Indexer(nn.Module):
     """Scores compressed positions per query and keeps the best `index_topk`.
 
@@ -497,20 +505,32 @@ class Indexer(nn.Module):
 
         visible [S]: how many groups each row may see (groups finished at or
         before its position).
+
+        Where the k picks hold every compressed position (n <= k) and no candidate mask
+        restricts them, the scores cannot change the picks: every position a row sees is
+        valid, the rest padding (SharedAttention.every_pick, the same arrays as the scored
+        path's). So a context of up to k groups runs no scoring at all; past it, every step
+        does.
         """
+        n = index_keys.shape[0]
+        # the candidate source's mask restricts something only past its blocks' worth of positions
+        masks = self.is_candidate_source and n > self.candidate_blocks * self.candidate_block_size
+        if self.is_candidate_source and not masks:
+            shared.candidates = None  # every block kept: the later layers score unrestricted, the same
+        if self.picks_everything(n, masks, shared):
+            return shared.every_pick(n, self.topk, visible)
         S = x.shape[0]
         q = self.wq_b.quantized(qr, shared.real_rows).reshape(S, self.n_heads, self.head_dim)
         q = fp4_fake_quant(rope(q, positions), 32, "e8m0")
         w = head_weights(self.weights_proj(x), self.weight_scale)  # [S, Hi] bf16
         dots = q.astype(BF16) @ index_keys.astype(BF16).T  # [S, Hi, T] bf16
-        n = index_keys.shape[0]
         summed = weighted_relu(dots, w).sum(axis=1)  # [S, T]
         # the scores negated (+inf: masked), so that the top-k is argpartition's k smallest
-        if self.uses_candidates:
+        if self.uses_candidates and shared.candidates is not None:
             negated = negated_candidate_scores(summed, key_ids(n), visible, shared.candidates)
         else:
             negated = negated_scores(summed, key_ids(n), visible)
-        if self.is_candidate_source:
+        if masks:
             shared.candidates = self._candidate_mask(negated, visible)
         if n < self.topk:
             # Fewer compressed positions than picks: pad with masked columns, so that every
@@ -520,6 +540,11 @@ class Indexer(nn.Module):
         ids = mx.sort(mx.argpartition(negated, kth=self.topk - 1, axis=-1)[:, : self.topk], axis=-1)
         valid = mx.take_along_axis(negated, ids, axis=-1) < mx.inf
         return mx.minimum(ids, n - 1), valid  # a padding pick reads the last position, masked
+
+    def picks_everything(self, n: int, masks: bool, shared: SharedAttention) -> bool:
+        """Whether the top-k of n compressed positions is all of them, whatever their scores:
+        n <= k, and no candidate mask to make (masks) or to apply."""
+        return n <= self.topk and not masks and (not self.uses_candidates or shared.candidates is None)
 
     def _candidate_mask(self, negated: mx.array, visible: mx.array) -> mx.array:
         """Level one of the two-level top-k: each row keeps its best blocks of positions,
@@ -552,6 +577,7 @@ class SharedAttention:
         self._window: tuple | None = None
         self._visible: dict[int, mx.array] = {}
         self._groups: dict[tuple[int, int, int], mx.array] = {}
+        self._picks: dict[tuple[int, int, int], tuple[mx.array, mx.array]] = {}
 
     def visible(self, positions: mx.array, ratio: int) -> mx.array:
         """How many compressed groups of `ratio` positions each row may see [S] (the groups
@@ -560,6 +586,17 @@ class SharedAttention:
         if ratio not in self._visible:
             self._visible[ratio] = (positions + 1) // ratio
         return self._visible[ratio]
+
+    def every_pick(self, n: int, k: int, visible: mx.array) -> tuple[mx.array, mx.array]:
+        """An indexer's top-k where its k picks hold all n <= k compressed positions: ids
+        0 .. n - 1 then n - 1 again (uint32, as argpartition's picks sorted and clamped), valid
+        where a row sees the position (id < visible [S]) and it exists (id < n): the arrays
+        the scored path gives. The same for every index layer of the forward with this n and
+        visible (one ratio), so made once, in one launch."""
+        key = (n, k, id(visible))
+        if key not in self._picks:
+            self._picks[key] = every_pick(index_range(k), key_ids(n)[n - 1:], visible)
+        return self._picks[key]
 
     def group_positions(self, first: int, n: int, ratio: int) -> mx.array:
         """Where compressed groups first .. first + n - 1 of `ratio` positions sit (a group at

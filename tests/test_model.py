@@ -446,3 +446,37 @@ def test_padded_forwards_compute_their_real_rows_alone(padded_model, golden, mon
         assert mx.array_equal(want_logits, logits).item() and mx.array_equal(want_feats, feats).item()
     _assert_same_state(plain, kernel)
     assert told and set(told) <= {3, len(rest) % 3 or 3}  # traced once per real-row count
+
+
+@pytest.mark.parametrize("rows", [None, 8])
+def test_indexer_skips_its_scores_while_it_picks_every_position(fixture_model, golden, monkeypatch, rows):
+    """While an indexer's k picks hold every compressed position (n <= k) and no candidate mask
+    restricts them, the scores cannot change its top-k: it hands on every position a row sees
+    (SharedAttention.every_pick) without scoring. A sequence decoded from its first token, as
+    n grows past k (and past the candidate source's blocks), gives the same bits as with the
+    scoring forced at every step: logits, features and cache; plain and padded to 8 rows."""
+    from dsv41_mlx.model import Indexer
+
+    model = fixture_model
+    model.decode_rows = rows
+    ids = _ids(golden)
+    taken = []
+    picks_everything = Indexer.picks_everything
+
+    def counted(self, n, masks, shared):
+        taken.append(picks_everything(self, n, masks, shared))
+        return taken[-1]
+
+    try:
+        monkeypatch.setattr(Indexer, "picks_everything", counted)
+        cache = model.make_cache()
+        skipping = [model.decode(ids[s: s + 3], cache) for s in range(0, len(ids), 3)]
+        monkeypatch.setattr(Indexer, "picks_everything", lambda self, n, masks, shared: False)
+        scored_cache = model.make_cache()
+        scored = [model.decode(ids[s: s + 3], scored_cache) for s in range(0, len(ids), 3)]
+    finally:
+        model.decode_rows = None
+    assert any(taken) and not all(taken)  # both regimes ran
+    for (logits, feats), (want_logits, want_feats) in zip(skipping, scored):
+        assert mx.array_equal(logits, want_logits).item() and mx.array_equal(feats, want_feats).item()
+    _assert_same_state(cache, scored_cache)
