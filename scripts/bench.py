@@ -497,6 +497,18 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float, 
         steps.append(time.perf_counter() - tic)
     out["bare_step_ms"] = statistics.median(steps[1:]) * 1e3
 
+    # plain greedy decode after a prompt long enough that every index layer scores its picks:
+    # the prompts above are short enough that each indexer picks every compressed position
+    # without scoring (model.Indexer.picks_everything), which a long context does not
+    long_ids = long_context_prompt(ids_list, long_context_length(model.args))
+    steps = generate_step(model, long_ids, SamplingParams(), tokens)
+    next(steps)  # prefill and the first token stay out of the rate
+    tic = time.perf_counter()
+    produced = len(list(steps))
+    out["long_context"] = {"prompt_tokens": len(long_ids), "tok_s": produced / (time.perf_counter() - tic),
+                           "host_probe_ms": host_probe_ms()}
+    print(f"  plain greedy after a {len(long_ids)}-token prompt: {out['long_context']['tok_s']:.2f} tok/s", flush=True)
+
     runs = {}
     greedy, coupled = SamplingParams(), SamplingParams(temperature=0.8, seed=7)
     for label, params, make in [
@@ -565,6 +577,22 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float, 
 PAIRED_LATER = "measured after this table, printed below it"
 
 
+def long_context_length(args) -> int:
+    """Prompt tokens past which every index layer has more compressed groups than its
+    index_topk picks (and so scores them at every step), with a margin."""
+    ratios = [args.compress_ratios[i] for i in args.index_source_layer_ids] or [1]
+    return args.index_topk * max(ratios) + 64
+
+
+def long_context_prompt(ids_list: list[list[int]], length: int) -> list[int]:
+    """A prompt of `length` tokens: the prompts one after another, over again as needed."""
+    ids = []
+    while len(ids) < length:
+        for prompt in ids_list:
+            ids.extend(prompt)
+    return ids[:length]
+
+
 def paired_row(paired: dict) -> str:
     """The mlx-lm table's paired row, or why there is none."""
     if "ratio" not in paired:
@@ -581,8 +609,8 @@ def print_e2e(env: dict, res: dict, model: str) -> None:
           f"{res['bytes_per_token_GB']:.2f} GB ({res['routed_expert_GB']:.2f} GB routed experts): floor "
           f"{res['floor_ms']:.2f} ms/token\n")
     print(f"warm-up {res['warm_up_s']:.1f} s (generate.warm_up, as `server --warm-up` runs it: every chunk shape "
-          f"once and a few tokens of each kind; on CUDA it builds the GPU kernels, minutes the first time on a "
-          f"machine and cached on disk after, and loads them, seconds in every new process); "
+          f"once and a few tokens of each kind; on CUDA it builds the GPU kernels: MLX's own the first time on a "
+          f"machine, cached on disk after, and this package's custom kernels in every new process); "
           f"prefill {res['prefill_tok_s']:.1f} tok/s "
           f"({res['prefill_seen_tok_s']:.1f} for prompts seen before: "
           f"no new shapes to trace); a bare decode step (forward + greedy token, no generation loop) "
@@ -618,6 +646,13 @@ def print_e2e(env: dict, res: dict, model: str) -> None:
         print(f"| {label} | {r['tok_s']:.2f} | {r['tok_s'] / plain:.2f} | {frac:.1%} | {drafted} | "
               + " | ".join(ms) + f" | {r['host_probe_ms']:.2f} | {r['hash']} |")
     print()
+    if "long_context" in res:
+        long = res["long_context"]
+        print(f"plain greedy after a {long['prompt_tokens']}-token prompt (the prompts above one after another; "
+              f"every index layer then scores its picks at each step, where after the short prompts each picks "
+              f"every compressed position without scoring): {long['tok_s']:.2f} tok/s, "
+              f"{long['tok_s'] / plain:.2f}x the short prompts' plain greedy, {long['tok_s'] * res['floor_ms'] / 1e3:.1%} "
+              f"of the floor (host probe {long['host_probe_ms']:.2f} ms)\n")
     for label, r in res["runs"].items():
         if "oracle_right_rate" in r:
             print(f"{label}: {r['rounds']} rounds, {(r['accepted'] + r['rounds']) / r['rounds']:.2f} tokens per "

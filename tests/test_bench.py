@@ -51,8 +51,11 @@ def test_e2e_drafted_replies_equal_undrafted_and_mlxlm_runs_beside(bench, capsys
     assert paired["tok_s"] > 0 and paired["mlxlm_tok_s"] > 0
     oracle = runs["oracle 0.56 greedy"]
     assert oracle["rounds"] > 0 and 0 <= oracle["oracle_right_rate"] <= 1
+    long = res["long_context"]
+    assert long["tok_s"] > 0 and long["host_probe_ms"] > 0
     bench.print_e2e(bench.environment(), res, "tiny")
     printed = capsys.readouterr().out
+    assert f"plain greedy after a {long['prompt_tokens']}-token prompt" in printed
     assert "tokens per round; its drafts were right at a rate of" in printed
     assert f"| host probe ms (median around the run) | {runs['plain greedy']['host_probe_ms']:.2f} | " in printed
     assert f"pairs' ratios; host probe {paired['host_probe_ms']:.2f} ms) | {paired['tok_s']:.2f} | " in printed
@@ -232,3 +235,31 @@ def test_chained_times_a_gemm_waiting_for_the_one_before(bench):
     small = bench.chained(lambda v, i: v[:, 0] @ w_small, x, links=20, reps=5)
     big = bench.chained(lambda v, i: (v[:, 0] @ w_big) @ w_big.T, x, links=20, reps=5)
     assert big > small and big > 0
+
+
+def test_the_long_context_prompt_makes_every_index_layer_score(bench, monkeypatch):
+    """bench.py e2e's long-context run: its prompt (the prompts one after another, to
+    long_context_length) leaves every index layer more compressed groups than its picks, so
+    that each decode step scores them (the short prompts' indexers pick every position
+    unscored: model.Indexer.picks_everything)."""
+    import dsv41_mlx
+    from dsv41_mlx.generate import prefill
+    from dsv41_mlx.model import Indexer
+
+    model, _ = dsv41_mlx.load(None)
+    ids = bench.long_context_prompt([[5, 6, 7], [8, 9]], bench.long_context_length(model.args))
+    assert len(ids) == bench.long_context_length(model.args) and ids[:6] == [5, 6, 7, 8, 9, 5]
+    cache = model.make_cache()
+    prefill(model, ids, cache)
+    answers = []
+    picks_everything = Indexer.picks_everything
+    monkeypatch.setattr(Indexer, "picks_everything", lambda self, *a: answers.append(picks_everything(self, *a))
+                        or answers[-1])
+    model.decode([5], cache)
+    assert len(answers) == len(model.args.index_source_layer_ids) and not any(answers)
+    short = model.make_cache()
+    prefill(model, ids[:4], short)
+    answers.clear()
+    model.decode([5], short)
+    assert answers and all(answers)
+
