@@ -16,6 +16,7 @@ from typing import Iterator
 import mlx.core as mx
 
 from .cache import TRIM_SLACK, ModelCache
+from .model import indexer_scoring_length
 from .residency import wired
 from .sampling import SamplingParams, sample
 from .speculative import VERIFY_MODES, DraftStats, SpeculativeDecoder, speculative_decode
@@ -76,7 +77,8 @@ def warm_up(model, chunk: int = DEFAULT_PREFILL_CHUNK) -> float:
     holding a full chunk; then a few tokens greedy and sampled, plain and (with DSpark
     stages) drafted, which also measures the verify costs the schedule policy uses (a target
     forward of every verify size), and the drafter's ingest of every size (the GEMV kernels
-    are built per bound on their rows). Returns the seconds it took."""
+    are built per bound on their rows); and a decode or verify forward of every size past
+    the context where the indexers start scoring. Returns the seconds it took."""
     tic = time.perf_counter()
     vocab = model.args.vocab_size
     for rows in sorted(set(range(PREFILL_ROUND, chunk + 1, PREFILL_ROUND)) | {chunk}):
@@ -88,12 +90,27 @@ def warm_up(model, chunk: int = DEFAULT_PREFILL_CHUNK) -> float:
             list(generate_step(model, prompt[:PREFILL_ROUND], params, 3, chunk, make_decoder(model, params, draft)))
     if model.drafter is not None:
         _warm_up_ingest(model)
+    _warm_up_scoring(model, chunk)
     # Start MLX's buffer cache afresh. On an H200 (MLX 0.32.4, CUDA), after these forwards the
     # allocator stopped reusing buffers (its cache stayed empty through later steps) and a
     # decode step took 88-93 ms against 56 ms before the warm-up; after mx.clear_cache() it
     # reused them again and a step took 58 ms. Measured, not explained (docs/benchmarks.md).
     mx.clear_cache()
     return time.perf_counter() - tic
+
+
+def _warm_up_scoring(model, chunk: int) -> None:
+    """The forwards of a context past the indexers' free picks (model.indexer_scoring_length:
+    the short warm-ups above pick every compressed position unscored): a prompt that long,
+    then a decode or verify forward of every size on it (their GEMV kernels are built per
+    bound on their rows)."""
+    vocab = model.args.vocab_size
+    cache = model.make_cache()
+    prefill(model, [(7 * i + 3) % vocab for i in range(indexer_scoring_length(model.args))], cache, chunk)
+    for n in range(1, (model.drafter.block + 2 if model.drafter is not None else 2)):
+        logits, features = model.decode([3] * n, cache)
+        mx.eval(logits, features, cache.state())
+        cache.trim(n)
 
 
 def _warm_up_ingest(model) -> None:

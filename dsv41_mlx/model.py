@@ -462,6 +462,14 @@ def negated_candidate_scores(summed: mx.array, key_ids: mx.array, visible: mx.ar
     return mx.where(candidates, negated_scores(summed, key_ids, visible), mx.inf)
 
 
+def indexer_scoring_length(args: ModelArgs) -> int:
+    """Tokens of context past which every index layer has more compressed groups than its
+    index_topk picks, so that each decode step scores them (Indexer.picks_everything: before
+    that, an indexer hands on every position unscored), with a margin."""
+    ratios = [args.compress_ratios[i] for i in args.index_source_layer_ids] or [1]
+    return args.index_topk * max(ratios) + 64
+
+
 @functools.partial(mx.compile, shapeless=True)
 def every_pick(ids: mx.array, last: mx.array, visible: mx.array) -> tuple[mx.array, mx.array]:
     """SharedAttention.every_pick's arrays from ids 0 .. k - 1 [k] (uint32), last = n - 1 [1]

@@ -426,6 +426,7 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float, 
 
     import dsv41_mlx
     from dsv41_mlx.generate import generate_step, prefill, warm_up
+    from dsv41_mlx.model import indexer_scoring_length
     from dsv41_mlx.sampling import SamplingParams
     from dsv41_mlx.speculative import SpeculativeDecoder, measure_verify_costs
 
@@ -500,7 +501,7 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float, 
     # plain greedy decode after a prompt long enough that every index layer scores its picks:
     # the prompts above are short enough that each indexer picks every compressed position
     # without scoring (model.Indexer.picks_everything), which a long context does not
-    long_ids = long_context_prompt(ids_list, long_context_length(model.args))
+    long_ids = long_context_prompt(ids_list, indexer_scoring_length(model.args))
     steps = generate_step(model, long_ids, SamplingParams(), tokens)
     next(steps)  # prefill and the first token stay out of the rate
     tic = time.perf_counter()
@@ -575,13 +576,6 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float, 
 
 
 PAIRED_LATER = "measured after this table, printed below it"
-
-
-def long_context_length(args) -> int:
-    """Prompt tokens past which every index layer has more compressed groups than its
-    index_topk picks (and so scores them at every step), with a margin."""
-    ratios = [args.compress_ratios[i] for i in args.index_source_layer_ids] or [1]
-    return args.index_topk * max(ratios) + 64
 
 
 def long_context_prompt(ids_list: list[list[int]], length: int) -> list[int]:

@@ -239,16 +239,16 @@ def test_chained_times_a_gemm_waiting_for_the_one_before(bench):
 
 def test_the_long_context_prompt_makes_every_index_layer_score(bench, monkeypatch):
     """bench.py e2e's long-context run: its prompt (the prompts one after another, to
-    long_context_length) leaves every index layer more compressed groups than its picks, so
+    model.indexer_scoring_length) leaves every index layer more compressed groups than its picks, so
     that each decode step scores them (the short prompts' indexers pick every position
     unscored: model.Indexer.picks_everything)."""
     import dsv41_mlx
     from dsv41_mlx.generate import prefill
-    from dsv41_mlx.model import Indexer
+    from dsv41_mlx.model import Indexer, indexer_scoring_length
 
     model, _ = dsv41_mlx.load(None)
-    ids = bench.long_context_prompt([[5, 6, 7], [8, 9]], bench.long_context_length(model.args))
-    assert len(ids) == bench.long_context_length(model.args) and ids[:6] == [5, 6, 7, 8, 9, 5]
+    ids = bench.long_context_prompt([[5, 6, 7], [8, 9]], indexer_scoring_length(model.args))
+    assert len(ids) == indexer_scoring_length(model.args) and ids[:6] == [5, 6, 7, 8, 9, 5]
     cache = model.make_cache()
     prefill(model, ids, cache)
     answers = []

@@ -97,7 +97,11 @@ def test_warm_up_runs_every_chunk_shape_then_plain_and_drafted_tokens(default_mo
     """generate.warm_up (server --warm-up, bench.py e2e) forwards a chunk of every padded row
     count a prompt can end in, on an empty cache and on one holding a chunk, then generates a
     few tokens greedy and sampled, plain and drafted (measuring the verify costs), ingests
-    every size a round can commit into a scratch draft cache, and clears MLX's buffer cache."""
+    every size a round can commit into a scratch draft cache, runs a decode or verify forward
+    of every size past the context where the indexers start scoring, and clears MLX's buffer
+    cache."""
+    from dsv41_mlx.model import indexer_scoring_length
+
     import importlib
 
     generate = importlib.import_module("dsv41_mlx.generate")  # the module (the package exports a function so named)
@@ -119,7 +123,14 @@ def test_warm_up_runs_every_chunk_shape_then_plain_and_drafted_tokens(default_mo
         ingested.append(features.shape[0])
         return ingest(cache, features)
 
+    decoded, decode = [], model.decode
+
+    def record_decode(ids, cache):
+        decoded.append((len(ids), cache.offset >= indexer_scoring_length(model.args)))
+        return decode(ids, cache)
+
     monkeypatch.setattr(model, "padded", record)
+    monkeypatch.setattr(model, "decode", record_decode)
     monkeypatch.setattr(generate, "generate_step", generation)
     monkeypatch.setattr(model.drafter, "ingest", record_ingest)
     model.drafter.verify_costs = None
@@ -130,6 +141,7 @@ def test_warm_up_runs_every_chunk_shape_then_plain_and_drafted_tokens(default_mo
     assert sorted(runs) == [(False, False), (False, True), (True, False), (True, True)]
     assert model.drafter.verify_costs is not None
     assert set(range(1, model.drafter.block + 2)) <= set(ingested)
+    assert {(n, True) for n in range(1, model.drafter.block + 2)} <= set(decoded)  # where the indexers score
     assert mx.get_cache_memory() == 0  # the buffer cache started afresh
 
 
