@@ -495,6 +495,7 @@ class Indexer(nn.Module):
         self.uses_candidates = 0 <= args.candidate_source_layer_id < layer_id
         self.candidate_blocks = args.candidate_topk_blocks
         self.candidate_block_size = args.candidate_block_size
+        self._pick_ids = index_range(self.topk)  # 0 .. topk - 1 (SharedAttention.every_pick)
         self.wq_b = Fp8Linear(args.q_lora_rank, self.n_heads * self.head_dim)
         self.weights_proj = Linear(args.hidden_size, self.n_heads)
         if owns_keys:
@@ -526,7 +527,7 @@ class Indexer(nn.Module):
         if self.is_candidate_source and not masks:
             shared.candidates = None  # every block kept: the later layers score unrestricted, the same
         if self.picks_everything(n, masks, shared):
-            return shared.every_pick(n, self.topk, visible)
+            return shared.every_pick(n, self._pick_ids, visible)
         S = x.shape[0]
         q = self.wq_b.quantized(qr, shared.real_rows).reshape(S, self.n_heads, self.head_dim)
         q = fp4_fake_quant(rope(q, positions), 32, "e8m0")
@@ -595,15 +596,15 @@ class SharedAttention:
             self._visible[ratio] = (positions + 1) // ratio
         return self._visible[ratio]
 
-    def every_pick(self, n: int, k: int, visible: mx.array) -> tuple[mx.array, mx.array]:
-        """An indexer's top-k where its k picks hold all n <= k compressed positions: ids
-        0 .. n - 1 then n - 1 again (uint32, as argpartition's picks sorted and clamped), valid
-        where a row sees the position (id < visible [S]) and it exists (id < n): the arrays
-        the scored path gives. The same for every index layer of the forward with this n and
-        visible (one ratio), so made once, in one launch."""
-        key = (n, k, id(visible))
+    def every_pick(self, n: int, pick_ids: mx.array, visible: mx.array) -> tuple[mx.array, mx.array]:
+        """An indexer's top-k where its k picks (pick_ids: 0 .. k - 1, uint32) hold all n <= k
+        compressed positions: ids 0 .. n - 1 then n - 1 again (as argpartition's picks sorted
+        and clamped), valid where a row sees the position (id < visible [S]) and it exists
+        (id < n): the arrays the scored path gives. The same for every index layer of the
+        forward with this n and visible (one ratio), so made once, in one launch."""
+        key = (n, pick_ids.size, id(visible))
         if key not in self._picks:
-            self._picks[key] = every_pick(index_range(k), key_ids(n)[n - 1:], visible)
+            self._picks[key] = every_pick(pick_ids, key_ids(n)[n - 1:], visible)
         return self._picks[key]
 
     def group_positions(self, first: int, n: int, ratio: int) -> mx.array:
