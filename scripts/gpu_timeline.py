@@ -88,9 +88,10 @@ def first_step(kernels: list[tuple[float, float, str]], steps: int) -> list[tupl
     return [(end - start, short_name(name)) for start, end, name in ordered[: len(ordered) // steps]]
 
 
-def record(model_path: str, rows: int, steps: int) -> tuple[list[tuple[float, float, str]], float]:
-    """The GPU kernels of `steps` decode steps of `rows` tokens after a 261-token prompt, and the
-    wall seconds per step under the profiler."""
+def record(model_path: str, rows: int, steps: int, prompt_tokens: int = 261) -> tuple[list[tuple[float, float, str]],
+                                                                                     float]:
+    """The GPU kernels of `steps` decode steps of `rows` tokens after a prompt of prompt_tokens
+    tokens, and the wall seconds per step under the profiler."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -99,7 +100,7 @@ def record(model_path: str, rows: int, steps: int) -> tuple[list[tuple[float, fl
 
     model, _ = dsv41_mlx.load(model_path)
     cache = model.make_cache()
-    logits, _ = prefill(model, [(i * 7919) % 50000 + 100 for i in range(261)], cache)
+    logits, _ = prefill(model, [(i * 7919) % 50000 + 100 for i in range(prompt_tokens)], cache)
     token = int(mx.argmax(logits).item())
 
     def step():
@@ -125,6 +126,9 @@ def main() -> int:
     parser.add_argument("--model", required=True, help="checkpoint directory (scripts/make_flash_shaped.py)")
     parser.add_argument("--rows", type=int, default=1, help="tokens per forward (1: a decode step; up to 6: verify)")
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--prompt-tokens", type=int, default=261,
+                        help="context before the steps (model.indexer_scoring_length or more: every index layer "
+                             "scores; fewer: the indexers pick every position unscored)")
     parser.add_argument("--top", type=int, default=30, help="kernels to list")
     parser.add_argument("--json", default=None)
     parser.add_argument("--sequence", default=None, help="write the first step's kernels, in order, to this file")
@@ -139,9 +143,9 @@ def main() -> int:
     except ImportError as e:
         print(f"gpu_timeline needs PyTorch with CUDA for its profiler: {e}", file=sys.stderr)
         return 2
-    kernels, wall = record(args.model, args.rows, args.steps)
+    kernels, wall = record(args.model, args.rows, args.steps, args.prompt_tokens)
     res = summarize(kernels, args.steps)
-    print(f"{args.rows}-row forward: wall {wall * 1e3:.1f} ms a step under the profiler; GPU span "
+    print(f"{args.rows}-row forward after {args.prompt_tokens} tokens: wall {wall * 1e3:.1f} ms a step under the profiler; GPU span "
           f"{res['span_ms']:.1f} ms, busy {res['busy_ms']:.1f} ms, kernel time summed {res['kernel_sum_ms']:.1f} ms, "
           f"idle gaps over 50 us {res['long_gaps_ms']:.1f} ms; {res['kernels_per_step']:.0f} kernels a step\n")
     print("| kernel | calls / step | us / call | ms / step |\n|---|---|---|---|")
