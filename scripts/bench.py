@@ -645,8 +645,8 @@ def print_e2e(env: dict, res: dict, model: str) -> None:
         print(f"plain greedy after a {long['prompt_tokens']}-token prompt (the prompts above one after another; "
               f"every index layer then scores its picks at each step, where after the short prompts each picks "
               f"every compressed position without scoring): {long['tok_s']:.2f} tok/s, "
-              f"{long['tok_s'] / plain:.2f}x the short prompts' plain greedy, {long['tok_s'] * res['floor_ms'] / 1e3:.1%} "
-              f"of the floor (host probe {long['host_probe_ms']:.2f} ms)\n")
+              f"{long['tok_s'] / plain:.2f}x the short prompts' plain greedy, "
+              f"{long['tok_s'] * res['floor_ms'] / 1e3:.1%} of the floor (host probe {long['host_probe_ms']:.2f} ms)\n")
     for label, r in res["runs"].items():
         if "oracle_right_rate" in r:
             print(f"{label}: {r['rounds']} rounds, {(r['accepted'] + r['rounds']) / r['rounds']:.2f} tokens per "

@@ -145,7 +145,8 @@ def main() -> int:
         return 2
     kernels, wall = record(args.model, args.rows, args.steps, args.prompt_tokens)
     res = summarize(kernels, args.steps)
-    print(f"{args.rows}-row forward after {args.prompt_tokens} tokens: wall {wall * 1e3:.1f} ms a step under the profiler; GPU span "
+    print(f"{args.rows}-row forward after {args.prompt_tokens} tokens: wall {wall * 1e3:.1f} ms a step under the "
+          f"profiler; GPU span "
           f"{res['span_ms']:.1f} ms, busy {res['busy_ms']:.1f} ms, kernel time summed {res['kernel_sum_ms']:.1f} ms, "
           f"idle gaps over 50 us {res['long_gaps_ms']:.1f} ms; {res['kernels_per_step']:.0f} kernels a step\n")
     print("| kernel | calls / step | us / call | ms / step |\n|---|---|---|---|")

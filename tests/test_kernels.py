@@ -252,7 +252,7 @@ def test_metal_source_type_checks(case, rows, tmp_path):
     ("fp4_experts", ("int slot[RB];", "int slot[RB]")),  # no semicolon
     ("fp8_gemv", ("q[i] = *((const device uint4*)", "q[i] = *((const device uint2*)")),  # type error
     ("fp4_experts_quantizing", ("xs[r] = gemv_input_block_scale(", "xs[r] = gemv_input_block_scales(")),  # misspelt
-    ("fp8_gemv_swiglu", ("partial, grp, o + OT * RB), swiglu[0]);", "partial, grp, o + OT * RB), swiglu);")),  # array for float
+    ("fp8_gemv_swiglu", ("(partial, grp, o + OT * RB), swiglu[0]);", "(partial, grp, o + OT * RB), swiglu);")),
     ("fp4_experts_swiglu", ("v = v * weights[r * KS + picked];", "v = v * weight[r * KS + picked];")),  # misspelt
     ("fp8_gemv_parts", ("t += float(pr[ulong(j) * NY]);", "t += float(pr);")),  # pointer to float
     ("sparse_attention", ("float(kv[ulong(key_row[j]) * D + d])", "float(kv[ulong(key_rows[j]) * D + d])")),
@@ -309,7 +309,7 @@ def test_cuda_source_compiles(case):
                   "gemv_lane_accumulate<T, RB>(p, &wf[0][0], &acc[0][0]);")),
     ("fp4_experts", ("if (ids[q] == expert) {", "if (id[q] == expert) {")),  # misspelt variable
     ("fp8_gemv_quantizing", ("p = gemv_fake_quant8(p, xs[r]);", "p = gemv_fake_quant8(p, xs);")),  # array for float
-    ("fp8_gemv_swiglu", ("partial, grp, o + OT * RB), swiglu[0]);", "partial, grp, o + OT * RB), swiglu);")),  # array for float
+    ("fp8_gemv_swiglu", ("(partial, grp, o + OT * RB), swiglu[0]);", "(partial, grp, o + OT * RB), swiglu);")),
     ("fp4_experts_swiglu", ("v = v * weights[r * KS + picked];", "v = v * weight[r * KS + picked];")),  # misspelt
     ("fp8_gemv_parts", ("t += __bfloat162float(pr[(size_t)j * NY]);", "t += __bfloat162float(pr);")),
 ])
