@@ -471,7 +471,7 @@ def indexer_scoring_length(args: ModelArgs) -> int:
 
 
 @functools.partial(mx.compile, shapeless=True)
-def every_pick(ids: mx.array, last: mx.array, visible: mx.array) -> tuple[mx.array, mx.array]:
+def every_pick_arrays(ids: mx.array, last: mx.array, visible: mx.array) -> tuple[mx.array, mx.array]:
     """SharedAttention.every_pick's arrays from ids 0 .. k - 1 [k] (uint32), last = n - 1 [1]
     and visible [S]: (min(ids, last), id < visible and id <= last), both [S, k]."""
     last_rows = (visible[:, None] * 0 + last).astype(mx.uint32)  # n - 1 in each row: [S, 1], so [S, k] out
@@ -604,7 +604,7 @@ class SharedAttention:
         forward with this n and visible (one ratio), so made once, in one launch."""
         key = (n, pick_ids.size, id(visible))
         if key not in self._picks:
-            self._picks[key] = every_pick(pick_ids, key_ids(n)[n - 1:], visible)
+            self._picks[key] = every_pick_arrays(pick_ids, key_ids(n)[n - 1:], visible)
         return self._picks[key]
 
     def group_positions(self, first: int, n: int, ratio: int) -> mx.array:

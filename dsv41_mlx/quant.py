@@ -178,12 +178,18 @@ def fp8_matmul(xq: mx.array, weight: mx.array, scales: mx.array, real: int | Non
     stacked, the output their kernels.swiglu_halves (on a GPU, written by fp8_gemv itself).
     parts: [R, P, out] bf16 added to the first R rows (kernels.parts_added; on a GPU, by
     fp8_gemv as it writes them, where x is [S, K] and R its computed rows)."""
-    rows = kernels.computed_rows(real, xq.size // xq.shape[-1])
-    if kernels.fp8_gemv_fits(xq, weight) and (parts is None or (xq.ndim == 2 and parts.shape[0] == rows)):
+    if _gemv_takes(xq, weight, kernels.computed_rows(real, xq.size // xq.shape[-1]), parts):
         return kernels.fp8_gemv(xq, weight, scales, real_rows=real, swiglu=swiglu, parts=parts)
     y = _fp8_matmul_mlx(xq, weight, scales)
     y = y if swiglu is None else kernels.swiglu_halves(y, swiglu)
     return y if parts is None else kernels.parts_added(y, parts)
+
+
+def _gemv_takes(x: mx.array, weight: mx.array, rows: int, parts: mx.array | None) -> bool:
+    """Whether kernels.fp8_gemv runs this product: it fits, and parts, where given, are one
+    for each of the `rows` computed rows of a dense x [S, K] (else MLX's GEMM, then
+    kernels.parts_added)."""
+    return kernels.fp8_gemv_fits(x, weight) and (parts is None or (x.ndim == 2 and parts.shape[0] == rows))
 
 
 @mx.compile
@@ -199,8 +205,7 @@ def fp8_linear(x: mx.array, weight: mx.array, scales: mx.array, real: int | None
     kernels.fp8_gemv as it reads it: the bits of fp8_input then fp8_matmul, in one launch
     instead of two (kernels.quantizes_in_kernel)."""
     rows = kernels.computed_rows(real, x.size // x.shape[-1])
-    if (kernels.fp8_gemv_fits(x, weight) and kernels.quantizes_in_kernel(x, rows)
-            and (parts is None or (x.ndim == 2 and parts.shape[0] == rows))):
+    if _gemv_takes(x, weight, rows, parts) and kernels.quantizes_in_kernel(x, rows):
         return kernels.fp8_gemv(x, weight, scales, quantize_input=True, real_rows=real, parts=parts)
     return fp8_matmul(fp8_input(x), weight, scales, real, parts=parts)
 
