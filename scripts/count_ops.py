@@ -1,6 +1,6 @@
 """Count the MLX operations of one decode step on the GPU path, on any machine.
 
-    python scripts/count_ops.py [--model DIR] [--rows 8]
+    python scripts/count_ops.py [--model DIR] [--rows 8] [--prompt 300]
 
 Builds a padded decode step's graph as a CUDA GPU would (bf16-fed GEMMs, each row
 gathering its own window, the custom kernels) without running it: every custom
@@ -113,8 +113,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the embedded tiny one)")
     parser.add_argument("--rows", type=int, default=8, help="rows a decode step is padded to (GPU: 8)")
+    parser.add_argument("--prompt", type=int, default=300,
+                        help="tokens prefilled before the step (few: the indexers pick every position unscored)")
     args = parser.parse_args()
-    res = count(args.model, args.rows)
+    res = count(args.model, args.rows, args.prompt)
     print("| layer kind | layers | launches per layer | views per layer |")
     print("|---|---|---|---|")
     for kind, counts in res["per_kind"].items():

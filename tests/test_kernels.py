@@ -321,6 +321,18 @@ def test_a_broken_cuda_source_fails_the_compile(case, breakage):
     assert not ok and "error" in log
 
 
+@on_linux
+def test_gemv_registers_reports_each_variant():
+    """scripts/gemv_registers.py: NVRTC's register count for each GEMV kernel variant of a
+    layout, and the threadgroups of 256 threads a core then holds."""
+    script = _script("gemv_registers")
+    rows = script.table("sm_90", layouts=((1, 4, 32),))
+    assert [(r["kernel"], r["variant"]) for r in rows] == (
+        [("fp8_gemv", v) for v in script.GEMV_VARIANTS] + [("fp4_experts", v) for v in script.EXPERTS_VARIANTS])
+    for r in rows:
+        assert 16 <= r["registers"] <= 255 and r["threadgroups_per_core"] == 65536 // (256 * r["registers"])
+
+
 def act_quant_spec(x: mx.array, impl: str, dtype: mx.Dtype | None = None) -> mx.array:
     """A stand-in for kernels.act_quant_fp8 in tests that take the GPU path on the CPU: its
     spec, quant.fp8_fake_quant_reference, with the kernel's signature."""
@@ -329,15 +341,20 @@ def act_quant_spec(x: mx.array, impl: str, dtype: mx.Dtype | None = None) -> mx.
     return fp8_fake_quant_reference(x).astype(dtype or x.dtype)
 
 
-def _check_kernels_script():
+def _script(name: str):
+    """scripts/<name>.py as a module."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "scripts" / "check_kernels.py"
-    spec = importlib.util.spec_from_file_location("check_kernels", path)
-    check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(check)
-    return check
+    path = Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _check_kernels_script():
+    return _script("check_kernels")
 
 
 def test_gemm_check_flags_a_kernel_that_rounds_along_the_way(monkeypatch):
