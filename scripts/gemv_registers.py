@@ -1,0 +1,83 @@
+"""Registers a thread of each GEMV kernel variant takes on an NVIDIA GPU, from NVRTC.
+
+    python scripts/gemv_registers.py [--arch sm_90]
+
+Compiles fp8_gemv and fp4_experts (metal_kernels/*.cu, wrapped as MLX wraps them:
+tests/cuda_check.py) for the layouts a forward picks (kernels.gemv_layout: RB 1 with
+T 4, RB 2 and 8 with T 2) with and without each epilogue (SW: the SwiGLU, AP: the added
+parts, QX: the input quantised in the kernel), and prints NVRTC's register count per
+thread and how many threadgroups of 256 threads a core then holds (65,536 registers).
+Needs no GPU: the test extras' NVRTC wheel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests import cuda_check  # noqa: E402
+from tests.test_kernels import _experts_case, _gemv_case  # noqa: E402
+
+LAYOUTS = ((1, 4, 32), (2, 2, 32), (8, 2, 64))  # (RB, T, C)
+GEMV_VARIANTS = {"plain": {}, "SW": {"SW": 1}, "QX": {"QX": 1}, "AP 6": {"AP": 6}, "AP 6, QX": {"AP": 6, "QX": 1}}
+EXPERTS_VARIANTS = {"plain": {}, "SW (weighted)": {"SW": 2}, "QX": {"QX": 1}}
+
+
+def registers(case: tuple, arch: str) -> int:
+    """NVRTC's count of registers a thread of the kernel variant takes."""
+    spec, inputs, outputs, template = case
+    source = cuda_check.wrap(spec.name, spec.source("cuda"), spec.header("cuda"), inputs, outputs, template)
+    lib, include = cuda_check.nvrtc()
+    prog = ctypes.c_void_p()
+    if lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"kernel.cu", 0, None, None):
+        raise RuntimeError("nvrtcCreateProgram failed")
+    options = [f"--gpu-architecture={arch}", f"-I{include}", "-std=c++17", "--ptxas-options=-v"]
+    status = lib.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(
+        *[o.encode() for o in options]))
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    text = log.value.decode(errors="replace")
+    found = re.search(r"Used (\d+) registers", text)
+    if status or not found:
+        raise RuntimeError(f"{spec.name} {template}: NVRTC gave no register count:\n{text}")
+    return int(found.group(1))
+
+
+def table(arch: str, layouts=LAYOUTS) -> list[dict]:
+    """One row per (kernel, layout, variant): registers and threadgroups a core holds."""
+    rows = []
+    for kernel, make, variants in (("fp8_gemv", _gemv_case, GEMV_VARIANTS),
+                                   ("fp4_experts", _experts_case, EXPERTS_VARIANTS)):
+        for rb, t, c in layouts:
+            for label, extra in variants.items():
+                n = registers(make(RB=rb, T=t, C=c, **extra), arch)
+                rows.append({"kernel": kernel, "RB": rb, "T": t, "C": c, "variant": label, "registers": n,
+                             "threadgroups_per_core": 65536 // (256 * n)})
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", default="sm_90", help="NVRTC's target (sm_90: H100/H200)")
+    args = parser.parse_args()
+    if cuda_check.nvrtc() is None:
+        print("needs the NVRTC wheels: pip install -e '.[test]'", file=sys.stderr)
+        return 2
+    print("| kernel | RB | T | C | variant | registers | threadgroups a core |\n|---|---|---|---|---|---|---|")
+    for r in table(args.arch):
+        print(f"| {r['kernel']} | {r['RB']} | {r['T']} | {r['C']} | {r['variant']} | {r['registers']} | "
+              f"{r['threadgroups_per_core']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
