@@ -13,7 +13,6 @@ Needs no GPU: the test extras' NVRTC wheel.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import re
 import sys
 from pathlib import Path
@@ -33,22 +32,10 @@ def registers(case: tuple, arch: str) -> int:
     """NVRTC's count of registers a thread of the kernel variant takes."""
     spec, inputs, outputs, template = case
     source = cuda_check.wrap(spec.name, spec.source("cuda"), spec.header("cuda"), inputs, outputs, template)
-    lib, include = cuda_check.nvrtc()
-    prog = ctypes.c_void_p()
-    if lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"kernel.cu", 0, None, None):
-        raise RuntimeError("nvrtcCreateProgram failed")
-    options = [f"--gpu-architecture={arch}", f"-I{include}", "-std=c++17", "--ptxas-options=-v"]
-    status = lib.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(
-        *[o.encode() for o in options]))
-    size = ctypes.c_size_t()
-    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-    log = ctypes.create_string_buffer(size.value)
-    lib.nvrtcGetProgramLog(prog, log)
-    lib.nvrtcDestroyProgram(ctypes.byref(prog))
-    text = log.value.decode(errors="replace")
-    found = re.search(r"Used (\d+) registers", text)
-    if status or not found:
-        raise RuntimeError(f"{spec.name} {template}: NVRTC gave no register count:\n{text}")
+    ok, log = cuda_check.compile_cuda(source, arch, ("--ptxas-options=-v",))
+    found = re.search(r"Used (\d+) registers", log)
+    if not ok or not found:
+        raise RuntimeError(f"{spec.name} {template}: NVRTC gave no register count:\n{log}")
     return int(found.group(1))
 
 

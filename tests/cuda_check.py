@@ -63,13 +63,13 @@ def wrap(name: str, body: str, header: str, inputs: dict[str, str], outputs: dic
     return "\n".join(lines) + "\n"
 
 
-def compile_cuda(source: str, arch: str = "compute_90") -> tuple[bool, str]:
-    """NVRTC on the source: (compiled, log)."""
+def compile_cuda(source: str, arch: str = "compute_90", extra: tuple[str, ...] = ()) -> tuple[bool, str]:
+    """NVRTC on the source: (compiled, log). extra: more options (e.g. ptxas' -v with an sm_ arch)."""
     lib, include = nvrtc()
     prog = ctypes.c_void_p()
     if lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"kernel.cu", 0, None, None):
         return False, "nvrtcCreateProgram failed"
-    options = [f"--gpu-architecture={arch}", f"-I{include}", "-std=c++17"]
+    options = [f"--gpu-architecture={arch}", f"-I{include}", "-std=c++17", *extra]
     status = lib.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(
         *[o.encode() for o in options]))
     size = ctypes.c_size_t()
