@@ -411,11 +411,14 @@ def declared_floats(model) -> dict[str, mx.Dtype]:
 
 def stack_gate_up(params: dict[str, mx.array]) -> None:
     """Replace each expert projection pair w1 (gate) and w3 (up), routed stacks and shared
-    experts alike, by w13: the two stacked along the outputs, so that one GEMM makes both
-    (model.Fp4Experts, model.Expert). Exact: each output is its own row of weights."""
+    experts alike, by w13: their rows interleaved (w1's row p, then w3's row p), so that one
+    GEMM makes both (model.Fp4Experts, model.Expert) and a GEMV kernel's thread group holds
+    the gate and up rows of its outputs side by side (kernels.swiglu_pairs). Exact: each
+    output is its own row of weights (and scales)."""
     for name in [n for n in params if ".w1." in n and "experts." in n]:
-        up = name.replace(".w1.", ".w3.")
-        params[name.replace(".w1.", ".w13.")] = mx.concatenate([params.pop(name), params.pop(up)], axis=-2)
+        gate, up = params.pop(name), params.pop(name.replace(".w1.", ".w3."))
+        pairs = mx.stack([gate, up], axis=-2)  # [..., out, 2, cols]
+        params[name.replace(".w1.", ".w13.")] = pairs.reshape(*gate.shape[:-2], 2 * gate.shape[-2], gate.shape[-1])
 
 
 def load_weights(model, model_dir: Path, where: dict[str, Path], progress: bool = False) -> None:

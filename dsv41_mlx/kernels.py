@@ -572,18 +572,20 @@ def swiglu(gate: mx.array, up: mx.array, limit: float) -> mx.array:
 
 class SwiGLU(NamedTuple):
     """The SwiGLU a GEMV kernel can apply to its outputs as it writes them (its SW): the
-    matrix is a gate projection's rows then an up projection's (w13), and the kernel writes
-    swiglu_halves of what it would have written, in one launch instead of two. weights: a
+    matrix is a gate projection's rows and an up projection's, interleaved (w13: gate row p,
+    then up row p; checkpoint.stack_gate_up), and the kernel writes
+    swiglu_pairs of what it would have written, in one launch instead of two. weights: a
     routed expert pair's weight, for fp4_experts ([R, k] in its pairs' order; any shape
     that flattens so and broadcasts over the outputs where the spec runs)."""
     limit: float
     weights: mx.array | None = None
 
 
-def swiglu_halves(y: mx.array, act: SwiGLU) -> mx.array:
-    """The spec of a GEMV kernel's SwiGLU: y [..., 2I] bf16, gate outputs then up outputs ->
-    bf16 [..., I] = swiglu(gate, up) [* weights], in fp32, rounded to bf16 once."""
-    gate, up = mx.split(y, 2, axis=-1)  # views: the casts fuse
+def swiglu_pairs(y: mx.array, act: SwiGLU) -> mx.array:
+    """The spec of a GEMV kernel's SwiGLU: y [..., 2I] bf16, each gate output followed by its
+    up output (w13's rows interleaved at load: checkpoint.stack_gate_up) -> bf16 [..., I] =
+    swiglu(gate, up) [* weights], in fp32, rounded to bf16 once."""
+    gate, up = y[..., 0::2], y[..., 1::2]  # views: the casts fuse
     h = swiglu(gate.astype(mx.float32), up.astype(mx.float32), act.limit)
     return (h if act.weights is None else h * act.weights).astype(mx.bfloat16)
 
@@ -639,14 +641,14 @@ def fp8_gemv_reference(x: mx.array, w: mx.array, scales: mx.array, quantize_inpu
     fake-quantised first (quant.fp8_fake_quant). The dense form, x [..., K] through one matrix
     w [N, K/4] -> [..., N], is that of one group. real_rows: rows from there on (a padded
     forward's padding) are zeros. swiglu: w's rows a gate and an up projection, the output
-    their swiglu_halves [..., N / 2]. parts: [R, P, N] added to the first R rows (parts_added)."""
+    their swiglu_pairs [..., N / 2]. parts: [R, P, N] added to the first R rows (parts_added)."""
     if w.ndim == 2:
         y = fp8_gemv_reference(x.reshape(-1, 1, x.shape[-1]), w[None], scales[None], quantize_input, real_rows)
         y = y.reshape(*x.shape[:-1], w.shape[0])
     else:
         y = _gathered(_quantized_input(x, quantize_input), w, scales, mx.arange(w.shape[0]), "mxfp8")
         y = padding_zeroed(y.astype(mx.bfloat16), real_rows)
-    y = y if swiglu is None else swiglu_halves(y, swiglu)
+    y = y if swiglu is None else swiglu_pairs(y, swiglu)
     return y if parts is None else parts_added(y, parts)
 
 
@@ -734,7 +736,7 @@ def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None
     `bench.py gemms --threads` to compare layouts; a forward keeps the default,
     gemv_threads_per_output(K, N * G), so that a sum's order depends on the matrix's shape alone.
     swiglu: w is a SwiGLU's gate and up projections stacked (the shared expert's w13); the
-    kernel writes their swiglu_halves [..., N / 2] instead (no weights here). parts: [R, P, N]
+    kernel writes their swiglu_pairs [..., N / 2] instead (no weights here). parts: [R, P, N]
     bf16, R the computed rows, added to the output as it is written (parts_added: a MoE's
     routed experts' outputs and the shared expert's sum, of a dense x [S, K]; P <= 16)."""
     impl = impl or backend()
@@ -810,12 +812,12 @@ def fp4_experts_reference(x: mx.array, w: mx.array, scales: mx.array, ids: mx.ar
     """Pure-MLX spec: pair (r, j) = row r's j-th expert ids[r, j] of the `mxfp4` stack w [E, N, K/8]
     (scales [E, N, K/32]) applied to x[r, 0] (x [R, 1, K]) or x[r, j] (x [R, k, K]) -> bf16
     [R, k, N], accumulated in float32. quantize_input: x FP8 fake-quantised first. swiglu:
-    the output's swiglu_halves [R, k, N / 2], the pairs' weights [R, k] applied."""
+    the output's swiglu_pairs [R, k, N / 2], the pairs' weights [R, k] applied."""
     y = _gathered(_quantized_input(x, quantize_input), w, scales, ids, "mxfp4").astype(mx.bfloat16)
     if swiglu is None:
         return y
     weights = None if swiglu.weights is None else swiglu.weights.reshape(*ids.shape, 1)
-    return swiglu_halves(y, SwiGLU(swiglu.limit, weights))
+    return swiglu_pairs(y, SwiGLU(swiglu.limit, weights))
 
 
 def fp4_experts_fits(x: mx.array, w: mx.array, ids: mx.array, impl: str | None = None) -> bool:
@@ -837,7 +839,7 @@ def fp4_experts(x: mx.array, w: mx.array, scales: mx.array, ids: mx.array, impl:
     fp4_experts_fits. A row's experts must be distinct (a router's top-k are). init_value
     poisons the output before the launch (for checks); quantize_input as fp8_gemv's. swiglu:
     w is the experts' gate and up projections stacked (w13); the kernel writes their
-    swiglu_halves [R, k, N / 2], times each pair's weight where swiglu has weights [R, k]."""
+    swiglu_pairs [R, k, N / 2], times each pair's weight where swiglu has weights [R, k]."""
     impl = impl or backend()
     if not fp4_experts_fits(x, w, ids, impl):
         raise ValueError(f"fp4_experts takes x [<= {DECODE_MAX_ROWS}, 1 or k, K], ids [R, k] and w [E, N, K/8] with N "

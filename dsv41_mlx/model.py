@@ -806,7 +806,7 @@ class Fp4Stack(nn.Module):
         it; a decode step's x it quantises as it reads it, the same bits in one launch:
         kernels.quantizes_in_kernel); the spec is MLX's gather_qmm, which runs everywhere else.
         swiglu: this is a w13 stack (gate rows, then up rows); the output is their
-        kernels.swiglu_halves [.., out / 2], which the kernel computes as it writes."""
+        kernels.swiglu_pairs [.., out / 2], which the kernel computes as it writes."""
         if not sorted_ids and x.ndim == 4 and x.shape[2] == 1:
             per_row = x[:, :, 0]  # [N, 1|k, in]: pair (n, j) takes x[n, 0] or x[n, j]
             if kernels.fp4_experts_fits(per_row, self.weight, ids):
@@ -818,7 +818,7 @@ class Fp4Stack(nn.Module):
         x = fp8_input(x) if quantize else x
         y = mx.gather_qmm(x.astype(gemm_input_dtype()), self.weight, self.scales, lhs_indices=rows, rhs_indices=ids,
                           transpose=True, mode="mxfp4", sorted_indices=sorted_ids).astype(BF16)
-        return y if swiglu is None else kernels.swiglu_halves(y, swiglu)
+        return y if swiglu is None else kernels.swiglu_pairs(y, swiglu)
 
 
 class Fp4Experts(nn.Module):

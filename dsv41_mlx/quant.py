@@ -175,13 +175,13 @@ def fp8_matmul(xq: mx.array, weight: mx.array, scales: mx.array, real: int | Non
     verify step's few rows through kernels.fp8_gemv (each weight byte read once for all
     rows; real: only the first `real` rows computed, the padding's zeros), otherwise MLX's
     quantized_matmul (every row). swiglu: the weight is a SwiGLU's gate and up projections
-    stacked, the output their kernels.swiglu_halves (on a GPU, written by fp8_gemv itself).
+    stacked, the output their kernels.swiglu_pairs (on a GPU, written by fp8_gemv itself).
     parts: [R, P, out] bf16 added to the first R rows (kernels.parts_added; on a GPU, by
     fp8_gemv as it writes them, where x is [S, K] and R its computed rows)."""
     if _gemv_takes(xq, weight, kernels.computed_rows(real, xq.size // xq.shape[-1]), parts):
         return kernels.fp8_gemv(xq, weight, scales, real_rows=real, swiglu=swiglu, parts=parts)
     y = _fp8_matmul_mlx(xq, weight, scales)
-    y = y if swiglu is None else kernels.swiglu_halves(y, swiglu)
+    y = y if swiglu is None else kernels.swiglu_pairs(y, swiglu)
     return y if parts is None else kernels.parts_added(y, parts)
 
 

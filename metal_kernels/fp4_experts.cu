@@ -63,7 +63,7 @@ for (unsigned int s = 0; s < steps; s++) {
   float sc[T];
 #pragma unroll
   for (int i = 0; i < T; i++) {
-    const size_t n = (size_t)expert * N + gemv_weight_row<T, SW>(n0, i, (unsigned int)N);
+    const size_t n = (size_t)expert * N + n0 + i;
     q[i] = __ldg(reinterpret_cast<const uint2*>(w + n * words + k / 8));
     sc[i] = __uint_as_float(((unsigned int)scales[n * blocks + k / 32] + 14u) << 23);  // 2^(e-127) * 2^14
   }
@@ -104,9 +104,10 @@ for (unsigned int o = col; o < OT * RB; o += C) {  // output n0 * OT / T + o / R
     picked = i == r ? slot[i] : picked;
   }
   if (picked >= 0) {
-    float v = gemv_group_total<T, RB, C>(partial, grp, o);
-    if (SW) {  // o is a gate row's sum, o + OT * RB its up row's
-      v = gemv_swiglu(v, gemv_group_total<T, RB, C>(partial, grp, o + OT * RB), swiglu[0]);
+    // with SW, output o / RB of the thread group is its pair o / RB: slot 2 (o / RB) its gate row, the next its up row
+    float v = gemv_group_total<T, RB, C>(partial, grp, SW ? o + o / RB * RB : o);
+    if (SW) {
+      v = gemv_swiglu(v, gemv_group_total<T, RB, C>(partial, grp, o + o / RB * RB + RB), swiglu[0]);
     }
     if (SW == 2) {
       v = v * weights[r * KS + picked];  // the pair's routing weight

@@ -24,9 +24,9 @@
 // fp8_gemv runs its rows: a thread group of C threads owns T outputs and splits K, thread c
 // taking columns 16c .. 16c + 15 of every 16 * C (8 bytes of each weight row per step).
 // QX = 1: x not yet FP8 fake-quantised, the kernel quantises it as it reads it (fp8_gemv.metal).
-// SW = 1: the experts' gate and up projections stacked (w13), y [rows, KS, N / 2] their SwiGLU
+// SW = 1: the experts' gate and up projections, rows interleaved (w13), y [rows, KS, N / 2] their SwiGLU
 // in bf16, as fp8_gemv's SW; SW = 2: that times the pair's routing weight, float32, before
-// the rounding (the MoE's weighted SwiGLU: kernels.swiglu_halves of the SW = 0 output, bit for
+// the rounding (the MoE's weighted SwiGLU: kernels.swiglu_pairs of the SW = 0 output, bit for
 // bit). swiglu: float32 [limit]; weights: float32 [rows * KS], each pair's (read with SW = 2).
 // Template constants: RB (a bound on rows, a power of two up to 16), T (outputs per thread
 // group), C (threads per thread group, a multiple of 32), QX (0 or 1), SW (0, 1 or 2); a
@@ -92,7 +92,7 @@ for (uint s = 0; s < steps; s++) {
   uint2 q[T];  // 16 E2M1 codes of each output row
   float sc[T];
   for (int i = 0; i < T; i++) {
-    const ulong n = ulong(expert) * N + gemv_weight_row<T, SW>(n0, i, uint(N));
+    const ulong n = ulong(expert) * N + n0 + i;
     q[i] = *((const device uint2*)(w + n * words + k / 8));
     sc[i] = as_type<float>((uint(scales[n * blocks + k / 32]) + 14u) << 23);  // 2^(e-127) * 2^14
   }
@@ -128,9 +128,10 @@ for (uint o = col; o < OT * RB; o += C) {  // output n0 * OT / T + o / RB of row
     picked = i == r ? slot[i] : picked;
   }
   if (picked >= 0) {
-    float v = gemv_group_total<T, RB, C>(partial, grp, o);
-    if (SW) {  // o is a gate row's sum, o + OT * RB its up row's
-      v = gemv_swiglu(v, gemv_group_total<T, RB, C>(partial, grp, o + OT * RB), swiglu[0]);
+    // with SW, output o / RB of the thread group is its pair o / RB: slot 2 (o / RB) its gate row, the next its up row
+    float v = gemv_group_total<T, RB, C>(partial, grp, SW ? o + o / RB * RB : o);
+    if (SW) {
+      v = gemv_swiglu(v, gemv_group_total<T, RB, C>(partial, grp, o + o / RB * RB + RB), swiglu[0]);
     }
     if (SW == 2) {
       v = v * weights[r * KS + picked];  // the pair's routing weight

@@ -40,7 +40,7 @@ for (unsigned int s = 0; s < steps; s++) {
   float sc[T];
 #pragma unroll
   for (int i = 0; i < T; i++) {
-    const size_t n = (size_t)g * N + gemv_weight_row<T, SW>(n0, i, (unsigned int)N);
+    const size_t n = (size_t)g * N + n0 + i;
     q[i] = __ldg(reinterpret_cast<const uint4*>(w + n * words + k / 4));
     sc[i] = __uint_as_float(((unsigned int)scales[n * blocks + k / 32] + 8u) << 23);  // 2^(e-127) * 256
   }
@@ -79,9 +79,10 @@ const unsigned int NY = SW ? (unsigned int)N / 2 : (unsigned int)N;  // outputs 
 const unsigned int y0 = n0 * OT / T;  // the thread group's first output in y
 for (unsigned int o = col; o < OT * RB; o += C) {  // output y0 + o / RB, row o % RB
   if ((int)(o % RB) < out_rows) {  // a row past `rows`: its sums stayed zero
-    float v = gemv_group_total<T, RB, C>(partial, grp, o);
-    if (SW) {  // o is a gate row's sum, o + OT * RB its up row's
-      v = gemv_swiglu(v, gemv_group_total<T, RB, C>(partial, grp, o + OT * RB), swiglu[0]);
+    // with SW, output o / RB of the thread group is its pair o / RB: slot 2 (o / RB) its gate row, the next its up row
+    float v = gemv_group_total<T, RB, C>(partial, grp, SW ? o + o / RB * RB : o);
+    if (SW) {
+      v = gemv_swiglu(v, gemv_group_total<T, RB, C>(partial, grp, o + o / RB * RB + RB), swiglu[0]);
     }
     if (AP > 0 && (int)(o % RB) < rows) {  // the row's AP parts, in order, then this output as bf16
       const __nv_bfloat16* pr = parts + (size_t)(o % RB) * AP * NY + y0 + o / RB;

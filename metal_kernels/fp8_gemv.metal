@@ -29,11 +29,12 @@
 // halves' largest magnitudes, which gives the bits of act_quant followed by QX = 0 (one
 // launch fewer). Every thread then runs the same number of steps (the exchange needs all
 // lanes), the steps past K only taking part in it.
-// SW = 1: w is a SwiGLU's gate (rows 0 .. N / 2 - 1) and up (rows N / 2 ..) projections
-// stacked, and y [out_rows, G, N / 2] their SwiGLU in bf16, limit swiglu[0] (gemv_lane.h):
-// each thread group sums T / 2 gate rows and their up rows and writes T / 2 outputs, each
-// sum the same bits as without SW (its order depends on K and C alone), so y is
-// kernels.swiglu_halves of the SW = 0 output, bit for bit, in one launch instead of two.
+// SW = 1: w is a SwiGLU's gate and up projections with their rows interleaved (row 2p pair
+// p's gate, row 2p + 1 its up: checkpoint.stack_gate_up), and y [out_rows, G, N / 2] their
+// SwiGLU in bf16, limit swiglu[0] (gemv_lane.h): each thread group sums its T rows as
+// without SW (T / 2 pairs, the rows contiguous: the same addressing and registers) and writes
+// T / 2 outputs, each sum the same bits as without SW (its order depends on K and C alone),
+// so y is kernels.swiglu_pairs of the SW = 0 output, bit for bit, in one launch instead of two.
 // swiglu: float32, [limit] (read only with SW).
 // AP > 0 (G = 1): each computed row's output is added to AP parts, parts [rows, AP, N] bf16:
 // y[r, n] = bf16(((parts[r, 0, n] + parts[r, 1, n]) + ...) + bf16(sum)), in float32 in that
@@ -81,7 +82,7 @@ for (uint s = 0; s < steps; s++) {
   uint4 q[T];  // 16 E4M3 codes of each output row
   float sc[T];
   for (int i = 0; i < T; i++) {
-    const ulong n = ulong(g) * N + gemv_weight_row<T, SW>(n0, i, uint(N));
+    const ulong n = ulong(g) * N + n0 + i;
     q[i] = *((const device uint4*)(w + n * words + k / 4));
     sc[i] = as_type<float>((uint(scales[n * blocks + k / 32]) + 8u) << 23);  // 2^(e-127) * 256
   }
@@ -116,9 +117,10 @@ const uint NY = SW ? uint(N) / 2 : uint(N);  // outputs a matrix has in y
 const uint y0 = n0 * OT / T;  // the thread group's first output in y
 for (uint o = col; o < OT * RB; o += C) {  // output y0 + o / RB, row o % RB
   if (int(o % RB) < out_rows) {  // a row past `rows`: its sums stayed zero
-    float v = gemv_group_total<T, RB, C>(partial, grp, o);
-    if (SW) {  // o is a gate row's sum, o + OT * RB its up row's
-      v = gemv_swiglu(v, gemv_group_total<T, RB, C>(partial, grp, o + OT * RB), swiglu[0]);
+    // with SW, output o / RB of the thread group is its pair o / RB: slot 2 (o / RB) its gate row, the next its up row
+    float v = gemv_group_total<T, RB, C>(partial, grp, SW ? o + o / RB * RB : o);
+    if (SW) {
+      v = gemv_swiglu(v, gemv_group_total<T, RB, C>(partial, grp, o + o / RB * RB + RB), swiglu[0]);
     }
     if (AP > 0 && int(o % RB) < rows) {  // the row's AP parts, in order, then this output as bf16
       const device bfloat16_t* pr = parts + ulong(o % RB) * AP * NY + y0 + o / RB;

@@ -74,10 +74,6 @@ __device__ __forceinline__ float gemv_input_block_scale(const __nv_bfloat16* xr,
   return fp8_block_scale(fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1)));
 }
 
-template <int T, int SW>
-__device__ __forceinline__ unsigned int gemv_weight_row(const unsigned int n0, const int i, const unsigned int N) {
-  return SW ? n0 / 2 + (unsigned int)(i % (T / 2)) + (i >= T / 2 ? N / 2 : 0u) : n0 + (unsigned int)i;
-}
 
 __device__ __forceinline__ float gemv_swiglu(const float gate_sum, const float up_sum, const float limit) {
   float gate = __bfloat162float(__float2bfloat16(gate_sum));

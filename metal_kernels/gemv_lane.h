@@ -14,10 +14,8 @@
 // gemv_input_block_scale: the scale of the block of 32 inputs holding a thread's 16 at xr, its
 // neighbour (lane ^ 1) holding the other 16. Every lane of the SIMD group must call it,
 // those past K (active false) too.
-// For kernels whose matrix is a SwiGLU's gate and up projections stacked (SW): gemv_weight_row,
-// the weight row of a thread group's output slot i: without SW its T outputs from n0; with SW
-// its T / 2 gate rows n0 / 2 + i and, in slots T / 2 .., their up rows N / 2 + n0 / 2 + i, so
-// that a thread group holds both rows of each of its pairs. gemv_swiglu: the output of a gate
+// gemv_swiglu, for kernels whose matrix is a SwiGLU's gate and up projections with their rows
+// interleaved (SW; a thread group's slots 2p and 2p + 1 hold pair p's): the output of a gate
 // and an up sum, each rounded to bf16 first (as the GEMM's bf16 output would be): SiLU(gate) *
 // up in float32, up clamped to [-limit, limit] and gate from above where limit > 0, in the
 // operations of kernels.swiglu (MLX's fused kernel for it: x / (1 + e^-x) * up, precise exp
@@ -88,10 +86,6 @@ inline float gemv_input_block_scale(const device bfloat16_t* xr, const bool acti
   return fp8_block_scale(metal::max(amax, simd_shuffle_xor(amax, ushort(1))));
 }
 
-template <int T, int SW>
-inline uint gemv_weight_row(const uint n0, const int i, const uint N) {
-  return SW ? n0 / 2 + uint(i % (T / 2)) + (i >= T / 2 ? N / 2 : 0u) : n0 + uint(i);
-}
 
 inline float gemv_swiglu(const float gate_sum, const float up_sum, const float limit) {
   float gate = float(bfloat16_t(gate_sum));

@@ -35,7 +35,7 @@ projections (FP8 shared expert, FP4 routed stacks with each pair's weight) and a
 one each, and fp8_gemv's added parts (the MoE's sum) at the shared expert's down
 projection and a ragged one; 1..16 rows, clamped and not, fed FP8 and raw (quantised in
 the kernel) input, padded: the same bits as the kernel's plain output through the spec
-(kernels.swiglu_halves, kernels.parts_added).
+(kernels.swiglu_pairs, kernels.parts_added).
 hc_split: random mixes at 1..300 rows, release hc 4 / 20 iterations, within
 2e-6 of the spec (the spec's exp and sigmoid are not bit for bit the kernel's).
 moe_gate: the router at 384 / 24 / 16 experts (top 6, 6, 3), rows 1..16: the
@@ -80,7 +80,7 @@ from dsv41_mlx.kernels import (TILE, TOP_K, backend, fp8_rows_tiles, fp8_rows_to
                                ring_write, ring_write_reference)
 from dsv41_mlx.kernels import (SwiGLU, act_quant_fp8, fp4_experts, fp4_quant, fp8_gemv, hc_input, hc_post_input,
                                moe_gate, moe_gate_reference, padding_zeroed, parts_added, rms_norm,
-                               rms_norm_reference, sparse_attention_rows, swiglu_halves)
+                               rms_norm_reference, sparse_attention_rows, swiglu_pairs)
 from dsv41_mlx.quant import fp4_fake_quant_reference, fp8_fake_quant_reference, quantize_fp8_tiles_mx
 
 POISON = -12345.0
@@ -451,8 +451,8 @@ def epilogue_problems(label: str, got: mx.array, want: mx.array, spec: str) -> l
 
 
 def swiglu_problems(name: str, kernel, x: mx.array, weights: mx.array | None, real: int | None) -> list[str]:
-    """A GEMV kernel writing the SwiGLU of its outputs' halves (swiglu=, the gate rows then the
-    up rows) against the same kernel's plain output through the spec, kernels.swiglu_halves:
+    """A GEMV kernel writing the SwiGLU of its outputs' pairs (swiglu=, each gate row followed
+    by its up row) against the same kernel's plain output through the spec, kernels.swiglu_pairs:
     the same bits, outputs poisoned. Clamped at a limit that some of the outputs pass and at
     none (limit 0), fed an FP8 input and a raw one it quantises, and, where real is given, a
     padded forward's (the padding zeros either way)."""
@@ -466,7 +466,7 @@ def swiglu_problems(name: str, kernel, x: mx.array, weights: mx.array | None, re
         for what, v, kw in cases:
             problems += epilogue_problems(f"{name}, SwiGLU at limit {limit:g}{what}",
                                           kernel(v, swiglu=act, init_value=POISON, **kw),
-                                          swiglu_halves(kernel(v, **kw), act), "swiglu_halves of its output")
+                                          swiglu_pairs(kernel(v, **kw), act), "swiglu_pairs of its output")
     return problems
 
 

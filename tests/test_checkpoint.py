@@ -155,12 +155,11 @@ def test_load_fixture_puts_every_tensor_into_the_model(loaded, fixture_tensors):
     for name, (dtype, stored) in fixture_tensors.items():
         if ".engram.embed." in name or name.endswith(".scale"):
             continue  # tables: below; scales: checked with their weights
-        # an expert's w1 (gate) and w3 (up) are the first and second halves of the model's w13
+        # an expert's w1 (gate) and w3 (up) are the even and the odd rows of the model's w13
         gate_up = "experts." in name and name.rsplit(".", 2)[-2] in ("w1", "w3")
         rows = slice(None)
         if gate_up:
-            n = stored.shape[0]
-            rows = slice(0, n) if name.rsplit(".", 2)[-2] == "w1" else slice(n, 2 * n)
+            rows = slice(0, None, 2) if name.rsplit(".", 2)[-2] == "w1" else slice(1, None, 2)
         if ".ffn.experts." in name:
             prefix, rest = name.split(".ffn.experts.")
             e, proj, _ = rest.split(".")
@@ -225,12 +224,12 @@ def test_one_fp8_and_one_fp4_weight_by_hand(loaded, fixture_tensors):
 
     packed = fixture_tensors["layers.2.ffn.experts.3.w1.weight"][1].view(np.uint8)  # [64, 64]
     scales = fixture_tensors["layers.2.ffn.experts.3.w1.scale"][1]  # [64, 4]
-    ex = model.layers[2].ffn.experts.w13  # w1's rows first
+    ex = model.layers[2].ffn.experts.w13  # w1's row r is w13's row 2r, w3's the next
     got = np.array(mx.dequantize(ex.weight[3], ex.scales[3], mode="mxfp4", dtype=mx.float32))
     for r in (0, 17, 63):
         for c in (0, 1, 62, 63, 64, 127):
             nibble = packed[r, c // 2] >> 4 if c % 2 else packed[r, c // 2] & 0xF
-            assert got[r, c] == E2M1[nibble] * 2.0 ** (int(scales[r, c // 32]) - 127)
+            assert got[2 * r, c] == E2M1[nibble] * 2.0 ** (int(scales[r, c // 32]) - 127)
 
 
 def test_engram_tables_stay_memory_mapped(loaded):

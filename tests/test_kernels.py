@@ -252,7 +252,7 @@ def test_metal_source_type_checks(case, rows, tmp_path):
     ("fp4_experts", ("int slot[RB];", "int slot[RB]")),  # no semicolon
     ("fp8_gemv", ("q[i] = *((const device uint4*)", "q[i] = *((const device uint2*)")),  # type error
     ("fp4_experts_quantizing", ("xs[r] = gemv_input_block_scale(", "xs[r] = gemv_input_block_scales(")),  # misspelt
-    ("fp8_gemv_swiglu", ("(partial, grp, o + OT * RB), swiglu[0]);", "(partial, grp, o + OT * RB), swiglu);")),
+    ("fp8_gemv_swiglu", ("o / RB * RB + RB), swiglu[0]);", "o / RB * RB + RB), swiglu);")),
     ("fp4_experts_swiglu", ("v = v * weights[r * KS + picked];", "v = v * weight[r * KS + picked];")),  # misspelt
     ("fp8_gemv_parts", ("t += float(pr[ulong(j) * NY]);", "t += float(pr);")),  # pointer to float
     ("sparse_attention", ("float(kv[ulong(key_row[j]) * D + d])", "float(kv[ulong(key_rows[j]) * D + d])")),
@@ -309,7 +309,7 @@ def test_cuda_source_compiles(case):
                   "gemv_lane_accumulate<T, RB>(p, &wf[0][0], &acc[0][0]);")),
     ("fp4_experts", ("if (ids[q] == expert) {", "if (id[q] == expert) {")),  # misspelt variable
     ("fp8_gemv_quantizing", ("p = gemv_fake_quant8(p, xs[r]);", "p = gemv_fake_quant8(p, xs);")),  # array for float
-    ("fp8_gemv_swiglu", ("(partial, grp, o + OT * RB), swiglu[0]);", "(partial, grp, o + OT * RB), swiglu);")),
+    ("fp8_gemv_swiglu", ("o / RB * RB + RB), swiglu[0]);", "o / RB * RB + RB), swiglu);")),
     ("fp4_experts_swiglu", ("v = v * weights[r * KS + picked];", "v = v * weight[r * KS + picked];")),  # misspelt
     ("fp8_gemv_parts", ("t += __bfloat162float(pr[(size_t)j * NY]);", "t += __bfloat162float(pr);")),
 ])
@@ -465,10 +465,10 @@ def test_epilogue_check_passes_the_spec_and_flags_a_wrong_epilogue(monkeypatch):
 
         def kernel(*args, impl=None, init_value=None, swiglu=None, parts=None, **kw):
             if swiglu is not None and swiglu_change:
-                if swiglu_change == "swapped":  # the up projection's half read as the gate's
+                if swiglu_change == "swapped":  # each pair's up row read as its gate row
                     y = reference(*args, **kw)
-                    half = y.shape[-1] // 2
-                    return kernels.swiglu_halves(mx.concatenate([y[..., half:], y[..., :half]], axis=-1), swiglu)
+                    swapped = mx.stack([y[..., 1::2], y[..., 0::2]], axis=-1).reshape(y.shape)
+                    return kernels.swiglu_pairs(swapped, swiglu)
                 swiglu = swiglu_change(swiglu)
             if parts is not None and parts_change:
                 if parts_change == "padding":  # every row's: the padding rows get the parts too

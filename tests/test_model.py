@@ -235,7 +235,7 @@ def test_routed_experts_take_the_fp4_kernel_for_a_decode_steps_pairs_on_a_gpu(mo
     input the kernel quantises as it reads it for one row (a decode step) and act_quant
     quantises first for more; the gate and up projection's SwiGLU (each pair's weight
     applied) is the kernel's too. Prefill's pairs grouped by expert, more than 16 rows, or a
-    shape the kernel does not take keep MLX's gather_qmm, then kernels.swiglu_halves; either
+    shape the kernel does not take keep MLX's gather_qmm, then kernels.swiglu_pairs; either
     way the values are the spec's."""
     from dsv41_mlx import kernels
     from dsv41_mlx.model import Fp4Stack
@@ -276,7 +276,7 @@ def test_routed_experts_take_the_fp4_kernel_for_a_decode_steps_pairs_on_a_gpu(mo
             xq = fp8_fake_quant_reference(x) if quantize else x
             want = mx.gather_qmm(xq.astype(mx.float32), stack.weight, stack.scales, rhs_indices=ids, transpose=True,
                                  mode="mxfp4", sorted_indices=sorted_ids).astype(mx.bfloat16)
-            want = want if act is None else kernels.swiglu_halves(want, act)
+            want = want if act is None else kernels.swiglu_pairs(want, act)
             assert got.shape == want.shape and mx.array_equal(got, want).item()
     calls.clear()
     small = Fp4Stack(5, 128, 64)  # 128 inputs: not the kernel's

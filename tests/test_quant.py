@@ -444,8 +444,8 @@ def test_fp8_matmul_takes_the_gemv_kernel_for_a_decode_steps_rows_on_a_gpu(monke
     """On a GPU, an FP8 GEMM of up to 16 rows (a decode or verify step) runs kernels.fp8_gemv
     in its dense form (x [S, K], w [N, K/4]: no reshapes around it), told how many rows are
     real where the caller says (the rest come out zeros), and given a SwiGLU's w13 it writes
-    their swiglu_halves itself; more rows, or a shape the kernel does not take, keep MLX's
-    GEMM (then swiglu_halves)."""
+    their swiglu_pairs itself; more rows, or a shape the kernel does not take, keep MLX's
+    GEMM (then swiglu_pairs)."""
     from dsv41_mlx import kernels, quant
 
     calls = []
@@ -476,7 +476,7 @@ def test_fp8_matmul_takes_the_gemv_kernel_for_a_decode_steps_rows_on_a_gpu(monke
         got = quant.fp8_matmul(x[:rows], w, s, swiglu=act)
         assert calls == ([((rows, 256), (96, 64))] if kernel else [])
         want = mx.quantized_matmul(x[:rows], w, s, transpose=True, mode="mxfp8").astype(mx.bfloat16)
-        assert got.shape == (rows, 48) and mx.array_equal(got, kernels.swiglu_halves(want, act)).item()
+        assert got.shape == (rows, 48) and mx.array_equal(got, kernels.swiglu_pairs(want, act)).item()
     calls.clear()
     quant.fp8_matmul(mx.random.normal((8, 128)), w[:, :32], s[:, :4])  # K = 128: not the kernel's
     assert calls == []
