@@ -100,7 +100,8 @@ MOE_GATE_TOPK = KernelSpec("moe_gate_topk", ("scores", "bias", "params", "rows")
                            "moe_gate_topk.metal", "moe_gate_topk.cu", header_files=())
 SPARSE_ATTENTION = KernelSpec("sparse_attention", ("q", "ring", "index", "wmask", "kv", "ids", "pmask", "sink",
                                                   "rope_cos", "rope_sin", "params", "rows"),
-                              ("out",), "sparse_attention.metal", "sparse_attention.cu", header_files=())
+                              ("out",), "sparse_attention.metal", "sparse_attention.cu", header_files=(),
+                              twin_headers=("bf16_lane",))
 RMS_NORM = KernelSpec("rms_norm_rows", ("x", "w", "eps", "sizes", "rope_cos", "rope_sin"), ("y",), "rms_norm.metal",
                       "rms_norm.cu",
                       header_files=(), twin_headers=("fp8_lane",))
@@ -113,9 +114,9 @@ HC_INPUT = KernelSpec("hc_input", ("h", "pre_in", "parts", "scale", "base", "nor
                       ("x", "xq", "pre", "post", "comb"), "hc_input.metal", "hc_input.cu", header_files=(),
                       twin_headers=("hc_split_row", "fp8_lane"))
 FP8_GEMV = KernelSpec("fp8_gemv", ("x", "w", "scales", "sizes", "swiglu", "parts"), ("y",), "fp8_gemv.metal",
-                      "fp8_gemv.cu", twin_headers=("fp8_lane", "gemv_lane"))
+                      "fp8_gemv.cu", twin_headers=("fp8_lane", "bf16_lane", "gemv_lane"))
 FP4_EXPERTS = KernelSpec("fp4_experts", ("x", "w", "scales", "ids", "sizes", "swiglu", "weights"), ("y",),
-                         "fp4_experts.metal", "fp4_experts.cu", twin_headers=("fp8_lane", "gemv_lane"))
+                         "fp4_experts.metal", "fp4_experts.cu", twin_headers=("fp8_lane", "bf16_lane", "gemv_lane"))
 
 
 @lru_cache(maxsize=None)
@@ -437,20 +438,30 @@ def _hc_input_rest(h, parts, pre_in, scale, base, norm_w, iters, hc_norm_eps, ep
 
 # ------------------------------------------------------------ sparse_attention
 
-ATTENTION_HEADS_PER_GROUP = 4  # heads of one row per threadgroup: each key row is read once for them
+ATTENTION_HEADS_PER_GROUP = 2  # heads of one row per threadgroup: each key row is read once for them
+ATTENTION_THREADGROUP_BYTES = 32 * 1024  # Apple GPUs' threadgroup memory
+
+
+def attention_threadgroup_bytes(heads: int, dim: int, keys: int) -> int:
+    """The kernel's threadgroup memory for a group of `heads` heads of width dim over `keys`
+    keys: the queries, the scores, the key rows, the subsets' sums (2048 floats a head: 256 /
+    (dim / 8) subsets of dim features) and a few more."""
+    return 4 * (heads * dim + (heads + 1) * keys + 2048 * heads + 8 + heads)
 
 
 def attention_fits(q_shape: tuple[int, ...], q_dtype: mx.Dtype, n_window: int, n_picked: int,
                    impl: str | None = None) -> bool:
     """Whether sparse_attention_rows runs for queries of this shape and dtype: a GPU, at most
-    DECODE_MAX_ROWS rows of bfloat16 queries [S, H, D], heads a multiple of the group, and
-    the group's queries and scores within 24 KB of threadgroup memory. Shapes only, so that
-    a caller can decide before it makes the queries (the kernel takes them unrotated)."""
+    DECODE_MAX_ROWS rows of bfloat16 queries [S, H, D], heads a multiple of the group, D / 8
+    dividing 256 (a thread's 16-byte chunks), and the threadgroup's memory within 32 KB.
+    Shapes only, so that a caller can decide before it makes the queries (the kernel takes
+    them unrotated)."""
     impl = impl or backend()
     if impl == "mlx" or len(q_shape) != 3 or q_dtype != mx.bfloat16 or q_shape[0] > DECODE_MAX_ROWS:
         return False
-    G = ATTENTION_HEADS_PER_GROUP
-    return q_shape[1] % G == 0 and 4 * (G * q_shape[2] + (G + 1) * (n_window + n_picked)) <= 24 * 1024
+    G, D = ATTENTION_HEADS_PER_GROUP, q_shape[2]
+    return (q_shape[1] % G == 0 and D % 8 == 0 and 256 % (D // 8) == 0
+            and attention_threadgroup_bytes(G, D, n_window + n_picked) <= ATTENTION_THREADGROUP_BYTES)
 
 
 def sparse_attention_rows(q: mx.array, ring: mx.array, index: mx.array, window_mask: mx.array,
@@ -698,6 +709,17 @@ def gemv_layout(rows: int) -> tuple[int, int]:
     return rb, (4 if rb == 1 else 2)
 
 
+def fp4_experts_layout(rows: int) -> tuple[int, int]:
+    """(RB, T) of fp4_experts for `rows` rows: RB is the pairs a pass of the kernel runs, each
+    expert's threadgroups running the pairs that picked it RB at a time. At one row a pair is
+    alone (RB 1, T 4, as gemv_layout); above, RB 2 and T 2: an expert is picked by one or two of
+    a verify forward's rows (six rows of top-6 among 24 experts pick about 20: ~1.8 pairs an
+    expert; among the release's 256, ~1.06), and a bound of 8 or 16 would hold that many sums
+    per thread in registers and run half as many threadgroups a core (session 15: 245 us a
+    w13 call at six rows, about 1 TB/s). A pair's bits do not depend on the layout."""
+    return (1, 4) if rows == 1 else (2, 2)
+
+
 GEMV_FILL = 1 << 18  # outputs x threads per output to fill: 256 threadgroups at T = 4, 512 at T = 2
 
 
@@ -788,15 +810,15 @@ def _bf16_to_quantize(x: mx.array, quantize_input: bool) -> None:
 
 def _gemv_launch(spec: KernelSpec, impl: str, inputs: list, rows: int, sets: int, n: int, lead: tuple,
                  init_value: float | None, quantize_input: bool, threads: int, sw: int,
-                 more: list | None = None) -> mx.array:
+                 more: list | None = None, layout: tuple[int, int] | None = None) -> mx.array:
     """Launch fp8_gemv or fp4_experts for `rows` computed rows (up to 16): `sets` sets of n
     outputs (matrices, or (row, expert) pairs), a threadgroup of 256 threads per (256 / C) * T
     outputs of a set -> bf16 [*lead, n], or [*lead, n / 2] with a SwiGLU (sw > 0). threads: C,
-    which each caller picks (gemv_threads_per_output); RB and T: gemv_layout(rows). more: the
-    kernel's other template constants."""
+    which each caller picks (gemv_threads_per_output); (RB, T): layout, default gemv_layout(rows).
+    more: the kernel's other template constants."""
     if threads not in (32, 64, 128, 256):  # a threadgroup then holds 32 to 4 outputs: N is a multiple of 32
         raise ValueError(f"a GEMV kernel takes 32, 64, 128 or 256 threads per output, got {threads}")
-    rb, t = gemv_layout(rows)
+    rb, t = layout or gemv_layout(rows)
     (y,) = _compiled(spec, impl)(
         inputs=inputs,
         template=[("RB", rb), ("T", t), ("C", threads), ("QX", int(quantize_input)), ("SW", sw), *(more or [])],
@@ -850,4 +872,5 @@ def fp4_experts(x: mx.array, w: mx.array, scales: mx.array, ids: mx.array, impl:
     sw, limit, weights = _swiglu_arguments(swiglu, R * k)
     return _gemv_launch(FP4_EXPERTS, impl, [x.astype(mx.bfloat16), w, scales, ids.astype(mx.uint32).reshape(-1),
                                             _int32s(R, k, N, K, x.shape[1]), limit, weights],
-                        R, R * k, N, (R, k), init_value, quantize_input, gemv_threads_per_output(K), sw)
+                        R, R * k, N, (R, k), init_value, quantize_input, gemv_threads_per_output(K), sw,
+                        layout=fp4_experts_layout(R))

@@ -1,13 +1,8 @@
 // CUDA twin of gemv_lane.h (see there for what it computes).
 template <int T, int RB>  // wf: [T][8], acc: [T][RB]
 __device__ __forceinline__ void gemv_lane_accumulate(const uint4 p, const float* wf, float* acc, const int r) {
-  const unsigned int pairs[4] = {p.x, p.y, p.z, p.w};
-  float xf[8];  // bf16 bits -> float
-#pragma unroll
-  for (int j = 0; j < 4; j++) {
-    xf[2 * j] = __uint_as_float(pairs[j] << 16);
-    xf[2 * j + 1] = __uint_as_float(pairs[j] & 0xFFFF0000u);
-  }
+  float xf[8];
+  bf16x8_floats(p, xf);
 #pragma unroll
   for (int i = 0; i < T; i++) {
 #pragma unroll
@@ -83,4 +78,14 @@ __device__ __forceinline__ float gemv_swiglu(const float gate_sum, const float u
     gate = isnan(gate) ? gate : fminf(gate, limit);
   }
   return gate / (1.0f + expf(-gate)) * up;  // no fast math: IEEE division, precise expf
+}
+
+template <int T, typename W, typename S>  // q: [T] 16 E2M1 codes each, sc: [T] their scale * 2^14
+__device__ __forceinline__ void gemv_fp4_load(const W* w, const S* scales, const size_t row0, const unsigned int words,
+                                              const unsigned int blocks, const unsigned int k, uint2* q, float* sc) {
+#pragma unroll
+  for (int i = 0; i < T; i++) {
+    q[i] = __ldg(reinterpret_cast<const uint2*>(w + (row0 + i) * words + k / 8));
+    sc[i] = __uint_as_float(((unsigned int)scales[(row0 + i) * blocks + k / 32] + 14u) << 23);  // 2^(e-127) * 2^14
+  }
 }

@@ -2,11 +2,15 @@
 
 constexpr int WARPS = 8;
 constexpr int N = W + K;
+constexpr int CH = D / 8;            // a key row's chunks of 8 features (16 bytes each)
+constexpr int LCH = (CH + 31) / 32;  // the chunks a lane takes in the scores
+constexpr int P = 256 / CH;          // the key subsets of the weighted sum
 __shared__ float qs[G][D];
 __shared__ float sc[G][N];
 __shared__ int key_row[N];
 __shared__ float red[WARPS];
 __shared__ float denom[G];
+__shared__ float subset_sum[P][G][D];
 
 const unsigned int groups = H / G;
 const unsigned int s = blockIdx.x / groups;
@@ -39,20 +43,37 @@ for (unsigned int j = tid; j < N; j += 32 * WARPS) {
 }
 __syncthreads();
 
-// scores: warp w takes keys w, w + 8, ...; its lanes split the features
+// scores: warp w takes keys w, w + 8, ...; lane l the chunks l, l + 32, ... of each (its queries' in registers)
+float qr[G][LCH][8];
+#pragma unroll
+for (int g = 0; g < G; g++) {
+#pragma unroll
+  for (int c = 0; c < LCH; c++) {
+#pragma unroll
+    for (int e = 0; e < 8; e++) {
+      qr[g][c][e] = lane + 32 * c < CH ? qs[g][8 * (lane + 32 * c) + e] : 0.0f;
+    }
+  }
+}
 for (unsigned int j = warp; j < N; j += WARPS) {
   const __nv_bfloat16* key = ((j < W) ? ring : kv) + (size_t)key_row[j] * D;
   const bool valid = (j < W) ? wmask[s * W + j] : pmask[s * K + (j - W)];
-  float dot[G];
-  for (int g = 0; g < G; g++) {
-    dot[g] = 0.0f;
-  }
-  for (unsigned int d = lane; d < D; d += 32) {
-    const float kd = __bfloat162float(key[d]);
-    for (int g = 0; g < G; g++) {
-      dot[g] += qs[g][d] * kd;
+  float dot[G] = {};
+#pragma unroll
+  for (int c = 0; c < LCH; c++) {
+    if (lane + 32 * c < CH) {
+      float kf[8];
+      bf16x8_floats(__ldg(reinterpret_cast<const uint4*>(key + 8 * (lane + 32 * c))), kf);
+#pragma unroll
+      for (int g = 0; g < G; g++) {
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+          dot[g] = fmaf(qr[g][c][e], kf[e], dot[g]);
+        }
+      }
     }
   }
+#pragma unroll
   for (int g = 0; g < G; g++) {
     float a = dot[g];
     for (int offset = 16; offset > 0; offset /= 2) {
@@ -107,28 +128,40 @@ for (int g = 0; g < G; g++) {
   __syncthreads();
 }
 
-// the weighted keys: thread t takes features t, t + 256, ...; window keys, then picked ones
-for (unsigned int d = tid; d < D; d += 32 * WARPS) {
-  float win[G], pick[G];
-  for (int g = 0; g < G; g++) {
-    win[g] = 0.0f;
-    pick[g] = 0.0f;
-  }
-  for (int j = 0; j < W; j++) {
-    const float kd = __bfloat162float(ring[(size_t)key_row[j] * D + d]);
+// the weighted keys: thread t takes chunk t % CH of keys t / CH, t / CH + P, ... (window keys
+// first, then picked ones), the P subsets' sums then added in order
+{
+  const unsigned int ch = tid % CH;
+  const unsigned int subset = tid / CH;
+  float acc[G][8] = {};
+  for (unsigned int j = subset; j < N; j += P) {
+    const __nv_bfloat16* key = ((j < W) ? ring : kv) + (size_t)key_row[j] * D;
+    float kf[8];
+    bf16x8_floats(__ldg(reinterpret_cast<const uint4*>(key + 8 * ch)), kf);
+#pragma unroll
     for (int g = 0; g < G; g++) {
-      win[g] += sc[g][j] * kd;
+      const float p = sc[g][j];
+#pragma unroll
+      for (int e = 0; e < 8; e++) {
+        acc[g][e] = fmaf(p, kf[e], acc[g][e]);
+      }
     }
   }
-  for (int j = W; j < N; j++) {
-    const float kd = __bfloat162float(kv[(size_t)key_row[j] * D + d]);
-    for (int g = 0; g < G; g++) {
-      pick[g] += sc[g][j] * kd;
+#pragma unroll
+  for (int g = 0; g < G; g++) {
+#pragma unroll
+    for (int e = 0; e < 8; e++) {
+      subset_sum[subset][g][8 * ch + e] = acc[g][e];
     }
   }
-  for (int g = 0; g < G; g++) {
-    qs[g][d] = __bfloat162float(__float2bfloat16((win[g] + pick[g]) / denom[g]));  // the spec's o; qs is free
+}
+__syncthreads();
+for (unsigned int i = tid; i < G * D; i += 32 * WARPS) {
+  float t = subset_sum[0][i / D][i % D];
+  for (int p = 1; p < P; p++) {
+    t += subset_sum[p][i / D][i % D];
   }
+  qs[i / D][i % D] = __bfloat162float(__float2bfloat16(t / denom[i / D]));  // the spec's o; qs is free
 }
 __syncthreads();
 

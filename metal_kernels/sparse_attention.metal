@@ -4,9 +4,13 @@
 // first, with about seventeen operations: the query RoPE; per head, scores q . k * scale
 // over the row's W window keys and K picked compressed keys (-inf where masked),
 // p = exp(score - max(row max, -1e30)), denominator sum(p) + exp(sink - row max), and the
-// keys weighted by p rounded to bfloat16 (window keys, then picked keys, the two sums
-// added), divided by the denominator and rounded to bfloat16 (model.sparse_attention's o);
-// then the inverse RoPE of o, rounded to bfloat16 again.
+// keys weighted by p rounded to bfloat16, divided by the denominator and rounded to bfloat16
+// (model.sparse_attention's o); then the inverse RoPE of o, rounded to bfloat16 again.
+//
+// The work: a simdgroup per key for the scores, each lane taking 8-feature chunks of it (one
+// 16-byte read each) against its chunks of the G queries held in registers; for the weighted
+// keys, thread t a chunk of every (256 / (D / 8))-th key, those subsets' sums then added in
+// order. So every key read is 16 bytes a lane. D / 8 must divide 256.
 //
 // q [S, H, D] bfloat16, not rotated yet; ring [R, D] bfloat16: the layer's window keys,
 // index [S, W] int32: each row's window slots, wmask [S, W] bool; kv [T, D] bfloat16: the
@@ -20,15 +24,20 @@
 // takes -sin. The attention's sums run in another order than the spec's matmuls, so
 // results match it to float32 noise (a probability may round to the neighbouring
 // bfloat16), not bit for bit; each row is computed alone, the same bits in any forward.
-// Template constants: D, H, G, W, K, RD. 256 threads. CUDA twin: sparse_attention.cu.
+// Template constants: D, H, G, W, K, RD. 256 threads. CUDA twin: sparse_attention.cu (the
+// bf16 reads: bf16_lane.h).
 
 constexpr int WARPS = 8;
 constexpr int N = W + K;
+constexpr int CH = D / 8;            // a key row's chunks of 8 features (16 bytes each)
+constexpr int LCH = (CH + 31) / 32;  // the chunks a lane takes in the scores
+constexpr int P = 256 / CH;          // the key subsets of the weighted sum
 threadgroup float qs[G][D];
 threadgroup float sc[G][N];
 threadgroup int key_row[N];
 threadgroup float red[WARPS];
 threadgroup float denom[G];
+threadgroup float subset_sum[P][G][D];
 
 const uint groups = H / G;
 const uint s = threadgroup_position_in_grid.x / groups;
@@ -60,18 +69,28 @@ for (uint j = tid; j < N; j += 32 * WARPS) {
 }
 threadgroup_barrier(mem_flags::mem_threadgroup);
 
-// scores: simdgroup w takes keys w, w + 8, ...; its lanes split the features
+// scores: simdgroup w takes keys w, w + 8, ...; lane l the chunks l, l + 32, ... of each (its queries' in registers)
+float qr[G][LCH][8];
+for (int g = 0; g < G; g++) {
+  for (int c = 0; c < LCH; c++) {
+    for (int e = 0; e < 8; e++) {
+      qr[g][c][e] = int(lane) + 32 * c < CH ? qs[g][8 * (lane + 32 * c) + e] : 0.0f;
+    }
+  }
+}
 for (uint j = warp; j < N; j += WARPS) {
   const device bfloat16_t* key = ((j < W) ? ring : kv) + ulong(key_row[j]) * D;
   const bool valid = (j < W) ? wmask[s * W + j] : pmask[s * K + (j - W)];
-  float dot[G];
-  for (int g = 0; g < G; g++) {
-    dot[g] = 0.0f;
-  }
-  for (uint d = lane; d < D; d += 32) {
-    const float kd = float(key[d]);
-    for (int g = 0; g < G; g++) {
-      dot[g] += qs[g][d] * kd;
+  float dot[G] = {};
+  for (int c = 0; c < LCH; c++) {
+    if (int(lane) + 32 * c < CH) {
+      float kf[8];
+      bf16x8_floats(*((const device uint4*)(key + 8 * (lane + 32 * c))), kf);
+      for (int g = 0; g < G; g++) {
+        for (int e = 0; e < 8; e++) {
+          dot[g] = fma(qr[g][c][e], kf[e], dot[g]);
+        }
+      }
     }
   }
   for (int g = 0; g < G; g++) {
@@ -128,28 +147,36 @@ for (int g = 0; g < G; g++) {
   threadgroup_barrier(mem_flags::mem_threadgroup);
 }
 
-// the weighted keys: thread t takes features t, t + 256, ...; window keys, then picked ones
-for (uint d = tid; d < D; d += 32 * WARPS) {
-  float win[G], pick[G];
-  for (int g = 0; g < G; g++) {
-    win[g] = 0.0f;
-    pick[g] = 0.0f;
-  }
-  for (int j = 0; j < W; j++) {
-    const float kd = float(ring[ulong(key_row[j]) * D + d]);
+// the weighted keys: thread t takes chunk t % CH of keys t / CH, t / CH + P, ... (window keys
+// first, then picked ones), the P subsets' sums then added in order
+{
+  const uint ch = tid % CH;
+  const uint subset = tid / CH;
+  float acc[G][8] = {};
+  for (uint j = subset; j < N; j += P) {
+    const device bfloat16_t* key = ((j < W) ? ring : kv) + ulong(key_row[j]) * D;
+    float kf[8];
+    bf16x8_floats(*((const device uint4*)(key + 8 * ch)), kf);
     for (int g = 0; g < G; g++) {
-      win[g] += sc[g][j] * kd;
-    }
-  }
-  for (int j = W; j < N; j++) {
-    const float kd = float(kv[ulong(key_row[j]) * D + d]);
-    for (int g = 0; g < G; g++) {
-      pick[g] += sc[g][j] * kd;
+      const float p = sc[g][j];
+      for (int e = 0; e < 8; e++) {
+        acc[g][e] = fma(p, kf[e], acc[g][e]);
+      }
     }
   }
   for (int g = 0; g < G; g++) {
-    qs[g][d] = float(bfloat16_t((win[g] + pick[g]) / denom[g]));  // the spec's o; qs is free
+    for (int e = 0; e < 8; e++) {
+      subset_sum[subset][g][8 * ch + e] = acc[g][e];
+    }
   }
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+for (uint i = tid; i < G * D; i += 32 * WARPS) {
+  float t = subset_sum[0][i / D][i % D];
+  for (int p = 1; p < P; p++) {
+    t += subset_sum[p][i / D][i % D];
+  }
+  qs[i / D][i % D] = float(bfloat16_t(t / denom[i / D]));  // the spec's o; qs is free
 }
 threadgroup_barrier(mem_flags::mem_threadgroup);
 

@@ -4,7 +4,7 @@
 
 Compiles fp8_gemv and fp4_experts (metal_kernels/*.cu, wrapped as MLX wraps them:
 tests/cuda_check.py) for the layouts a forward picks (kernels.gemv_layout: RB 1 with
-T 4, RB 2 and 8 with T 2) with and without each epilogue (SW: the SwiGLU, AP: the added
+T 4, RB 2 and 8 with T 2; kernels.fp4_experts_layout: RB 1 with T 4, RB 2 with T 2) with and without each epilogue (SW: the SwiGLU, AP: the added
 parts, QX: the input quantised in the kernel), and prints NVRTC's register count per
 thread and how many threadgroups of 256 threads a core then holds (65,536 registers).
 Needs no GPU: the test extras' NVRTC wheel.
@@ -24,6 +24,7 @@ from tests import cuda_check  # noqa: E402
 from tests.test_kernels import _experts_case, _gemv_case  # noqa: E402
 
 LAYOUTS = ((1, 4, 32), (2, 2, 32), (8, 2, 64))  # (RB, T, C)
+EXPERTS_LAYOUTS = ((1, 4, 32), (2, 2, 32))
 GEMV_VARIANTS = {"plain": {}, "SW": {"SW": 1}, "QX": {"QX": 1}, "AP 6": {"AP": 6}, "AP 6, QX": {"AP": 6, "QX": 1}}
 EXPERTS_VARIANTS = {"plain": {}, "SW (weighted)": {"SW": 2}, "QX": {"QX": 1}}
 
@@ -39,12 +40,12 @@ def registers(case: tuple, arch: str) -> int:
     return int(found.group(1))
 
 
-def table(arch: str, layouts=LAYOUTS) -> list[dict]:
+def table(arch: str, layouts=LAYOUTS, experts_layouts=EXPERTS_LAYOUTS) -> list[dict]:
     """One row per (kernel, layout, variant): registers and threadgroups a core holds."""
     rows = []
-    for kernel, make, variants in (("fp8_gemv", _gemv_case, GEMV_VARIANTS),
-                                   ("fp4_experts", _experts_case, EXPERTS_VARIANTS)):
-        for rb, t, c in layouts:
+    for kernel, make, variants, kernel_layouts in (("fp8_gemv", _gemv_case, GEMV_VARIANTS, layouts),
+                                                   ("fp4_experts", _experts_case, EXPERTS_VARIANTS, experts_layouts)):
+        for rb, t, c in kernel_layouts:
             for label, extra in variants.items():
                 n = registers(make(RB=rb, T=t, C=c, **extra), arch)
                 rows.append({"kernel": kernel, "RB": rb, "T": t, "C": c, "variant": label, "registers": n,

@@ -162,13 +162,13 @@ CASES = {
                                             "kv": "bfloat16", "ids": "uint32", "pmask": "bool", "sink": "float32",
                                             "rope_cos": "float32", "rope_sin": "float32", "params": "float32",
                                             "rows": "int32"}, {"out": "bfloat16"},
-                         {"D": 512, "H": 64, "G": 4, "W": 128, "K": 512, "RD": 64}),
+                         {"D": 512, "H": 64, "G": 2, "W": 128, "K": 512, "RD": 64}),
     "sparse_attention_window_only": (SPARSE_ATTENTION, {"q": "bfloat16", "ring": "bfloat16", "index": "int32",
                                                         "wmask": "bool", "kv": "bfloat16", "ids": "uint32",
                                                         "pmask": "bool", "sink": "float32", "rope_cos": "float32",
                                                         "rope_sin": "float32", "params": "float32",
                                                         "rows": "int32"}, {"out": "bfloat16"},
-                                     {"D": 512, "H": 64, "G": 4, "W": 128, "K": 0, "RD": 64}),
+                                     {"D": 512, "H": 64, "G": 2, "W": 128, "K": 0, "RD": 64}),
     "rms_norm": (RMS_NORM, {"x": "bfloat16", "w": "float32", "eps": "float32", "sizes": "int32", **NO_ROPE},
                  {"y": "bfloat16"}, {"T": "bfloat16", "O": "bfloat16", "QUANT": 0, "ROPE": 0}),
     "rms_norm_f32": (RMS_NORM, {"x": "float32", "w": "float32", "eps": "float32", "sizes": "int32", **NO_ROPE},
@@ -249,13 +249,13 @@ def test_metal_source_type_checks(case, rows, tmp_path):
     ("sparse_attention", ("threadgroup float denom[G];", "threadgroup float denom[G]")),  # no semicolon
     ("fp8_gemv", ("gemv_warp_totals<T, RB>(&acc[0][0], partial,", "gemv_warp_totals<T, RB>(acc, partial,")),  # wrong type
     ("fp4_experts", ("E2M1_ODD_CODES(word)}", "E2M1_ODD_CODES(word, c)}")),  # bad macro call
-    ("fp4_experts", ("int slot[RB];", "int slot[RB]")),  # no semicolon
+    ("fp4_experts", ("int pp[RB];", "int pp[RB]")),  # no semicolon
     ("fp8_gemv", ("q[i] = *((const device uint4*)", "q[i] = *((const device uint2*)")),  # type error
     ("fp4_experts_quantizing", ("xs[r] = gemv_input_block_scale(", "xs[r] = gemv_input_block_scales(")),  # misspelt
     ("fp8_gemv_swiglu", ("o / RB * RB + RB), swiglu[0]);", "o / RB * RB + RB), swiglu);")),
-    ("fp4_experts_swiglu", ("v = v * weights[r * KS + picked];", "v = v * weight[r * KS + picked];")),  # misspelt
+    ("fp4_experts_swiglu", ("v = v * weights[pr];", "v = v * weight[pr];")),  # misspelt
     ("fp8_gemv_parts", ("t += float(pr[ulong(j) * NY]);", "t += float(pr);")),  # pointer to float
-    ("sparse_attention", ("float(kv[ulong(key_row[j]) * D + d])", "float(kv[ulong(key_rows[j]) * D + d])")),
+    ("sparse_attention", ("ulong(key_row[j]) * D;", "ulong(key_rows[j]) * D;")),  # misspelt variable
     ("sparse_attention", ("qs[i / D][d ^ 1] * -rope_sin[s * D + d]", "qs[i / D][d ^ 1] * -rope_sine[s * D + d]")),
     ("sparse_attention_window_only", ("float(q[q0 + (i ^ 1)])", "float(q + (i ^ 1))")),  # pointer to float
 ])
@@ -304,13 +304,15 @@ def test_cuda_source_compiles(case):
     ("sparse_attention", ("denom[g] = total + expf(sink[h0 + g] - row_max);",
                           "denom[g] = total + expf(sinks[h0 + g]);")),  # misspelt variable
     ("sparse_attention", ("v * rope_cos[s * D + d] +", "v * rope_cos +")),  # float times a pointer
+    ("sparse_attention", ("bf16x8_floats(__ldg(reinterpret_cast<const uint4*>(key + 8 * ch)), kf);",
+                          "bf16x8_floats(__ldg(reinterpret_cast<const uint4*>(key + 8 * ch)), kf[0]);")),
     ("sparse_attention_window_only", ("float v = qs[i / D][d];", "float v = qs[i / D];")),  # array into a float
     ("fp8_gemv", ("gemv_lane_accumulate<T, RB>(p, &wf[0][0], &acc[0][0], r);",
                   "gemv_lane_accumulate<T, RB>(p, &wf[0][0], &acc[0][0]);")),
     ("fp4_experts", ("if (ids[q] == expert) {", "if (id[q] == expert) {")),  # misspelt variable
     ("fp8_gemv_quantizing", ("p = gemv_fake_quant8(p, xs[r]);", "p = gemv_fake_quant8(p, xs);")),  # array for float
     ("fp8_gemv_swiglu", ("o / RB * RB + RB), swiglu[0]);", "o / RB * RB + RB), swiglu);")),
-    ("fp4_experts_swiglu", ("v = v * weights[r * KS + picked];", "v = v * weight[r * KS + picked];")),  # misspelt
+    ("fp4_experts_swiglu", ("v = v * weights[pr];", "v = v * weight[pr];")),  # misspelt
     ("fp8_gemv_parts", ("t += __bfloat162float(pr[(size_t)j * NY]);", "t += __bfloat162float(pr);")),
 ])
 def test_a_broken_cuda_source_fails_the_compile(case, breakage):
@@ -326,7 +328,7 @@ def test_gemv_registers_reports_each_variant():
     """scripts/gemv_registers.py: NVRTC's register count for each GEMV kernel variant of a
     layout, and the threadgroups of 256 threads a core then holds."""
     script = _script("gemv_registers")
-    rows = script.table("sm_90", layouts=((1, 4, 32),))
+    rows = script.table("sm_90", layouts=((1, 4, 32),), experts_layouts=((1, 4, 32),))
     assert [(r["kernel"], r["variant"]) for r in rows] == (
         [("fp8_gemv", v) for v in script.GEMV_VARIANTS] + [("fp4_experts", v) for v in script.EXPERTS_VARIANTS])
     for r in rows:
@@ -634,7 +636,7 @@ def test_hc_post_input_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatc
 
 def test_attention_kernel_runs_only_where_it_fits():
     """The attention kernel takes a GPU, bfloat16 queries, at most 16 rows, heads in groups of
-    four and its threadgroup memory; elsewhere the model gathers the keys and runs the spec.
+    two, a width of 16-byte chunks that divide 256 and its threadgroup memory; elsewhere the model gathers the keys and runs the spec.
     It decides on the queries' shape alone (the model asks before it makes them), and takes
     its rows' RoPE tables."""
     from dsv41_mlx.kernels import attention_fits, sparse_attention_rows
@@ -645,9 +647,11 @@ def test_attention_kernel_runs_only_where_it_fits():
     assert attention_fits((8, 64, 512), bf16, 128, 512, impl="cuda")
     assert attention_fits((8, 64, 512), bf16, 128, 0, impl="metal")
     assert not attention_fits((17, 64, 512), bf16, 128, 512, impl="cuda")
-    assert not attention_fits((8, 6, 512), bf16, 128, 512, impl="cuda")
+    assert not attention_fits((8, 5, 512), bf16, 128, 512, impl="cuda")
+    assert attention_fits((8, 4, 64), bf16, 128, 512, impl="cuda")  # the tiny checkpoint's heads
+    assert not attention_fits((8, 64, 520), bf16, 128, 512, impl="cuda")  # 65 chunks
     assert not attention_fits((8, 64, 512), mx.float32, 128, 512, impl="cuda")
-    assert not attention_fits((8, 64, 512), bf16, 128, 4096, impl="cuda")  # scores beyond the threadgroup memory
+    assert not attention_fits((8, 64, 512), bf16, 128, 2048, impl="cuda")  # scores beyond the threadgroup memory
     q = mx.zeros((8, 64, 512), dtype=bf16)
     keys = (mx.zeros((130, 512), dtype=bf16), mx.zeros((8, 128), dtype=mx.int32), mx.ones((8, 128), dtype=mx.bool_))
     rope = shared_rope(64, 10000)
@@ -855,11 +859,13 @@ def test_gemv_threads_per_output_default_by_shape_and_can_be_set_for_benchmarks(
 def test_gemv_layout_bounds_the_computed_rows_by_a_power_of_two(monkeypatch):
     """The GEMV kernels' row bound RB is the least power of two holding the rows they compute
     (a padded forward's real rows: a 1-row decode runs RB = 1), T outputs per thread group 4
-    at RB 1 and 2 above; the grid follows T."""
+    at RB 1 and 2 above; fp4_experts runs its pairs in passes of RB 1 at one row, 2 above; the
+    grid follows T."""
     from dsv41_mlx import kernels
 
     assert [kernels.gemv_layout(r) for r in (1, 2, 3, 5, 8, 9, 16)] == [
         (1, 4), (2, 2), (4, 2), (8, 2), (8, 2), (16, 2), (16, 2)]
+    assert [kernels.fp4_experts_layout(r) for r in (1, 2, 6, 16)] == [(1, 4), (2, 2), (2, 2), (2, 2)]
     seen = []
 
     def compiled(spec, language):
@@ -876,7 +882,7 @@ def test_gemv_layout_bounds_the_computed_rows_by_a_power_of_two(monkeypatch):
     kernels.fp4_experts(xe, we, se, mx.zeros((3, 2), dtype=mx.uint32), impl="cuda")
     assert seen == [("fp8_gemv", 1, 4, 8192 // (8 * 4) * 256, (8, 8192)),  # all 8 rows out, padding zeros
                     ("fp8_gemv", 8, 2, 8192 // (8 * 2) * 256, (8, 8192)),
-                    ("fp4_experts", 4, 2, 3 * 2 * 64 // (8 * 2) * 256, (3, 2, 64))]
+                    ("fp4_experts", 2, 2, 3 * 2 * 64 // (8 * 2) * 256, (3, 2, 64))]  # passes of 2 pairs
 
 
 def test_gemv_kernels_quantise_bf16_input_only():
