@@ -709,15 +709,16 @@ def gemv_layout(rows: int) -> tuple[int, int]:
     return rb, (4 if rb == 1 else 2)
 
 
-def fp4_experts_layout(rows: int) -> tuple[int, int]:
-    """(RB, T) of fp4_experts for `rows` rows: RB is the pairs a pass of the kernel runs, each
-    expert's threadgroups running the pairs that picked it RB at a time. At one row a pair is
-    alone (RB 1, T 4, as gemv_layout); above, RB 2 and T 2: an expert is picked by one or two of
-    a verify forward's rows (six rows of top-6 among 24 experts pick about 20: ~1.8 pairs an
-    expert; among the release's 256, ~1.06), and a bound of 8 or 16 would hold that many sums
-    per thread in registers and run half as many threadgroups a core (session 15: 245 us a
-    w13 call at six rows, about 1 TB/s). A pair's bits do not depend on the layout."""
-    return (1, 4) if rows == 1 else (2, 2)
+# (RB, T) of fp4_experts at any row count: each expert's threadgroups run the pairs that
+# picked it one at a time (later passes read its weights from cache), four outputs a thread
+# group. Against a pass of RB pairs (gemv_layout's bound), on the H200 (session 15, six rows
+# of top-6 among 24 experts, chained): w13 with its SwiGLU 245 us against 341 at RB 8 and 234
+# at RB 2, w2 143 against 247 and 149; at two and four rows one pair a pass was the fastest
+# of RB 1, 2 and 4 (85 / 53 us and 154 / 100 us, w13 / w2). T 4 reads 4 weight rows per
+# input value; passes of more pairs share the codes' decoding but hold more sums a thread,
+# fewer threadgroups a core. The release's 256 experts are rarely picked by two of a verify
+# forward's rows. A pair's bits do not depend on the layout.
+FP4_EXPERTS_LAYOUT = (1, 4)
 
 
 GEMV_FILL = 1 << 18  # outputs x threads per output to fill: 256 threadgroups at T = 4, 512 at T = 2
@@ -873,4 +874,4 @@ def fp4_experts(x: mx.array, w: mx.array, scales: mx.array, ids: mx.array, impl:
     return _gemv_launch(FP4_EXPERTS, impl, [x.astype(mx.bfloat16), w, scales, ids.astype(mx.uint32).reshape(-1),
                                             _int32s(R, k, N, K, x.shape[1]), limit, weights],
                         R, R * k, N, (R, k), init_value, quantize_input, gemv_threads_per_output(K), sw,
-                        layout=fp4_experts_layout(R))
+                        layout=FP4_EXPERTS_LAYOUT)

@@ -19,23 +19,11 @@ for (int q = 0; q < pair; q++) {
     return;  // the whole block: the expert's first pair does all of its pairs
   }
 }
-__shared__ int picks[16];  // the pairs (r * KS + j, in order) that picked this expert: at most one a row
-__shared__ int n_picks;
 __shared__ float e2m1[16];  // each E2M1 code's value / 2^14 (a table read costs less than a conversion)
-if (threadIdx.x == 0) {
-  int m = 0;
-  for (int p = pair; p < rows * KS; p++) {  // the pairs before `pair` did not pick it
-    if (ids[p] == expert) {
-      picks[m++] = p;
-    }
-  }
-  n_picks = m;
-}
 if (threadIdx.x < 16) {
   e2m1[threadIdx.x] = fp16_bits_to_float(E2M1_HALF(threadIdx.x));
 }
 __syncthreads();
-const int m = n_picks;
 const unsigned int words = (unsigned int)K / 8;
 const unsigned int blocks = (unsigned int)K / 32;
 const size_t w0 = (size_t)expert * N + n0;  // the thread group's first weight row
@@ -43,20 +31,28 @@ const unsigned int steps = ((unsigned int)K + 16 * C - 1) / (16 * C);
 constexpr int OT = SW ? T / 2 : T;  // outputs a thread group writes: with SW, one a (gate, up) pair
 const unsigned int NY = SW ? (unsigned int)N / 2 : (unsigned int)N;  // outputs a pair has in y
 
-for (int p0 = 0; p0 < m; p0 += RB) {  // a pass: picks p0 .. p0 + RB - 1 (later passes read the weights from cache)
-  int pp[RB];  // the pass's pairs, -1 past the last
+for (int p0 = 0;; p0 += RB) {  // a pass: the expert's picks p0 .. p0 + RB - 1 (later ones read its weights from cache)
+  int pp[RB];  // the pass's pairs (r * KS + j), -1 past the last
+#pragma unroll
+  for (int r = 0; r < RB; r++) {
+    pp[r] = -1;
+  }
+  int seen = 0;  // the expert's picks: at most one a row
+  for (int p = pair; p < rows * KS; p++) {  // the pairs before `pair` did not pick it
+    if (ids[p] == expert) {
+#pragma unroll
+      for (int r = 0; r < RB; r++) {
+        pp[r] = seen == p0 + r ? p : pp[r];
+      }
+      seen++;
+    }
+  }
   int xr[RB];  // the x row each reads
 #pragma unroll
   for (int r = 0; r < RB; r++) {
-    pp[r] = p0 + r < m ? picks[p0 + r] : -1;
     xr[r] = X > 1 ? pp[r] : pp[r] / KS;
   }
   float acc[T][RB] = {};  // [output][pair]
-  uint2 q[T] = {};  // 16 E2M1 codes of each output row at this step, loaded a step ahead
-  float sc[T] = {};
-  if (16 * col < (unsigned int)K) {
-    gemv_fp4_load<T>(w, scales, w0, words, blocks, 16 * col, q, sc);
-  }
   for (unsigned int s = 0; s < steps; s++) {
     const unsigned int k = 16 * col + s * 16 * C;  // this thread's 16 columns k .. k + 15
     const bool active = k < (unsigned int)K;
@@ -75,10 +71,12 @@ for (int p0 = 0; p0 < m; p0 += RB) {  // a pass: picks p0 .. p0 + RB - 1 (later 
     if (!active) {
       continue;
     }
-    uint2 qn[T] = {};  // the next step's, in flight while this step's are summed
-    float scn[T] = {};
-    if (k + 16 * C < (unsigned int)K) {
-      gemv_fp4_load<T>(w, scales, w0, words, blocks, k + 16 * C, qn, scn);
+    uint2 q[T];  // 16 E2M1 codes of each output row
+    float sc[T];
+#pragma unroll
+    for (int i = 0; i < T; i++) {
+      q[i] = __ldg(reinterpret_cast<const uint2*>(w + (w0 + i) * words + k / 8));
+      sc[i] = __uint_as_float(((unsigned int)scales[(w0 + i) * blocks + k / 32] + 14u) << 23);  // 2^(e-127) * 2^14
     }
 #pragma unroll
     for (int h = 0; h < 2; h++) {  // columns k + 8h .. k + 8h + 7
@@ -103,11 +101,6 @@ for (int p0 = 0; p0 < m; p0 += RB) {  // a pass: picks p0 .. p0 + RB - 1 (later 
         }
       }
     }
-#pragma unroll
-    for (int i = 0; i < T; i++) {
-      q[i] = qn[i];
-      sc[i] = scn[i];
-    }
   }
 
   gemv_warp_totals<T, RB>(&acc[0][0], partial);
@@ -130,6 +123,9 @@ for (int p0 = 0; p0 < m; p0 += RB) {  // a pass: picks p0 .. p0 + RB - 1 (later 
       }
       y[(size_t)pr * NY + n0 * OT / T + o / RB] = __float2bfloat16(v);
     }
+  }
+  if (seen <= p0 + RB) {
+    break;  // (every thread alike)
   }
   __syncthreads();  // the next pass writes partial again
 }

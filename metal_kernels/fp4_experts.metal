@@ -21,11 +21,11 @@
 //
 // The work: a threadgroup per (pair, tile of (256 / C) * T outputs). A pair whose expert an
 // earlier pair (in row-major order) also picked leaves at once; the first pair of each expert
-// lists all the pairs that picked it (at most one per row) and runs them RB at a time, each
-// pass as fp8_gemv runs its rows (passes after the first read the tile's weights again, from
-// cache; with few rows an expert is picked by one or two): a thread group of C threads owns T
-// outputs and splits K, thread c taking columns 16c .. 16c + 15 of every 16 * C (8 bytes of each
-// weight row per step, loaded a step ahead so that two steps' reads are in flight).
+// runs all the pairs that picked it (at most one per row, found by a scan of the pairs after
+// it), RB at a time, each pass as fp8_gemv runs its rows (a later pass reads the tile's
+// weights again, from cache: with a verify forward's few rows an expert is picked by one or
+// two): a thread group of C threads owns T outputs and splits K, thread c taking columns
+// 16c .. 16c + 15 of every 16 * C (8 bytes of each weight row per step).
 // QX = 1: x not yet FP8 fake-quantised, the kernel quantises it as it reads it (fp8_gemv.metal).
 // SW = 1: the experts' gate and up projections, rows interleaved (w13), y [rows, KS, N / 2] their SwiGLU
 // in bf16, as fp8_gemv's SW; SW = 2: that times the pair's routing weight, float32, before
@@ -33,7 +33,7 @@
 // bit). swiglu: float32 [limit]; weights: float32 [rows * KS], each pair's (read with SW = 2).
 // Template constants: RB (the pairs a pass runs: 1, 2, 4, 8 or 16), T (outputs per thread
 // group), C (threads per thread group, a multiple of 32), QX (0 or 1), SW (0, 1 or 2); a
-// pair's bits do not depend on RB or T (kernels.fp4_experts_layout picks them).
+// pair's bits do not depend on RB or T (kernels.FP4_EXPERTS_LAYOUT).
 // CUDA twin: fp4_experts.cu.
 
 threadgroup float partial[8 * T * RB];  // each simdgroup's sums (gemv_warp_totals)
@@ -54,23 +54,11 @@ for (int q = 0; q < pair; q++) {
     return;  // the whole threadgroup: the expert's first pair does all of its pairs
   }
 }
-threadgroup int picks[16];  // the pairs (r * KS + j, in order) that picked this expert: at most one a row
-threadgroup int n_picks;
 threadgroup float e2m1[16];  // each E2M1 code's value / 2^14 (a table read costs less than a conversion)
-if (thread_position_in_threadgroup.x == 0) {
-  int m = 0;
-  for (int p = pair; p < rows * KS; p++) {  // the pairs before `pair` did not pick it
-    if (ids[p] == expert) {
-      picks[m++] = p;
-    }
-  }
-  n_picks = m;
-}
 if (thread_position_in_threadgroup.x < 16) {
   e2m1[thread_position_in_threadgroup.x] = float(as_type<half>(ushort(E2M1_HALF(thread_position_in_threadgroup.x))));
 }
 threadgroup_barrier(mem_flags::mem_threadgroup);
-const int m = n_picks;
 const uint words = uint(K) / 8;
 const uint blocks = uint(K) / 32;
 const ulong w0 = ulong(expert) * N + n0;  // the thread group's first weight row
@@ -78,19 +66,25 @@ const uint steps = (uint(K) + 16 * C - 1) / (16 * C);
 constexpr int OT = SW ? T / 2 : T;  // outputs a thread group writes: with SW, one a (gate, up) pair
 const uint NY = SW ? uint(N) / 2 : uint(N);  // outputs a pair has in y
 
-for (int p0 = 0; p0 < m; p0 += RB) {  // a pass: picks p0 .. p0 + RB - 1 (later passes read the weights from cache)
-  int pp[RB];  // the pass's pairs, -1 past the last
+for (int p0 = 0;; p0 += RB) {  // a pass: the expert's picks p0 .. p0 + RB - 1 (later ones read its weights from cache)
+  int pp[RB];  // the pass's pairs (r * KS + j), -1 past the last
+  for (int r = 0; r < RB; r++) {
+    pp[r] = -1;
+  }
+  int seen = 0;  // the expert's picks: at most one a row
+  for (int p = pair; p < rows * KS; p++) {  // the pairs before `pair` did not pick it
+    if (ids[p] == expert) {
+      for (int r = 0; r < RB; r++) {
+        pp[r] = seen == p0 + r ? p : pp[r];
+      }
+      seen++;
+    }
+  }
   int xr[RB];  // the x row each reads
   for (int r = 0; r < RB; r++) {
-    pp[r] = p0 + r < m ? picks[p0 + r] : -1;
     xr[r] = X > 1 ? pp[r] : pp[r] / KS;
   }
   float acc[T][RB] = {};  // [output][pair]
-  uint2 q[T] = {};  // 16 E2M1 codes of each output row at this step, loaded a step ahead
-  float sc[T] = {};
-  if (16 * col < uint(K)) {
-    gemv_fp4_load<T>(w, scales, w0, words, blocks, 16 * col, q, sc);
-  }
   for (uint s = 0; s < steps; s++) {
     const uint k = 16 * col + s * 16 * C;  // this thread's 16 columns k .. k + 15
     const bool active = k < uint(K);
@@ -108,10 +102,11 @@ for (int p0 = 0; p0 < m; p0 += RB) {  // a pass: picks p0 .. p0 + RB - 1 (later 
     if (!active) {
       continue;
     }
-    uint2 qn[T] = {};  // the next step's, in flight while this step's are summed
-    float scn[T] = {};
-    if (k + 16 * C < uint(K)) {
-      gemv_fp4_load<T>(w, scales, w0, words, blocks, k + 16 * C, qn, scn);
+    uint2 q[T];  // 16 E2M1 codes of each output row
+    float sc[T];
+    for (int i = 0; i < T; i++) {
+      q[i] = *((const device uint2*)(w + (w0 + i) * words + k / 8));
+      sc[i] = as_type<float>((uint(scales[(w0 + i) * blocks + k / 32]) + 14u) << 23);  // 2^(e-127) * 2^14
     }
     for (int h = 0; h < 2; h++) {  // columns k + 8h .. k + 8h + 7
       float wf[T][8];  // the weights' values (scale folded in), columns in order
@@ -131,10 +126,6 @@ for (int p0 = 0; p0 < m; p0 += RB) {  // a pass: picks p0 .. p0 + RB - 1 (later 
           gemv_lane_accumulate<T, RB>(p, &wf[0][0], &acc[0][0], r);
         }
       }
-    }
-    for (int i = 0; i < T; i++) {
-      q[i] = qn[i];
-      sc[i] = scn[i];
     }
   }
 
@@ -157,6 +148,9 @@ for (int p0 = 0; p0 < m; p0 += RB) {  // a pass: picks p0 .. p0 + RB - 1 (later 
       }
       y[ulong(pr) * NY + n0 * OT / T + o / RB] = bfloat16_t(v);
     }
+  }
+  if (seen <= p0 + RB) {
+    break;  // (every thread alike)
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);  // the next pass writes partial again
 }

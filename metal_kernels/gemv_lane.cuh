@@ -79,13 +79,3 @@ __device__ __forceinline__ float gemv_swiglu(const float gate_sum, const float u
   }
   return gate / (1.0f + expf(-gate)) * up;  // no fast math: IEEE division, precise expf
 }
-
-template <int T, typename W, typename S>  // q: [T] 16 E2M1 codes each, sc: [T] their scale * 2^14
-__device__ __forceinline__ void gemv_fp4_load(const W* w, const S* scales, const size_t row0, const unsigned int words,
-                                              const unsigned int blocks, const unsigned int k, uint2* q, float* sc) {
-#pragma unroll
-  for (int i = 0; i < T; i++) {
-    q[i] = __ldg(reinterpret_cast<const uint2*>(w + (row0 + i) * words + k / 8));
-    sc[i] = __uint_as_float(((unsigned int)scales[(row0 + i) * blocks + k / 32] + 14u) << 23);  // 2^(e-127) * 2^14
-  }
-}

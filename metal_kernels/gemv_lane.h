@@ -20,9 +20,6 @@
 // up in float32, up clamped to [-limit, limit] and gate from above where limit > 0, in the
 // operations of kernels.swiglu (MLX's fused kernel for it: x / (1 + e^-x) * up, precise exp
 // and division; a NaN passes the clamps as a NaN).
-// gemv_fp4_load: fp4_experts' weights for a thread's 16 columns k .. k + 15 of T rows from
-// row0: 8 bytes of E2M1 codes a row and the row's scale for them, as a float times 2^14 (the
-// codes' table holds their values / 2^14).
 template <int T, int RB>  // wf: [T][8], acc: [T][RB]
 inline void gemv_lane_accumulate(const uint4 p, thread const float* wf, thread float* acc, const int r) {
   float xf[8];
@@ -94,13 +91,4 @@ inline float gemv_swiglu(const float gate_sum, const float up_sum, const float l
     gate = metal::isnan(gate) ? gate : metal::min(gate, limit);
   }
   return metal::precise::divide(gate, 1.0f + metal::precise::exp(-gate)) * up;
-}
-
-template <int T, typename W, typename S>  // q: [T] 16 E2M1 codes each, sc: [T] their scale * 2^14
-inline void gemv_fp4_load(const device W* w, const device S* scales, const ulong row0, const uint words,
-                          const uint blocks, const uint k, thread uint2* q, thread float* sc) {
-  for (int i = 0; i < T; i++) {
-    q[i] = *((const device uint2*)(w + (row0 + i) * words + k / 8));
-    sc[i] = as_type<float>((uint(scales[(row0 + i) * blocks + k / 32]) + 14u) << 23);  // 2^(e-127) * 2^14
-  }
 }

@@ -55,7 +55,8 @@ for (int g = 0; g < G; g++) {
     }
   }
 }
-for (unsigned int j = warp; j < N; j += WARPS) {
+#pragma unroll 4
+for (unsigned int j = warp; j < N; j += WARPS) {  // (unrolled: four keys' reads in flight a warp)
   const __nv_bfloat16* key = ((j < W) ? ring : kv) + (size_t)key_row[j] * D;
   const bool valid = (j < W) ? wmask[s * W + j] : pmask[s * K + (j - W)];
   float dot[G] = {};
@@ -134,7 +135,8 @@ for (int g = 0; g < G; g++) {
   const unsigned int ch = tid % CH;
   const unsigned int subset = tid / CH;
   float acc[G][8] = {};
-  for (unsigned int j = subset; j < N; j += P) {
+#pragma unroll 8
+  for (unsigned int j = subset; j < N; j += P) {  // (unrolled: eight keys' reads in flight a thread)
     const __nv_bfloat16* key = ((j < W) ? ring : kv) + (size_t)key_row[j] * D;
     float kf[8];
     bf16x8_floats(__ldg(reinterpret_cast<const uint4*>(key + 8 * ch)), kf);

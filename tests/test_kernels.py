@@ -859,13 +859,12 @@ def test_gemv_threads_per_output_default_by_shape_and_can_be_set_for_benchmarks(
 def test_gemv_layout_bounds_the_computed_rows_by_a_power_of_two(monkeypatch):
     """The GEMV kernels' row bound RB is the least power of two holding the rows they compute
     (a padded forward's real rows: a 1-row decode runs RB = 1), T outputs per thread group 4
-    at RB 1 and 2 above; fp4_experts runs its pairs in passes of RB 1 at one row, 2 above; the
-    grid follows T."""
+    at RB 1 and 2 above; fp4_experts runs its pairs one a pass (RB 1, T 4) at any row count;
+    the grid follows T."""
     from dsv41_mlx import kernels
 
     assert [kernels.gemv_layout(r) for r in (1, 2, 3, 5, 8, 9, 16)] == [
         (1, 4), (2, 2), (4, 2), (8, 2), (8, 2), (16, 2), (16, 2)]
-    assert [kernels.fp4_experts_layout(r) for r in (1, 2, 6, 16)] == [(1, 4), (2, 2), (2, 2), (2, 2)]
     seen = []
 
     def compiled(spec, language):
@@ -882,7 +881,7 @@ def test_gemv_layout_bounds_the_computed_rows_by_a_power_of_two(monkeypatch):
     kernels.fp4_experts(xe, we, se, mx.zeros((3, 2), dtype=mx.uint32), impl="cuda")
     assert seen == [("fp8_gemv", 1, 4, 8192 // (8 * 4) * 256, (8, 8192)),  # all 8 rows out, padding zeros
                     ("fp8_gemv", 8, 2, 8192 // (8 * 2) * 256, (8, 8192)),
-                    ("fp4_experts", 2, 2, 3 * 2 * 64 // (8 * 2) * 256, (3, 2, 64))]  # passes of 2 pairs
+                    ("fp4_experts", 1, 4, 3 * 2 * 64 // (8 * 4) * 256, (3, 2, 64))]  # a pair a pass
 
 
 def test_gemv_kernels_quantise_bf16_input_only():
