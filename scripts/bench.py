@@ -374,12 +374,49 @@ def paired_skip_reason(asked: bool, mlxlm: dict, memory: int | None) -> str | No
     return None
 
 
+def decode_rate(model, ids: list[int], params, tokens: int, decoder=None) -> float:
+    """Tokens a second of one reply (generate.generate_step), its prefill and first token left
+    out of the rate."""
+    from dsv41_mlx.generate import generate_step
+
+    steps = generate_step(model, ids, params, tokens, decoder=decoder)
+    next(steps)
+    tic = time.perf_counter()
+    n = len(list(steps))
+    return n / (time.perf_counter() - tic)
+
+
+def paired_speedup(model, ids_list: list[list[int]], tokens: int, make_decoder, rounds: int = 2) -> dict:
+    """A speculative decoder's speed-up over plain greedy decode with the two interleaved prompt by
+    prompt, as paired_plain_decode pairs ours with mlx-lm: each pair is one prompt decoded
+    plainly and through make_decoder(i) (a fresh decoder for prompt i) back to back, who goes
+    first alternating, so that both meet the host's speed of that moment; the ratio is the
+    median of the pairs' ratios."""
+    from dsv41_mlx.sampling import SamplingParams
+
+    plain_rates, rates, ratios, probes = [], [], [], []
+    for r in range(rounds):
+        for i, ids in enumerate(ids_list):
+            probes.append(host_probe_ms())
+            runs = [lambda: decode_rate(model, ids, SamplingParams(), tokens),
+                    lambda: decode_rate(model, ids, SamplingParams(), tokens, decoder=make_decoder(i))]
+            if (r + i) % 2:
+                spec, plain = runs[1](), runs[0]()
+            else:
+                plain, spec = runs[0](), runs[1]()
+            plain_rates.append(plain)
+            rates.append(spec)
+            ratios.append(spec / plain)
+    return {"pairs": len(ratios), "ratio": statistics.median(ratios), "ratios": ratios,
+            "tok_s": statistics.median(rates), "plain_tok_s": statistics.median(plain_rates),
+            "host_probe_ms": statistics.median(probes)}
+
+
 def paired_plain_decode(model, model_path, ids_list: list[list[int]], tokens: int, rounds: int = 2) -> dict:
     """Plain greedy decode of ours and of mlx-lm interleaved prompt by prompt, both models
     loaded: each pair is one prompt through both engines back to back (who goes first
     alternates), so that the two share the host's speed of that moment; the ratio is the
     median of the pairs' ratios. Raises MlxLmUnavailable without mlx-lm 0.32.x."""
-    from dsv41_mlx.generate import generate_step
     from dsv41_mlx.sampling import SamplingParams
     from scripts.mlxlm_baseline import greedy, load_mlxlm
 
@@ -389,11 +426,7 @@ def paired_plain_decode(model, model_path, ids_list: list[list[int]], tokens: in
         ours_rates, their_rates, ratios, probes = [], [], [], []
 
         def ours(ids):
-            steps = generate_step(model, ids, SamplingParams(), tokens)
-            next(steps)  # prefill and the first token stay out, as greedy() keeps them out
-            tic = time.perf_counter()
-            n = len(list(steps))
-            return n / (time.perf_counter() - tic)
+            return decode_rate(model, ids, SamplingParams(), tokens)
 
         def mlxlm(ids):
             reply, _, seconds = greedy(theirs, ids, tokens)
@@ -443,7 +476,7 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float, 
     if max(max(ids) for ids in ids_list) >= vocab:  # before mlx-lm, which would gather past its table
         raise SystemExit(f"{model_path}: its tokenizer makes ids past the model's vocabulary of {vocab}: "
                          "the prompts cannot run on it")
-    out = {}
+    out = {"oracle_rate": oracle_rate}
     # the baseline first, on the same prompts, so that each engine has the device to itself
     try:
         before = host_probe_ms()
@@ -512,19 +545,22 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float, 
 
     runs = {}
     greedy, coupled = SamplingParams(), SamplingParams(temperature=0.8, seed=7)
+
+    def oracle_decoder(p, seq, **kw):  # a decoder whose drafter is right at oracle_rate on the sequence seq
+        return SpeculativeDecoder(model, OracleDrafter(model.drafter, seq, oracle_rate, seed=len(seq)), p,
+                                  confidence=kw.pop("confidence", "off"), **kw)
+
     for label, params, make in [
         ("plain greedy", greedy, None),
         ("plain coupled", coupled, None),
         ("drafted greedy", greedy, lambda p, seq: SpeculativeDecoder(model, model.drafter, p, confidence="off")),
         ("drafted coupled", coupled, lambda p, seq: SpeculativeDecoder(model, model.drafter, p, confidence="off")),
-        (f"oracle {oracle_rate:.2f} greedy", greedy,
-         lambda p, seq: SpeculativeDecoder(model, OracleDrafter(model.drafter, seq, oracle_rate, seed=len(seq)), p,
-                                           confidence="off")),
+        (f"oracle {oracle_rate:.2f} greedy", greedy, oracle_decoder),
         # the same drafts, each round verifying the number of them the schedule policy picks from
         # the drafter's confidence and the verify costs measured above
         (f"oracle {oracle_rate:.2f} greedy, schedule", greedy,
-         lambda p, seq: SpeculativeDecoder(model, OracleDrafter(model.drafter, seq, oracle_rate, seed=len(seq)), p,
-                                           confidence="schedule", verify_costs=[ms / 1e3 for ms in out["verify_ms"]])),
+         lambda p, seq: oracle_decoder(p, seq, confidence="schedule",
+                                       verify_costs=[ms / 1e3 for ms in out["verify_ms"]])),
     ]:
         elapsed, produced, replies, stats, oracle = 0.0, 0, [], [], [0, 0]
         probes = [host_probe_ms()]
@@ -561,9 +597,16 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float, 
             run["oracle_right_rate"] = oracle[0] / oracle[1]  # the rate its draws realised
         runs[label] = run
         print(f"  {label}: {run['tok_s']:.2f} tok/s", flush=True)
+    references = runs["plain greedy"]["replies"]
     for run in runs.values():
         del run["replies"]
     out["runs"] = runs
+
+    # the oracle against plain greedy interleaved prompt by prompt: the runs above are minutes
+    # apart, and each met the host's speed of its own moment
+    out["paired_oracle"] = paired_speedup(model, ids_list, tokens,
+                                          lambda i: oracle_decoder(greedy, ids_list[i] + references[i]))
+    print(f"  paired oracle: {out['paired_oracle']}", flush=True)
 
     # ours and mlx-lm interleaved prompt by prompt (both loaded): the ratio above compares runs
     # minutes apart, and the host's speed drifts (docs/benchmarks.md, session 10)
@@ -647,6 +690,11 @@ def print_e2e(env: dict, res: dict, model: str) -> None:
               f"every compressed position without scoring): {long['tok_s']:.2f} tok/s, "
               f"{long['tok_s'] / plain:.2f}x the short prompts' plain greedy, "
               f"{long['tok_s'] * res['floor_ms'] / 1e3:.1%} of the floor (host probe {long['host_probe_ms']:.2f} ms)\n")
+    if "paired_oracle" in res:
+        po = res["paired_oracle"]
+        print(f"oracle {res['oracle_rate']:.2f} greedy and plain greedy interleaved prompt by prompt (median of "
+              f"{po['pairs']} pairs' ratios; host probe {po['host_probe_ms']:.2f} ms): {po['tok_s']:.2f} against "
+              f"{po['plain_tok_s']:.2f} tok/s, **{po['ratio']:.2f}x**\n")
     for label, r in res["runs"].items():
         if "oracle_right_rate" in r:
             print(f"{label}: {r['rounds']} rounds, {(r['accepted'] + r['rounds']) / r['rounds']:.2f} tokens per "
