@@ -711,13 +711,14 @@ def gemv_layout(rows: int) -> tuple[int, int]:
 
 # (RB, T) of fp4_experts at any row count: each expert's threadgroups run the pairs that
 # picked it one at a time (later passes read its weights from cache), four outputs a thread
-# group. Against a pass of RB pairs (gemv_layout's bound), on the H200 (session 15, six rows
-# of top-6 among 24 experts, chained): w13 with its SwiGLU 245 us against 341 at RB 8 and 234
-# at RB 2, w2 143 against 247 and 149; at two and four rows one pair a pass was the fastest
-# of RB 1, 2 and 4 (85 / 53 us and 154 / 100 us, w13 / w2). T 4 reads 4 weight rows per
-# input value; passes of more pairs share the codes' decoding but hold more sums a thread,
-# fewer threadgroups a core. The release's 256 experts are rarely picked by two of a verify
-# forward's rows. A pair's bits do not depend on the layout.
+# group. Against a pass of RB pairs (gemv_layout's bound), on the H200 (session 15's A/B,
+# docs/benchmarks.md; six rows of top-6 among 24 experts, chained): w13 with its SwiGLU 245 us
+# against 341 at RB 8 and 234 at RB 2, w2 143 against 247 and 149; at two and four rows one
+# pair a pass was the fastest of RB 1, 2 and 4. In a six-row forward (gpu_timeline) 260 / 149
+# us against RB 8's 245 / 175. T 4 reads 4 weight rows per input value; passes of more pairs
+# share the codes' decoding but hold more sums a thread, fewer threadgroups a core. The
+# release's 256 experts are rarely picked by two of a verify forward's rows. A pair's bits do
+# not depend on the layout.
 FP4_EXPERTS_LAYOUT = (1, 4)
 
 
