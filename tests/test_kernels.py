@@ -169,6 +169,13 @@ CASES = {
                                                         "rope_sin": "float32", "params": "float32",
                                                         "rows": "int32"}, {"out": "bfloat16"},
                                      {"D": 512, "H": 64, "G": 2, "W": 128, "K": 0, "RD": 64}),
+    # the tiny checkpoint's attention: 8 chunks a key row (most lanes idle in the scores), 32 key subsets
+    "sparse_attention_tiny": (SPARSE_ATTENTION, {"q": "bfloat16", "ring": "bfloat16", "index": "int32",
+                                                 "wmask": "bool", "kv": "bfloat16", "ids": "uint32",
+                                                 "pmask": "bool", "sink": "float32", "rope_cos": "float32",
+                                                 "rope_sin": "float32", "params": "float32",
+                                                 "rows": "int32"}, {"out": "bfloat16"},
+                              {"D": 64, "H": 4, "G": 2, "W": 8, "K": 4, "RD": 16}),
     "rms_norm": (RMS_NORM, {"x": "bfloat16", "w": "float32", "eps": "float32", "sizes": "int32", **NO_ROPE},
                  {"y": "bfloat16"}, {"T": "bfloat16", "O": "bfloat16", "QUANT": 0, "ROPE": 0}),
     "rms_norm_f32": (RMS_NORM, {"x": "float32", "w": "float32", "eps": "float32", "sizes": "int32", **NO_ROPE},
