@@ -124,6 +124,9 @@ def test_draft_cache_writes_through_the_ring_kernel():
 # ------------------------------------------------------------ Metal text check
 
 NO_ROPE = {"rope_cos": "float32", "rope_sin": "float32"}  # the placeholders a norm without RoPE gets
+ATTENTION_IO = ({"q": "bfloat16", "ring": "bfloat16", "index": "int32", "wmask": "bool", "kv": "bfloat16",
+                 "ids": "uint32", "pmask": "bool", "sink": "float32", "rope_cos": "float32", "rope_sin": "float32",
+                 "params": "float32", "rows": "int32"}, {"out": "bfloat16"})  # sparse_attention's inputs, output
 
 
 def _gemv_case(RB, T, C, QX=0, SW=0, AP=0):  # noqa: N803 (the kernel's template names)
@@ -158,24 +161,11 @@ CASES = {
                             "base": "float32", "norm_w": "float32", "params": "float32", "rows": "int32"},
                  {"x": "bfloat16", "xq": "bfloat16", "pre": "float32", "post": "float32", "comb": "float32"},
                  {"D": 5120, "HC": 4, "ITERS": 20, "O": "bfloat16", "CH": 16}),
-    "sparse_attention": (SPARSE_ATTENTION, {"q": "bfloat16", "ring": "bfloat16", "index": "int32", "wmask": "bool",
-                                            "kv": "bfloat16", "ids": "uint32", "pmask": "bool", "sink": "float32",
-                                            "rope_cos": "float32", "rope_sin": "float32", "params": "float32",
-                                            "rows": "int32"}, {"out": "bfloat16"},
-                         {"D": 512, "H": 64, "G": 2, "W": 128, "K": 512, "RD": 64}),
-    "sparse_attention_window_only": (SPARSE_ATTENTION, {"q": "bfloat16", "ring": "bfloat16", "index": "int32",
-                                                        "wmask": "bool", "kv": "bfloat16", "ids": "uint32",
-                                                        "pmask": "bool", "sink": "float32", "rope_cos": "float32",
-                                                        "rope_sin": "float32", "params": "float32",
-                                                        "rows": "int32"}, {"out": "bfloat16"},
+    "sparse_attention": (SPARSE_ATTENTION, *ATTENTION_IO, {"D": 512, "H": 64, "G": 2, "W": 128, "K": 512, "RD": 64}),
+    "sparse_attention_window_only": (SPARSE_ATTENTION, *ATTENTION_IO,
                                      {"D": 512, "H": 64, "G": 2, "W": 128, "K": 0, "RD": 64}),
     # the tiny checkpoint's attention: 8 chunks a key row (most lanes idle in the scores), 32 key subsets
-    "sparse_attention_tiny": (SPARSE_ATTENTION, {"q": "bfloat16", "ring": "bfloat16", "index": "int32",
-                                                 "wmask": "bool", "kv": "bfloat16", "ids": "uint32",
-                                                 "pmask": "bool", "sink": "float32", "rope_cos": "float32",
-                                                 "rope_sin": "float32", "params": "float32",
-                                                 "rows": "int32"}, {"out": "bfloat16"},
-                              {"D": 64, "H": 4, "G": 2, "W": 8, "K": 4, "RD": 16}),
+    "sparse_attention_tiny": (SPARSE_ATTENTION, *ATTENTION_IO, {"D": 64, "H": 4, "G": 2, "W": 8, "K": 4, "RD": 16}),
     "rms_norm": (RMS_NORM, {"x": "bfloat16", "w": "float32", "eps": "float32", "sizes": "int32", **NO_ROPE},
                  {"y": "bfloat16"}, {"T": "bfloat16", "O": "bfloat16", "QUANT": 0, "ROPE": 0}),
     "rms_norm_f32": (RMS_NORM, {"x": "float32", "w": "float32", "eps": "float32", "sizes": "int32", **NO_ROPE},
@@ -643,9 +633,9 @@ def test_hc_post_input_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatc
 
 def test_attention_kernel_runs_only_where_it_fits():
     """The attention kernel takes a GPU, bfloat16 queries, at most 16 rows, heads in groups of
-    two, a width of 16-byte chunks that divide 256 and its threadgroup memory; elsewhere the model gathers the keys and runs the spec.
-    It decides on the queries' shape alone (the model asks before it makes them), and takes
-    its rows' RoPE tables."""
+    two, a width of 16-byte chunks that divide 256 and its threadgroup memory; elsewhere the
+    model gathers the keys and runs the spec. It decides on the queries' shape alone (the
+    model asks before it makes them), and takes its rows' RoPE tables."""
     from dsv41_mlx.kernels import attention_fits, sparse_attention_rows
     from dsv41_mlx.model import shared_rope
 
