@@ -696,13 +696,13 @@ def _gemv_fits(rows: int, n: int, k: int, impl: str | None) -> bool:
 
 
 def gemv_layout(rows: int) -> tuple[int, int]:
-    """(RB, T) of the GEMV kernels for `rows` computed rows. RB, the bound on rows, is the
-    least power of two holding them, T the outputs per thread group: 4 at one row (each x
-    value read serves T weight rows), 2 above. A thread holds T * RB sums in registers, and
-    the fewer registers a thread holds the more threadgroups share a core: on an H200 (NVRTC's
-    register counts, session 12) fp8_gemv fits four at RB 1 to 8 this way where RB 8 with T 4
-    fitted two, fp4_experts four or five at RB 1 to 4 (two at RB 8 either way). Neither changes
-    a row's bits: its sums run in the same order whatever the bound or the grouping."""
+    """(RB, T) of fp8_gemv for `rows` computed rows (fp4_experts: FP4_EXPERTS_LAYOUT). RB, the
+    bound on rows, is the least power of two holding them, T the outputs per thread group: 4
+    at one row (each x value read serves T weight rows), 2 above. A thread holds T * RB sums
+    in registers, and the fewer registers a thread holds the more threadgroups share a core:
+    on an H200 (NVRTC's register counts, session 12) fp8_gemv fits four at RB 1 to 8 this way
+    where RB 8 with T 4 fitted two. It does not change a row's bits: its sums run in the same
+    order whatever the bound or the grouping."""
     rb = 1
     while rb < rows:
         rb *= 2

@@ -805,7 +805,7 @@ class Fp4Stack(nn.Module):
         kernels.fp4_experts (each expert's weights read once for all the rows that picked
         it; a decode step's x it quantises as it reads it, the same bits in one launch:
         kernels.quantizes_in_kernel); the spec is MLX's gather_qmm, which runs everywhere else.
-        swiglu: this is a w13 stack (gate rows, then up rows); the output is their
+        swiglu: this is a w13 stack (gate and up rows interleaved); the output is their
         kernels.swiglu_pairs [.., out / 2], which the kernel computes as it writes."""
         if not sorted_ids and x.ndim == 4 and x.shape[2] == 1:
             per_row = x[:, :, 0]  # [N, 1|k, in]: pair (n, j) takes x[n, 0] or x[n, j]

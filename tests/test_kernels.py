@@ -450,7 +450,7 @@ def test_gemm_kernel_checks_pass_the_spec_and_flag_wrong_kernels(monkeypatch, ke
 
 def test_epilogue_check_passes_the_spec_and_flags_a_wrong_epilogue(monkeypatch):
     """scripts/check_kernels.py's gemv_epilogues check: the specs themselves pass; a SwiGLU that
-    ignores its limit, drops the pairs' weights, or takes its halves the other way round fails;
+    ignores its limit, drops the pairs' weights, or reads a pair's gate and up the other way round fails;
     so do parts added in another order, or to the padding rows too."""
     from dsv41_mlx import kernels
 
