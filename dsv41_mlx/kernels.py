@@ -127,22 +127,22 @@ def _compiled(spec: KernelSpec, language: str):
 
 
 @lru_cache(maxsize=4096)
+def _constant(dtype: mx.Dtype, *values) -> mx.array:
+    """A kernel's small argument (sizes, row counts, epsilons: a few values per model), made
+    and evaluated once per value and shared by every later call, so that a forward allocates
+    no argument arrays on the host (on CUDA, MLX's allocator may hand a host allocation a
+    device buffer from its cache and copy it to managed memory, which waits for the device)."""
+    a = mx.array(values, dtype=dtype)
+    mx.eval(a)
+    return a
+
+
 def _int32s(*values: int) -> mx.array:
-    """A kernel's small int32 argument (sizes, row counts: a few values per model), made and
-    evaluated once per value and shared by every later call, so that a forward allocates no
-    argument arrays on the host (on CUDA, MLX's allocator may hand a host allocation a device
-    buffer from its cache and copy it to managed memory, which waits for the device)."""
-    a = mx.array(values, dtype=mx.int32)
-    mx.eval(a)
-    return a
+    return _constant(mx.int32, *values)
 
 
-@lru_cache(maxsize=256)
 def _float32s(*values: float) -> mx.array:
-    """As _int32s, for float32 arguments (epsilons, scales)."""
-    a = mx.array(values, dtype=mx.float32)
-    mx.eval(a)
-    return a
+    return _constant(mx.float32, *values)
 
 
 # -------------------------------------------------------------------- fp8_rows
@@ -601,14 +601,6 @@ def swiglu_pairs(y: mx.array, act: SwiGLU) -> mx.array:
     return (h if act.weights is None else h * act.weights).astype(mx.bfloat16)
 
 
-@lru_cache(maxsize=1)
-def _no_parts() -> mx.array:
-    """fp8_gemv's parts input where it adds none (AP 0: never read), made once."""
-    a = mx.zeros((1,), dtype=mx.bfloat16)
-    mx.eval(a)
-    return a
-
-
 def _swiglu_arguments(act: SwiGLU | None, pairs: int = 0) -> tuple[int, mx.array, mx.array]:
     """A GEMV kernel's SW and its swiglu and weights inputs: SW 0 without a SwiGLU (neither
     read), 1 with [limit], 2 with [limit] and the pairs' weights (fp4_experts)."""
@@ -780,7 +772,7 @@ def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None
         raise ValueError(f"fp8_gemv adds parts [computed rows, 1..16, N] to a dense GEMM's x [S, K] without a "
                          f"SwiGLU: got parts {None if parts is None else parts.shape} for x {x.shape}, w {w.shape}, "
                          f"{rows} computed rows")
-    added = _no_parts() if parts is None else parts.astype(mx.bfloat16)
+    added = _constant(mx.bfloat16, 0.0) if parts is None else parts.astype(mx.bfloat16)  # AP 0: never read
     return _gemv_launch(FP8_GEMV, impl, [x.astype(mx.bfloat16), w, scales, _int32s(rows, N, K, G, S), limit, added],
                         rows, G, N, x.shape[:-1], init_value, quantize_input,
                         threads or gemv_threads_per_output(K, N * G), sw,
