@@ -386,68 +386,63 @@ def decode_rate(model, ids: list[int], params, tokens: int, decoder=None) -> flo
     return n / (time.perf_counter() - tic)
 
 
-def paired_speedup(model, ids_list: list[list[int]], tokens: int, make_decoder, rounds: int = 2) -> dict:
-    """A speculative decoder's speed-up over plain greedy decode with the two interleaved prompt by
-    prompt, as paired_plain_decode pairs ours with mlx-lm: each pair is one prompt decoded
-    plainly and through make_decoder(i) (a fresh decoder for prompt i) back to back, who goes
-    first alternating, so that both meet the host's speed of that moment; the ratio is the
-    median of the pairs' ratios."""
-    from dsv41_mlx.sampling import SamplingParams
-
-    plain_rates, rates, ratios, probes = [], [], [], []
+def interleaved(ours, theirs, prompts: int, rounds: int = 2) -> dict:
+    """Two decode rates of each prompt i, ours(i) and theirs(i), taken back to back (who goes
+    first alternating), for every prompt, `rounds` times, so that both meet the host's speed
+    of that moment: the pairs' ratios ours / theirs, their median, each side's median rate and
+    the host probe's median (taken before each pair)."""
+    ours_rates, their_rates, ratios, probes = [], [], [], []
     for r in range(rounds):
-        for i, ids in enumerate(ids_list):
+        for i in range(prompts):
             probes.append(host_probe_ms())
-            runs = [lambda: decode_rate(model, ids, SamplingParams(), tokens),
-                    lambda: decode_rate(model, ids, SamplingParams(), tokens, decoder=make_decoder(i))]
-            if (r + i) % 2:
-                spec, plain = runs[1](), runs[0]()
+            if (r + i) % 2 == 0:
+                a, b = ours(i), theirs(i)
             else:
-                plain, spec = runs[0](), runs[1]()
-            plain_rates.append(plain)
-            rates.append(spec)
-            ratios.append(spec / plain)
+                b, a = theirs(i), ours(i)
+            ours_rates.append(a)
+            their_rates.append(b)
+            ratios.append(a / b)
     return {"pairs": len(ratios), "ratio": statistics.median(ratios), "ratios": ratios,
-            "tok_s": statistics.median(rates), "plain_tok_s": statistics.median(plain_rates),
+            "tok_s": statistics.median(ours_rates), "their_tok_s": statistics.median(their_rates),
             "host_probe_ms": statistics.median(probes)}
 
 
+def paired_speedup(model, ids_list: list[list[int]], tokens: int, make_decoder, rounds: int = 2) -> dict:
+    """A speculative decoder's speed-up over plain greedy decode, the two interleaved prompt by
+    prompt (interleaved; as paired_plain_decode pairs ours with mlx-lm): prompt i decoded
+    through make_decoder(i) (a fresh decoder) and plainly; tok_s the decoder's, plain_tok_s
+    plain decode's."""
+    from dsv41_mlx.sampling import SamplingParams
+
+    res = interleaved(
+        lambda i: decode_rate(model, ids_list[i], SamplingParams(), tokens, decoder=make_decoder(i)),
+        lambda i: decode_rate(model, ids_list[i], SamplingParams(), tokens), len(ids_list), rounds)
+    res["plain_tok_s"] = res.pop("their_tok_s")
+    return res
+
+
 def paired_plain_decode(model, model_path, ids_list: list[list[int]], tokens: int, rounds: int = 2) -> dict:
-    """Plain greedy decode of ours and of mlx-lm interleaved prompt by prompt, both models
-    loaded: each pair is one prompt through both engines back to back (who goes first
-    alternates), so that the two share the host's speed of that moment; the ratio is the
-    median of the pairs' ratios. Raises MlxLmUnavailable without mlx-lm 0.32.x."""
+    """Plain greedy decode of ours and of mlx-lm interleaved prompt by prompt (interleaved),
+    both models loaded; tok_s ours, mlxlm_tok_s mlx-lm's. Raises MlxLmUnavailable without
+    mlx-lm 0.32.x."""
     from dsv41_mlx.sampling import SamplingParams
     from scripts.mlxlm_baseline import greedy, load_mlxlm
 
     theirs = load_mlxlm(model_path)
     try:
         greedy(theirs, ids_list[0], 4)  # its kernels built and its traces made before timing
-        ours_rates, their_rates, ratios, probes = [], [], [], []
 
-        def ours(ids):
-            return decode_rate(model, ids, SamplingParams(), tokens)
-
-        def mlxlm(ids):
-            reply, _, seconds = greedy(theirs, ids, tokens)
+        def mlxlm(i):
+            reply, _, seconds = greedy(theirs, ids_list[i], tokens)
             return (len(reply) - 1) / seconds
 
-        for r in range(rounds):
-            for i, ids in enumerate(ids_list):
-                probes.append(host_probe_ms())
-                if (r + i) % 2 == 0:
-                    a, b = ours(ids), mlxlm(ids)
-                else:
-                    b, a = mlxlm(ids), ours(ids)
-                ours_rates.append(a)
-                their_rates.append(b)
-                ratios.append(a / b)
+        res = interleaved(lambda i: decode_rate(model, ids_list[i], SamplingParams(), tokens), mlxlm,
+                          len(ids_list), rounds)
     finally:
         del theirs
         mx.clear_cache()
-    return {"pairs": len(ratios), "ratio": statistics.median(ratios), "ratios": ratios,
-            "tok_s": statistics.median(ours_rates), "mlxlm_tok_s": statistics.median(their_rates),
-            "host_probe_ms": statistics.median(probes)}
+    res["mlxlm_tok_s"] = res.pop("their_tok_s")
+    return res
 
 
 def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float, paired: bool = True,
@@ -546,9 +541,9 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float, 
     runs = {}
     greedy, coupled = SamplingParams(), SamplingParams(temperature=0.8, seed=7)
 
-    def oracle_decoder(p, seq, **kw):  # a decoder whose drafter is right at oracle_rate on the sequence seq
+    def oracle_decoder(p, seq, confidence="off", verify_costs=None):  # drafts right at oracle_rate on seq
         return SpeculativeDecoder(model, OracleDrafter(model.drafter, seq, oracle_rate, seed=len(seq)), p,
-                                  confidence=kw.pop("confidence", "off"), **kw)
+                                  confidence=confidence, verify_costs=verify_costs)
 
     for label, params, make in [
         ("plain greedy", greedy, None),
