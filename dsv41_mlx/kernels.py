@@ -15,7 +15,9 @@ The bodies share `fp8_common.h` (integer bit tricks valid in both languages).
 
 from __future__ import annotations
 
+import hashlib
 import os
+import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -119,11 +121,48 @@ FP4_EXPERTS = KernelSpec("fp4_experts", ("x", "w", "scales", "ids", "sizes", "sw
                          "fp4_experts.metal", "fp4_experts.cu", twin_headers=("fp8_lane", "bf16_lane", "gemv_lane"))
 
 
+# MLX 0.32's CUDA backend hashes a custom kernel's whole text (its header and body, 2-12 KB
+# here) every time it launches it, to name the kernel's module: about 3 MB a decode step,
+# 6% of the step's host time (docs/benchmarks.md, session 16). So on CUDA the texts reach
+# NVRTC through `#include` of a copy on disk, and a launch hashes two short lines; each copy
+# sits in a folder named by a digest of its texts, so changed texts are new files, a new
+# kernel name and a new build. False passes the texts themselves (for comparison).
+CUDA_TEXT_BY_INCLUDE = True
+
+
 @lru_cache(maxsize=None)
 def _compiled(spec: KernelSpec, language: str):
-    make = mx.fast.metal_kernel if language == "metal" else mx.fast.cuda_kernel
-    return make(name=spec.name, input_names=list(spec.inputs), output_names=list(spec.outputs),
-                source=spec.source(language), header=spec.header(language))
+    if language == "metal":
+        return mx.fast.metal_kernel(name=spec.name, input_names=list(spec.inputs),
+                                    output_names=list(spec.outputs), source=spec.source(language),
+                                    header=spec.header(language))
+    header, source = spec.header(language), spec.source(language)
+    if CUDA_TEXT_BY_INCLUDE:
+        header, source = included_texts(spec.name, header, source)
+    return mx.fast.cuda_kernel(name=spec.name, input_names=list(spec.inputs), output_names=list(spec.outputs),
+                               source=source, header=header)
+
+
+def included_texts(name: str, header: str, source: str, root: Path | None = None) -> tuple[str, str]:
+    """(header, source) as two `#include` lines of copies written once under
+    root/<digest of both texts>/ (root: a folder of this user's in the system's temporary
+    directory). The texts themselves where the copies cannot be written or their path
+    cannot stand in an #include."""
+    root = root or Path(tempfile.gettempdir()) / f"dsv41_mlx-cuda-{os.getuid()}"
+    folder = root / hashlib.sha256(f"{header}\0{source}".encode()).hexdigest()[:24]
+    files = {folder / f"{name}.cuh": header, folder / f"{name}.cu": source}
+    if any(c in str(folder) for c in '"\\\n') or not str(folder).isascii():
+        return header, source
+    try:
+        for path, text in files.items():
+            if not path.exists() or path.read_text() != text:
+                folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+                part = path.with_suffix(f".{os.getpid()}.part")
+                part.write_text(text)
+                os.replace(part, path)  # another process may write the same copy: either is whole
+    except OSError:
+        return header, source
+    return tuple(f'#include "{path}"\n' for path in files)
 
 
 @lru_cache(maxsize=4096)

@@ -47,18 +47,27 @@ def fused(*parts: str):
     For methods that are pure functions of their array arguments and those
     weights; Python attributes they read are frozen at the first call. Every call
     flattens the named parts, so a method names only the parts it uses: a whole
-    block is dozens of arrays, a norm and its mixes a handful."""
+    block is dozens of arrays, a norm and its mixes a handful.
+
+    Each shape of the first argument (a forward's rows) gets a compiled function of its
+    own: MLX finds a call's trace by comparing it with each trace of that function in
+    turn, and the warm-up and prefill's chunks leave dozens; a decode step's ~240 calls
+    spent ~4% of its host time searching (docs/benchmarks.md, session 16)."""
 
     def decorate(method):
         name = f"_fused_{method.__name__}"
 
         @functools.wraps(method)
         def call(self, *args):
-            compiled = self.__dict__.get(name)
+            by_shape = self.__dict__.get(name)
+            if by_shape is None:
+                by_shape = {}
+                object.__setattr__(self, name, by_shape)
+            shape = getattr(args[0], "shape", None) if args else None
+            compiled = by_shape.get(shape)
             if compiled is None:
                 inputs = [getattr(self, p) for p in parts] if parts else self
-                compiled = mx.compile(functools.partial(method, self), inputs=inputs)
-                object.__setattr__(self, name, compiled)
+                compiled = by_shape[shape] = mx.compile(functools.partial(method, self), inputs=inputs)
             return compiled(*args)
 
         return call

@@ -14,6 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from dsv41_mlx import kernels
 from dsv41_mlx.cache import DraftCache
 from dsv41_mlx.kernels import (ACT_QUANT, FP4_EXPERTS, FP4_QUANT, FP8_GEMV, FP8_ROWS, HC_INPUT, HC_MIX, HC_POST_MIX,
                                HC_SPLIT, MOE_GATE_SCORES, MOE_GATE_TOPK, RING_WRITE, RMS_NORM, SPARSE_ATTENTION, TOP_K,
@@ -318,6 +319,42 @@ def test_a_broken_cuda_source_fails_the_compile(case, breakage):
     assert old in body
     ok, log = cuda_check.compile_cuda(_cuda_wrapped(case, body.replace(old, new, 1)))
     assert not ok and "error" in log
+
+
+@on_linux
+def test_cuda_text_by_include_compiles_the_same_text(tmp_path):
+    """On CUDA the kernels' texts reach NVRTC as #include lines of copies (kernels.included_texts,
+    so that MLX hashes two lines a launch, not the text): the copies hold the texts, NVRTC
+    builds the include form, and a broken copy fails it (NVRTC read the file)."""
+    spec, inputs, outputs, template = CASES["hc_input"]
+    header, body = spec.header("cuda"), spec.source("cuda")
+    inc_header, inc_body = kernels.included_texts(spec.name, header, body, root=tmp_path)
+    assert inc_header.startswith("#include") and inc_body.startswith("#include")
+    assert len(inc_header) + len(inc_body) < 2 * len(str(tmp_path)) + 200 < len(header) + len(body)
+    (copy,) = tmp_path.glob("*/hc_input.cu")
+    assert copy.read_text() == body and copy.with_suffix(".cuh").read_text() == header
+    ok, log = cuda_check.compile_cuda(cuda_check.wrap(spec.name, inc_body, inc_header, inputs, outputs, template))
+    assert ok, log
+    copy.write_text(body.replace("__float2bfloat16(c)", "__float2bfloat16(c, 1)", 1))
+    ok, log = cuda_check.compile_cuda(cuda_check.wrap(spec.name, inc_body, inc_header, inputs, outputs, template))
+    assert not ok and "error" in log
+
+
+def test_included_texts_follow_their_content(tmp_path):
+    """Another text is another folder (a new name for MLX's build cache, never a stale build);
+    the same text again is the same lines, and a copy that no longer matches is rewritten;
+    a folder that cannot be written gives the texts themselves."""
+    first = kernels.included_texts("k", "// header\n", "y[0] = 1;\n", root=tmp_path)
+    assert kernels.included_texts("k", "// header\n", "y[0] = 1;\n", root=tmp_path) == first
+    other = kernels.included_texts("k", "// header\n", "y[0] = 2;\n", root=tmp_path)
+    assert other[1] != first[1] and len(list(tmp_path.iterdir())) == 2
+    (copy,) = [p for p in tmp_path.glob("*/k.cu") if p.read_text() == "y[0] = 1;\n"]
+    copy.write_text("edited")
+    assert kernels.included_texts("k", "// header\n", "y[0] = 1;\n", root=tmp_path) == first
+    assert copy.read_text() == "y[0] = 1;\n"
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    assert kernels.included_texts("k", "// h\n", "y[0] = 3;\n", root=blocked) == ("// h\n", "y[0] = 3;\n")
 
 
 @on_linux
