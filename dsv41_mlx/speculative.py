@@ -53,9 +53,12 @@ class ConfidencePolicy:
 
     * `off`: all of them.
     * `threshold`: the leading drafts whose survival probability prod_{i<=k} c_i is >= `threshold`.
-    * `schedule`: the length l maximising (1 + sum_{j<=l} prod_{i<=j} c_i) / T_verify(l+1),
-      tokens expected per round over the measured cost of verifying l+1 rows,
-      growing l while the ratio improves (stops at the first non-improving l).
+    * `schedule`: the length l maximising (1 + sum_{j<=l} prod_{i<=j} c_i) / T_round(l+1),
+      tokens expected per round over what a round verifying l+1 rows costs, growing l
+      while the ratio improves (stops at the first non-improving l). T_round is the
+      measured verify forward T_verify plus the round's other work (SpeculativeDecoder.
+      round_costs): a round also proposes, reads the result back and ingests, whatever
+      it verifies, and that fixed part makes longer verifies relatively cheaper.
     """
 
     mode: str = "off"
@@ -192,6 +195,18 @@ class SpeculativeDecoder:
         self.costs = verify_costs
         self.stats = DraftStats(drafter.block)
         self.draft_cache: DraftCache | None = None  # set by speculative_decode
+        self.beyond_verify = [0.0, 0]  # the rounds' seconds beyond costs[their verify rows - 1], and rounds
+
+    def round_costs(self) -> list[float] | None:
+        """What a round verifying 1, 2, .. rows costs, for the schedule: the measured verify
+        forwards (self.costs, on a short scratch cache) plus the mean of what this decoder's
+        rounds took beyond them (propose, read-backs, ingest, a longer cache). Session 15
+        found rounds ~14 ms dearer than the forward alone (docs/benchmarks.md): without
+        that part the schedule verified too few drafts."""
+        if self.costs is None:
+            return None
+        total, rounds = self.beyond_verify
+        return [c + (total / rounds if rounds else 0.0) for c in self.costs]
 
     def pick(self, position: int):
         """The drafter's picker for a block whose first draft sits at `position`."""
@@ -215,7 +230,7 @@ class SpeculativeDecoder:
         tokens after the anchor (accepted drafts, then the bonus token). Verifies at most
         budget-1 drafts, so the round returns at most `budget` tokens."""
         anchor_pos = cache.offset
-        tic = time.perf_counter()
+        tic = start = time.perf_counter()
         picker = self.pick(anchor_pos + 1)
         proposal = self.drafter.propose(draft_cache, anchor, picker)
         mx.eval(proposal.drafts, proposal.logits, proposal.confidence)
@@ -223,7 +238,7 @@ class SpeculativeDecoder:
         self.stats.propose_s += toc - tic
 
         confidence = mx.sigmoid(proposal.confidence).tolist()
-        ell = min(self.policy.verify_length(confidence, self.costs), budget - 1)
+        ell = min(self.policy.verify_length(confidence, self.round_costs()), budget - 1)
         drafts = proposal.drafts[:ell]
         logits, features = self.model.decode([anchor] + drafts.tolist(), cache)
         accepted, next_token = self.accept(logits[0], proposal, ell, anchor_pos + 1)
@@ -234,8 +249,12 @@ class SpeculativeDecoder:
         cache.trim(ell - accepted)
         self.drafter.ingest(draft_cache, features[0, : accepted + 1])
         mx.eval(draft_cache.rings)
-        self.stats.ingest_s += time.perf_counter() - tic
+        done = time.perf_counter()
+        self.stats.ingest_s += done - tic
         self.stats.add_round(ell, accepted)
+        if self.costs is not None:
+            self.beyond_verify[0] += max(0.0, done - start - self.costs[ell])
+            self.beyond_verify[1] += 1
         return drafts[:accepted].tolist() + [next_token]
 
     def accept(self, logits: mx.array, proposal: Proposal, ell: int, first_pos: int) -> tuple[int, int]:

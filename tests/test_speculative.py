@@ -279,6 +279,37 @@ def test_confidence_policies_choose_the_verify_length():
     assert ConfidencePolicy.parse("schedule").verify_length(c, flat_costly) == 0
 
 
+def test_schedule_counts_a_rounds_work_beyond_its_verify_forward(fixture_model):
+    """The schedule weighs a round's whole cost: the measured verify forwards plus the mean
+    of what the decoder's rounds took beyond them. A fixed part makes verifying more drafts
+    relatively cheaper, so the schedule verifies more of them than on the forwards alone."""
+    c = [0.9, 0.8, 0.5, 0.2, 0.1]
+    forwards = [1.0, 1.6, 2.4, 3.2, 4.0, 4.8]
+    decoder = SpeculativeDecoder(fixture_model, fixture_model.drafter, GREEDY, confidence="schedule",
+                                 verify_costs=forwards)
+    assert decoder.round_costs() == forwards  # no round yet
+    schedule = ConfidencePolicy.parse("schedule")
+    assert schedule.verify_length(c, decoder.round_costs()) == 1  # 1.9 / 1.6 > 2.62 / 2.4
+    decoder.beyond_verify = [4.0, 2]  # two rounds, 1.5 and 2.5 s beyond their forwards
+    assert decoder.round_costs() == pytest.approx([f + 2.0 for f in forwards])
+    assert schedule.verify_length(c, decoder.round_costs()) == 2  # 2.62 / 4.4 > 2.98 / 5.2
+    off = SpeculativeDecoder(fixture_model, fixture_model.drafter, GREEDY, confidence="off")
+    assert off.round_costs() is None
+
+
+def test_schedule_rounds_record_their_time_beyond_the_forward(fixture_model):
+    """Each round of a scheduled decoder adds its time beyond its verify forward's measured
+    cost; a decoder without costs records nothing."""
+    decoder = SpeculativeDecoder(fixture_model, fixture_model.drafter, GREEDY, confidence="schedule",
+                                 verify_costs=[1e-6] * (fixture_model.drafter.block + 1))
+    _reply(fixture_model, PROMPTS[0], GREEDY, decoder, max_tokens=12)
+    assert decoder.stats.rounds >= 2 and decoder.beyond_verify[1] == decoder.stats.rounds
+    assert decoder.beyond_verify[0] > 0
+    unscheduled = SpeculativeDecoder(fixture_model, fixture_model.drafter, GREEDY, confidence="off")
+    _reply(fixture_model, PROMPTS[0], GREEDY, unscheduled, max_tokens=12)
+    assert unscheduled.stats.rounds >= 2 and unscheduled.beyond_verify == [0.0, 0]
+
+
 @pytest.mark.parametrize("spec", ["sometimes", "threshold:", "threshold:1.5", "threshold:x", ""])
 def test_bad_confidence_policy_is_rejected(spec):
     with pytest.raises(ValueError, match="confidence"):
