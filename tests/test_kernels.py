@@ -125,6 +125,11 @@ def test_draft_cache_writes_through_the_ring_kernel():
 # ------------------------------------------------------------ Metal text check
 
 NO_ROPE = {"rope_cos": "float32", "rope_sin": "float32"}  # the placeholders a norm without RoPE gets
+HC_POST_MIX_IO = ({"y": "bfloat16", "residual": "bfloat16", "post": "float32", "comb": "float32", "fn": "float32",
+                   "rows": "int32"}, {"parts": "float32", "h": "bfloat16"})
+HC_INPUT_IO = ({"h": "bfloat16", "pre_in": "float32", "parts": "float32", "scale": "float32", "base": "float32",
+                "norm_w": "float32", "params": "float32", "rows": "int32"},
+               {"x": "bfloat16", "xq": "bfloat16", "pre": "float32", "post": "float32", "comb": "float32"})
 ATTENTION_IO = ({"q": "bfloat16", "ring": "bfloat16", "index": "int32", "wmask": "bool", "kv": "bfloat16",
                  "ids": "uint32", "pmask": "bool", "sink": "float32", "rope_cos": "float32", "rope_sin": "float32",
                  "params": "float32", "rows": "int32"}, {"out": "bfloat16"})  # sparse_attention's inputs, output
@@ -155,13 +160,11 @@ CASES = {
                          {"T": "bfloat16", "O": "float32"}),
     "hc_mix": (HC_MIX, {"h": "bfloat16", "fn": "float32", "rows": "int32"}, {"parts": "float32"},
                {"D": 5120, "HC": 4, "CH": 16}),
-    "hc_post_mix": (HC_POST_MIX, {"y": "bfloat16", "residual": "bfloat16", "post": "float32", "comb": "float32",
-                                  "fn": "float32", "rows": "int32"}, {"parts": "float32", "h": "bfloat16"},
-                    {"D": 5120, "HC": 4, "CH": 16}),
-    "hc_input": (HC_INPUT, {"h": "bfloat16", "pre_in": "float32", "parts": "float32", "scale": "float32",
-                            "base": "float32", "norm_w": "float32", "params": "float32", "rows": "int32"},
-                 {"x": "bfloat16", "xq": "bfloat16", "pre": "float32", "post": "float32", "comb": "float32"},
-                 {"D": 5120, "HC": 4, "ITERS": 20, "O": "bfloat16", "CH": 16}),
+    "hc_post_mix": (HC_POST_MIX, *HC_POST_MIX_IO, {"D": 5120, "HC": 4, "CH": 16}),
+    "hc_input": (HC_INPUT, *HC_INPUT_IO, {"D": 5120, "HC": 4, "ITERS": 20, "O": "bfloat16", "CH": 16}),
+    # the tiny checkpoint's width: a row's features and a chunk's values not a whole number of passes
+    "hc_input_tiny": (HC_INPUT, *HC_INPUT_IO, {"D": 64, "HC": 4, "ITERS": 20, "O": "bfloat16", "CH": 16}),
+    "hc_post_mix_tiny": (HC_POST_MIX, *HC_POST_MIX_IO, {"D": 64, "HC": 4, "CH": 16}),
     "sparse_attention": (SPARSE_ATTENTION, *ATTENTION_IO, {"D": 512, "H": 64, "G": 2, "W": 128, "K": 512, "RD": 64}),
     "sparse_attention_window_only": (SPARSE_ATTENTION, *ATTENTION_IO,
                                      {"D": 512, "H": 64, "G": 2, "W": 128, "K": 0, "RD": 64}),
@@ -234,7 +237,8 @@ def test_metal_source_type_checks(case, rows, tmp_path):
     ("moe_gate_scores", ("a += simd_shuffle_xor(a, offset);", "a += simd_shuffle_xor(a);")),  # bad call
     ("moe_gate_scores", ("threadgroup float partial[WARPS][RB];", "threadgroup float partial[WARPS][RB]")),
     ("moe_gate_topk", ("threadgroup int picked[K];", "threadgroup int picked[K]")),  # no semicolon
-    ("hc_input", ("collapsed[d] = cb;", "collapsed[d] = cb")),  # no semicolon
+    ("hc_input", ("cb[k] = float(bfloat16_t(c));", "cb[k] = float(bfloat16_t(c))")),  # no semicolon
+    ("hc_input", ("(mix, scale, base, params[1], pre", "(mix, scale, params[1], pre")),  # hc_split_lanes' arguments
     ("hc_input", ("bfloat16_t(c)", "bfloat16_t(c, 1)")),  # bad conversion
     ("hc_mix", ("acc[m] += v * fc[m * HD + j];", "acc[m] += v * fc;")),  # pointer into a float
     ("hc_post_mix", ("(acc, &partial[0][0], lane,", "(acc, partial, lane,")),  # 2-d array for a pointer
@@ -293,6 +297,8 @@ def test_cuda_source_compiles(case):
     ("moe_gate_topk", ("choice[bi] = neg_inf;", "choice[bi] = neg_infinity;")),  # misspelt variable
     ("moe_gate_scores", ("const float wd = we[d];", "const float wd = we;")),  # pointer to float
     ("hc_input", ("__float2bfloat16(c)", "__float2bfloat16(c, 1)")),  # bad call
+    ("hc_input", ("(mix, scale, base, params[1], pre", "(mix, scale, params[1], pre")),  # hc_split_lanes' arguments
+    ("hc_input", ("w[k] = EVEN || d < (unsigned int)D ? norm_w[d] : 0.0f;", "w = norm_w[d];")),
     ("hc_mix", ("acc[m] += v * fc[m * HD + j];", "acc[m] += v * fc;")),  # pointer into a float
     ("hc_post_mix", ("(acc, &partial[0][0], lane,", "(acc, partial, lane,")),  # 2-d array for a pointer
     ("hc_post_mix", ("__float2bfloat16(post[row * HC + c]", "__float2bfloat16(posts[row * HC + c]")),  # misspelt
@@ -567,6 +573,8 @@ def test_hc_input_runs_only_where_it_fits():
     assert hc_input_fits(h, impl="cuda") and hc_input_fits(h, impl="metal")
     assert not hc_input_fits(mx.zeros((17, 4, 512), dtype=mx.bfloat16), impl="cuda")
     assert not hc_input_fits(h.astype(mx.float32), impl="cuda")
+    assert not hc_input_fits(mx.zeros((1, 4, 8192 + 32), dtype=mx.bfloat16), impl="cuda")  # registers
+    assert not hc_input_fits(mx.zeros((1, 5, 512), dtype=mx.bfloat16), impl="metal")  # 35 mixes, 32 lanes
     with pytest.raises(ValueError, match="hc_input takes"):
         hc_input(h, mx.zeros((8, 4)), mx.zeros((24, 2048)), mx.zeros((3,)), mx.zeros((24,)), mx.ones((512,)),
                  20, 1e-6, 1e-6, 1e-6, mx.bfloat16)
