@@ -372,7 +372,8 @@ def moe_gate(x: mx.array, w: mx.array, bias: mx.array, k: int, temp: float, rout
         return moe_gate_reference(x, w, bias, k, temp, route_scale, normalize)
     (scores,) = _compiled(MOE_GATE_SCORES, impl)(
         inputs=[x, w.astype(mx.float32), _float32s(temp), _int32s(N, E, D)],
-        template=[("T", x.dtype), ("RB", 8 if N <= 8 else 16)], grid=(E * 256, 1, 1), threadgroup=(256, 1, 1),
+        template=[("T", x.dtype), ("RB", 8 if N <= 8 else 16), ("D", D)], grid=(E * 256, 1, 1),
+        threadgroup=(256, 1, 1),
         output_shapes=[(N, E)], output_dtypes=[mx.float32])
     weights, ids = _compiled(MOE_GATE_TOPK, impl)(
         inputs=[scores, bias.astype(mx.float32), _float32s(route_scale),

@@ -125,6 +125,8 @@ def test_draft_cache_writes_through_the_ring_kernel():
 # ------------------------------------------------------------ Metal text check
 
 NO_ROPE = {"rope_cos": "float32", "rope_sin": "float32"}  # the placeholders a norm without RoPE gets
+MOE_GATE_SCORES_IO = ({"x": "bfloat16", "w": "float32", "params": "float32", "sizes": "int32"},
+                      {"scores": "float32"})
 HC_POST_MIX_IO = ({"y": "bfloat16", "residual": "bfloat16", "post": "float32", "comb": "float32", "fn": "float32",
                    "rows": "int32"}, {"parts": "float32", "h": "bfloat16"})
 HC_INPUT_IO = ({"h": "bfloat16", "pre_in": "float32", "parts": "float32", "scale": "float32", "base": "float32",
@@ -184,8 +186,8 @@ CASES = {
                      {"T": "bfloat16", "BLOCK": 16, "SCALE_E4M3": 1}),
     "fp4_quant_index": (FP4_QUANT, {"x": "float32", "n": "int32"}, {"y": "float32"},
                         {"T": "float32", "BLOCK": 32, "SCALE_E4M3": 0}),
-    "moe_gate_scores": (MOE_GATE_SCORES, {"x": "bfloat16", "w": "float32", "params": "float32", "sizes": "int32"},
-                        {"scores": "float32"}, {"T": "bfloat16", "RB": 8}),
+    "moe_gate_scores": (MOE_GATE_SCORES, *MOE_GATE_SCORES_IO, {"T": "bfloat16", "RB": 8, "D": 5120}),
+    "moe_gate_scores_tiny": (MOE_GATE_SCORES, *MOE_GATE_SCORES_IO, {"T": "float32", "RB": 16, "D": 64}),
     "fp8_gemv": _gemv_case(RB=8, T=4, C=32),
     "fp8_gemv_16_rows": _gemv_case(RB=16, T=4, C=256),
     "fp8_gemv_quantizing": _gemv_case(RB=16, T=4, C=64, QX=1),
