@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -143,12 +142,18 @@ def _compiled(spec: KernelSpec, language: str):
                                source=source, header=header)
 
 
+def kernel_text_cache() -> Path:
+    """Where included_texts writes its copies: the user's cache directory ($XDG_CACHE_HOME,
+    else ~/.cache), not a shared temporary one, where another user could change a copy
+    between its check and NVRTC's read."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dsv41_mlx" / "cuda-kernels"
+
+
 def included_texts(name: str, header: str, source: str, root: Path | None = None) -> tuple[str, str]:
     """(header, source) as two `#include` lines of copies written once under
-    root/<digest of both texts>/ (root: a folder of this user's in the system's temporary
-    directory). The texts themselves where the copies cannot be written or their path
-    cannot stand in an #include."""
-    root = root or Path(tempfile.gettempdir()) / f"dsv41_mlx-cuda-{os.getuid()}"
+    root/<digest of both texts>/ (root: kernel_text_cache()). The texts themselves where
+    the copies cannot be written or their path cannot stand in an #include."""
+    root = root or kernel_text_cache()
     folder = root / hashlib.sha256(f"{header}\0{source}".encode()).hexdigest()[:24]
     files = {folder / f"{name}.cuh": header, folder / f"{name}.cu": source}
     if any(c in str(folder) for c in '"\\\n') or not str(folder).isascii():

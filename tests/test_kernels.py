@@ -9,6 +9,7 @@ scripts/check_kernels.py (through the device tool).
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -363,6 +364,16 @@ def test_included_texts_follow_their_content(tmp_path):
     blocked = tmp_path / "file"
     blocked.write_text("")
     assert kernels.included_texts("k", "// h\n", "y[0] = 3;\n", root=blocked) == ("// h\n", "y[0] = 3;\n")
+
+
+def test_included_texts_go_to_the_users_cache(tmp_path, monkeypatch):
+    """The copies live in the user's cache directory ($XDG_CACHE_HOME, else ~/.cache), not a
+    temporary directory other users share."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    header, source = kernels.included_texts("k", "// header\n", "y[0] = 1;\n")
+    assert str(tmp_path / "dsv41_mlx" / "cuda-kernels") in source
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert kernels.kernel_text_cache() == Path.home() / ".cache" / "dsv41_mlx" / "cuda-kernels"
 
 
 @on_linux
