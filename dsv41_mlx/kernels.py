@@ -153,7 +153,10 @@ def included_texts(name: str, header: str, source: str, root: Path | None = None
     """(header, source) as two `#include` lines of copies written once under
     root/<digest of both texts>/ (root: kernel_text_cache()). The texts themselves where
     the copies cannot be written or their path cannot stand in an #include."""
-    root = root or kernel_text_cache()
+    try:
+        root = root or kernel_text_cache()
+    except RuntimeError:  # no home directory to be found (Path.home)
+        return header, source
     folder = root / hashlib.sha256(f"{header}\0{source}".encode()).hexdigest()[:24]
     files = {folder / f"{name}.cuh": header, folder / f"{name}.cu": source}
     if any(c in str(folder) for c in '"\\\n') or not str(folder).isascii():

@@ -102,21 +102,22 @@ class ConfidencePolicy:
 
 def measure_verify_costs(model, rows: int, repeats: int = 3) -> list[float]:
     """Seconds for a target forward of 1..rows rows on a cache holding one window of
-    positions: T_verify(n) = costs[n-1]. Measured on a scratch cache (min of repeats)."""
+    positions: T_verify(n) = costs[n-1]. Measured on a scratch cache, the least of
+    `repeats` rounds that each time every row count once: a stretch of slow host (the lent
+    H200's host slows for seconds at a time) then slows every row count alike, where
+    repeats of one count after another let it skew one count against the others."""
     cache = model.make_cache()
     warm = mx.arange(model.args.sliding_window, dtype=mx.int32)[None] % model.args.vocab_size
     logits, _ = model(warm, cache, last_logits_only=True)
     mx.eval(logits, cache.state())
-    costs = []
-    for n in range(1, rows + 1):
-        best = float("inf")
-        for _ in range(repeats):
+    costs = [float("inf")] * rows
+    for _ in range(repeats):
+        for n in range(1, rows + 1):
             tic = time.perf_counter()
             logits, feats = model.decode([0] * n, cache)
             mx.eval(logits, feats, cache.state())
-            best = min(best, time.perf_counter() - tic)
+            costs[n - 1] = min(costs[n - 1], time.perf_counter() - tic)
             cache.trim(n)
-        costs.append(best)
     return costs
 
 

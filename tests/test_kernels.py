@@ -375,6 +375,12 @@ def test_included_texts_go_to_the_users_cache(tmp_path, monkeypatch):
     monkeypatch.delenv("XDG_CACHE_HOME")
     assert kernels.kernel_text_cache() == Path.home() / ".cache" / "dsv41_mlx" / "cuda-kernels"
 
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(Path, "home", no_home)
+    assert kernels.included_texts("k", "// h\n", "y[0] = 2;\n") == ("// h\n", "y[0] = 2;\n")
+
 
 @on_linux
 def test_gemv_registers_reports_each_variant():

@@ -18,7 +18,8 @@ from scipy.stats import chisquare
 from dsv41_mlx.dspark import Drafter, Proposal
 from dsv41_mlx.generate import generate_step, make_decoder, prefill
 from dsv41_mlx.sampling import DRAFT, SamplingParams, accept_or_resample, filtered_log_probs, gumbel_noise
-from dsv41_mlx.speculative import ConfidencePolicy, DraftStats, SpeculativeDecoder, resolve_verify
+from dsv41_mlx.speculative import (ConfidencePolicy, DraftStats, SpeculativeDecoder, measure_verify_costs,
+                                   resolve_verify)
 
 from .test_model import _assert_same_state
 
@@ -308,6 +309,38 @@ def test_schedule_rounds_record_their_time_beyond_the_forward(fixture_model):
     unscheduled = SpeculativeDecoder(fixture_model, fixture_model.drafter, GREEDY, confidence="off")
     _reply(fixture_model, PROMPTS[0], GREEDY, unscheduled, max_tokens=12)
     assert unscheduled.stats.rounds >= 2 and unscheduled.beyond_verify == [0.0, 0]
+
+
+def test_verify_costs_are_measured_in_rounds_over_every_row_count():
+    """measure_verify_costs times each round's row counts one after another (a slow stretch of
+    host then slows all of them alike) and keeps each count's least time; every forward's
+    rows are trimmed off again."""
+    class Cache:
+        trimmed = []
+
+        def state(self):
+            return []
+
+        def trim(self, n):
+            self.trimmed.append(n)
+
+    class Model:
+        args = types.SimpleNamespace(sliding_window=4, vocab_size=10)
+        forwards = []
+
+        def make_cache(self):
+            return Cache()
+
+        def __call__(self, ids, cache, last_logits_only=False):
+            return mx.zeros((1,)), None
+
+        def decode(self, ids, cache):
+            self.forwards.append(len(ids))
+            return mx.zeros((1,)), mx.zeros((1,))
+
+    costs = measure_verify_costs(Model(), 3, repeats=2)
+    assert Model.forwards == [1, 2, 3, 1, 2, 3] and Cache.trimmed == [1, 2, 3, 1, 2, 3]
+    assert len(costs) == 3 and all(0 <= c < 1 for c in costs)
 
 
 @pytest.mark.parametrize("spec", ["sometimes", "threshold:", "threshold:1.5", "threshold:x", ""])
