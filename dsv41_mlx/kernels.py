@@ -143,10 +143,12 @@ def _compiled(spec: KernelSpec, language: str):
 
 
 def kernel_text_cache() -> Path:
-    """Where included_texts writes its copies: the user's cache directory ($XDG_CACHE_HOME,
-    else ~/.cache), not a shared temporary one, where another user could change a copy
-    between its check and NVRTC's read."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dsv41_mlx" / "cuda-kernels"
+    """Where included_texts writes its copies: the package's cache directory
+    (`$DSV41_MLX_CACHE`, else `~/.cache/dsv41_mlx`), not a shared temporary one, where
+    another user could change a copy between its check and NVRTC's read."""
+    from .tokenizer import cache_dir
+
+    return cache_dir() / "cuda-kernels"
 
 
 def included_texts(name: str, header: str, source: str, root: Path | None = None) -> tuple[str, str]:

@@ -23,6 +23,7 @@ from .checkpoint import INDEX_FILE, expected_tensors, write_safetensors
 from .config import ModelArgs
 from .engram import bucket_primes
 from .quant import quantize_fp4_rows, quantize_fp8_rows, quantize_fp8_tiles
+from .tokenizer import cache_dir
 
 log = logging.getLogger("dsv41_mlx")
 
@@ -169,13 +170,11 @@ def build_checkpoint(out_dir: str | Path, seed: int = 0, config: dict | None = N
     return out_dir
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("DSV41_MLX_CACHE", Path.home() / ".cache" / "dsv41_mlx"))
 
 
 def default_checkpoint() -> Path:
     """Path of the embedded default checkpoint, built on first use (atomically)."""
-    target = cache_root() / f"tiny-v{VERSION}"
+    target = cache_dir() / f"tiny-v{VERSION}"
     if (target / INDEX_FILE).exists():
         return target
     log.info("building the embedded default checkpoint in %s", target)

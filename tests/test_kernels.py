@@ -367,12 +367,12 @@ def test_included_texts_follow_their_content(tmp_path):
 
 
 def test_included_texts_go_to_the_users_cache(tmp_path, monkeypatch):
-    """The copies live in the user's cache directory ($XDG_CACHE_HOME, else ~/.cache), not a
-    temporary directory other users share."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    """The copies live in the package's cache directory ($DSV41_MLX_CACHE, else
+    ~/.cache/dsv41_mlx), not a temporary directory other users share."""
+    monkeypatch.setenv("DSV41_MLX_CACHE", str(tmp_path))
     header, source = kernels.included_texts("k", "// header\n", "y[0] = 1;\n")
-    assert str(tmp_path / "dsv41_mlx" / "cuda-kernels") in source
-    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert str(tmp_path / "cuda-kernels") in source
+    monkeypatch.delenv("DSV41_MLX_CACHE")
     assert kernels.kernel_text_cache() == Path.home() / ".cache" / "dsv41_mlx" / "cuda-kernels"
 
     def no_home():
