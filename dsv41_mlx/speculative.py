@@ -19,7 +19,9 @@ Verification (the losslessness contract, DESIGN.md):
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -196,18 +198,19 @@ class SpeculativeDecoder:
         self.costs = verify_costs
         self.stats = DraftStats(drafter.block)
         self.draft_cache: DraftCache | None = None  # set by speculative_decode
-        self.beyond_verify = [0.0, 0]  # the rounds' seconds beyond costs[their verify rows - 1], and rounds
+        self.beyond_verify: deque[float] = deque(maxlen=16)  # recent rounds' seconds beyond their forward
 
     def round_costs(self) -> list[float] | None:
         """What a round verifying 1, 2, .. rows costs, for the schedule: the measured verify
-        forwards (self.costs, on a short scratch cache) plus the mean of what this decoder's
-        rounds took beyond them (propose, read-backs, ingest, a longer cache). Session 15
-        found rounds ~14 ms dearer than the forward alone (docs/benchmarks.md): without
-        that part the schedule verified too few drafts."""
+        forwards (self.costs, on a short scratch cache) plus the median of what this
+        decoder's last 16 rounds took beyond them (propose, read-backs, ingest, a longer
+        cache; the median, because a round that traces a new shape takes far longer).
+        Session 15 found rounds ~14 ms dearer than the forward alone (docs/benchmarks.md):
+        without that part the schedule verified too few drafts."""
         if self.costs is None:
             return None
-        total, rounds = self.beyond_verify
-        return [c + (total / rounds if rounds else 0.0) for c in self.costs]
+        extra = statistics.median(self.beyond_verify) if self.beyond_verify else 0.0
+        return [c + extra for c in self.costs]
 
     def pick(self, position: int):
         """The drafter's picker for a block whose first draft sits at `position`."""
@@ -254,8 +257,7 @@ class SpeculativeDecoder:
         self.stats.ingest_s += done - tic
         self.stats.add_round(ell, accepted)
         if self.costs is not None:
-            self.beyond_verify[0] += max(0.0, done - start - self.costs[ell])
-            self.beyond_verify[1] += 1
+            self.beyond_verify.append(max(0.0, done - start - self.costs[ell]))
         return drafts[:accepted].tolist() + [next_token]
 
     def accept(self, logits: mx.array, proposal: Proposal, ell: int, first_pos: int) -> tuple[int, int]:
