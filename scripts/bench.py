@@ -46,8 +46,9 @@ def environment() -> dict:
     commit = os.environ.get("COMMIT")
     if not commit:
         try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                    text=True).stdout.strip() or "unknown"
+            # "-dirty" where the files differ from the commit (a copy of a checkout, a local edit)
+            commit = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=ROOT,
+                                    capture_output=True, text=True).stdout.strip() or "unknown"
         except OSError:
             commit = "unknown"
     info = mx.device_info() if hasattr(mx, "device_info") else {}

@@ -70,6 +70,28 @@ def test_e2e_drafted_replies_equal_undrafted_and_mlxlm_runs_beside(bench, capsys
     assert f"| {runs['plain greedy']['host_probe_ms']:.2f} | {runs['plain greedy']['hash']} |" in printed
 
 
+def test_environment_names_the_commit_and_says_when_the_files_differ(bench, tmp_path, monkeypatch):
+    """The table's commit is COMMIT where set, else git's short hash, with "-dirty" where the
+    files differ from it (a device's copy of a checkout once answered a stale commit)."""
+    import subprocess
+
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "f.txt").write_text("a\n")
+    git("add", "f.txt")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "one")
+    monkeypatch.setattr(bench, "ROOT", tmp_path)
+    monkeypatch.delenv("COMMIT", raising=False)
+    clean = bench.environment()["commit"]
+    assert re.fullmatch(r"[0-9a-f]{7}", clean)
+    (tmp_path / "f.txt").write_text("b\n")
+    assert bench.environment()["commit"] == clean + "-dirty"
+    monkeypatch.setenv("COMMIT", "abc1234")
+    assert bench.environment()["commit"] == "abc1234"
+
+
 def test_paired_decode_runs_only_where_both_models_fit(bench):
     base = {"weights_GB": 28.0}
     assert bench.paired_skip_reason(True, base, None) is None  # memory not known
