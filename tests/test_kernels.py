@@ -8,6 +8,7 @@ scripts/check_kernels.py (through the device tool).
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -328,6 +329,86 @@ def test_a_broken_cuda_source_fails_the_compile(case, breakage):
     assert old in body
     ok, log = cuda_check.compile_cuda(_cuda_wrapped(case, body.replace(old, new, 1)))
     assert not ok and "error" in log
+
+
+# hc_split_lanes.cuh run on the host: 32 threads in lockstep stand in for a warp's lanes (a
+# shuffle is a store, a barrier, a load, a barrier), beside hc_split_row.cuh on one thread
+LANES_HARNESS = r"""
+#include <barrier>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <thread>
+#include <vector>
+#define __device__
+static std::barrier<>* lockstep;
+static float exchange[32];
+thread_local unsigned int my_lane;
+float __shfl_sync(unsigned int, float v, int src) {
+  exchange[my_lane] = v;
+  lockstep->arrive_and_wait();
+  const float got = exchange[src];
+  lockstep->arrive_and_wait();
+  return got;
+}
+#include "hc_split_row.cuh"
+#include "hc_split_lanes.cuh"
+int main() {
+  constexpr int HC = 4, ITERS = 20, M = (2 + HC) * HC;
+  std::mt19937 rng(1);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  std::barrier<> b(32);
+  lockstep = &b;
+  int differ = 0;
+  for (int trial = 0; trial < 300; trial++) {
+    float mix[M], scale[3], base[M];
+    for (float& v : mix) v = normal(rng);
+    for (float& v : base) v = 0.5f * normal(rng);
+    for (float& v : scale) v = std::fabs(normal(rng));
+    float pre0[HC], post0[HC], comb0[HC * HC], pre1[HC], post1[HC], comb1[HC * HC];
+    hc_split_row<HC, ITERS>(mix, scale, base, 1e-6f, pre0, post0, comb0);
+    std::vector<std::thread> lanes;
+    for (unsigned int l = 0; l < 32; l++) {
+      lanes.emplace_back([&, l] {
+        my_lane = l;
+        hc_split_lanes<HC, ITERS>(mix, scale, base, 1e-6f, pre1, post1, comb1, l);
+      });
+    }
+    for (auto& t : lanes) t.join();
+    differ += std::memcmp(pre0, pre1, sizeof pre0) || std::memcmp(post0, post1, sizeof post0) ||
+              std::memcmp(comb0, comb1, sizeof comb0);
+  }
+  std::printf("%d differ\n", differ);
+  return differ != 0;
+}
+"""
+
+
+@pytest.mark.skipif(clang() is None, reason="needs clang++ (CI installs it)")
+def test_hc_split_lanes_gives_hc_split_rows_bits(tmp_path):
+    """hc_input's split on a simdgroup (hc_split_lanes, a lane for each comb entry) does the
+    one-thread split's operations (hc_split_row) in its order, so the same bits: run on the
+    host with 32 threads as lanes, 300 random rows agree bit for bit; summing a column in
+    the other order (a lane version that only matches to float noise) fails."""
+    def run(kernel_dir):
+        (tmp_path / "harness.cpp").write_text(LANES_HARNESS)
+        build = subprocess.run([clang(), "-std=c++20", "-O1", "-pthread", "-I", str(kernel_dir), "-I",
+                                str(kernels._kernel_dir()), str(tmp_path / "harness.cpp"), "-o",
+                                str(tmp_path / "harness")], capture_output=True, text=True, timeout=300)
+        assert build.returncode == 0, build.stderr
+        return subprocess.run([str(tmp_path / "harness")], capture_output=True, text=True, timeout=120)
+
+    same = run(kernels._kernel_dir())
+    assert same.returncode == 0 and same.stdout.strip() == "0 differ", same.stdout
+    text = kernels.kernel_text("hc_split_lanes.cuh")
+    column = "for (int i = 0; i < HC; i++) {\n      total += __shfl_sync(ALL, c, i * HC + col);"
+    assert column in text
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "hc_split_lanes.cuh").write_text(
+        text.replace(column, column.replace("int i = 0; i < HC; i++", "int i = HC - 1; i >= 0; i--")))
+    assert run(broken).returncode != 0
 
 
 @on_linux
