@@ -131,15 +131,12 @@ CUDA_TEXT_BY_INCLUDE = True
 
 @lru_cache(maxsize=None)
 def _compiled(spec: KernelSpec, language: str):
-    if language == "metal":
-        return mx.fast.metal_kernel(name=spec.name, input_names=list(spec.inputs),
-                                    output_names=list(spec.outputs), source=spec.source(language),
-                                    header=spec.header(language))
+    make = mx.fast.metal_kernel if language == "metal" else mx.fast.cuda_kernel
     header, source = spec.header(language), spec.source(language)
-    if CUDA_TEXT_BY_INCLUDE:
+    if language == "cuda" and CUDA_TEXT_BY_INCLUDE:
         header, source = included_texts(spec.name, header, source)
-    return mx.fast.cuda_kernel(name=spec.name, input_names=list(spec.inputs), output_names=list(spec.outputs),
-                               source=source, header=header)
+    return make(name=spec.name, input_names=list(spec.inputs), output_names=list(spec.outputs),
+                source=source, header=header)
 
 
 def kernel_text_cache() -> Path:

@@ -170,8 +170,6 @@ def build_checkpoint(out_dir: str | Path, seed: int = 0, config: dict | None = N
     return out_dir
 
 
-
-
 def default_checkpoint() -> Path:
     """Path of the embedded default checkpoint, built on first use (atomically)."""
     target = cache_dir() / f"tiny-v{VERSION}"

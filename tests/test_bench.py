@@ -2,25 +2,21 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import statistics
 import sys
-from pathlib import Path
 
 import mlx.core as mx
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench.py"
+from .scripts import SCRIPTS, load_script
+
+SCRIPT = SCRIPTS / "bench.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench")
 
 
 def test_profile_counts_fewer_operations_compiled(bench):
@@ -197,9 +193,7 @@ def test_count_ops_counts_a_stubbed_kernel_as_one_launch_and_no_views(bench):
 
     from dsv41_mlx import kernels
 
-    spec = importlib.util.spec_from_file_location("count_ops", SCRIPT.parent / "count_ops.py")
-    count_ops = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(count_ops)
+    count_ops = load_script("count_ops")
     with count_ops.gpu_path_with_stub_kernels(collections.Counter()):
         a, b = mx.ones((4, 8)), mx.ones((3,)) * 2
         mx.eval(a, b)

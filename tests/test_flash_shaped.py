@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
-import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -12,23 +10,16 @@ import numpy as np
 
 import dsv41_mlx
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "make_flash_shaped.py"
+from .scripts import load_script
+
 SMALL = {"hidden_size": 128, "moe_intermediate_size": 64, "num_attention_heads": 4, "head_dim": 64,
          "qk_rope_head_dim": 16, "q_lora_rank": 64, "o_lora_rank": 32, "o_groups": 2, "index_n_heads": 4,
          "index_head_dim": 64, "index_topk": 8, "candidate_topk_blocks": 4, "engram_head_dim": 32,
          "engram_n_heads": 2, "engram_vocab_size": 211, "dspark_markov_rank": 16}
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("make_flash_shaped", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # worker processes find _write_shard by module name
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_release_config_has_the_release_layout():
-    config = _script().flash_config()["text_config"]
+    config = load_script("make_flash_shaped").flash_config()["text_config"]
     args = dsv41_mlx.config.ModelArgs.from_dict({"model_type": "deepseek_v41", "text_config": config})
     assert (args.num_hidden_layers, args.hidden_size, args.num_attention_heads, args.head_dim) == (40, 5120, 64, 512)
     assert args.compress_ratios == [0, 0] + [2] * 18 + [1] * 20 + [0, 0, 0]
@@ -36,7 +27,7 @@ def test_release_config_has_the_release_layout():
 
 
 def test_small_flash_shaped_checkpoint_loads_and_runs(tmp_path):
-    script = _script()
+    script = load_script("make_flash_shaped")
     config = script.flash_config(experts=4, top=2, dspark_experts=4, dspark_top=2, dims=SMALL)
     written = script.write_checkpoint(tmp_path, config, log=lambda *_: None)
     assert len(list(tmp_path.glob("model-*.safetensors"))) == 40 + 3 + 2  # one shard per layer / stage, the embedding, the head
@@ -48,7 +39,7 @@ def test_small_flash_shaped_checkpoint_loads_and_runs(tmp_path):
 
 
 def test_parallel_writers_write_the_same_bytes(tmp_path):
-    script = _script()
+    script = load_script("make_flash_shaped")
     config = script.flash_config(experts=4, top=2, dspark_experts=4, dspark_top=2, dims=SMALL)
     for jobs in (1, 3):
         script.write_checkpoint(tmp_path / f"jobs{jobs}", config, log=lambda *_: None, jobs=jobs)

@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "host_speed.py"
+from .scripts import SCRIPTS, load_script
 
-
-def load():
-    spec = importlib.util.spec_from_file_location("host_speed", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+SCRIPT = SCRIPTS / "host_speed.py"
 
 
 def test_slow_steps_are_over_a_fifth_above_the_fast_quarter():
-    host_speed = load()
+    host_speed = load_script("host_speed")
     rows = [{"step_ms": ms} for ms in (40, 41, 42, 43, 50, 51, 60, 62)]
     groups = host_speed.split(rows)  # the fastest quarter's slowest: 41 ms, so slow is over 49.2
     assert [r["step_ms"] for r in groups["fast"]] == [40, 41, 42, 43]
@@ -33,7 +26,7 @@ def test_it_runs_and_restores_async_eval():
     # the profile's table: its top functions, the model's forward among the calls it saw
     assert "cProfile over all 6 steps" in out.stdout and "Ordered by: internal time" in out.stdout
     assert "model.py" in out.stdout
-    host_speed = load()
+    host_speed = load_script("host_speed")
     import mlx.core as mx
 
     real, total = mx.async_eval, [0.0]

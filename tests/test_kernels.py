@@ -25,6 +25,7 @@ from dsv41_mlx.quant import e4m3_decode, e8m0_decode, quantize_fp8_tiles, quanti
 
 from . import cuda_check
 from .metal_check import clang, syntax_check, wrap
+from .scripts import load_script
 
 
 def _random_head(rng, n, k):
@@ -447,7 +448,7 @@ def test_included_texts_follow_their_content(tmp_path):
     assert kernels.included_texts("k", "// h\n", "y[0] = 3;\n", root=blocked) == ("// h\n", "y[0] = 3;\n")
 
 
-def test_included_texts_go_to_the_users_cache(tmp_path, monkeypatch):
+def test_included_texts_go_to_the_package_cache(tmp_path, monkeypatch):
     """The copies live in the package's cache directory ($DSV41_MLX_CACHE, else
     ~/.cache/dsv41_mlx), not a temporary directory other users share."""
     monkeypatch.setenv("DSV41_MLX_CACHE", str(tmp_path))
@@ -467,7 +468,7 @@ def test_included_texts_go_to_the_users_cache(tmp_path, monkeypatch):
 def test_gemv_registers_reports_each_variant():
     """scripts/gemv_registers.py: NVRTC's register count for each GEMV kernel variant of a
     layout, and the threadgroups of 256 threads a core then holds."""
-    script = _script("gemv_registers")
+    script = load_script("gemv_registers")
     rows = script.table("sm_90", layouts=((1, 4, 32),), experts_layouts=((1, 4, 32),))
     assert [(r["kernel"], r["variant"]) for r in rows] == (
         [("fp8_gemv", v) for v in script.GEMV_VARIANTS] + [("fp4_experts", v) for v in script.EXPERTS_VARIANTS])
@@ -483,20 +484,8 @@ def act_quant_spec(x: mx.array, impl: str, dtype: mx.Dtype | None = None) -> mx.
     return fp8_fake_quant_reference(x).astype(dtype or x.dtype)
 
 
-def _script(name: str):
-    """scripts/<name>.py as a module."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _check_kernels_script():
-    return _script("check_kernels")
+    return load_script("check_kernels")
 
 
 def test_gemm_check_flags_a_kernel_that_rounds_along_the_way(monkeypatch):

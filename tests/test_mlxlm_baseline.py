@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -14,18 +12,10 @@ from mlx.utils import tree_flatten
 import dsv41_mlx
 from dsv41_mlx.tiny import build_checkpoint, tiny_config
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "mlxlm_baseline.py"
+from .scripts import load_script
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("mlxlm_baseline", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-baseline = _script()
+baseline = load_script("mlxlm_baseline")
 
 
 def _without_engram() -> dict:
