@@ -113,7 +113,7 @@ HC_POST_MIX = KernelSpec("hc_post_mix", ("y", "residual", "post", "comb", "fn", 
                          "hc_post_mix.metal", "hc_post_mix.cu", header_files=(), twin_headers=("hc_mix_sum",))
 HC_INPUT = KernelSpec("hc_input", ("h", "pre_in", "parts", "scale", "base", "norm_w", "params", "rows"),
                       ("x", "xq", "pre", "post", "comb"), "hc_input.metal", "hc_input.cu", header_files=(),
-                      twin_headers=("hc_split_row", "fp8_lane"))
+                      twin_headers=("hc_split_lanes", "fp8_lane"))
 FP8_GEMV = KernelSpec("fp8_gemv", ("x", "w", "scales", "sizes", "swiglu", "parts"), ("y",), "fp8_gemv.metal",
                       "fp8_gemv.cu", twin_headers=("fp8_lane", "bf16_lane", "gemv_lane"))
 FP4_EXPERTS = KernelSpec("fp4_experts", ("x", "w", "scales", "ids", "sizes", "swiglu", "weights"), ("y",),
@@ -379,7 +379,8 @@ def moe_gate(x: mx.array, w: mx.array, bias: mx.array, k: int, temp: float, rout
         return moe_gate_reference(x, w, bias, k, temp, route_scale, normalize)
     (scores,) = _compiled(MOE_GATE_SCORES, impl)(
         inputs=[x, w.astype(mx.float32), _float32s(temp), _int32s(N, E, D)],
-        template=[("T", x.dtype), ("RB", 8 if N <= 8 else 16)], grid=(E * 256, 1, 1), threadgroup=(256, 1, 1),
+        template=[("T", x.dtype), ("RB", 8 if N <= 8 else 16), ("D", D)], grid=(E * 256, 1, 1),
+        threadgroup=(256, 1, 1),
         output_shapes=[(N, E)], output_dtypes=[mx.float32])
     weights, ids = _compiled(MOE_GATE_TOPK, impl)(
         inputs=[scores, bias.astype(mx.float32), _float32s(route_scale),
@@ -407,15 +408,17 @@ def padding_zeroed(y: mx.array, real_rows: int | None) -> mx.array:
 # -------------------------------------------------------------------- hc_input
 
 HC_MIX_CHUNKS = 16  # hc_mix's threadgroups per row (a row holds hc * dim values, a multiple of 32)
+HC_INPUT_MAX_DIM = 8192  # hc_input: 32 values and 32 weights a thread
 
 
 def hc_input_fits(h: mx.array, impl: str | None = None) -> bool:
     """Whether hc_input runs for this stream [S, hc, dim]: a GPU, at most DECODE_MAX_ROWS
-    rows, a bfloat16 stream, dim a multiple of 32 (whole FP8 blocks) and a row's collapse
-    within 24 KB of threadgroup memory."""
+    rows, a bfloat16 stream, dim a multiple of 32 (whole FP8 blocks) and at most
+    HC_INPUT_MAX_DIM (each of the 256 threads keeps its share of the row's collapsed values
+    and norm weights in registers), with (2 + hc) * hc <= 32 (a lane for each mix)."""
     impl = impl or backend()
     return (impl != "mlx" and h.ndim == 3 and h.shape[0] <= DECODE_MAX_ROWS and h.dtype == mx.bfloat16
-            and h.shape[2] % 32 == 0 and 4 * h.shape[2] <= 24 * 1024)
+            and h.shape[2] % 32 == 0 and h.shape[2] <= HC_INPUT_MAX_DIM and (2 + h.shape[1]) * h.shape[1] <= 32)
 
 
 def hc_input(h: mx.array, pre_in: mx.array, fn: mx.array, scale: mx.array, base: mx.array, norm_w: mx.array,

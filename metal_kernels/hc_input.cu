@@ -3,9 +3,12 @@
 constexpr int WARPS = 8;
 constexpr int M = (2 + HC) * HC;
 constexpr int HD = HC * D;
-__shared__ float collapsed[D];
+constexpr int PER = (D + 32 * WARPS - 1) / (32 * WARPS);  // a thread's features: tid, tid + 256, ..
+constexpr bool EVEN = D % (32 * WARPS) == 0;  // then no feature needs a bounds check
+static_assert(M <= 32, "a lane for each mix");
 __shared__ float partial[WARPS];
 __shared__ float total[M + 1];
+__shared__ float mix[M];
 
 const unsigned int row = blockIdx.x;
 const unsigned int tid = threadIdx.x;
@@ -15,17 +18,31 @@ if (row >= (unsigned int)rows[0]) {
   return;  // the whole threadgroup
 }
 const __nv_bfloat16* hr = h + row * HD;
+float p[HC];
+for (int i = 0; i < HC; i++) {
+  p[i] = pre_in[row * HC + i];
+}
+float w[PER];  // the norm's weights for this thread's features, read before they are needed
+#pragma unroll
+for (int k = 0; k < PER; k++) {
+  const unsigned int d = tid + k * 32 * WARPS;
+  w[k] = EVEN || d < (unsigned int)D ? norm_w[d] : 0.0f;
+}
 
-// the collapse (its RMS below)
+// the collapse (its RMS below), each thread's values kept in registers
+float cb[PER];
 float sq = 0.0f;
-for (unsigned int d = tid; d < D; d += 32 * WARPS) {
-  float c = pre_in[row * HC] * __bfloat162float(hr[d]);
-  for (int i = 1; i < HC; i++) {
-    c += pre_in[row * HC + i] * __bfloat162float(hr[i * D + d]);
+#pragma unroll
+for (int k = 0; k < PER; k++) {
+  const unsigned int d = tid + k * 32 * WARPS;
+  if (EVEN || d < (unsigned int)D) {
+    float c = p[0] * __bfloat162float(hr[d]);
+    for (int i = 1; i < HC; i++) {
+      c += p[i] * __bfloat162float(hr[i * D + d]);
+    }
+    cb[k] = __bfloat162float(__float2bfloat16(c));
+    sq += cb[k] * cb[k];
   }
-  const float cb = __bfloat162float(__float2bfloat16(c));
-  collapsed[d] = cb;
-  sq += cb * cb;
 }
 for (int offset = 16; offset > 0; offset /= 2) {
   sq += __shfl_xor_sync(0xffffffffu, sq, offset);
@@ -46,18 +63,22 @@ for (int g = 1; g < WARPS; g++) {
   sq_all += partial[g];
 }
 const float r = rsqrtf(sq_all / float(D) + params[2]);
-for (unsigned int d = tid; d < D; d += 32 * WARPS) {  // D a multiple of 32: lanes hold a block's 32 values
-  const __nv_bfloat16 xb = __float2bfloat16(collapsed[d] * r * norm_w[d]);
-  x[row * D + d] = xb;
-  xq[row * D + d] = static_cast<O>(__float2bfloat16(fp8_fake_quant_lane(__bfloat162float(xb))));
+#pragma unroll
+for (int k = 0; k < PER; k++) {  // D a multiple of 32: lanes hold a block's 32 values
+  const unsigned int d = tid + k * 32 * WARPS;
+  if (EVEN || d < (unsigned int)D) {
+    const __nv_bfloat16 xb = __float2bfloat16(cb[k] * r * w[k]);
+    x[row * D + d] = xb;
+    xq[row * D + d] = static_cast<O>(__float2bfloat16(fp8_fake_quant_lane(__bfloat162float(xb))));
+  }
 }
 
-if (tid == 0) {  // the split (hc_split_row.cuh)
+if (warp == 0) {  // the split, a lane for each entry (hc_split_lanes.cuh)
   const float rs = rsqrtf(total[M] / float(HD) + params[0]);
-  float mix[M];
-  for (int m = 0; m < M; m++) {
-    mix[m] = total[m] * rs;
+  if (lane < (unsigned int)M) {
+    mix[lane] = total[lane] * rs;
   }
-  hc_split_row<HC, ITERS>(mix, scale, base, params[1], pre + row * HC, post + row * HC,
-                          comb + row * HC * HC);
+  __syncwarp();
+  hc_split_lanes<HC, ITERS>(mix, scale, base, params[1], pre + row * HC, post + row * HC, comb + row * HC * HC,
+                            lane);
 }

@@ -18,15 +18,21 @@
 // each total the row's CH chunk sums added in order.
 // The products are summed in another order than the spec's matmul and reductions,
 // so results match the spec to float32 noise, not bit for bit; each row is computed
-// alone, the same bits in any forward. Template constants: D, HC, ITERS, O, CH.
-// 256 threads. CUDA twin: hc_input.cu.
+// alone, the same bits in any forward. Each thread keeps its features' values in registers
+// (tid, tid + 256, ..; their loads all issued before the first is used), and the split runs
+// on a simdgroup, a lane for each mix entry (hc_split_lanes.h): a row's work is a few
+// kilobytes, so what it costs is latency, not bandwidth. Template constants: D, HC,
+// ITERS, O, CH. 256 threads. CUDA twin: hc_input.cu.
 
 constexpr int WARPS = 8;
 constexpr int M = (2 + HC) * HC;
 constexpr int HD = HC * D;
-threadgroup float collapsed[D];
+constexpr int PER = (D + 32 * WARPS - 1) / (32 * WARPS);  // a thread's features: tid, tid + 256, ..
+constexpr bool EVEN = D % (32 * WARPS) == 0;  // then no feature needs a bounds check
+static_assert(M <= 32, "a lane for each mix");
 threadgroup float partial[WARPS];
 threadgroup float total[M + 1];
+threadgroup float mix[M];
 
 const uint row = threadgroup_position_in_grid.x;
 const uint tid = thread_position_in_threadgroup.x;
@@ -36,17 +42,29 @@ if (row >= uint(rows[0])) {
   return;  // the whole threadgroup
 }
 const device bfloat16_t* hr = h + row * HD;
+float p[HC];
+for (int i = 0; i < HC; i++) {
+  p[i] = pre_in[row * HC + i];
+}
+float w[PER];  // the norm's weights for this thread's features, read before they are needed
+for (int k = 0; k < PER; k++) {
+  const uint d = tid + k * 32 * WARPS;
+  w[k] = EVEN || d < uint(D) ? norm_w[d] : 0.0f;
+}
 
-// the collapse (its RMS below)
+// the collapse (its RMS below), each thread's values kept in registers
+float cb[PER];
 float sq = 0.0f;
-for (uint d = tid; d < D; d += 32 * WARPS) {
-  float c = pre_in[row * HC] * float(hr[d]);
-  for (int i = 1; i < HC; i++) {
-    c += pre_in[row * HC + i] * float(hr[i * D + d]);
+for (int k = 0; k < PER; k++) {
+  const uint d = tid + k * 32 * WARPS;
+  if (EVEN || d < uint(D)) {
+    float c = p[0] * float(hr[d]);
+    for (int i = 1; i < HC; i++) {
+      c += p[i] * float(hr[i * D + d]);
+    }
+    cb[k] = float(bfloat16_t(c));
+    sq += cb[k] * cb[k];
   }
-  const float cb = float(bfloat16_t(c));
-  collapsed[d] = cb;
-  sq += cb * cb;
 }
 for (ushort offset = 16; offset > 0; offset /= 2) {
   sq += simd_shuffle_xor(sq, offset);
@@ -67,18 +85,21 @@ for (int g = 1; g < WARPS; g++) {
   sq_all += partial[g];
 }
 const float r = metal::rsqrt(sq_all / float(D) + params[2]);
-for (uint d = tid; d < D; d += 32 * WARPS) {  // D a multiple of 32: lanes hold a block's 32 values
-  const bfloat16_t xb = bfloat16_t(collapsed[d] * r * norm_w[d]);
-  x[row * D + d] = xb;
-  xq[row * D + d] = static_cast<O>(bfloat16_t(fp8_fake_quant_lane(float(xb))));  // fp8_lane.h
+for (int k = 0; k < PER; k++) {  // D a multiple of 32: lanes hold a block's 32 values
+  const uint d = tid + k * 32 * WARPS;
+  if (EVEN || d < uint(D)) {
+    const bfloat16_t xb = bfloat16_t(cb[k] * r * w[k]);
+    x[row * D + d] = xb;
+    xq[row * D + d] = static_cast<O>(bfloat16_t(fp8_fake_quant_lane(float(xb))));  // fp8_lane.h
+  }
 }
 
-if (tid == 0) {  // the split (hc_split_row.h)
+if (warp == 0) {  // the split, a lane for each entry (hc_split_lanes.h)
   const float rs = metal::rsqrt(total[M] / float(HD) + params[0]);
-  float mix[M];
-  for (int m = 0; m < M; m++) {
-    mix[m] = total[m] * rs;
+  if (lane < uint(M)) {
+    mix[lane] = total[lane] * rs;
   }
-  hc_split_row<HC, ITERS>(mix, scale, base, params[1], pre + row * HC, post + row * HC,
-                          comb + row * HC * HC);
+  simdgroup_barrier(mem_flags::mem_threadgroup);
+  hc_split_lanes<HC, ITERS>(mix, scale, base, params[1], pre + row * HC, post + row * HC, comb + row * HC * HC,
+                            lane);
 }

@@ -5,6 +5,8 @@ constexpr int WARPS = 8;
 constexpr int M = (2 + HC) * HC;
 constexpr int HD = HC * D;
 constexpr int CHUNK = HD / CH;
+constexpr int PER = (CHUNK + 32 * WARPS - 1) / (32 * WARPS);  // a thread's values: tid, tid + 256, ..
+constexpr bool EVEN = CHUNK % (32 * WARPS) == 0;  // then no pass needs a bounds check
 __shared__ float partial[WARPS][M + 1];
 
 const unsigned int row = blockIdx.x / CH;
@@ -22,7 +24,12 @@ float acc[M + 1];
 for (int m = 0; m <= M; m++) {
   acc[m] = 0.0f;
 }
-for (unsigned int j = tid; j < (unsigned int)CHUNK; j += 32 * WARPS) {
+#pragma unroll  // a compile-time count: every pass's loads issued together
+for (int k = 0; k < PER; k++) {
+  const unsigned int j = tid + k * 32 * WARPS;
+  if (!EVEN && j >= (unsigned int)CHUNK) {
+    break;
+  }
   const float v = __bfloat162float(hv[j]);
   for (int m = 0; m < M; m++) {
     acc[m] += v * fc[m * HD + j];

@@ -17,6 +17,8 @@ constexpr int WARPS = 8;
 constexpr int M = (2 + HC) * HC;
 constexpr int HD = HC * D;
 constexpr int CHUNK = HD / CH;
+constexpr int PER = (CHUNK + 32 * WARPS - 1) / (32 * WARPS);  // a thread's values: tid, tid + 256, ..
+constexpr bool EVEN = CHUNK % (32 * WARPS) == 0;  // then no pass needs a bounds check
 threadgroup float partial[WARPS][M + 1];
 
 const uint row = threadgroup_position_in_grid.x / CH;
@@ -33,7 +35,11 @@ float acc[M + 1];
 for (int m = 0; m <= M; m++) {
   acc[m] = 0.0f;
 }
-for (uint j = tid; j < uint(CHUNK); j += 32 * WARPS) {
+for (int k = 0; k < PER; k++) {  // a compile-time count: the compiler may issue every pass's loads together
+  const uint j = tid + k * 32 * WARPS;
+  if (!EVEN && j >= uint(CHUNK)) {
+    break;
+  }
   const uint e = chunk * CHUNK + j;  // the value's place in the row: copy c, feature d
   const uint c = e / D;
   const uint d = e % D;

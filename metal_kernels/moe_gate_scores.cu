@@ -3,9 +3,10 @@
 
 constexpr int WARPS = 8;
 __shared__ float partial[WARPS][RB];
+constexpr int PER = (D + 32 * WARPS - 1) / (32 * WARPS);  // a thread's features: tid, tid + 256, ..
+constexpr bool EVEN = D % (32 * WARPS) == 0;  // then no feature needs a bounds check
 const int rows = sizes[0];
 const int E = sizes[1];
-const int D = sizes[2];
 const int e = (int)blockIdx.x;
 const unsigned int tid = threadIdx.x;
 const unsigned int lane = threadIdx.x % 32;
@@ -16,7 +17,12 @@ _Pragma("unroll")
 for (int r = 0; r < RB; r++) {
   acc[r] = 0.0f;
 }
-for (int d = (int)tid; d < D; d += 32 * WARPS) {
+_Pragma("unroll")  // a compile-time count (D a template constant): every pass's loads issued together
+for (int k = 0; k < PER; k++) {
+  const int d = (int)tid + k * 32 * WARPS;
+  if (!EVEN && d >= D) {
+    break;
+  }
   const float wd = we[d];
   _Pragma("unroll")
   for (int r = 0; r < RB; r++) {

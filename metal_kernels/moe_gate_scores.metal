@@ -4,13 +4,14 @@
 // with about ten operations.
 //
 // x [rows, D] (T: bfloat16 or float32), w [E, D] float32 (the router's weight),
-// params [1] float32 = (temperature,), sizes [3] int32 = (rows, E, D). Output:
+// params [1] float32 = (temperature,), sizes [3] int32 = (rows, E, D; D also a template
+// constant, so that a thread's passes over it are a compile-time count). Output:
 // scores [rows, E] float32 = sqrt(softplus((x . w_e) / temperature)), softplus(l) = l
 // above 20, log(1 + e^l) below. Thread t sums every 256th product of a dot (t, t + 256,
 // ...), each simdgroup its 32 partial sums in a butterfly, then the 8 simdgroup sums are
 // added in order: not the spec's matmul order, so a score matches the spec to float32
 // noise; each row's score is computed alone (the same bits in any forward, whatever RB).
-// Template constants: T, RB (8 or 16, at least the rows: each thread keeps a sum per row).
+// Template constants: T, RB (8 or 16, at least the rows: each thread keeps a sum per row), D.
 // 256 threads per threadgroup, E threadgroups. CUDA twin: moe_gate_scores.cu.
 //
 // (The first version gave each expert one simdgroup, which walked all of D alone: 160
@@ -19,9 +20,10 @@
 
 constexpr int WARPS = 8;
 threadgroup float partial[WARPS][RB];
+constexpr int PER = (D + 32 * WARPS - 1) / (32 * WARPS);  // a thread's features: tid, tid + 256, ..
+constexpr bool EVEN = D % (32 * WARPS) == 0;  // then no feature needs a bounds check
 const int rows = sizes[0];
 const int E = sizes[1];
-const int D = sizes[2];
 const int e = int(threadgroup_position_in_grid.x);
 const uint tid = thread_position_in_threadgroup.x;
 const uint lane = thread_index_in_simdgroup;
@@ -31,7 +33,11 @@ float acc[RB];
 for (int r = 0; r < RB; r++) {
   acc[r] = 0.0f;
 }
-for (int d = int(tid); d < D; d += 32 * WARPS) {
+for (int k = 0; k < PER; k++) {  // a compile-time count (D a template constant): loads may all go first
+  const int d = int(tid) + k * 32 * WARPS;
+  if (!EVEN && d >= D) {
+    break;
+  }
   const float wd = we[d];
   for (int r = 0; r < RB; r++) {
     if (r < rows) {

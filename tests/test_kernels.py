@@ -8,6 +8,7 @@ scripts/check_kernels.py (through the device tool).
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -127,6 +128,13 @@ def test_draft_cache_writes_through_the_ring_kernel():
 # ------------------------------------------------------------ Metal text check
 
 NO_ROPE = {"rope_cos": "float32", "rope_sin": "float32"}  # the placeholders a norm without RoPE gets
+MOE_GATE_SCORES_IO = ({"x": "bfloat16", "w": "float32", "params": "float32", "sizes": "int32"},
+                      {"scores": "float32"})
+HC_POST_MIX_IO = ({"y": "bfloat16", "residual": "bfloat16", "post": "float32", "comb": "float32", "fn": "float32",
+                   "rows": "int32"}, {"parts": "float32", "h": "bfloat16"})
+HC_INPUT_IO = ({"h": "bfloat16", "pre_in": "float32", "parts": "float32", "scale": "float32", "base": "float32",
+                "norm_w": "float32", "params": "float32", "rows": "int32"},
+               {"x": "bfloat16", "xq": "bfloat16", "pre": "float32", "post": "float32", "comb": "float32"})
 ATTENTION_IO = ({"q": "bfloat16", "ring": "bfloat16", "index": "int32", "wmask": "bool", "kv": "bfloat16",
                  "ids": "uint32", "pmask": "bool", "sink": "float32", "rope_cos": "float32", "rope_sin": "float32",
                  "params": "float32", "rows": "int32"}, {"out": "bfloat16"})  # sparse_attention's inputs, output
@@ -157,13 +165,11 @@ CASES = {
                          {"T": "bfloat16", "O": "float32"}),
     "hc_mix": (HC_MIX, {"h": "bfloat16", "fn": "float32", "rows": "int32"}, {"parts": "float32"},
                {"D": 5120, "HC": 4, "CH": 16}),
-    "hc_post_mix": (HC_POST_MIX, {"y": "bfloat16", "residual": "bfloat16", "post": "float32", "comb": "float32",
-                                  "fn": "float32", "rows": "int32"}, {"parts": "float32", "h": "bfloat16"},
-                    {"D": 5120, "HC": 4, "CH": 16}),
-    "hc_input": (HC_INPUT, {"h": "bfloat16", "pre_in": "float32", "parts": "float32", "scale": "float32",
-                            "base": "float32", "norm_w": "float32", "params": "float32", "rows": "int32"},
-                 {"x": "bfloat16", "xq": "bfloat16", "pre": "float32", "post": "float32", "comb": "float32"},
-                 {"D": 5120, "HC": 4, "ITERS": 20, "O": "bfloat16", "CH": 16}),
+    "hc_post_mix": (HC_POST_MIX, *HC_POST_MIX_IO, {"D": 5120, "HC": 4, "CH": 16}),
+    "hc_input": (HC_INPUT, *HC_INPUT_IO, {"D": 5120, "HC": 4, "ITERS": 20, "O": "bfloat16", "CH": 16}),
+    # the tiny checkpoint's width: a row's features and a chunk's values not a whole number of passes
+    "hc_input_tiny": (HC_INPUT, *HC_INPUT_IO, {"D": 64, "HC": 4, "ITERS": 20, "O": "bfloat16", "CH": 16}),
+    "hc_post_mix_tiny": (HC_POST_MIX, *HC_POST_MIX_IO, {"D": 64, "HC": 4, "CH": 16}),
     "sparse_attention": (SPARSE_ATTENTION, *ATTENTION_IO, {"D": 512, "H": 64, "G": 2, "W": 128, "K": 512, "RD": 64}),
     "sparse_attention_window_only": (SPARSE_ATTENTION, *ATTENTION_IO,
                                      {"D": 512, "H": 64, "G": 2, "W": 128, "K": 0, "RD": 64}),
@@ -183,8 +189,8 @@ CASES = {
                      {"T": "bfloat16", "BLOCK": 16, "SCALE_E4M3": 1}),
     "fp4_quant_index": (FP4_QUANT, {"x": "float32", "n": "int32"}, {"y": "float32"},
                         {"T": "float32", "BLOCK": 32, "SCALE_E4M3": 0}),
-    "moe_gate_scores": (MOE_GATE_SCORES, {"x": "bfloat16", "w": "float32", "params": "float32", "sizes": "int32"},
-                        {"scores": "float32"}, {"T": "bfloat16", "RB": 8}),
+    "moe_gate_scores": (MOE_GATE_SCORES, *MOE_GATE_SCORES_IO, {"T": "bfloat16", "RB": 8, "D": 5120}),
+    "moe_gate_scores_tiny": (MOE_GATE_SCORES, *MOE_GATE_SCORES_IO, {"T": "float32", "RB": 16, "D": 64}),
     "fp8_gemv": _gemv_case(RB=8, T=4, C=32),
     "fp8_gemv_16_rows": _gemv_case(RB=16, T=4, C=256),
     "fp8_gemv_quantizing": _gemv_case(RB=16, T=4, C=64, QX=1),
@@ -236,7 +242,8 @@ def test_metal_source_type_checks(case, rows, tmp_path):
     ("moe_gate_scores", ("a += simd_shuffle_xor(a, offset);", "a += simd_shuffle_xor(a);")),  # bad call
     ("moe_gate_scores", ("threadgroup float partial[WARPS][RB];", "threadgroup float partial[WARPS][RB]")),
     ("moe_gate_topk", ("threadgroup int picked[K];", "threadgroup int picked[K]")),  # no semicolon
-    ("hc_input", ("collapsed[d] = cb;", "collapsed[d] = cb")),  # no semicolon
+    ("hc_input", ("cb[k] = float(bfloat16_t(c));", "cb[k] = float(bfloat16_t(c))")),  # no semicolon
+    ("hc_input", ("(mix, scale, base, params[1], pre", "(mix, scale, params[1], pre")),  # hc_split_lanes' arguments
     ("hc_input", ("bfloat16_t(c)", "bfloat16_t(c, 1)")),  # bad conversion
     ("hc_mix", ("acc[m] += v * fc[m * HD + j];", "acc[m] += v * fc;")),  # pointer into a float
     ("hc_post_mix", ("(acc, &partial[0][0], lane,", "(acc, partial, lane,")),  # 2-d array for a pointer
@@ -295,6 +302,8 @@ def test_cuda_source_compiles(case):
     ("moe_gate_topk", ("choice[bi] = neg_inf;", "choice[bi] = neg_infinity;")),  # misspelt variable
     ("moe_gate_scores", ("const float wd = we[d];", "const float wd = we;")),  # pointer to float
     ("hc_input", ("__float2bfloat16(c)", "__float2bfloat16(c, 1)")),  # bad call
+    ("hc_input", ("(mix, scale, base, params[1], pre", "(mix, scale, params[1], pre")),  # hc_split_lanes' arguments
+    ("hc_input", ("w[k] = EVEN || d < (unsigned int)D ? norm_w[d] : 0.0f;", "w = norm_w[d];")),
     ("hc_mix", ("acc[m] += v * fc[m * HD + j];", "acc[m] += v * fc;")),  # pointer into a float
     ("hc_post_mix", ("(acc, &partial[0][0], lane,", "(acc, partial, lane,")),  # 2-d array for a pointer
     ("hc_post_mix", ("__float2bfloat16(post[row * HC + c]", "__float2bfloat16(posts[row * HC + c]")),  # misspelt
@@ -321,6 +330,86 @@ def test_a_broken_cuda_source_fails_the_compile(case, breakage):
     assert old in body
     ok, log = cuda_check.compile_cuda(_cuda_wrapped(case, body.replace(old, new, 1)))
     assert not ok and "error" in log
+
+
+# hc_split_lanes.cuh run on the host: 32 threads in lockstep stand in for a warp's lanes (a
+# shuffle is a store, a barrier, a load, a barrier), beside hc_split_row.cuh on one thread
+LANES_HARNESS = r"""
+#include <barrier>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <thread>
+#include <vector>
+#define __device__
+static std::barrier<>* lockstep;
+static float exchange[32];
+thread_local unsigned int my_lane;
+float __shfl_sync(unsigned int, float v, int src) {
+  exchange[my_lane] = v;
+  lockstep->arrive_and_wait();
+  const float got = exchange[src];
+  lockstep->arrive_and_wait();
+  return got;
+}
+#include "hc_split_row.cuh"
+#include "hc_split_lanes.cuh"
+int main() {
+  constexpr int HC = 4, ITERS = 20, M = (2 + HC) * HC;
+  std::mt19937 rng(1);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  std::barrier<> b(32);
+  lockstep = &b;
+  int differ = 0;
+  for (int trial = 0; trial < 300; trial++) {
+    float mix[M], scale[3], base[M];
+    for (float& v : mix) v = normal(rng);
+    for (float& v : base) v = 0.5f * normal(rng);
+    for (float& v : scale) v = std::fabs(normal(rng));
+    float pre0[HC], post0[HC], comb0[HC * HC], pre1[HC], post1[HC], comb1[HC * HC];
+    hc_split_row<HC, ITERS>(mix, scale, base, 1e-6f, pre0, post0, comb0);
+    std::vector<std::thread> lanes;
+    for (unsigned int l = 0; l < 32; l++) {
+      lanes.emplace_back([&, l] {
+        my_lane = l;
+        hc_split_lanes<HC, ITERS>(mix, scale, base, 1e-6f, pre1, post1, comb1, l);
+      });
+    }
+    for (auto& t : lanes) t.join();
+    differ += std::memcmp(pre0, pre1, sizeof pre0) || std::memcmp(post0, post1, sizeof post0) ||
+              std::memcmp(comb0, comb1, sizeof comb0);
+  }
+  std::printf("%d differ\n", differ);
+  return differ != 0;
+}
+"""
+
+
+@pytest.mark.skipif(clang() is None, reason="needs clang++ (CI installs it)")
+def test_hc_split_lanes_gives_hc_split_rows_bits(tmp_path):
+    """hc_input's split on a simdgroup (hc_split_lanes, a lane for each comb entry) does the
+    one-thread split's operations (hc_split_row) in its order, so the same bits: run on the
+    host with 32 threads as lanes, 300 random rows agree bit for bit; summing a column in
+    the other order (a lane version that only matches to float noise) fails."""
+    def run(kernel_dir):
+        (tmp_path / "harness.cpp").write_text(LANES_HARNESS)
+        build = subprocess.run([clang(), "-std=c++20", "-O1", "-pthread", "-I", str(kernel_dir), "-I",
+                                str(kernels._kernel_dir()), str(tmp_path / "harness.cpp"), "-o",
+                                str(tmp_path / "harness")], capture_output=True, text=True, timeout=300)
+        assert build.returncode == 0, build.stderr
+        return subprocess.run([str(tmp_path / "harness")], capture_output=True, text=True, timeout=120)
+
+    same = run(kernels._kernel_dir())
+    assert same.returncode == 0 and same.stdout.strip() == "0 differ", same.stdout
+    text = kernels.kernel_text("hc_split_lanes.cuh")
+    column = "for (int i = 0; i < HC; i++) {\n      total += __shfl_sync(ALL, c, i * HC + col);"
+    assert column in text
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "hc_split_lanes.cuh").write_text(
+        text.replace(column, column.replace("int i = 0; i < HC; i++", "int i = HC - 1; i >= 0; i--")))
+    assert run(broken).returncode != 0
 
 
 @on_linux
@@ -573,6 +662,8 @@ def test_hc_input_runs_only_where_it_fits():
     assert hc_input_fits(h, impl="cuda") and hc_input_fits(h, impl="metal")
     assert not hc_input_fits(mx.zeros((17, 4, 512), dtype=mx.bfloat16), impl="cuda")
     assert not hc_input_fits(h.astype(mx.float32), impl="cuda")
+    assert not hc_input_fits(mx.zeros((1, 4, 8192 + 32), dtype=mx.bfloat16), impl="cuda")  # registers
+    assert not hc_input_fits(mx.zeros((1, 5, 512), dtype=mx.bfloat16), impl="metal")  # 35 mixes, 32 lanes
     with pytest.raises(ValueError, match="hc_input takes"):
         hc_input(h, mx.zeros((8, 4)), mx.zeros((24, 2048)), mx.zeros((3,)), mx.zeros((24,)), mx.ones((512,)),
                  20, 1e-6, 1e-6, 1e-6, mx.bfloat16)

@@ -92,6 +92,7 @@ float simd_sum(float x);
 float simd_max(float x);
 float simd_shuffle_xor(float x, ushort mask);
 int simd_shuffle_xor(int x, ushort mask);
+float simd_shuffle(float x, ushort lane);  // the value lane `lane` of the simdgroup holds
 
 namespace metal {
 enum class mem_flags { mem_none, mem_device, mem_threadgroup };
