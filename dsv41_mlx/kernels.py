@@ -909,6 +909,14 @@ def fp4_experts(x: mx.array, w: mx.array, scales: mx.array, ids: mx.array, impl:
     return y
 
 
+# fp4_experts runs on the matrix unit (mma.sync on CUDA, simdgroup matrices on Metal): a
+# pass's pairs are a product's columns, so an expert's codes are decoded once for up to 8 (NH
+# 1) or 16 pairs, where the scalar kernel before it (session 15) decoded them again for each
+# pair. On the H200 (session 17, docs/benchmarks.md; 24 experts, top 6, cold stacks, chained)
+# w13 with its SwiGLU / w2 took 139 / 86 us at six rows against 250 / 147, 63 / 34 at one row
+# against 48 / 38 (there x is FP8-quantised in the kernel, work repeated by each tile of 32
+# outputs); in two e2e runs of that session, a six-row verify forward took 29.3 ms with it and
+# 38.1 ms with the scalar kernel.
 def fp4_experts_column_groups(rows: int) -> int:
     """fp4_experts' NH: the matrix unit's column groups of 8 a pass (the pairs a pass runs):
     1 up to 8 rows (an expert is picked at most once a row), 2 above. A pair's bits do not
