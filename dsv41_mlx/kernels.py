@@ -737,7 +737,7 @@ def _gemv_fits(rows: int, n: int, k: int, impl: str | None) -> bool:
 
 
 def gemv_layout(rows: int) -> tuple[int, int]:
-    """(RB, T) of fp8_gemv for `rows` computed rows (fp4_experts: FP4_EXPERTS_LAYOUT). RB, the
+    """(RB, T) of fp8_gemv for `rows` computed rows. RB, the
     bound on rows, is the least power of two holding them, T the outputs per thread group: 4
     at one row (each x value read serves T weight rows), 2 above. A thread holds T * RB sums
     in registers, and the fewer registers a thread holds the more threadgroups share a core:
@@ -748,19 +748,6 @@ def gemv_layout(rows: int) -> tuple[int, int]:
     while rb < rows:
         rb *= 2
     return rb, (4 if rb == 1 else 2)
-
-
-# (RB, T) of fp4_experts at any row count: each expert's threadgroups run the pairs that
-# picked it one at a time (later passes read its weights from cache), four outputs a thread
-# group. Against a pass of RB pairs (gemv_layout's bound), on the H200 (session 15's A/B,
-# docs/benchmarks.md; six rows of top-6 among 24 experts, chained): w13 with its SwiGLU 245 us
-# against 341 at RB 8 and 234 at RB 2, w2 143 against 247 and 149; at two and four rows one
-# pair a pass was the fastest of RB 1, 2 and 4. In a six-row forward (gpu_timeline) 260 / 149
-# us against RB 8's 245 / 175. T 4 reads 4 weight rows per input value; passes of more pairs
-# share the codes' decoding but hold more sums a thread, fewer threadgroups a core. The
-# release's 256 experts are rarely picked by two of a verify forward's rows. A pair's bits do
-# not depend on the layout.
-FP4_EXPERTS_LAYOUT = (1, 4)
 
 
 GEMV_FILL = 1 << 18  # outputs x threads per output to fill: 256 threadgroups at T = 4, 512 at T = 2
@@ -913,7 +900,25 @@ def fp4_experts(x: mx.array, w: mx.array, scales: mx.array, ids: mx.array, impl:
     R, k = ids.shape
     N, K = w.shape[1], x.shape[2]
     sw, limit, weights = _swiglu_arguments(swiglu, R * k)
-    return _gemv_launch(FP4_EXPERTS, impl, [x.astype(mx.bfloat16), w, scales, ids.astype(mx.uint32).reshape(-1),
-                                            _int32s(R, k, N, K, x.shape[1]), limit, weights],
-                        R, R * k, N, (R, k), init_value, quantize_input, gemv_threads_per_output(K), sw,
-                        layout=FP4_EXPERTS_LAYOUT)
+    (y,) = _compiled(FP4_EXPERTS, impl)(
+        inputs=[x.astype(mx.bfloat16), w, scales, ids.astype(mx.uint32).reshape(-1), _int32s(R, k, N, K, x.shape[1]),
+                limit, weights],
+        template=[("NH", fp4_experts_column_groups(R)), ("QX", int(quantize_input)), ("SW", sw)],
+        grid=(R * k * (N // 32) * 256, 1, 1), threadgroup=(256, 1, 1),
+        output_shapes=[(R, k, N // 2 if sw else N)], output_dtypes=[mx.bfloat16], init_value=init_value)
+    return y
+
+
+# fp4_experts runs on the matrix unit (mma.sync on CUDA, simdgroup matrices on Metal): a
+# pass's pairs are a product's columns, so an expert's codes are decoded once for up to 8 (NH
+# 1) or 16 pairs, where the scalar kernel before it (session 15) decoded them again for each
+# pair. On the H200 (session 17, docs/benchmarks.md; 24 experts, top 6, cold stacks, chained)
+# w13 with its SwiGLU / w2 took 139 / 86 us at six rows against 250 / 147, 63 / 34 at one row
+# against 48 / 38 (there x is FP8-quantised in the kernel, work repeated by each tile of 32
+# outputs); in two e2e runs of that session, a six-row verify forward took 29.3 ms with it and
+# 38.1 ms with the scalar kernel.
+def fp4_experts_column_groups(rows: int) -> int:
+    """fp4_experts' NH: the matrix unit's column groups of 8 a pass (the pairs a pass runs):
+    1 up to 8 rows (an expert is picked at most once a row), 2 above. A pair's bits do not
+    depend on it: each column of a matrix-unit product is summed on its own."""
+    return 1 if rows <= 8 else 2

@@ -17,6 +17,9 @@
 // 2b + 1 byte b of E2M1_ODD_CODES(w) (two masks for eight codes).
 #define E2M1_EVEN_CODES(w) ((w) & 0x0F0F0F0Fu)
 #define E2M1_ODD_CODES(w) (((w) >> 4) & 0x0F0F0F0Fu)
+// Codes i and i + 4 of a 32-bit word (bits 4i and 4i + 16) as an fp16 pair, low | high << 16,
+// each E2M1_HALF: the matrix unit's operand for two columns at once.
+#define E2M1_HALF_PAIR(w, i) (((((w) >> (4 * (i))) & 0x00080008u) << 12) | ((((w) >> (4 * (i))) & 0x00070007u) << 9))
 
 // E8M0 byte e -> float bits of its scale 2^(e-127). Valid for e >= 1 (e = 0, a
 // scale of 2^-127, would need a subnormal; the FP8 head builder never emits it).

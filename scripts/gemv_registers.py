@@ -4,7 +4,7 @@
 
 Compiles fp8_gemv and fp4_experts (metal_kernels/*.cu, wrapped as MLX wraps them:
 tests/cuda_check.py) for the layouts a forward picks (fp8_gemv: kernels.gemv_layout, RB 1
-with T 4, RB 2 and 8 with T 2; fp4_experts: kernels.FP4_EXPERTS_LAYOUT, RB 1 with T 4) with
+with T 4, RB 2 and 8 with T 2; fp4_experts: kernels.fp4_experts_column_groups, NH 1 and 2) with
 and without each epilogue (SW: the SwiGLU, AP: the added parts, QX: the input quantised in
 the kernel), and prints NVRTC's register count per thread and how many threadgroups of 256
 threads a core then holds (65,536 registers).
@@ -25,7 +25,7 @@ from tests import cuda_check  # noqa: E402
 from tests.test_kernels import _experts_case, _gemv_case  # noqa: E402
 
 LAYOUTS = ((1, 4, 32), (2, 2, 32), (8, 2, 64))  # (RB, T, C)
-EXPERTS_LAYOUTS = ((1, 4, 32),)
+EXPERTS_LAYOUTS = (1, 2)  # NH
 GEMV_VARIANTS = {"plain": {}, "SW": {"SW": 1}, "QX": {"QX": 1}, "AP 6": {"AP": 6}, "AP 6, QX": {"AP": 6, "QX": 1}}
 EXPERTS_VARIANTS = {"plain": {}, "SW (weighted)": {"SW": 2}, "QX": {"QX": 1}}
 
@@ -43,14 +43,16 @@ def registers(case: tuple, arch: str) -> int:
 
 def table(arch: str, layouts=LAYOUTS, experts_layouts=EXPERTS_LAYOUTS) -> list[dict]:
     """One row per (kernel, layout, variant): registers and threadgroups a core holds."""
+    cases = [("fp8_gemv", f"RB {rb}, T {t}, C {c}", variants, lambda extra, rb=rb, t=t, c=c: _gemv_case(
+        RB=rb, T=t, C=c, **extra)) for rb, t, c in layouts for variants in [GEMV_VARIANTS]]
+    cases += [("fp4_experts", f"NH {nh}", EXPERTS_VARIANTS, lambda extra, nh=nh: _experts_case(NH=nh, **extra))
+              for nh in experts_layouts]
     rows = []
-    for kernel, make, variants, kernel_layouts in (("fp8_gemv", _gemv_case, GEMV_VARIANTS, layouts),
-                                                   ("fp4_experts", _experts_case, EXPERTS_VARIANTS, experts_layouts)):
-        for rb, t, c in kernel_layouts:
-            for label, extra in variants.items():
-                n = registers(make(RB=rb, T=t, C=c, **extra), arch)
-                rows.append({"kernel": kernel, "RB": rb, "T": t, "C": c, "variant": label, "registers": n,
-                             "threadgroups_per_core": 65536 // (256 * n)})
+    for kernel, layout, variants, make in cases:
+        for label, extra in variants.items():
+            n = registers(make(extra), arch)
+            rows.append({"kernel": kernel, "layout": layout, "variant": label, "registers": n,
+                         "threadgroups_per_core": 65536 // (256 * n)})
     return rows
 
 
@@ -61,10 +63,9 @@ def main() -> int:
     if cuda_check.nvrtc() is None:
         print("needs the NVRTC wheels: pip install -e '.[test]'", file=sys.stderr)
         return 2
-    print("| kernel | RB | T | C | variant | registers | threadgroups a core |\n|---|---|---|---|---|---|---|")
+    print("| kernel | layout | variant | registers | threadgroups a core |\n|---|---|---|---|---|")
     for r in table(args.arch):
-        print(f"| {r['kernel']} | {r['RB']} | {r['T']} | {r['C']} | {r['variant']} | {r['registers']} | "
-              f"{r['threadgroups_per_core']} |")
+        print(f"| {r['kernel']} | {r['layout']} | {r['variant']} | {r['registers']} | {r['threadgroups_per_core']} |")
     return 0
 
 

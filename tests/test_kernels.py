@@ -146,10 +146,10 @@ def _gemv_case(RB, T, C, QX=0, SW=0, AP=0):  # noqa: N803 (the kernel's template
     return FP8_GEMV, inputs, {"y": "bfloat16"}, {"RB": RB, "T": T, "C": C, "QX": QX, "SW": SW, "AP": AP}
 
 
-def _experts_case(RB, T, C, QX=0, SW=0):  # noqa: N803
+def _experts_case(NH, QX=0, SW=0):  # noqa: N803
     inputs = {"x": "bfloat16", "w": "uint32", "scales": "uint8", "ids": "uint32", "sizes": "int32",
               "swiglu": "float32", "weights": "float32"}
-    return FP4_EXPERTS, inputs, {"y": "bfloat16"}, {"RB": RB, "T": T, "C": C, "QX": QX, "SW": SW}
+    return FP4_EXPERTS, inputs, {"y": "bfloat16"}, {"NH": NH, "QX": QX, "SW": SW}
 
 
 CASES = {
@@ -198,11 +198,11 @@ CASES = {
     "fp8_gemv_swiglu_8_rows": _gemv_case(RB=8, T=2, C=32, SW=1),
     "fp8_gemv_parts": _gemv_case(RB=1, T=4, C=64, QX=1, AP=6),
     "fp8_gemv_parts_8_rows": _gemv_case(RB=8, T=2, C=64, AP=6),
-    "fp4_experts": _experts_case(RB=8, T=4, C=32),
-    "fp4_experts_16_rows": _experts_case(RB=16, T=4, C=128),
-    "fp4_experts_quantizing": _experts_case(RB=8, T=4, C=32, QX=1),
-    "fp4_experts_swiglu": _experts_case(RB=1, T=4, C=32, SW=2),
-    "fp4_experts_swiglu_16_rows": _experts_case(RB=16, T=2, C=128, SW=1),
+    "fp4_experts": _experts_case(NH=1),
+    "fp4_experts_16_rows": _experts_case(NH=2),
+    "fp4_experts_quantizing": _experts_case(NH=1, QX=1),
+    "fp4_experts_swiglu": _experts_case(NH=1, SW=2),
+    "fp4_experts_swiglu_16_rows": _experts_case(NH=2, QX=1, SW=1),
     "moe_gate_topk": (MOE_GATE_TOPK, {"scores": "float32", "bias": "float32", "params": "float32", "rows": "int32"},
                       {"weights": "float32", "ids": "uint32"}, {"E": 384, "K": 6, "NORMALIZE": 1}),
 }
@@ -255,10 +255,11 @@ def test_metal_source_type_checks(case, rows, tmp_path):
     ("rms_norm_rope_quantised", ("simd_shuffle_xor(v, ushort(1))", "simd_shuffle_xor(v)")),  # bad call
     ("sparse_attention", ("threadgroup float denom[G];", "threadgroup float denom[G]")),  # no semicolon
     ("fp8_gemv", ("gemv_warp_totals<T, RB>(&acc[0][0], partial,", "gemv_warp_totals<T, RB>(acc, partial,")),  # wrong type
-    ("fp4_experts", ("E2M1_ODD_CODES(word)}", "E2M1_ODD_CODES(word, c)}")),  # bad macro call
-    ("fp4_experts", ("int pp[RB];", "int pp[RB]")),  # no semicolon
+    ("fp4_experts", ("E2M1_HALF(codes >> 4)", "E2M1_HALF(codes >> 4, 1)")),  # bad macro call
+    ("fp4_experts", ("threadgroup int picks[16];", "threadgroup int picks[16]")),  # no semicolon
+    ("fp4_experts_16_rows", ("simdgroup_store(d[mg][h], dbuf", "simdgroup_store(d[mg][h], wbuf")),  # float tile, half memory
     ("fp8_gemv", ("q[i] = *((const device uint4*)", "q[i] = *((const device uint2*)")),  # type error
-    ("fp4_experts_quantizing", ("xs[r] = gemv_input_block_scale(", "xs[r] = gemv_input_block_scales(")),  # misspelt
+    ("fp4_experts_quantizing", ("fp8_fake_quant_value(v, s)", "fp8_fake_quant_values(v, s)")),  # misspelt
     ("fp8_gemv_swiglu", ("o / RB * RB + RB), swiglu[0]);", "o / RB * RB + RB), swiglu);")),
     ("fp4_experts_swiglu", ("v = v * weights[pr];", "v = v * weight[pr];")),  # misspelt
     ("fp8_gemv_parts", ("t += float(pr[ulong(j) * NY]);", "t += float(pr);")),  # pointer to float
@@ -319,6 +320,8 @@ def test_cuda_source_compiles(case):
     ("fp8_gemv", ("gemv_lane_accumulate<T, RB>(p, &wf[0][0], &acc[0][0], r);",
                   "gemv_lane_accumulate<T, RB>(p, &wf[0][0], &acc[0][0]);")),
     ("fp4_experts", ("if (ids[q] == expert) {", "if (id[q] == expert) {")),  # misspelt variable
+    ("fp4_experts", ('"r"(bx[h][2 * ks]), "r"(bx[h][2 * ks + 1])', '"r"(bx[h]), "r"(bx[h][2 * ks + 1])')),  # array operand
+    ("fp4_experts_quantizing", ("fp8_fake_quant_value(v[c], s)", "fp8_fake_quant_value(v, s)")),  # array for float
     ("fp8_gemv_quantizing", ("p = gemv_fake_quant8(p, xs[r]);", "p = gemv_fake_quant8(p, xs);")),  # array for float
     ("fp8_gemv_swiglu", ("o / RB * RB + RB), swiglu[0]);", "o / RB * RB + RB), swiglu);")),
     ("fp4_experts_swiglu", ("v = v * weights[pr];", "v = v * weight[pr];")),  # misspelt
@@ -469,7 +472,7 @@ def test_gemv_registers_reports_each_variant():
     """scripts/gemv_registers.py: NVRTC's register count for each GEMV kernel variant of a
     layout, and the threadgroups of 256 threads a core then holds."""
     script = load_script("gemv_registers")
-    rows = script.table("sm_90", layouts=((1, 4, 32),), experts_layouts=((1, 4, 32),))
+    rows = script.table("sm_90", layouts=((1, 4, 32),), experts_layouts=(1,))
     assert [(r["kernel"], r["variant"]) for r in rows] == (
         [("fp8_gemv", v) for v in script.GEMV_VARIANTS] + [("fp4_experts", v) for v in script.EXPERTS_VARIANTS])
     for r in rows:
@@ -990,17 +993,19 @@ def test_gemv_threads_per_output_default_by_shape_and_can_be_set_for_benchmarks(
 def test_gemv_layout_bounds_the_computed_rows_by_a_power_of_two(monkeypatch):
     """The GEMV kernels' row bound RB is the least power of two holding the rows they compute
     (a padded forward's real rows: a 1-row decode runs RB = 1), T outputs per thread group 4
-    at RB 1 and 2 above; fp4_experts runs its pairs one a pass (RB 1, T 4) at any row count;
-    the grid follows T."""
+    at RB 1 and 2 above; the grid follows T. fp4_experts runs 8 pairs a pass on the matrix
+    unit up to 8 rows (NH 1) and 16 above, a threadgroup per (pair, 32 outputs)."""
     from dsv41_mlx import kernels
 
     assert [kernels.gemv_layout(r) for r in (1, 2, 3, 5, 8, 9, 16)] == [
         (1, 4), (2, 2), (4, 2), (8, 2), (8, 2), (16, 2), (16, 2)]
+    assert [kernels.fp4_experts_column_groups(r) for r in (1, 6, 8, 9, 16)] == [1, 1, 1, 2, 2]
     seen = []
 
     def compiled(spec, language):
         def run(inputs, template, grid, output_shapes, output_dtypes, **_):
-            seen.append((spec.name, dict(template)["RB"], dict(template)["T"], grid[0], output_shapes[0]))
+            t = dict(template)
+            seen.append((spec.name, *((t["RB"], t["T"]) if "RB" in t else (t["NH"],)), grid[0], output_shapes[0]))
             return [mx.zeros(shape, dtype=dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
         return run
 
@@ -1008,11 +1013,13 @@ def test_gemv_layout_bounds_the_computed_rows_by_a_power_of_two(monkeypatch):
     x, w, s = mx.zeros((8, 4096), dtype=mx.bfloat16), mx.zeros((8192, 1024), dtype=mx.uint32), mx.zeros((8192, 128))
     kernels.fp8_gemv(x, w, s, impl="cuda", real_rows=1)
     kernels.fp8_gemv(x, w, s, impl="cuda", real_rows=6)
-    xe, we, se = mx.zeros((3, 1, 512), dtype=mx.bfloat16), mx.zeros((4, 64, 64), dtype=mx.uint32), mx.zeros((4, 64, 16))
-    kernels.fp4_experts(xe, we, se, mx.zeros((3, 2), dtype=mx.uint32), impl="cuda")
+    we, se = mx.zeros((4, 64, 64), dtype=mx.uint32), mx.zeros((4, 64, 16))
+    kernels.fp4_experts(mx.zeros((3, 1, 512), dtype=mx.bfloat16), we, se, mx.zeros((3, 2), dtype=mx.uint32), impl="cuda")
+    kernels.fp4_experts(mx.zeros((9, 1, 512), dtype=mx.bfloat16), we, se, mx.zeros((9, 2), dtype=mx.uint32), impl="cuda")
     assert seen == [("fp8_gemv", 1, 4, 8192 // (8 * 4) * 256, (8, 8192)),  # all 8 rows out, padding zeros
                     ("fp8_gemv", 8, 2, 8192 // (8 * 2) * 256, (8, 8192)),
-                    ("fp4_experts", 1, 4, 3 * 2 * 64 // (8 * 4) * 256, (3, 2, 64))]  # a pair a pass
+                    ("fp4_experts", 1, 3 * 2 * 64 // 32 * 256, (3, 2, 64)),
+                    ("fp4_experts", 2, 9 * 2 * 64 // 32 * 256, (9, 2, 64))]
 
 
 def test_gemv_kernels_quantise_bf16_input_only():
