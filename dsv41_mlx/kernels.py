@@ -116,6 +116,8 @@ HC_INPUT = KernelSpec("hc_input", ("h", "pre_in", "parts", "scale", "base", "nor
                       twin_headers=("hc_split_lanes", "fp8_lane"))
 FP8_GEMV = KernelSpec("fp8_gemv", ("x", "w", "scales", "sizes", "swiglu", "parts"), ("y",), "fp8_gemv.metal",
                       "fp8_gemv.cu", twin_headers=("fp8_lane", "bf16_lane", "gemv_lane"))
+FP8_MMA = KernelSpec("fp8_mma", ("x", "w", "scales", "sizes", "swiglu", "parts"), ("y",), "fp8_mma.metal",
+                     "fp8_mma.cu", twin_headers=("fp8_lane", "bf16_lane", "gemv_lane"))
 FP4_EXPERTS = KernelSpec("fp4_experts", ("x", "w", "scales", "ids", "sizes", "swiglu", "weights"), ("y",),
                          "fp4_experts.metal", "fp4_experts.cu", twin_headers=("fp8_lane", "bf16_lane", "gemv_lane"))
 
@@ -809,10 +811,30 @@ def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None
                          f"SwiGLU: got parts {None if parts is None else parts.shape} for x {x.shape}, w {w.shape}, "
                          f"{rows} computed rows")
     added = _constant(mx.bfloat16, 0.0) if parts is None else parts.astype(mx.bfloat16)  # AP 0: never read
+    ap = 0 if parts is None else parts.shape[1]
+    if threads is None and rows > 0 and fp8_gemv_on_matrix_unit(N, G):
+        (y,) = _compiled(FP8_MMA, impl)(
+            inputs=[x.astype(mx.bfloat16), w, scales, _int32s(rows, N, K, G, S), limit, added],
+            template=[("NH", mma_column_groups(rows)), ("QX", int(quantize_input)), ("SW", sw), ("AP", ap)],
+            grid=(G * (N // 32) * 256, 1, 1), threadgroup=(256, 1, 1),
+            output_shapes=[(*x.shape[:-1], N // 2 if sw else N)], output_dtypes=[mx.bfloat16], init_value=init_value)
+        return y
     return _gemv_launch(FP8_GEMV, impl, [x.astype(mx.bfloat16), w, scales, _int32s(rows, N, K, G, S), limit, added],
                         rows, G, N, x.shape[:-1], init_value, quantize_input,
-                        threads or gemv_threads_per_output(K, N * G), sw,
-                        [("AP", 0 if parts is None else parts.shape[1])])
+                        threads or gemv_threads_per_output(K, N * G), sw, [("AP", ap)])
+
+
+# The dense FP8 GEMMs of at least this many outputs run on the matrix unit (fp8_mma, the
+# layout of fp4_experts: a threadgroup per 32 outputs, 8 simdgroups splitting K, the rows the
+# products' columns), where a forward's rows share each weight code's decoding; smaller ones
+# (wq_a's 1280 outputs, wkv's 512) keep fp8_gemv, whose threads per output fill the GPU. By
+# shape only, so each matrix sums in one order at every row count.
+FP8_MMA_MIN_OUTPUTS = 4096
+
+
+def fp8_gemv_on_matrix_unit(n: int, groups: int = 1) -> bool:
+    """Whether fp8_gemv runs a GEMM of `groups` matrices of n outputs on the matrix unit."""
+    return groups == 1 and n >= FP8_MMA_MIN_OUTPUTS
 
 
 # The decode path lets a GEMV kernel quantise its bf16 input (quantize_input) for a forward of
@@ -903,7 +925,7 @@ def fp4_experts(x: mx.array, w: mx.array, scales: mx.array, ids: mx.array, impl:
     (y,) = _compiled(FP4_EXPERTS, impl)(
         inputs=[x.astype(mx.bfloat16), w, scales, ids.astype(mx.uint32).reshape(-1), _int32s(R, k, N, K, x.shape[1]),
                 limit, weights],
-        template=[("NH", fp4_experts_column_groups(R)), ("QX", int(quantize_input)), ("SW", sw)],
+        template=[("NH", mma_column_groups(R)), ("QX", int(quantize_input)), ("SW", sw)],
         grid=(R * k * (N // 32) * 256, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[(R, k, N // 2 if sw else N)], output_dtypes=[mx.bfloat16], init_value=init_value)
     return y
@@ -917,8 +939,9 @@ def fp4_experts(x: mx.array, w: mx.array, scales: mx.array, ids: mx.array, impl:
 # against 48 / 38 (there x is FP8-quantised in the kernel, work repeated by each tile of 32
 # outputs); in two e2e runs of that session, a six-row verify forward took 29.3 ms with it and
 # 38.1 ms with the scalar kernel.
-def fp4_experts_column_groups(rows: int) -> int:
-    """fp4_experts' NH: the matrix unit's column groups of 8 a pass (the pairs a pass runs):
-    1 up to 8 rows (an expert is picked at most once a row), 2 above. A pair's bits do not
-    depend on it: each column of a matrix-unit product is summed on its own."""
+def mma_column_groups(rows: int) -> int:
+    """NH of the matrix-unit kernels (fp4_experts, fp8_mma): their products' column groups
+    of 8 (fp4_experts' pairs a pass, fp8_mma's rows): 1 up to 8 rows (an expert is picked at
+    most once a row), 2 above. A row's bits do not depend on it: each column of a
+    matrix-unit product is summed on its own."""
     return 1 if rows <= 8 else 2

@@ -2,9 +2,9 @@
 
     python scripts/gemv_registers.py [--arch sm_90]
 
-Compiles fp8_gemv and fp4_experts (metal_kernels/*.cu, wrapped as MLX wraps them:
+Compiles fp8_gemv, fp4_experts and fp8_mma (metal_kernels/*.cu, wrapped as MLX wraps them:
 tests/cuda_check.py) for the layouts a forward picks (fp8_gemv: kernels.gemv_layout, RB 1
-with T 4, RB 2 and 8 with T 2; fp4_experts: kernels.fp4_experts_column_groups, NH 1 and 2) with
+with T 4, RB 2 and 8 with T 2; fp4_experts and fp8_mma: kernels.mma_column_groups, NH 1 and 2) with
 and without each epilogue (SW: the SwiGLU, AP: the added parts, QX: the input quantised in
 the kernel), and prints NVRTC's register count per thread and how many threadgroups of 256
 threads a core then holds (65,536 registers).
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests import cuda_check  # noqa: E402
-from tests.test_kernels import _experts_case, _gemv_case  # noqa: E402
+from tests.test_kernels import _experts_case, _gemv_case, _mma_case  # noqa: E402
 
 LAYOUTS = ((1, 4, 32), (2, 2, 32), (8, 2, 64))  # (RB, T, C)
 EXPERTS_LAYOUTS = (1, 2)  # NH
@@ -46,6 +46,8 @@ def table(arch: str, layouts=LAYOUTS, experts_layouts=EXPERTS_LAYOUTS) -> list[d
     cases = [("fp8_gemv", f"RB {rb}, T {t}, C {c}", variants, lambda extra, rb=rb, t=t, c=c: _gemv_case(
         RB=rb, T=t, C=c, **extra)) for rb, t, c in layouts for variants in [GEMV_VARIANTS]]
     cases += [("fp4_experts", f"NH {nh}", EXPERTS_VARIANTS, lambda extra, nh=nh: _experts_case(NH=nh, **extra))
+              for nh in experts_layouts]
+    cases += [("fp8_mma", f"NH {nh}", GEMV_VARIANTS, lambda extra, nh=nh: _mma_case(NH=nh, **extra))
               for nh in experts_layouts]
     rows = []
     for kernel, layout, variants, make in cases:

@@ -18,8 +18,9 @@ import pytest
 
 from dsv41_mlx import kernels
 from dsv41_mlx.cache import DraftCache
-from dsv41_mlx.kernels import (ACT_QUANT, FP4_EXPERTS, FP4_QUANT, FP8_GEMV, FP8_ROWS, HC_INPUT, HC_MIX, HC_POST_MIX,
-                               HC_SPLIT, MOE_GATE_SCORES, MOE_GATE_TOPK, RING_WRITE, RMS_NORM, SPARSE_ATTENTION, TOP_K,
+from dsv41_mlx.kernels import (ACT_QUANT, FP4_EXPERTS, FP4_QUANT, FP8_GEMV, FP8_MMA, FP8_ROWS, HC_INPUT, HC_MIX,
+                               HC_POST_MIX, HC_SPLIT, MOE_GATE_SCORES, MOE_GATE_TOPK, RING_WRITE, RMS_NORM,
+                               SPARSE_ATTENTION, TOP_K,
                                fp8_rows_top64, moe_gate, moe_gate_reference, ring_write, ring_write_reference)
 from dsv41_mlx.quant import e4m3_decode, e8m0_decode, quantize_fp8_tiles, quantize_fp8_tiles_mx
 
@@ -152,6 +153,12 @@ def _experts_case(NH, QX=0, SW=0):  # noqa: N803
     return FP4_EXPERTS, inputs, {"y": "bfloat16"}, {"NH": NH, "QX": QX, "SW": SW}
 
 
+def _mma_case(NH, QX=0, SW=0, AP=0):  # noqa: N803
+    inputs = {"x": "bfloat16", "w": "uint32", "scales": "uint8", "sizes": "int32", "swiglu": "float32",
+              "parts": "bfloat16"}
+    return FP8_MMA, inputs, {"y": "bfloat16"}, {"NH": NH, "QX": QX, "SW": SW, "AP": AP}
+
+
 CASES = {
     "fp8_rows": (FP8_ROWS, {"x": "uint16", "w": "uint8", "scales": "uint8"},
                  {"top_vals": "float32", "top_ids": "int32"}, {"R": 5, "K": 5120, "N": 129280, "TILES": 505}),
@@ -203,6 +210,11 @@ CASES = {
     "fp4_experts_quantizing": _experts_case(NH=1, QX=1),
     "fp4_experts_swiglu": _experts_case(NH=1, SW=2),
     "fp4_experts_swiglu_16_rows": _experts_case(NH=2, QX=1, SW=1),
+    "fp8_mma": _mma_case(NH=1),
+    "fp8_mma_16_rows": _mma_case(NH=2),
+    "fp8_mma_quantizing": _mma_case(NH=1, QX=1),
+    "fp8_mma_swiglu": _mma_case(NH=1, QX=1, SW=1),
+    "fp8_mma_parts_16_rows": _mma_case(NH=2, AP=6),
     "moe_gate_topk": (MOE_GATE_TOPK, {"scores": "float32", "bias": "float32", "params": "float32", "rows": "int32"},
                       {"weights": "float32", "ids": "uint32"}, {"E": 384, "K": 6, "NORMALIZE": 1}),
 }
@@ -266,6 +278,8 @@ def test_metal_source_type_checks(case, rows, tmp_path):
     ("sparse_attention", ("ulong(key_row[j]) * D;", "ulong(key_rows[j]) * D;")),  # misspelt variable
     ("sparse_attention", ("qs[i / D][d ^ 1] * -rope_sin[s * D + d]", "qs[i / D][d ^ 1] * -rope_sine[s * D + d]")),
     ("sparse_attention_window_only", ("float(q[q0 + (i ^ 1)])", "float(q + (i ^ 1))")),  # pointer to float
+    ("fp8_mma", ("const uint odd = E4M3_ODD(qw[c]);", "const uint odd = E4M3_ODD(qw[c])")),  # no semicolon
+    ("fp8_mma_parts_16_rows", ("total += float(pr[ulong(j) * NY]);", "total += float(pr);")),  # pointer to float
 ])
 def test_a_broken_metal_source_fails_the_check(case, breakage, tmp_path):
     spec = CASES[case][0]
@@ -326,6 +340,9 @@ def test_cuda_source_compiles(case):
     ("fp8_gemv_swiglu", ("o / RB * RB + RB), swiglu[0]);", "o / RB * RB + RB), swiglu);")),
     ("fp4_experts_swiglu", ("v = v * weights[pr];", "v = v * weight[pr];")),  # misspelt
     ("fp8_gemv_parts", ("t += __bfloat162float(pr[(size_t)j * NY]);", "t += __bfloat162float(pr);")),
+    ("fp8_mma_quantizing", ("fp8_fake_quant_value(v[c], s)", "fp8_fake_quant_value(v, s)")),  # array for float
+    ("fp8_mma_16_rows", ("red[(warp * 32 + row) * COLS + col] = acc[mg][h][i];",
+                         "red[(warp * 32 + row) * COLS + col] = accs[mg][h][i];")),  # misspelt variable
 ])
 def test_a_broken_cuda_source_fails_the_compile(case, breakage):
     old, new = breakage
@@ -474,7 +491,8 @@ def test_gemv_registers_reports_each_variant():
     script = load_script("gemv_registers")
     rows = script.table("sm_90", layouts=((1, 4, 32),), experts_layouts=(1,))
     assert [(r["kernel"], r["variant"]) for r in rows] == (
-        [("fp8_gemv", v) for v in script.GEMV_VARIANTS] + [("fp4_experts", v) for v in script.EXPERTS_VARIANTS])
+        [("fp8_gemv", v) for v in script.GEMV_VARIANTS] + [("fp4_experts", v) for v in script.EXPERTS_VARIANTS]
+        + [("fp8_mma", v) for v in script.GEMV_VARIANTS])
     for r in rows:
         assert 16 <= r["registers"] <= 255 and r["threadgroups_per_core"] == 65536 // (256 * r["registers"])
 
@@ -999,7 +1017,7 @@ def test_gemv_layout_bounds_the_computed_rows_by_a_power_of_two(monkeypatch):
 
     assert [kernels.gemv_layout(r) for r in (1, 2, 3, 5, 8, 9, 16)] == [
         (1, 4), (2, 2), (4, 2), (8, 2), (8, 2), (16, 2), (16, 2)]
-    assert [kernels.fp4_experts_column_groups(r) for r in (1, 6, 8, 9, 16)] == [1, 1, 1, 2, 2]
+    assert [kernels.mma_column_groups(r) for r in (1, 6, 8, 9, 16)] == [1, 1, 1, 2, 2]
     seen = []
 
     def compiled(spec, language):
@@ -1010,16 +1028,46 @@ def test_gemv_layout_bounds_the_computed_rows_by_a_power_of_two(monkeypatch):
         return run
 
     monkeypatch.setattr(kernels, "_compiled", compiled)
-    x, w, s = mx.zeros((8, 4096), dtype=mx.bfloat16), mx.zeros((8192, 1024), dtype=mx.uint32), mx.zeros((8192, 128))
+    x, w, s = mx.zeros((8, 4096), dtype=mx.bfloat16), mx.zeros((2048, 1024), dtype=mx.uint32), mx.zeros((2048, 128))
     kernels.fp8_gemv(x, w, s, impl="cuda", real_rows=1)
     kernels.fp8_gemv(x, w, s, impl="cuda", real_rows=6)
     we, se = mx.zeros((4, 64, 64), dtype=mx.uint32), mx.zeros((4, 64, 16))
     kernels.fp4_experts(mx.zeros((3, 1, 512), dtype=mx.bfloat16), we, se, mx.zeros((3, 2), dtype=mx.uint32), impl="cuda")
     kernels.fp4_experts(mx.zeros((9, 1, 512), dtype=mx.bfloat16), we, se, mx.zeros((9, 2), dtype=mx.uint32), impl="cuda")
-    assert seen == [("fp8_gemv", 1, 4, 8192 // (8 * 4) * 256, (8, 8192)),  # all 8 rows out, padding zeros
-                    ("fp8_gemv", 8, 2, 8192 // (8 * 2) * 256, (8, 8192)),
+    per_tg = 256 // kernels.gemv_threads_per_output(4096, 2048)  # thread groups a threadgroup
+    assert seen == [("fp8_gemv", 1, 4, 2048 // (per_tg * 4) * 256, (8, 2048)),  # all 8 rows out, padding zeros
+                    ("fp8_gemv", 8, 2, 2048 // (per_tg * 2) * 256, (8, 2048)),
                     ("fp4_experts", 1, 3 * 2 * 64 // 32 * 256, (3, 2, 64)),
                     ("fp4_experts", 2, 9 * 2 * 64 // 32 * 256, (9, 2, 64))]
+
+
+def test_large_dense_fp8_gemms_run_on_the_matrix_unit_at_every_row_count(monkeypatch):
+    """fp8_gemv picks fp8_mma by the matrix's shape alone (a dense matrix of at least
+    FP8_MMA_MIN_OUTPUTS outputs), so a matrix sums in one order at every row count: one row
+    and eight alike; smaller or grouped matrices keep the scalar kernel, and `threads` (bench's
+    layout comparisons) asks for the scalar kernel."""
+    from dsv41_mlx import kernels
+
+    seen = []
+
+    def compiled(spec, language):
+        def run(inputs, template, grid, output_shapes, output_dtypes, **_):
+            seen.append((spec.name, dict(template).get("NH"), grid[0], output_shapes[0]))
+            return [mx.zeros(shape, dtype=dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
+        return run
+
+    monkeypatch.setattr(kernels, "_compiled", compiled)
+    n = kernels.FP8_MMA_MIN_OUTPUTS
+    x, w, s = mx.zeros((16, 1024), dtype=mx.bfloat16), mx.zeros((n, 256), dtype=mx.uint32), mx.zeros((n, 32))
+    for rows in (1, 8, 9):
+        kernels.fp8_gemv(x, w, s, impl="cuda", real_rows=rows)
+    kernels.fp8_gemv(x, w[: n - 32], s[: n - 32], impl="cuda", real_rows=1)
+    kernels.fp8_gemv(x, w, s, impl="cuda", real_rows=1, threads=64)
+    kernels.fp8_gemv(mx.repeat(x[:, None], 2, axis=1), mx.repeat(w[None], 2, axis=0), mx.repeat(s[None], 2, axis=0),
+                     impl="cuda")
+    assert [(name, nh) for name, nh, _, _ in seen] == [("fp8_mma", 1), ("fp8_mma", 1), ("fp8_mma", 2),
+                                                       ("fp8_gemv", None), ("fp8_gemv", None), ("fp8_gemv", None)]
+    assert seen[0][2:] == (n // 32 * 256, (16, n))  # a threadgroup per 32 outputs; every row out
 
 
 def test_gemv_kernels_quantise_bf16_input_only():
