@@ -301,7 +301,8 @@ def test_cuda_source_compiles(case):
     ("hc_split", ("mix[k] = mixes[row * (2 + HC) * HC + k];", "mix[k] = mixes[row * (2 + HC) * HC + k]")),
     ("act_quant", ("fp8_fake_quant_lane(v)", "fp8_fake_quant_lane()")),  # bad call
     ("moe_gate_topk", ("choice[bi] = neg_inf;", "choice[bi] = neg_infinity;")),  # misspelt variable
-    ("moe_gate_scores", ("const float wd = we[d];", "const float wd = we;")),  # pointer to float
+    ("moe_gate_scores", ("acc[r] += static_cast<float>(x[min(r, rows - 1) * D + d]) * wd[k];",
+                         "acc[r] += static_cast<float>(x[min(r, rows - 1) * D + d]) * wd;")),  # array for a float
     ("hc_input", ("__float2bfloat16(c)", "__float2bfloat16(c, 1)")),  # bad call
     ("hc_input", ("(mix, scale, base, params[1], pre", "(mix, scale, params[1], pre")),  # hc_split_lanes' arguments
     ("hc_input", ("w[k] = EVEN || d < (unsigned int)D ? norm_w[d] : 0.0f;", "w = norm_w[d];")),
