@@ -247,7 +247,7 @@ def test_metal_source_type_checks(case, rows, tmp_path):
     ("hc_input", ("bfloat16_t(c)", "bfloat16_t(c, 1)")),  # bad conversion
     ("hc_mix", ("acc[m] += v * fc[m * HD + j];", "acc[m] += v * fc;")),  # pointer into a float
     ("hc_post_mix", ("(acc, &partial[0][0], lane,", "(acc, partial, lane,")),  # 2-d array for a pointer
-    ("hc_post_mix", ("h[row * HD + e] = hb;", "h[row * HD + e] = hv;")),  # misspelt variable
+    ("hc_post_mix", ("h[row * HD + chunk * CHUNK + j] = hb[k];", "h[row * HD + chunk * CHUNK + j] = hv[k];")),  # misspelt
     ("hc_input", ("t += parts[(row * CH + c) * (M + 1) + tid];", "t += part[(row * CH + c) * (M + 1) + tid];")),
     ("fp4_quant_kv", ("simd_shuffle_xor(amax, offset)", "simd_shuffle_xor(amax)")),  # bad call
     ("rms_norm", ("sq += v * v;", "sq += v * w;")),  # type error: w is a pointer
