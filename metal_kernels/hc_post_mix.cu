@@ -19,11 +19,13 @@ if (row >= (unsigned int)rows[0]) {
 }
 const float* fc = fn + chunk * CHUNK;
 
-float acc[M + 1];
-for (int m = 0; m <= M; m++) {
-  acc[m] = 0.0f;
-}
-#pragma unroll  // a compile-time count: every pass's loads issued together
+// Three passes over the thread's values, so that no store sits between loads: the mixed
+// values first (their loads), then their stores to h, then the mix sums (fn's loads). A store
+// to h between one value's sums and the next value's loads kept the compiler from issuing
+// those loads early (h might alias them), and the passes' memory trips went one after another.
+// Each sum still adds the values in the same order.
+__nv_bfloat16 hb[PER];
+#pragma unroll
 for (int k = 0; k < PER; k++) {
   const unsigned int j = tid + k * 32 * WARPS;
   if (!EVEN && j >= (unsigned int)CHUNK) {
@@ -36,9 +38,28 @@ for (int k = 0; k < PER; k++) {
   for (int i = 1; i < HC; i++) {
     mixed += comb[(row * HC + i) * HC + c] * __bfloat162float(residual[row * HD + i * D + d]);
   }
-  const __nv_bfloat16 hb = __float2bfloat16(post[row * HC + c] * __bfloat162float(y[row * D + d]) + mixed);
-  h[row * HD + e] = hb;
-  const float v = __bfloat162float(hb);
+  hb[k] = __float2bfloat16(post[row * HC + c] * __bfloat162float(y[row * D + d]) + mixed);
+}
+#pragma unroll
+for (int k = 0; k < PER; k++) {
+  const unsigned int j = tid + k * 32 * WARPS;
+  if (!EVEN && j >= (unsigned int)CHUNK) {
+    break;
+  }
+  h[row * HD + chunk * CHUNK + j] = hb[k];
+}
+float acc[M + 1];
+for (int m = 0; m <= M; m++) {
+  acc[m] = 0.0f;
+}
+#pragma unroll
+for (int k = 0; k < PER; k++) {
+  const unsigned int j = tid + k * 32 * WARPS;
+  if (!EVEN && j >= (unsigned int)CHUNK) {
+    break;
+  }
+  const float v = __bfloat162float(hb[k]);
+  #pragma unroll
   for (int m = 0; m < M; m++) {
     acc[m] += v * fc[m * HD + j];
   }

@@ -31,11 +31,13 @@ if (row >= uint(rows[0])) {
 }
 const device float* fc = fn + chunk * CHUNK;
 
-float acc[M + 1];
-for (int m = 0; m <= M; m++) {
-  acc[m] = 0.0f;
-}
-for (int k = 0; k < PER; k++) {  // a compile-time count: the compiler may issue every pass's loads together
+// Three passes over the thread's values, so that no store sits between loads: the mixed
+// values first (their loads), then their stores to h, then the mix sums (fn's loads). A store
+// to h between one value's sums and the next value's loads kept the compiler from issuing
+// those loads early (h might alias them), and the passes' memory trips went one after another.
+// Each sum still adds the values in the same order.
+bfloat16_t hb[PER];
+for (int k = 0; k < PER; k++) {
   const uint j = tid + k * 32 * WARPS;
   if (!EVEN && j >= uint(CHUNK)) {
     break;
@@ -47,9 +49,25 @@ for (int k = 0; k < PER; k++) {  // a compile-time count: the compiler may issue
   for (int i = 1; i < HC; i++) {
     mixed += comb[(row * HC + i) * HC + c] * float(residual[row * HD + i * D + d]);
   }
-  const bfloat16_t hb = bfloat16_t(post[row * HC + c] * float(y[row * D + d]) + mixed);
-  h[row * HD + e] = hb;
-  const float v = float(hb);
+  hb[k] = bfloat16_t(post[row * HC + c] * float(y[row * D + d]) + mixed);
+}
+for (int k = 0; k < PER; k++) {
+  const uint j = tid + k * 32 * WARPS;
+  if (!EVEN && j >= uint(CHUNK)) {
+    break;
+  }
+  h[row * HD + chunk * CHUNK + j] = hb[k];
+}
+float acc[M + 1];
+for (int m = 0; m <= M; m++) {
+  acc[m] = 0.0f;
+}
+for (int k = 0; k < PER; k++) {
+  const uint j = tid + k * 32 * WARPS;
+  if (!EVEN && j >= uint(CHUNK)) {
+    break;
+  }
+  const float v = float(hb[k]);
   for (int m = 0; m < M; m++) {
     acc[m] += v * fc[m * HD + j];
   }

@@ -12,22 +12,28 @@ const unsigned int tid = threadIdx.x;
 const unsigned int lane = threadIdx.x % 32;
 const unsigned int warp = threadIdx.x / 32;
 const float* we = w + (size_t)e * D;
+// Every load first, with no branch between them: a row test (r < rows) between one feature's
+// sums and the next feature's weight load kept the compiler from issuing that load early, so a
+// thread's PER weight loads went to memory one after another (NVRTC's PTX: a branch per row
+// per feature), ~35 us a call with the weights cold in a forward (session 17's timeline).
+float wd[PER];
+_Pragma("unroll")
+for (int k = 0; k < PER; k++) {
+  const int d = (int)tid + k * 32 * WARPS;
+  wd[k] = EVEN || d < D ? we[EVEN ? d : min(d, D - 1)] : 0.0f;
+}
 float acc[RB];
 _Pragma("unroll")
 for (int r = 0; r < RB; r++) {
   acc[r] = 0.0f;
 }
-_Pragma("unroll")  // a compile-time count (D a template constant): every pass's loads issued together
-for (int k = 0; k < PER; k++) {
+_Pragma("unroll")
+for (int k = 0; k < PER; k++) {  // each row's products in feature order, as before
   const int d = (int)tid + k * 32 * WARPS;
-  if (!EVEN && d >= D) {
-    break;
-  }
-  const float wd = we[d];
-  _Pragma("unroll")
-  for (int r = 0; r < RB; r++) {
-    if (r < rows) {
-      acc[r] += static_cast<float>(x[r * D + d]) * wd;
+  if (EVEN || d < D) {
+    _Pragma("unroll")
+    for (int r = 0; r < RB; r++) {  // rows past `rows` read the last row again: their sums are never used
+      acc[r] += static_cast<float>(x[min(r, rows - 1) * D + d]) * wd[k];
     }
   }
 }

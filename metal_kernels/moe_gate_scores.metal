@@ -29,19 +29,24 @@ const uint tid = thread_position_in_threadgroup.x;
 const uint lane = thread_index_in_simdgroup;
 const uint warp = simdgroup_index_in_threadgroup;
 const device float* we = w + ulong(e) * D;
+// Every load first, with no branch between them: a row test (r < rows) between one feature's
+// sums and the next feature's weight load kept the compiler from issuing that load early, so a
+// thread's PER weight loads went to memory one after another (on CUDA, NVRTC's PTX: a branch per
+// row per feature; ~35 us a call with the weights cold in a forward, session 17's timeline).
+float wd[PER];
+for (int k = 0; k < PER; k++) {
+  const int d = int(tid) + k * 32 * WARPS;
+  wd[k] = EVEN || d < D ? we[EVEN ? d : min(d, D - 1)] : 0.0f;
+}
 float acc[RB];
 for (int r = 0; r < RB; r++) {
   acc[r] = 0.0f;
 }
-for (int k = 0; k < PER; k++) {  // a compile-time count (D a template constant): loads may all go first
+for (int k = 0; k < PER; k++) {  // each row's products in feature order, as before
   const int d = int(tid) + k * 32 * WARPS;
-  if (!EVEN && d >= D) {
-    break;
-  }
-  const float wd = we[d];
-  for (int r = 0; r < RB; r++) {
-    if (r < rows) {
-      acc[r] += float(x[r * D + d]) * wd;
+  if (EVEN || d < D) {
+    for (int r = 0; r < RB; r++) {  // rows past `rows` read the last row again: their sums are never used
+      acc[r] += float(x[min(r, rows - 1) * D + d]) * wd[k];
     }
   }
 }

@@ -259,7 +259,7 @@ def test_metal_source_type_checks(case, rows, tmp_path):
     ("hc_input", ("bfloat16_t(c)", "bfloat16_t(c, 1)")),  # bad conversion
     ("hc_mix", ("acc[m] += v * fc[m * HD + j];", "acc[m] += v * fc;")),  # pointer into a float
     ("hc_post_mix", ("(acc, &partial[0][0], lane,", "(acc, partial, lane,")),  # 2-d array for a pointer
-    ("hc_post_mix", ("h[row * HD + e] = hb;", "h[row * HD + e] = hv;")),  # misspelt variable
+    ("hc_post_mix", ("h[row * HD + chunk * CHUNK + j] = hb[k];", "h[row * HD + chunk * CHUNK + j] = hv[k];")),  # misspelt
     ("hc_input", ("t += parts[(row * CH + c) * (M + 1) + tid];", "t += part[(row * CH + c) * (M + 1) + tid];")),
     ("fp4_quant_kv", ("simd_shuffle_xor(amax, offset)", "simd_shuffle_xor(amax)")),  # bad call
     ("rms_norm", ("sq += v * v;", "sq += v * w;")),  # type error: w is a pointer
@@ -315,7 +315,8 @@ def test_cuda_source_compiles(case):
     ("hc_split", ("mix[k] = mixes[row * (2 + HC) * HC + k];", "mix[k] = mixes[row * (2 + HC) * HC + k]")),
     ("act_quant", ("fp8_fake_quant_lane(v)", "fp8_fake_quant_lane()")),  # bad call
     ("moe_gate_topk", ("choice[bi] = neg_inf;", "choice[bi] = neg_infinity;")),  # misspelt variable
-    ("moe_gate_scores", ("const float wd = we[d];", "const float wd = we;")),  # pointer to float
+    ("moe_gate_scores", ("acc[r] += static_cast<float>(x[min(r, rows - 1) * D + d]) * wd[k];",
+                         "acc[r] += static_cast<float>(x[min(r, rows - 1) * D + d]) * wd;")),  # array for a float
     ("hc_input", ("__float2bfloat16(c)", "__float2bfloat16(c, 1)")),  # bad call
     ("hc_input", ("(mix, scale, base, params[1], pre", "(mix, scale, params[1], pre")),  # hc_split_lanes' arguments
     ("hc_input", ("w[k] = EVEN || d < (unsigned int)D ? norm_w[d] : 0.0f;", "w = norm_w[d];")),

@@ -102,6 +102,8 @@ float sqrt(float x);
 float rsqrt(float x);
 float max(float a, float b);
 float min(float a, float b);
+int min(int a, int b);  // metal::min is overloaded for every scalar type
+uint min(uint a, uint b);
 float rint(float x);
 float abs(float x);
 uint max(uint a, uint b);
