@@ -1,0 +1,92 @@
+"""The matrix-unit Metal kernels run on the host (tests/metal_emulation.py) against their
+pure-MLX specs: fp4_experts.metal, its simdgroup matrices, threadgroup staging and the
+pair bookkeeping, at several row counts, x per row and per slot, quantised in the kernel or
+before, with and without its SwiGLU epilogue. There is no Mac here: this is the check that
+the Metal twin computes what the CUDA one does, beside the type-check."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mlx.core as mx
+from dsv41_mlx import kernels
+from tests.metal_check import clang
+from tests.metal_emulation import run
+
+pytestmark = pytest.mark.skipif(clang() is None, reason="clang++ is needed to build the host emulation")
+
+E, KS, N, K = 5, 3, 64, 512
+
+
+def _inputs(rows: int, per_slot: bool, quantise_first: bool, seed: int):
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, 1 << 32, (E, N, K // 8), dtype=np.uint64).astype(np.uint32)
+    scales = rng.integers(118, 124, (E, N, K // 32)).astype(np.uint8)
+    ids = np.sort(np.stack([rng.choice(E, KS, replace=False) for _ in range(rows)]), axis=1).astype(np.uint32)
+    x = mx.array(rng.standard_normal((rows, KS if per_slot else 1, K)).astype(np.float32)).astype(mx.bfloat16)
+    if quantise_first:  # as the model feeds it: FP8 fake-quantised over blocks of 32
+        from dsv41_mlx.quant import fp8_fake_quant_reference
+        x = fp8_fake_quant_reference(x).astype(mx.bfloat16)
+    weights = np.abs(rng.standard_normal((rows, KS))).astype(np.float32) * 0.3
+    return codes, scales, ids, x, weights
+
+
+def _bf16_bits(a: mx.array) -> np.ndarray:
+    return np.array(a.astype(mx.bfloat16).view(mx.uint16)).reshape(-1)
+
+
+def _floats(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+@pytest.mark.parametrize("rows, per_slot, qx, sw", [
+    (1, False, 1, 2),   # a decode step's gate and up projection: x quantised in the kernel, weighted SwiGLU
+    (1, True, 1, 0),    # its down projection
+    (5, False, 0, 2),   # a verify forward's: x quantised before
+    (6, True, 0, 0),
+    (9, False, 0, 1),   # past 8 rows: two column groups (NH 2)
+    (16, True, 0, 0),
+])
+def test_fp4_experts_metal_runs_its_spec_on_the_host(rows, per_slot, qx, sw, tmp_path):
+    codes, scales, ids, x, weights = _inputs(rows, per_slot, quantise_first=not qx, seed=rows)
+    act = None if not sw else kernels.SwiGLU(7.0, mx.array(weights) if sw == 2 else None)
+    want = kernels.fp4_experts_reference(x, mx.array(codes), mx.array(scales), mx.array(ids),
+                                         quantize_input=bool(qx), swiglu=act)
+    n_out = N // 2 if sw else N
+    got = run(kernels.FP4_EXPERTS, {
+        "x": ("bfloat16", _bf16_bits(x)), "w": ("uint32", codes), "scales": ("uint8", scales),
+        "ids": ("uint32", ids), "sizes": ("int32", np.array([rows, KS, N, K, x.shape[1]])),
+        "swiglu": ("float32", np.array([7.0])), "weights": ("float32", weights)},
+        {"y": ("bfloat16", rows * KS * n_out)}, {"NH": kernels.fp4_experts_column_groups(rows), "QX": qx, "SW": sw},
+        rows * KS * (N // 32), tmp_path)["y"]
+    got, want = _floats(got), np.array(want.astype(mx.float32)).reshape(-1)
+    # both sum exact products in float32 (in other orders) and round to bf16: an output may
+    # land one bf16 step apart, and a SwiGLU rounds its gate and up first (three roundings)
+    bound = 2.0 ** -6 * np.abs(want) + 2.0 ** -10 * np.abs(want).max()
+    assert np.all(np.abs(got - want) <= bound), np.abs(got - want).max()
+
+
+def test_the_host_run_catches_a_wrong_layout(tmp_path):
+    """The check can fail: the same body with its x tiles loaded untransposed gives other numbers."""
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class Broken(kernels.KernelSpec):
+        def source(self, language):
+            text = super().source(language)
+            assert "ulong2(0, 0), true);" in text
+            return text.replace("ulong2(0, 0), true);", "ulong2(0, 0), false);")
+
+    spec = kernels.FP4_EXPERTS
+    broken = Broken(spec.name, spec.inputs, spec.outputs, spec.metal, spec.cuda, spec.header_files, spec.twin_headers)
+    rows = 2
+    codes, scales, ids, x, weights = _inputs(rows, False, quantise_first=True, seed=0)
+    want = np.array(kernels.fp4_experts_reference(x, mx.array(codes), mx.array(scales), mx.array(ids))
+                    .astype(mx.float32)).reshape(-1)
+    got = _floats(run(broken, {
+        "x": ("bfloat16", _bf16_bits(x)), "w": ("uint32", codes), "scales": ("uint8", scales),
+        "ids": ("uint32", ids), "sizes": ("int32", np.array([rows, KS, N, K, 1])),
+        "swiglu": ("float32", np.array([0.0])), "weights": ("float32", weights)},
+        {"y": ("bfloat16", rows * KS * N)}, {"NH": 1, "QX": 0, "SW": 0}, rows * KS * (N // 32), tmp_path)["y"])
+    assert np.abs(got - want).max() > 2.0 ** -6 * np.abs(want).max()
