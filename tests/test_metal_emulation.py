@@ -1,7 +1,8 @@
 """The matrix-unit Metal kernels run on the host (tests/metal_emulation.py) against their
 pure-MLX specs: fp4_experts.metal, its simdgroup matrices, threadgroup staging and the
 pair bookkeeping, at several row counts, x per row and per slot, quantised in the kernel or
-before, with and without its SwiGLU epilogue. There is no Mac here: this is the check that
+before, with and without its SwiGLU epilogue; fp8_mma.metal with its SwiGLU, added parts and
+a padded forward's zero rows. There is no Mac here: this is the check that
 the Metal twin computes what the CUDA one does, beside the type-check."""
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def test_fp4_experts_metal_runs_its_spec_on_the_host(rows, per_slot, qx, sw, tmp
         "x": ("bfloat16", _bf16_bits(x)), "w": ("uint32", codes), "scales": ("uint8", scales),
         "ids": ("uint32", ids), "sizes": ("int32", np.array([rows, KS, N, K, x.shape[1]])),
         "swiglu": ("float32", np.array([7.0])), "weights": ("float32", weights)},
-        {"y": ("bfloat16", rows * KS * n_out)}, {"NH": kernels.fp4_experts_column_groups(rows), "QX": qx, "SW": sw},
+        {"y": ("bfloat16", rows * KS * n_out)}, {"NH": kernels.mma_column_groups(rows), "QX": qx, "SW": sw},
         rows * KS * (N // 32), tmp_path)["y"]
     got, want = _floats(got), np.array(want.astype(mx.float32)).reshape(-1)
     # both sum exact products in float32 (in other orders) and round to bf16: an output may
@@ -90,3 +91,36 @@ def test_the_host_run_catches_a_wrong_layout(tmp_path):
         "swiglu": ("float32", np.array([0.0])), "weights": ("float32", weights)},
         {"y": ("bfloat16", rows * KS * N)}, {"NH": 1, "QX": 0, "SW": 0}, rows * KS * (N // 32), tmp_path)["y"])
     assert np.abs(got - want).max() > 2.0 ** -6 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("rows, out_rows, qx, sw, ap", [
+    (1, 8, 1, 0, 0),    # a decode step's wq_b: one computed row of a padded forward, x quantised in the kernel
+    (1, 8, 1, 1, 0),    # the shared expert's gate and up projection with its SwiGLU
+    (6, 8, 0, 0, 6),    # a verify forward's shared-expert down projection, the routed experts' parts added
+    (9, 16, 0, 1, 0),   # past 8 rows: two column groups (NH 2)
+    (16, 16, 0, 0, 0),
+])
+def test_fp8_mma_metal_runs_its_spec_on_the_host(rows, out_rows, qx, sw, ap, tmp_path):
+    from scripts.check_kernels import random_scales, random_words
+    from dsv41_mlx.quant import fp8_fake_quant_reference
+
+    mx.random.seed(rows + ap)
+    n, k = 64, 512
+    w, s = random_words((n, k // 4)), random_scales((n, k // 32))
+    x = mx.random.normal((out_rows, k)).astype(mx.bfloat16)
+    if not qx:
+        x = fp8_fake_quant_reference(x).astype(mx.bfloat16)
+    n_out = n // 2 if sw else n
+    parts = (mx.random.normal((rows, ap, n_out)) * 0.5).astype(mx.bfloat16) if ap else None
+    act = kernels.SwiGLU(7.0) if sw else None
+    want = kernels.fp8_gemv_reference(x, w, s, quantize_input=bool(qx), real_rows=rows, swiglu=act, parts=parts)
+    got = run(kernels.FP8_MMA, {
+        "x": ("bfloat16", _bf16_bits(x)), "w": ("uint32", np.array(w)), "scales": ("uint8", np.array(s)),
+        "sizes": ("int32", np.array([rows, n, k, 1, out_rows])), "swiglu": ("float32", np.array([7.0])),
+        "parts": ("bfloat16", _bf16_bits(parts) if ap else np.zeros(1, np.uint16))},
+        {"y": ("bfloat16", out_rows * n_out)}, {"NH": kernels.mma_column_groups(rows), "QX": qx, "SW": sw, "AP": ap},
+        n // 32, tmp_path)["y"]
+    got, want = _floats(got), np.array(want.astype(mx.float32)).reshape(-1)
+    bound = 2.0 ** -6 * np.abs(want) + 2.0 ** -10 * np.abs(want).max()
+    assert np.all(np.abs(got - want) <= bound), np.abs(got - want).max()
+    assert np.all(got.reshape(out_rows, n_out)[rows:] == 0)  # the padding rows: zeros
