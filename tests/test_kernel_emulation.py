@@ -1,8 +1,10 @@
-"""The matrix-unit Metal kernels run on the host (tests/metal_emulation.py) against their
-pure-MLX specs: fp4_experts.metal, its simdgroup matrices, threadgroup staging and the
-pair bookkeeping, at several row counts, x per row and per slot, quantised in the kernel or
-before, with and without its SwiGLU epilogue. There is no Mac here: this is the check that
-the Metal twin computes what the CUDA one does, beside the type-check."""
+"""The matrix-unit kernels run on the host (tests/kernel_emulation.py) against their pure-MLX
+specs, both twins: fp4_experts (Metal: simdgroup matrices and threadgroup staging; CUDA:
+mma.sync fragments in registers) with its pair bookkeeping, at several row counts, x per row
+and per slot, quantised in the kernel or before, with and without its SwiGLU epilogue. There
+is neither a Mac nor a GPU here: beside the type-check and the NVRTC compile, this is the
+check that each twin computes its spec (the CUDA twin's emulated fragment layout is the one
+that gave the spec's numbers on an H200, session 17)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import pytest
 import mlx.core as mx
 from dsv41_mlx import kernels
 from tests.metal_check import clang
-from tests.metal_emulation import run
+from tests.kernel_emulation import run
 
 pytestmark = pytest.mark.skipif(clang() is None, reason="clang++ is needed to build the host emulation")
 
@@ -40,6 +42,7 @@ def _floats(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
+@pytest.mark.parametrize("language", ["metal", "cuda"])
 @pytest.mark.parametrize("rows, per_slot, qx, sw", [
     (1, False, 1, 2),   # a decode step's gate and up projection: x quantised in the kernel, weighted SwiGLU
     (1, True, 1, 0),    # its down projection
@@ -48,13 +51,13 @@ def _floats(bits: np.ndarray) -> np.ndarray:
     (9, False, 0, 1),   # past 8 rows: two column groups (NH 2)
     (16, True, 0, 0),
 ])
-def test_fp4_experts_metal_runs_its_spec_on_the_host(rows, per_slot, qx, sw, tmp_path):
+def test_fp4_experts_runs_its_spec_on_the_host(language, rows, per_slot, qx, sw, tmp_path):
     codes, scales, ids, x, weights = _inputs(rows, per_slot, quantise_first=not qx, seed=rows)
     act = None if not sw else kernels.SwiGLU(7.0, mx.array(weights) if sw == 2 else None)
     want = kernels.fp4_experts_reference(x, mx.array(codes), mx.array(scales), mx.array(ids),
                                          quantize_input=bool(qx), swiglu=act)
     n_out = N // 2 if sw else N
-    got = run(kernels.FP4_EXPERTS, {
+    got = run(kernels.FP4_EXPERTS, language, {
         "x": ("bfloat16", _bf16_bits(x)), "w": ("uint32", codes), "scales": ("uint8", scales),
         "ids": ("uint32", ids), "sizes": ("int32", np.array([rows, KS, N, K, x.shape[1]])),
         "swiglu": ("float32", np.array([7.0])), "weights": ("float32", weights)},
@@ -67,16 +70,20 @@ def test_fp4_experts_metal_runs_its_spec_on_the_host(rows, per_slot, qx, sw, tmp
     assert np.all(np.abs(got - want) <= bound), np.abs(got - want).max()
 
 
-def test_the_host_run_catches_a_wrong_layout(tmp_path):
-    """The check can fail: the same body with its x tiles loaded untransposed gives other numbers."""
+@pytest.mark.parametrize("language, right, wrong", [
+    ("metal", "ulong2(0, 0), true);", "ulong2(0, 0), false);"),  # x tiles loaded untransposed
+    ("cuda", '"r"(bx[h][2 * ks]), "r"(bx[h][2 * ks + 1])', '"r"(bx[h][2 * ks + 1]), "r"(bx[h][2 * ks])'),  # B halves swapped
+])
+def test_the_host_run_catches_a_wrong_layout(language, right, wrong, tmp_path):
+    """The check can fail: the same body with one operand's layout wrong gives other numbers."""
     from dataclasses import dataclass
 
     @dataclass(frozen=True)
     class Broken(kernels.KernelSpec):
         def source(self, language):
             text = super().source(language)
-            assert "ulong2(0, 0), true);" in text
-            return text.replace("ulong2(0, 0), true);", "ulong2(0, 0), false);")
+            assert right in text
+            return text.replace(right, wrong)
 
     spec = kernels.FP4_EXPERTS
     broken = Broken(spec.name, spec.inputs, spec.outputs, spec.metal, spec.cuda, spec.header_files, spec.twin_headers)
@@ -84,7 +91,7 @@ def test_the_host_run_catches_a_wrong_layout(tmp_path):
     codes, scales, ids, x, weights = _inputs(rows, False, quantise_first=True, seed=0)
     want = np.array(kernels.fp4_experts_reference(x, mx.array(codes), mx.array(scales), mx.array(ids))
                     .astype(mx.float32)).reshape(-1)
-    got = _floats(run(broken, {
+    got = _floats(run(broken, language, {
         "x": ("bfloat16", _bf16_bits(x)), "w": ("uint32", codes), "scales": ("uint8", scales),
         "ids": ("uint32", ids), "sizes": ("int32", np.array([rows, KS, N, K, 1])),
         "swiglu": ("float32", np.array([0.0])), "weights": ("float32", weights)},
