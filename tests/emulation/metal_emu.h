@@ -1,4 +1,4 @@
-// Metal kernel bodies run on the host, as C++ (tests/metal_emulation.py writes the unit): the
+// Metal kernel bodies run on the host, as C++ (tests/kernel_emulation.py writes the unit): the
 // Metal types and built-ins our kernels use, for a machine without Metal. A threadgroup is 256
 // std::threads (8 simdgroups of 32) and threadgroups run one after another, so threadgroup
 // memory is static storage; a simdgroup's reductions go through an exchange between two

@@ -1,9 +1,11 @@
-"""The matrix-unit Metal kernels run on the host (tests/metal_emulation.py) against their
-pure-MLX specs: fp4_experts.metal, its simdgroup matrices, threadgroup staging and the
-pair bookkeeping, at several row counts, x per row and per slot, quantised in the kernel or
-before, with and without its SwiGLU epilogue; fp8_mma.metal with its SwiGLU, added parts and
-a padded forward's zero rows. There is no Mac here: this is the check that
-the Metal twin computes what the CUDA one does, beside the type-check."""
+"""The matrix-unit kernels run on the host (tests/kernel_emulation.py) against their pure-MLX
+specs, both twins: fp4_experts (Metal: simdgroup matrices and threadgroup staging; CUDA:
+mma.sync fragments in registers) with its pair bookkeeping, at several row counts, x per row
+and per slot, quantised in the kernel or before, with and without its SwiGLU epilogue;
+fp8_mma with its SwiGLU, added parts and a padded forward's zero rows. There
+is neither a Mac nor a GPU here: beside the type-check and the NVRTC compile, this is the
+check that each twin computes its spec (the CUDA twin's emulated fragment layout is the one
+that gave the spec's numbers on an H200, session 17)."""
 
 from __future__ import annotations
 
@@ -13,9 +15,11 @@ import pytest
 import mlx.core as mx
 from dsv41_mlx import kernels
 from tests.metal_check import clang
-from tests.metal_emulation import run
+from tests.kernel_emulation import run
 
-pytestmark = pytest.mark.skipif(clang() is None, reason="clang++ is needed to build the host emulation")
+@pytest.fixture(autouse=True)
+def _clang_present():
+    assert clang() is not None, "clang++ is needed to build the host emulation (.ci/run installs it)"
 
 E, KS, N, K = 5, 3, 64, 512
 
@@ -41,6 +45,7 @@ def _floats(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
+@pytest.mark.parametrize("language", ["metal", "cuda"])
 @pytest.mark.parametrize("rows, per_slot, qx, sw", [
     (1, False, 1, 2),   # a decode step's gate and up projection: x quantised in the kernel, weighted SwiGLU
     (1, True, 1, 0),    # its down projection
@@ -49,13 +54,13 @@ def _floats(bits: np.ndarray) -> np.ndarray:
     (9, False, 0, 1),   # past 8 rows: two column groups (NH 2)
     (16, True, 0, 0),
 ])
-def test_fp4_experts_metal_runs_its_spec_on_the_host(rows, per_slot, qx, sw, tmp_path):
+def test_fp4_experts_runs_its_spec_on_the_host(language, rows, per_slot, qx, sw, tmp_path):
     codes, scales, ids, x, weights = _inputs(rows, per_slot, quantise_first=not qx, seed=rows)
     act = None if not sw else kernels.SwiGLU(7.0, mx.array(weights) if sw == 2 else None)
     want = kernels.fp4_experts_reference(x, mx.array(codes), mx.array(scales), mx.array(ids),
                                          quantize_input=bool(qx), swiglu=act)
     n_out = N // 2 if sw else N
-    got = run(kernels.FP4_EXPERTS, {
+    got = run(kernels.FP4_EXPERTS, language, {
         "x": ("bfloat16", _bf16_bits(x)), "w": ("uint32", codes), "scales": ("uint8", scales),
         "ids": ("uint32", ids), "sizes": ("int32", np.array([rows, KS, N, K, x.shape[1]])),
         "swiglu": ("float32", np.array([7.0])), "weights": ("float32", weights)},
@@ -68,16 +73,20 @@ def test_fp4_experts_metal_runs_its_spec_on_the_host(rows, per_slot, qx, sw, tmp
     assert np.all(np.abs(got - want) <= bound), np.abs(got - want).max()
 
 
-def test_the_host_run_catches_a_wrong_layout(tmp_path):
-    """The check can fail: the same body with its x tiles loaded untransposed gives other numbers."""
+@pytest.mark.parametrize("language, right, wrong", [
+    ("metal", "ulong2(0, 0), true);", "ulong2(0, 0), false);"),  # x tiles loaded untransposed
+    ("cuda", '"r"(bx[h][2 * ks]), "r"(bx[h][2 * ks + 1])', '"r"(bx[h][2 * ks + 1]), "r"(bx[h][2 * ks])'),  # B halves swapped
+])
+def test_the_host_run_catches_a_wrong_layout(language, right, wrong, tmp_path):
+    """The check can fail: the same body with one operand's layout wrong gives other numbers."""
     from dataclasses import dataclass
 
     @dataclass(frozen=True)
     class Broken(kernels.KernelSpec):
         def source(self, language):
             text = super().source(language)
-            assert "ulong2(0, 0), true);" in text
-            return text.replace("ulong2(0, 0), true);", "ulong2(0, 0), false);")
+            assert right in text
+            return text.replace(right, wrong)
 
     spec = kernels.FP4_EXPERTS
     broken = Broken(spec.name, spec.inputs, spec.outputs, spec.metal, spec.cuda, spec.header_files, spec.twin_headers)
@@ -85,7 +94,7 @@ def test_the_host_run_catches_a_wrong_layout(tmp_path):
     codes, scales, ids, x, weights = _inputs(rows, False, quantise_first=True, seed=0)
     want = np.array(kernels.fp4_experts_reference(x, mx.array(codes), mx.array(scales), mx.array(ids))
                     .astype(mx.float32)).reshape(-1)
-    got = _floats(run(broken, {
+    got = _floats(run(broken, language, {
         "x": ("bfloat16", _bf16_bits(x)), "w": ("uint32", codes), "scales": ("uint8", scales),
         "ids": ("uint32", ids), "sizes": ("int32", np.array([rows, KS, N, K, 1])),
         "swiglu": ("float32", np.array([0.0])), "weights": ("float32", weights)},
@@ -93,6 +102,7 @@ def test_the_host_run_catches_a_wrong_layout(tmp_path):
     assert np.abs(got - want).max() > 2.0 ** -6 * np.abs(want).max()
 
 
+@pytest.mark.parametrize("language", ["metal", "cuda"])
 @pytest.mark.parametrize("rows, out_rows, qx, sw, ap", [
     (1, 8, 1, 0, 0),    # a decode step's wq_b: one computed row of a padded forward, x quantised in the kernel
     (1, 8, 1, 1, 0),    # the shared expert's gate and up projection with its SwiGLU
@@ -100,9 +110,9 @@ def test_the_host_run_catches_a_wrong_layout(tmp_path):
     (9, 16, 0, 1, 0),   # past 8 rows: two column groups (NH 2)
     (16, 16, 0, 0, 0),
 ])
-def test_fp8_mma_metal_runs_its_spec_on_the_host(rows, out_rows, qx, sw, ap, tmp_path):
-    from scripts.check_kernels import random_scales, random_words
+def test_fp8_mma_runs_its_spec_on_the_host(language, rows, out_rows, qx, sw, ap, tmp_path):
     from dsv41_mlx.quant import fp8_fake_quant_reference
+    from scripts.check_kernels import random_scales, random_words
 
     mx.random.seed(rows + ap)
     n, k = 64, 512
@@ -114,7 +124,7 @@ def test_fp8_mma_metal_runs_its_spec_on_the_host(rows, out_rows, qx, sw, ap, tmp
     parts = (mx.random.normal((rows, ap, n_out)) * 0.5).astype(mx.bfloat16) if ap else None
     act = kernels.SwiGLU(7.0) if sw else None
     want = kernels.fp8_gemv_reference(x, w, s, quantize_input=bool(qx), real_rows=rows, swiglu=act, parts=parts)
-    got = run(kernels.FP8_MMA, {
+    got = run(kernels.FP8_MMA, language, {
         "x": ("bfloat16", _bf16_bits(x)), "w": ("uint32", np.array(w)), "scales": ("uint8", np.array(s)),
         "sizes": ("int32", np.array([rows, n, k, 1, out_rows])), "swiglu": ("float32", np.array([7.0])),
         "parts": ("bfloat16", _bf16_bits(parts) if ap else np.zeros(1, np.uint16))},

@@ -1,0 +1,110 @@
+// CUDA kernel bodies run on the host, as C++ (tests/kernel_emulation.py writes the unit): the
+// CUDA built-ins our kernels use, for a machine without a GPU. A block is 256 std::threads and
+// blocks run one after another, so __shared__ memory is static storage; a warp's shuffles go
+// through a per-warp exchange between two barriers of the warp; mma.sync m16n8k16 (the unit
+// turns its asm into a call of mma_m16n8k16) gathers the 32 lanes' fragments the same way,
+// in the PTX ISA's fragment layout, and each lane sums its own outputs in k order in float (the
+// tensor core's order may differ: within the float32 summation bound the tests allow). fp16
+// conversions are done in software (round to nearest even), in place of fp16_bits.cuh's asm.
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <thread>
+#include <vector>
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+struct Dim { unsigned int x; };
+thread_local Dim threadIdx, blockIdx;
+static std::barrier<>* block_sync;
+static std::barrier<>* warp_sync[8];
+static float exchange_f[8][32];
+static unsigned int exchange_u[8][32][6];
+inline void __syncthreads() { block_sync->arrive_and_wait(); }
+inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
+inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline float __shfl_sync(unsigned int, float v, int src) {
+  const unsigned int w = threadIdx.x / 32, l = threadIdx.x % 32;
+  exchange_f[w][l] = v;
+  warp_sync[w]->arrive_and_wait();
+  const float got = exchange_f[w][src & 31];
+  warp_sync[w]->arrive_and_wait();
+  return got;
+}
+inline float __shfl_xor_sync(unsigned int m, float v, int offset) { return __shfl_sync(m, v, (threadIdx.x % 32) ^ offset); }
+inline unsigned int max(unsigned int a, unsigned int b) { return a > b ? a : b; }
+inline unsigned int min(unsigned int a, unsigned int b) { return a < b ? a : b; }
+inline int min(int a, int b) { return a < b ? a : b; }
+inline float rintf(float v) { return std::nearbyint(v); }
+inline bool isnan(float v) { return std::isnan(v); }
+struct uint2 { unsigned int x, y; };
+struct uint4 { unsigned int x, y, z, w; };
+inline uint4 make_uint4(unsigned int a, unsigned int b, unsigned int c, unsigned int d) { return {a, b, c, d}; }
+template <typename T> inline T __ldg(const T* p) { return *p; }
+struct __nv_bfloat16 { uint16_t bits; };
+inline float __bfloat162float(__nv_bfloat16 b) { return __uint_as_float((unsigned int)b.bits << 16); }
+inline __nv_bfloat16 __float2bfloat16(float f) {
+  unsigned int u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return {(uint16_t)((u >> 16) | 0x40)};
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return {(uint16_t)(u >> 16)};
+}
+inline uint16_t f32_to_f16_bits(float f) {  // round to nearest even
+  const unsigned int u = __float_as_uint(f), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);
+  if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);
+  if (a < 0x38800000u) return (uint16_t)(sign | (unsigned int)std::nearbyint(__uint_as_float(a) * 16777216.0f));
+  unsigned int m = a - 0x38000000u;
+  m += 0xfffu + ((m >> 13) & 1u);
+  return (uint16_t)(sign | (m >> 13));
+}
+inline float fp16_bits_to_float(unsigned int bits) {
+  const unsigned int sign = (bits & 0x8000u) << 16, e = (bits >> 10) & 0x1fu, m = bits & 0x3ffu;
+  if (e == 0) { const float v = (float)m / 16777216.0f; return sign ? -v : v; }
+  if (e == 31) return __uint_as_float(sign | 0x7f800000u | (m << 13));
+  return __uint_as_float(sign | ((e + 112u) << 23) | (m << 13));
+}
+inline unsigned int float_pair_to_fp16_bits(float lo, float hi) { return f32_to_f16_bits(lo) | ((unsigned int)f32_to_f16_bits(hi) << 16); }
+// mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32, d += A B, from the 32 lanes' fragments (PTX ISA's layout)
+inline void mma_m16n8k16(float* d, unsigned int a0, unsigned int a1, unsigned int a2, unsigned int a3,
+                         unsigned int b0, unsigned int b1) {
+  const unsigned int w = threadIdx.x / 32, l = threadIdx.x % 32;
+  unsigned int* mine = exchange_u[w][l];
+  mine[0] = a0; mine[1] = a1; mine[2] = a2; mine[3] = a3; mine[4] = b0; mine[5] = b1;
+  warp_sync[w]->arrive_and_wait();
+  float A[16][16], B[16][8];
+  for (int lane = 0; lane < 32; lane++) {
+    const unsigned int g = lane / 4, t = lane % 4, *f = exchange_u[w][lane];
+    for (int h = 0; h < 2; h++) {
+      A[g][2 * t + h] = fp16_bits_to_float(f[0] >> (16 * h) & 0xffffu);
+      A[g + 8][2 * t + h] = fp16_bits_to_float(f[1] >> (16 * h) & 0xffffu);
+      A[g][2 * t + 8 + h] = fp16_bits_to_float(f[2] >> (16 * h) & 0xffffu);
+      A[g + 8][2 * t + 8 + h] = fp16_bits_to_float(f[3] >> (16 * h) & 0xffffu);
+      B[2 * t + h][g] = fp16_bits_to_float(f[4] >> (16 * h) & 0xffffu);
+      B[2 * t + 8 + h][g] = fp16_bits_to_float(f[5] >> (16 * h) & 0xffffu);
+    }
+  }
+  warp_sync[w]->arrive_and_wait();
+  const unsigned int g = l / 4, t = l % 4;
+  for (int i = 0; i < 4; i++) {
+    const int row = g + 8 * (i / 2), col = 2 * t + i % 2;
+    float acc = d[i];
+    for (int k = 0; k < 16; k++) acc += A[row][k] * B[k][col];
+    d[i] = acc;
+  }
+}
+template <typename F> void run_blocks(int blocks, F body) {
+  for (int b = 0; b < blocks; b++) {
+    std::barrier<> bs(256);
+    std::vector<std::barrier<>*> ws;
+    for (int w = 0; w < 8; w++) { ws.push_back(new std::barrier<>(32)); warp_sync[w] = ws.back(); }
+    block_sync = &bs;
+    std::vector<std::thread> threads;
+    for (unsigned int t = 0; t < 256; t++) threads.emplace_back([&, t] { threadIdx.x = t; blockIdx.x = b; body(); });
+    for (auto& th : threads) th.join();
+    for (auto* w : ws) delete w;
+  }
+}

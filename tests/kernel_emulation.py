@@ -1,0 +1,110 @@
+"""Run a GPU kernel body, Metal or CUDA, on the host, for a machine without either GPU.
+
+The body and its headers become C++ against tests/emulation/metal_emu.h or cuda_emu.h:
+Metal's address-space words dropped and its threadgroup arrays made static storage; CUDA's
+mma.sync asm turned into a call of the emulation's mma_m16n8k16 (fp16_bits.cuh's conversion
+asm replaced by the emulation's own). The template constants become file-scope constants,
+and a main reads each input from a file, runs the grid of 256-thread threadgroups (blocks) one
+after another and writes the outputs. clang++ builds it; numpy carries the arrays. The
+type-check and the NVRTC compile (tests/test_kernels.py) catch a wrong name or type; this
+catches a wrong index, a wrong layout, a wrong fragment: the kernel's numbers against its spec.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import numpy as np
+
+from dsv41_mlx.kernels import kernel_text
+from tests.metal_check import clang
+
+EMULATION = Path(__file__).parent / "emulation"
+C_TYPES = {"metal": {"bfloat16": "bfloat16_t", "float32": "float", "uint32": "uint", "uint8": "uint8_t", "int32": "int"},
+           "cuda": {"bfloat16": "__nv_bfloat16", "float32": "float", "uint32": "unsigned int", "uint8": "uint8_t",
+                    "int32": "int"}}
+NP_TYPES = {"bfloat16": np.uint16, "float32": np.float32, "uint32": np.uint32, "uint8": np.uint8, "int32": np.int32}
+
+
+def metal_host_text(metal: str) -> str:
+    """Metal text as C++ for metal_emu.h: `threadgroup T name[..];` becomes static storage,
+    and the address-space qualifiers go."""
+    out = []
+    for line in metal.splitlines():
+        if re.match(r"\s*threadgroup\s+\w+\s+\w+\s*(\[[^\]]*\])*\s*;", line):
+            line = re.sub(r"^(\s*)threadgroup\s+", r"\1static ", line)
+        line = re.sub(r"\b(threadgroup|device|constant|thread)\b\s+(?=[\w(])", "", line)
+        out.append(line)
+    return "\n".join(out)
+
+
+def _operands(text: str, constraint: str) -> list[str]:
+    """The expressions of an asm operand list's "constraint"(expression) entries, in order."""
+    found, i = [], 0
+    while (i := text.find(f'"{constraint}"(', i)) >= 0:
+        start = end = i + len(constraint) + 3
+        depth = 1
+        while depth:
+            depth += {"(": 1, ")": -1}.get(text[end], 0)
+            end += 1
+        found.append(text[start:end - 1])
+        i = end
+    return found
+
+
+def cuda_host_text(cuda: str) -> str:
+    """CUDA text as C++ for cuda_emu.h: each mma.sync m16n8k16 asm statement a call."""
+    def call(m):
+        outs, ins = _operands(m.group(1), "+f"), _operands(m.group(2), "r")
+        if len(outs) != 4 or len(ins) != 6:
+            raise ValueError(f"an mma asm statement with {len(outs)} outputs and {len(ins)} inputs")
+        assign = " ".join(f"{o} = mma_d[{i}];" for i, o in enumerate(outs))
+        return f"{{ float mma_d[4] = {{{', '.join(outs)}}}; mma_m16n8k16(mma_d, {', '.join(ins)}); {assign} }}"
+    return re.sub(r'asm\(\s*"mma\.sync[^"]*"\s*"[^"]*"\s*:(.*?):(.*?)\);', call, cuda, flags=re.S)
+
+
+def unit(spec, language: str, inputs: dict[str, str], outputs: dict[str, tuple[str, int]],
+         template: dict[str, int], groups: int) -> str:
+    """The C++ translation unit: inputs/outputs name -> dtype (outputs with their sizes)."""
+    types = C_TYPES[language]
+    params = [f"const {types[t]}* {n}" for n, t in inputs.items()] + [f"{types[t]}* {n}" for n, (t, _) in outputs.items()]
+    if language == "metal":
+        header, body, run_grid = metal_host_text(spec.header("metal")), metal_host_text(spec.source("metal")), \
+            "run_threadgroups"
+    else:  # the emulation converts fp16 itself: fp16_bits.cuh (asm) is left out
+        files = list(spec.header_files) + [f"{name}.cuh" for name in spec.twin_headers]
+        header, body, run_grid = "\n".join(kernel_text(f) for f in files), cuda_host_text(spec.source("cuda")), \
+            "run_blocks"
+    lines = [f'#include "{EMULATION / (language + "_emu.h")}"', "#include <cstdio>"]
+    lines += [f"constexpr int {k} = {v};" for k, v in template.items()]
+    lines += [header, "void kernel_body(" + ", ".join(params) + ") {", body, "}"]
+    lines += ["template <typename T> std::vector<T> read(const char* path) {",
+              '  FILE* f = std::fopen(path, "rb"); std::vector<T> v; T t;',
+              "  while (std::fread(&t, sizeof(T), 1, f) == 1) v.push_back(t);",
+              "  std::fclose(f); return v; }", "int main() {"]
+    lines += [f'  auto {n}_v = read<{types[t]}>("{n}.bin");' for n, t in inputs.items()]
+    lines += [f"  std::vector<{types[t]}> {n}_v({size});" for n, (t, size) in outputs.items()]
+    args = ", ".join(f"{n}_v.data()" for n in list(inputs) + list(outputs))
+    lines.append(f"  {run_grid}({groups}, [&] {{ kernel_body({args}); }});")
+    lines += [f'  {{ FILE* f = std::fopen("{n}.out", "wb"); std::fwrite({n}_v.data(), sizeof({n}_v[0]), {size}, f); '
+              "std::fclose(f); }" for n, (t, size) in outputs.items()]
+    return "\n".join(lines + ["  return 0;", "}"]) + "\n"
+
+
+def run(spec, language: str, inputs: dict[str, tuple[str, np.ndarray]], outputs: dict[str, tuple[str, int]],
+        template: dict[str, int], groups: int, workdir: Path) -> dict[str, np.ndarray]:
+    """Build and run `spec`'s body in `language` ('metal' or 'cuda') on the host: inputs name
+    -> (dtype, array), outputs name -> (dtype, element count); returns the outputs as flat
+    numpy arrays (bfloat16 as their uint16 bits)."""
+    for n, (t, a) in inputs.items():
+        np.ascontiguousarray(a, dtype=NP_TYPES[t]).tofile(workdir / f"{n}.bin")
+    source = workdir / "kernel.cpp"
+    source.write_text(unit(spec, language, {n: t for n, (t, _) in inputs.items()}, outputs, template, groups))
+    build = subprocess.run([clang(), "-std=c++20", "-O1", "-pthread", "-w", str(source), "-o", str(workdir / "kernel")],
+                           capture_output=True, text=True)
+    if build.returncode:
+        raise RuntimeError(f"the host build of {spec.name} ({language}) failed:\n{build.stderr[-3000:]}")
+    subprocess.run([str(workdir / "kernel")], cwd=workdir, check=True, timeout=300)
+    return {n: np.fromfile(workdir / f"{n}.out", dtype=NP_TYPES[t]) for n, (t, _) in outputs.items()}
