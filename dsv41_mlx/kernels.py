@@ -117,9 +117,9 @@ HC_INPUT = KernelSpec("hc_input", ("h", "pre_in", "parts", "scale", "base", "nor
 FP8_GEMV = KernelSpec("fp8_gemv", ("x", "w", "scales", "sizes", "swiglu", "parts"), ("y",), "fp8_gemv.metal",
                       "fp8_gemv.cu", twin_headers=("fp8_lane", "bf16_lane", "gemv_lane"))
 FP8_MMA = KernelSpec("fp8_mma", ("x", "w", "scales", "sizes", "swiglu", "parts"), ("y",), "fp8_mma.metal",
-                     "fp8_mma.cu", twin_headers=("fp8_lane", "bf16_lane", "gemv_lane"))
+                     "fp8_mma.cu", twin_headers=("fp8_lane", "bf16_lane", "gemv_lane", "mma_x"))
 FP4_EXPERTS = KernelSpec("fp4_experts", ("x", "w", "scales", "ids", "sizes", "swiglu", "weights"), ("y",),
-                         "fp4_experts.metal", "fp4_experts.cu", twin_headers=("fp8_lane", "bf16_lane", "gemv_lane"))
+                         "fp4_experts.metal", "fp4_experts.cu", twin_headers=("fp8_lane", "bf16_lane", "gemv_lane", "mma_x"))
 
 
 # MLX 0.32's CUDA backend hashes a custom kernel's whole text (its header and body, 2-12 KB
@@ -815,7 +815,8 @@ def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None
     if threads is None and rows > 0 and fp8_gemv_on_matrix_unit(N, G):
         (y,) = _compiled(FP8_MMA, impl)(
             inputs=[x.astype(mx.bfloat16), w, scales, _int32s(rows, N, K, G, S), limit, added],
-            template=[("NH", mma_column_groups(rows)), ("QX", int(quantize_input)), ("SW", sw), ("AP", ap)],
+            template=[("NH", mma_column_groups(rows)), ("QX", int(quantize_input)), ("SW", sw), ("AP", ap),
+                      ("ONE", int(rows == 1))],
             grid=(G * (N // 32) * 256, 1, 1), threadgroup=(256, 1, 1),
             output_shapes=[(*x.shape[:-1], N // 2 if sw else N)], output_dtypes=[mx.bfloat16], init_value=init_value)
         return y
@@ -925,7 +926,7 @@ def fp4_experts(x: mx.array, w: mx.array, scales: mx.array, ids: mx.array, impl:
     (y,) = _compiled(FP4_EXPERTS, impl)(
         inputs=[x.astype(mx.bfloat16), w, scales, ids.astype(mx.uint32).reshape(-1), _int32s(R, k, N, K, x.shape[1]),
                 limit, weights],
-        template=[("NH", mma_column_groups(R)), ("QX", int(quantize_input)), ("SW", sw)],
+        template=[("NH", mma_column_groups(R)), ("QX", int(quantize_input)), ("SW", sw), ("ONE", int(R == 1))],
         grid=(R * k * (N // 32) * 256, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[(R, k, N // 2 if sw else N)], output_dtypes=[mx.bfloat16], init_value=init_value)
     return y

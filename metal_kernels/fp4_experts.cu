@@ -61,11 +61,13 @@ for (int p0 = 0; p0 < m; p0 += COLS) {  // a pass: picks p0 .. p0 + COLS - 1
     const int p = p0 + 8 * h + (int)g < m ? picks[p0 + 8 * h + g] : picks[p0];
     xrow[h] = x + (size_t)(X > 1 ? p : p / KS) * K;
   }
+  constexpr bool single = ONE;  // a one-row launch's passes are of one pick: x read and scaled a value a lane
   float acc[2][NH][4] = {};  // [m group][column group][C fragment]
   for (unsigned int i0 = 0; i0 < per_warp; i0 += U) {
     unsigned int wq[U][2][2];  // [block][m group][row g, g + 8]: this lane's word of each row
     unsigned int ws[U][2][2];  // their scale bytes
     uint4 xv[U][NH];           // x at the block's columns 8t .. 8t + 7 of column 8h + g
+    float x1[U];               // a single pick's x at the block's column `lane`
 #pragma unroll
     for (int u = 0; u < U; u++) {
       const unsigned int b = b0 + min(i0 + u, per_warp - 1);  // past the warp's blocks: its last again, unused
@@ -78,9 +80,19 @@ for (int p0 = 0; p0 < m; p0 += COLS) {  // a pass: picks p0 .. p0 + COLS - 1
           ws[u][mg][e] = scales[r * nb + b];
         }
       }
+    }
+    if (single) {  // (every lane alike) x's loads after all the weights'
 #pragma unroll
-      for (int h = 0; h < NH; h++) {
-        xv[u][h] = __ldg(reinterpret_cast<const uint4*>(xrow[h] + 32 * b + 8 * t));
+      for (int u = 0; u < U; u++) {
+        x1[u] = __bfloat162float(xrow[0][32 * (b0 + min(i0 + u, per_warp - 1)) + lane]);
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < U; u++) {
+#pragma unroll
+        for (int h = 0; h < NH; h++) {
+          xv[u][h] = __ldg(reinterpret_cast<const uint4*>(xrow[h] + 32 * (b0 + min(i0 + u, per_warp - 1)) + 8 * t));
+        }
       }
     }
 #pragma unroll
@@ -90,29 +102,34 @@ for (int p0 = 0; p0 < m; p0 += COLS) {  // a pass: picks p0 .. p0 + COLS - 1
       }
       unsigned int bx[NH][4];  // fp16 pairs of x / s: (8t, 8t+4), (8t+1, 8t+5), (8t+2, 8t+6), (8t+3, 8t+7)
       float sx[NH][2];         // s of C columns 2t and 2t + 1
-#pragma unroll
-      for (int h = 0; h < NH; h++) {
-        float v[8];
-        bf16x8_floats(xv[u][h], v);
-        float amax = 0.0f;
-#pragma unroll
-        for (int c = 0; c < 8; c++) {
-          amax = fmaxf(amax, fabsf(v[c]));
-        }
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));  // the block's 32 values, 8 a lane
-        const float s = fp8_block_scale(amax);
-        const float inv = __uint_as_float((254u - (__float_as_uint(s) >> 23)) << 23);  // 1 / s, exact
-#pragma unroll
-        for (int c = 0; c < 8; c++) {
-          v[c] = (QX ? fp8_fake_quant_value(v[c], s) : v[c]) * inv;
-        }
+      if (single) {  // column 0 alone: its x a value a lane, then moved to lanes 4 * 0 + t
+        float s;
+        const float q = mma_x_column<QX>(x1[u], &s);
 #pragma unroll
         for (int c = 0; c < 4; c++) {
-          bx[h][c] = float_pair_to_fp16_bits(v[c], v[c + 4]);
+          const unsigned int pair = float_pair_to_fp16_bits(__shfl_sync(0xffffffffu, q, 8 * t + c),
+                                                            __shfl_sync(0xffffffffu, q, 8 * t + c + 4));
+          bx[0][c] = g == 0 ? pair : 0u;  // the other columns zeros, their sums unread
         }
-        sx[h][0] = __shfl_sync(0xffffffffu, s, 8 * t);      // column 2t's x is lane 4 (2t)'s
-        sx[h][1] = __shfl_sync(0xffffffffu, s, 8 * t + 4);
+        sx[0][0] = s;  // column 0's (lanes t = 0); the rest unread
+        sx[0][1] = s;
+#pragma unroll
+        for (int h = 1; h < NH; h++) {
+          bx[h][0] = bx[h][1] = bx[h][2] = bx[h][3] = 0u;
+          sx[h][0] = sx[h][1] = s;
+        }
+      } else {
+#pragma unroll
+        for (int h = 0; h < NH; h++) {
+          float v[8];
+          const float s = mma_x_lanes<QX>(xv[u][h], v);
+#pragma unroll
+          for (int c = 0; c < 4; c++) {
+            bx[h][c] = float_pair_to_fp16_bits(v[c], v[c + 4]);
+          }
+          sx[h][0] = __shfl_sync(0xffffffffu, s, 8 * t);      // column 2t's x is lane 4 (2t)'s
+          sx[h][1] = __shfl_sync(0xffffffffu, s, 8 * t + 4);
+        }
       }
 #pragma unroll
       for (int mg = 0; mg < 2; mg++) {

@@ -121,12 +121,14 @@ for (uint i = 0; i < per_warp; i++) {
   // the rows' x: lane l column 32 b + l of every row, divided by the block's scale
   float sx[NH][2] = {};  // the scale s of columns 8 h + 2 t + c, those this lane's sums belong to
   for (int j = 0; j < COLS; j++) {
-    const float v = float(x[xr[j] + 32 * b + lane]);
-    const float s = fp8_block_scale(simd_max(metal::abs(v)));  // the block's 32 values, one a lane
-    const float inv = as_type<float>((254u - (as_type<uint>(s) >> 23)) << 23);  // 1 / s, exact
-    xbuf[j * 32 + lane] = half((QX ? fp8_fake_quant_value(v, s) : v) * inv);  // exact in fp16 (see above)
-    if (uint(j % 8) / 2 == t) {
-      sx[j / 8][j % 2] = s;
+    if (j < rows) {  // (every lane alike) the block's 32 values, one a lane (mma_x.h)
+      float s;
+      xbuf[j * 32 + lane] = half(mma_x_column<QX>(float(x[xr[j] + 32 * b + lane]), &s));  // exact in fp16
+      if (uint(j % 8) / 2 == t) {
+        sx[j / 8][j % 2] = s;
+      }
+    } else {  // a padding column: zeros, its sums unread
+      xbuf[j * 32 + lane] = half(0.0f);
     }
   }
   simdgroup_barrier(mem_flags::mem_threadgroup);  // every lane's stores before the tiles' loads

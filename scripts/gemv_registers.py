@@ -27,7 +27,8 @@ from tests.test_kernels import _experts_case, _gemv_case, _mma_case  # noqa: E40
 LAYOUTS = ((1, 4, 32), (2, 2, 32), (8, 2, 64))  # (RB, T, C)
 EXPERTS_LAYOUTS = (1, 2)  # NH
 GEMV_VARIANTS = {"plain": {}, "SW": {"SW": 1}, "QX": {"QX": 1}, "AP 6": {"AP": 6}, "AP 6, QX": {"AP": 6, "QX": 1}}
-EXPERTS_VARIANTS = {"plain": {}, "SW (weighted)": {"SW": 2}, "QX": {"QX": 1}}
+EXPERTS_VARIANTS = {"plain": {}, "SW (weighted)": {"SW": 2}, "QX": {"QX": 1}, "QX, one row": {"QX": 1, "ONE": 1}}
+MMA_VARIANTS = {**GEMV_VARIANTS, "QX, one row": {"QX": 1, "ONE": 1}}
 
 
 def registers(case: tuple, arch: str) -> int:
@@ -47,7 +48,7 @@ def table(arch: str, layouts=LAYOUTS, experts_layouts=EXPERTS_LAYOUTS) -> list[d
         RB=rb, T=t, C=c, **extra)) for rb, t, c in layouts for variants in [GEMV_VARIANTS]]
     cases += [("fp4_experts", f"NH {nh}", EXPERTS_VARIANTS, lambda extra, nh=nh: _experts_case(NH=nh, **extra))
               for nh in experts_layouts]
-    cases += [("fp8_mma", f"NH {nh}", GEMV_VARIANTS, lambda extra, nh=nh: _mma_case(NH=nh, **extra))
+    cases += [("fp8_mma", f"NH {nh}", MMA_VARIANTS, lambda extra, nh=nh: _mma_case(NH=nh, **extra))
               for nh in experts_layouts]
     rows = []
     for kernel, layout, variants, make in cases:

@@ -64,7 +64,8 @@ def test_fp4_experts_runs_its_spec_on_the_host(language, rows, per_slot, qx, sw,
         "x": ("bfloat16", _bf16_bits(x)), "w": ("uint32", codes), "scales": ("uint8", scales),
         "ids": ("uint32", ids), "sizes": ("int32", np.array([rows, KS, N, K, x.shape[1]])),
         "swiglu": ("float32", np.array([7.0])), "weights": ("float32", weights)},
-        {"y": ("bfloat16", rows * KS * n_out)}, {"NH": kernels.mma_column_groups(rows), "QX": qx, "SW": sw},
+        {"y": ("bfloat16", rows * KS * n_out)},
+        {"NH": kernels.mma_column_groups(rows), "QX": qx, "SW": sw, "ONE": int(rows == 1)},
         rows * KS * (N // 32), tmp_path)["y"]
     got, want = _floats(got), np.array(want.astype(mx.float32)).reshape(-1)
     # both sum exact products in float32 (in other orders) and round to bf16: an output may
@@ -98,7 +99,7 @@ def test_the_host_run_catches_a_wrong_layout(language, right, wrong, tmp_path):
         "x": ("bfloat16", _bf16_bits(x)), "w": ("uint32", codes), "scales": ("uint8", scales),
         "ids": ("uint32", ids), "sizes": ("int32", np.array([rows, KS, N, K, 1])),
         "swiglu": ("float32", np.array([0.0])), "weights": ("float32", weights)},
-        {"y": ("bfloat16", rows * KS * N)}, {"NH": 1, "QX": 0, "SW": 0}, rows * KS * (N // 32), tmp_path)["y"])
+        {"y": ("bfloat16", rows * KS * N)}, {"NH": 1, "QX": 0, "SW": 0, "ONE": 0}, rows * KS * (N // 32), tmp_path)["y"])
     assert np.abs(got - want).max() > 2.0 ** -6 * np.abs(want).max()
 
 
@@ -128,7 +129,8 @@ def test_fp8_mma_runs_its_spec_on_the_host(language, rows, out_rows, qx, sw, ap,
         "x": ("bfloat16", _bf16_bits(x)), "w": ("uint32", np.array(w)), "scales": ("uint8", np.array(s)),
         "sizes": ("int32", np.array([rows, n, k, 1, out_rows])), "swiglu": ("float32", np.array([7.0])),
         "parts": ("bfloat16", _bf16_bits(parts) if ap else np.zeros(1, np.uint16))},
-        {"y": ("bfloat16", out_rows * n_out)}, {"NH": kernels.mma_column_groups(rows), "QX": qx, "SW": sw, "AP": ap},
+        {"y": ("bfloat16", out_rows * n_out)}, {"NH": kernels.mma_column_groups(rows), "QX": qx, "SW": sw, "AP": ap,
+                                           "ONE": int(rows == 1)},
         n // 32, tmp_path)["y"]
     got, want = _floats(got), np.array(want.astype(mx.float32)).reshape(-1)
     bound = 2.0 ** -6 * np.abs(want) + 2.0 ** -10 * np.abs(want).max()

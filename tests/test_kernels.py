@@ -147,16 +147,16 @@ def _gemv_case(RB, T, C, QX=0, SW=0, AP=0):  # noqa: N803 (the kernel's template
     return FP8_GEMV, inputs, {"y": "bfloat16"}, {"RB": RB, "T": T, "C": C, "QX": QX, "SW": SW, "AP": AP}
 
 
-def _experts_case(NH, QX=0, SW=0):  # noqa: N803
+def _experts_case(NH, QX=0, SW=0, ONE=0):  # noqa: N803
     inputs = {"x": "bfloat16", "w": "uint32", "scales": "uint8", "ids": "uint32", "sizes": "int32",
               "swiglu": "float32", "weights": "float32"}
-    return FP4_EXPERTS, inputs, {"y": "bfloat16"}, {"NH": NH, "QX": QX, "SW": SW}
+    return FP4_EXPERTS, inputs, {"y": "bfloat16"}, {"NH": NH, "QX": QX, "SW": SW, "ONE": ONE}
 
 
-def _mma_case(NH, QX=0, SW=0, AP=0):  # noqa: N803
+def _mma_case(NH, QX=0, SW=0, AP=0, ONE=0):  # noqa: N803
     inputs = {"x": "bfloat16", "w": "uint32", "scales": "uint8", "sizes": "int32", "swiglu": "float32",
               "parts": "bfloat16"}
-    return FP8_MMA, inputs, {"y": "bfloat16"}, {"NH": NH, "QX": QX, "SW": SW, "AP": AP}
+    return FP8_MMA, inputs, {"y": "bfloat16"}, {"NH": NH, "QX": QX, "SW": SW, "AP": AP, "ONE": ONE}
 
 
 CASES = {
@@ -207,12 +207,12 @@ CASES = {
     "fp8_gemv_parts_8_rows": _gemv_case(RB=8, T=2, C=64, AP=6),
     "fp4_experts": _experts_case(NH=1),
     "fp4_experts_16_rows": _experts_case(NH=2),
-    "fp4_experts_quantizing": _experts_case(NH=1, QX=1),
+    "fp4_experts_quantizing": _experts_case(NH=1, QX=1, ONE=1),
     "fp4_experts_swiglu": _experts_case(NH=1, SW=2),
     "fp4_experts_swiglu_16_rows": _experts_case(NH=2, QX=1, SW=1),
     "fp8_mma": _mma_case(NH=1),
     "fp8_mma_16_rows": _mma_case(NH=2),
-    "fp8_mma_quantizing": _mma_case(NH=1, QX=1),
+    "fp8_mma_quantizing": _mma_case(NH=1, QX=1, ONE=1),
     "fp8_mma_swiglu": _mma_case(NH=1, QX=1, SW=1),
     "fp8_mma_parts_16_rows": _mma_case(NH=2, AP=6),
     "moe_gate_topk": (MOE_GATE_TOPK, {"scores": "float32", "bias": "float32", "params": "float32", "rows": "int32"},
@@ -271,7 +271,7 @@ def test_metal_source_type_checks(case, rows, tmp_path):
     ("fp4_experts", ("threadgroup int picks[16];", "threadgroup int picks[16]")),  # no semicolon
     ("fp4_experts_16_rows", ("simdgroup_store(d[mg][h], dbuf", "simdgroup_store(d[mg][h], wbuf")),  # float tile, half memory
     ("fp8_gemv", ("q[i] = *((const device uint4*)", "q[i] = *((const device uint2*)")),  # type error
-    ("fp4_experts_quantizing", ("fp8_fake_quant_value(v, s)", "fp8_fake_quant_values(v, s)")),  # misspelt
+    ("fp4_experts_quantizing", ("mma_x_column<QX>(float(", "mma_x_columns<QX>(float(")),  # misspelt
     ("fp8_gemv_swiglu", ("o / RB * RB + RB), swiglu[0]);", "o / RB * RB + RB), swiglu);")),
     ("fp4_experts_swiglu", ("v = v * weights[pr];", "v = v * weight[pr];")),  # misspelt
     ("fp8_gemv_parts", ("t += float(pr[ulong(j) * NY]);", "t += float(pr);")),  # pointer to float
@@ -336,12 +336,12 @@ def test_cuda_source_compiles(case):
                   "gemv_lane_accumulate<T, RB>(p, &wf[0][0], &acc[0][0]);")),
     ("fp4_experts", ("if (ids[q] == expert) {", "if (id[q] == expert) {")),  # misspelt variable
     ("fp4_experts", ('"r"(bx[h][2 * ks]), "r"(bx[h][2 * ks + 1])', '"r"(bx[h]), "r"(bx[h][2 * ks + 1])')),  # array operand
-    ("fp4_experts_quantizing", ("fp8_fake_quant_value(v[c], s)", "fp8_fake_quant_value(v, s)")),  # array for float
+    ("fp4_experts_quantizing", ("mma_x_lanes<QX>(xv[u][h], v)", "mma_x_lanes<QX>(xv[u][h], v[0])")),  # float for array
     ("fp8_gemv_quantizing", ("p = gemv_fake_quant8(p, xs[r]);", "p = gemv_fake_quant8(p, xs);")),  # array for float
     ("fp8_gemv_swiglu", ("o / RB * RB + RB), swiglu[0]);", "o / RB * RB + RB), swiglu);")),
     ("fp4_experts_swiglu", ("v = v * weights[pr];", "v = v * weight[pr];")),  # misspelt
     ("fp8_gemv_parts", ("t += __bfloat162float(pr[(size_t)j * NY]);", "t += __bfloat162float(pr);")),
-    ("fp8_mma_quantizing", ("fp8_fake_quant_value(v[c], s)", "fp8_fake_quant_value(v, s)")),  # array for float
+    ("fp8_mma_quantizing", ("mma_x_column<QX>(x1[u], &s)", "mma_x_column<QX>(x1, &s)")),  # array for float
     ("fp8_mma_16_rows", ("red[(warp * 32 + row) * COLS + col] = acc[mg][h][i];",
                          "red[(warp * 32 + row) * COLS + col] = accs[mg][h][i];")),  # misspelt variable
 ])
@@ -493,7 +493,7 @@ def test_gemv_registers_reports_each_variant():
     rows = script.table("sm_90", layouts=((1, 4, 32),), experts_layouts=(1,))
     assert [(r["kernel"], r["variant"]) for r in rows] == (
         [("fp8_gemv", v) for v in script.GEMV_VARIANTS] + [("fp4_experts", v) for v in script.EXPERTS_VARIANTS]
-        + [("fp8_mma", v) for v in script.GEMV_VARIANTS])
+        + [("fp8_mma", v) for v in script.MMA_VARIANTS])
     for r in rows:
         assert 16 <= r["registers"] <= 255 and r["threadgroups_per_core"] == 65536 // (256 * r["registers"])
 
