@@ -863,15 +863,14 @@ def _bf16_to_quantize(x: mx.array, quantize_input: bool) -> None:
 
 def _gemv_launch(spec: KernelSpec, impl: str, inputs: list, rows: int, sets: int, n: int, lead: tuple,
                  init_value: float | None, quantize_input: bool, threads: int, sw: int,
-                 more: list | None = None, layout: tuple[int, int] | None = None) -> mx.array:
-    """Launch fp8_gemv or fp4_experts for `rows` computed rows (up to 16): `sets` sets of n
-    outputs (matrices, or (row, expert) pairs), a threadgroup of 256 threads per (256 / C) * T
-    outputs of a set -> bf16 [*lead, n], or [*lead, n / 2] with a SwiGLU (sw > 0). threads: C,
-    which each caller picks (gemv_threads_per_output); (RB, T): layout, default gemv_layout(rows).
-    more: the kernel's other template constants."""
+                 more: list | None = None) -> mx.array:
+    """Launch fp8_gemv for `rows` computed rows (up to 16): `sets` matrices of n outputs, a
+    threadgroup of 256 threads per (256 / C) * T outputs of a matrix -> bf16 [*lead, n], or
+    [*lead, n / 2] with a SwiGLU (sw > 0). threads: C (gemv_threads_per_output, or bench's
+    choice); (RB, T): gemv_layout(rows). more: the kernel's other template constants."""
     if threads not in (32, 64, 128, 256):  # a threadgroup then holds 32 to 4 outputs: N is a multiple of 32
         raise ValueError(f"a GEMV kernel takes 32, 64, 128 or 256 threads per output, got {threads}")
-    rb, t = layout or gemv_layout(rows)
+    rb, t = gemv_layout(rows)
     (y,) = _compiled(spec, impl)(
         inputs=inputs,
         template=[("RB", rb), ("T", t), ("C", threads), ("QX", int(quantize_input)), ("SW", sw), *(more or [])],
