@@ -1,8 +1,9 @@
 """GPU kernels run on the host (tests/kernel_emulation.py) against their pure-MLX specs, both
 twins: fp4_experts (Metal: simdgroup matrices and threadgroup staging; CUDA: mma.sync
 fragments in registers) with its pair bookkeeping, at several row counts, x per row and per
-slot, quantised in the kernel or before, with and without its SwiGLU epilogue; the drafter
-head's fp8_rows (the matrix unit, then a bitonic sort); act_quant and ring_write bit for bit.
+slot, quantised in the kernel or before, with and without its SwiGLU epilogue; the scalar
+fp8_gemv with its epilogues; the drafter head's fp8_rows (the matrix unit, then a bitonic
+sort); act_quant and ring_write bit for bit.
 There is neither a Mac nor a GPU here: beside the type-check and the NVRTC compile, this is
 the check that each twin computes its spec (the CUDA twins' emulated fragment layout is the
 one that gave the spec's numbers on an H200)."""
@@ -152,3 +153,35 @@ def test_act_quant_and_ring_write_give_their_specs_bits_on_the_host(language, tm
                                              "span": ("int32", np.array([first, M]))},
               {"out": ("uint16", S * W * D)}, {"S": S, "W": W, "D": D}, -(-S * W * (D // 8) // 256), tmp_path)["out"]
     assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("language", ["metal", "cuda"])
+@pytest.mark.parametrize("rows, qx, sw, ap", [(1, 1, 0, 0), (1, 1, 1, 0), (6, 0, 0, 6), (6, 0, 1, 0)])
+def test_fp8_gemv_runs_its_spec_on_the_host(language, rows, qx, sw, ap, tmp_path):
+    """The scalar FP8 GEMV (a thread group of C threads per T outputs, the simdgroups' sums
+    added in order) with its QX / SW / AP epilogues and a padded forward's zero rows."""
+    from dsv41_mlx.quant import fp8_fake_quant_reference
+    from scripts.check_kernels import random_scales, random_words
+
+    mx.random.seed(rows + 2 * sw + ap)
+    n, k, out_rows = 64, 512, 8
+    w, s = random_words((n, k // 4)), random_scales((n, k // 32))
+    x = mx.random.normal((out_rows, k)).astype(mx.bfloat16)
+    if not qx:
+        x = fp8_fake_quant_reference(x).astype(mx.bfloat16)
+    n_out = n // 2 if sw else n
+    parts = (mx.random.normal((rows, ap, n_out)) * 0.5).astype(mx.bfloat16) if ap else None
+    act = kernels.SwiGLU(7.0) if sw else None
+    want = kernels.fp8_gemv_reference(x, w, s, quantize_input=bool(qx), real_rows=rows, swiglu=act, parts=parts)
+    rb, t = kernels.gemv_layout(rows)
+    c = kernels.gemv_threads_per_output(k, n)
+    got = run(kernels.FP8_GEMV, language, {
+        "x": ("bfloat16", _bf16_bits(x)), "w": ("uint32", np.array(w)), "scales": ("uint8", np.array(s)),
+        "sizes": ("int32", np.array([rows, n, k, 1, out_rows])), "swiglu": ("float32", np.array([7.0])),
+        "parts": ("bfloat16", _bf16_bits(parts) if ap else np.zeros(1, np.uint16))},
+        {"y": ("bfloat16", out_rows * n_out)}, {"RB": rb, "T": t, "C": c, "QX": qx, "SW": sw, "AP": ap},
+        n // (256 // c * t), tmp_path)["y"]
+    got, want = _floats(got), np.array(want.astype(mx.float32)).reshape(-1)
+    bound = 2.0 ** -6 * np.abs(want) + 2.0 ** -10 * np.abs(want).max()
+    assert np.all(np.abs(got - want) <= bound), np.abs(got - want).max()
+    assert np.all(got.reshape(out_rows, n_out)[rows:] == 0)  # the padding rows: zeros
