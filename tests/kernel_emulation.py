@@ -22,10 +22,12 @@ from dsv41_mlx.kernels import kernel_text
 from tests.metal_check import clang
 
 EMULATION = Path(__file__).parent / "emulation"
-C_TYPES = {"metal": {"bfloat16": "bfloat16_t", "float32": "float", "uint32": "uint", "uint8": "uint8_t", "int32": "int"},
-           "cuda": {"bfloat16": "__nv_bfloat16", "float32": "float", "uint32": "unsigned int", "uint8": "uint8_t",
-                    "int32": "int"}}
-NP_TYPES = {"bfloat16": np.uint16, "float32": np.float32, "uint32": np.uint32, "uint8": np.uint8, "int32": np.int32}
+C_TYPES = {"metal": {"bfloat16": "bfloat16_t", "float32": "float", "uint32": "uint", "uint16": "uint16_t",
+                     "uint8": "uint8_t", "int32": "int"},
+           "cuda": {"bfloat16": "__nv_bfloat16", "float32": "float", "uint32": "unsigned int", "uint16": "uint16_t",
+                    "uint8": "uint8_t", "int32": "int"}}
+NP_TYPES = {"bfloat16": np.uint16, "float32": np.float32, "uint32": np.uint32, "uint16": np.uint16, "uint8": np.uint8,
+            "int32": np.int32}
 
 
 def metal_host_text(metal: str) -> str:
@@ -66,7 +68,7 @@ def cuda_host_text(cuda: str) -> str:
 
 
 def unit(spec, language: str, inputs: dict[str, str], outputs: dict[str, tuple[str, int]],
-         template: dict[str, int], groups: int) -> str:
+         template: dict[str, int | str], groups: int) -> str:
     """The C++ translation unit: inputs/outputs name -> dtype (outputs with their sizes)."""
     types = C_TYPES[language]
     params = [f"const {types[t]}* {n}" for n, t in inputs.items()] + [f"{types[t]}* {n}" for n, (t, _) in outputs.items()]
@@ -78,7 +80,8 @@ def unit(spec, language: str, inputs: dict[str, str], outputs: dict[str, tuple[s
         header, body, run_grid = "\n".join(kernel_text(f) for f in files), cuda_host_text(spec.source("cuda")), \
             "run_blocks"
     lines = [f'#include "{EMULATION / (language + "_emu.h")}"', "#include <cstdio>"]
-    lines += [f"constexpr int {k} = {v};" for k, v in template.items()]
+    lines += [f"using {k} = {types[v]};" if isinstance(v, str) else f"constexpr int {k} = {v};"
+              for k, v in template.items()]  # a type parameter ('bfloat16', ...) or an int constant
     lines += [header, "void kernel_body(" + ", ".join(params) + ") {", body, "}"]
     lines += ["template <typename T> std::vector<T> read(const char* path) {",
               '  FILE* f = std::fopen(path, "rb"); std::vector<T> v; T t;',
@@ -94,7 +97,7 @@ def unit(spec, language: str, inputs: dict[str, str], outputs: dict[str, tuple[s
 
 
 def run(spec, language: str, inputs: dict[str, tuple[str, np.ndarray]], outputs: dict[str, tuple[str, int]],
-        template: dict[str, int], groups: int, workdir: Path) -> dict[str, np.ndarray]:
+        template: dict[str, int | str], groups: int, workdir: Path) -> dict[str, np.ndarray]:
     """Build and run `spec`'s body in `language` ('metal' or 'cuda') on the host: inputs name
     -> (dtype, array), outputs name -> (dtype, element count); returns the outputs as flat
     numpy arrays (bfloat16 as their uint16 bits)."""

@@ -1,11 +1,13 @@
-"""The matrix-unit kernels run on the host (tests/kernel_emulation.py) against their pure-MLX
-specs, both twins: fp4_experts (Metal: simdgroup matrices and threadgroup staging; CUDA:
-mma.sync fragments in registers) with its pair bookkeeping, at several row counts, x per row
-and per slot, quantised in the kernel or before, with and without its SwiGLU epilogue;
-fp8_mma with its SwiGLU, added parts and a padded forward's zero rows. There
-is neither a Mac nor a GPU here: beside the type-check and the NVRTC compile, this is the
-check that each twin computes its spec (the CUDA twin's emulated fragment layout is the one
-that gave the spec's numbers on an H200, session 17)."""
+"""GPU kernels run on the host (tests/kernel_emulation.py) against their pure-MLX specs, both
+twins: fp4_experts (Metal: simdgroup matrices and threadgroup staging; CUDA: mma.sync
+fragments in registers) with its pair bookkeeping, at several row counts, x per row and per
+slot, quantised in the kernel or before, with and without its SwiGLU epilogue; the scalar
+fp8_gemv with its epilogues, and fp8_mma (its matrix-unit form for large matrices); the
+drafter head's fp8_rows (the matrix unit, then a bitonic sort); act_quant and ring_write bit
+for bit.
+There is neither a Mac nor a GPU here: beside the type-check and the NVRTC compile, this is
+the check that each twin computes its spec (the CUDA twins' emulated fragment layout is the
+one that gave the spec's numbers on an H200)."""
 
 from __future__ import annotations
 
@@ -101,6 +103,90 @@ def test_the_host_run_catches_a_wrong_layout(language, right, wrong, tmp_path):
         "swiglu": ("float32", np.array([0.0])), "weights": ("float32", weights)},
         {"y": ("bfloat16", rows * KS * N)}, {"NH": 1, "QX": 0, "SW": 0, "ONE": 0}, rows * KS * (N // 32), tmp_path)["y"])
     assert np.abs(got - want).max() > 2.0 ** -6 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("language", ["metal", "cuda"])
+@pytest.mark.parametrize("rows", [1, 5, 9])
+def test_fp8_rows_runs_its_spec_on_the_host(language, rows, tmp_path):
+    """The drafter head's kernel (the matrix unit, then a bitonic sort in threadgroup memory):
+    each row's 64 best outputs of each tile of 256, merged as fp8_rows_top64 merges them,
+    against fp8_rows_reference: the same best values, and each id's logit its value."""
+    from dsv41_mlx.quant import Fp8Matrix
+
+    rng = np.random.default_rng(rows)
+    n, k, tiles = 768, 256, 3
+    codes = rng.integers(0, 256, (n, k)).astype(np.uint8)
+    codes = np.where((codes & 0x7F) == 0x7F, codes - 1, codes).astype(np.uint8)  # no NaN codes
+    w = Fp8Matrix(mx.array(codes), mx.array(rng.integers(118, 124, (n // 32, k // 32)).astype(np.uint8)))
+    x = mx.array(rng.standard_normal((rows, k)).astype(np.float32)).astype(mx.bfloat16)
+    out = run(kernels.FP8_ROWS, language, {"x": ("uint16", _bf16_bits(x)), "w": ("uint8", codes),
+                                          "scales": ("uint8", np.array(w.scales))},
+              {"top_vals": ("float32", rows * tiles * 64), "top_ids": ("int32", rows * tiles * 64)},
+              {"R": rows, "K": k, "N": n, "TILES": tiles}, tiles, tmp_path)
+    vals, ids = kernels._best(mx.array(out["top_vals"].reshape(rows, -1)), mx.array(out["top_ids"].reshape(rows, -1)),
+                              kernels.TOP_K)
+    want_vals, _ = kernels.fp8_rows_reference(x, w)
+    logits = np.array(x.astype(mx.float32) @ w.dequantize().T)
+    vals, ids, want_vals = np.array(vals), np.array(ids), np.array(want_vals)
+    tol = 1e-3 * np.abs(logits).max()  # fp16 x and another order of the float32 sums
+    assert np.all(np.abs(vals - want_vals) <= tol)
+    assert np.all(np.abs(np.take_along_axis(logits, ids, axis=1) - vals) <= tol)
+    assert all(len(set(row)) == kernels.TOP_K for row in ids.tolist())
+
+
+@pytest.mark.parametrize("language", ["metal", "cuda"])
+def test_act_quant_and_ring_write_give_their_specs_bits_on_the_host(language, tmp_path):
+    """Two element-wise kernels whose spec is exact: act_quant's FP8 fake-quantisation (a
+    SIMD-group maximum per block of 32) and ring_write's slot arithmetic, bit for bit."""
+    from dsv41_mlx.quant import fp8_fake_quant_reference
+
+    rng = np.random.default_rng(3)
+    x = mx.array((rng.standard_normal((3, 96)) * np.exp(rng.uniform(-6, 6, (3, 96)))).astype(np.float32))
+    want = _bf16_bits(fp8_fake_quant_reference(x.astype(mx.bfloat16)).astype(mx.bfloat16))
+    got = run(kernels.ACT_QUANT, language, {"x": ("bfloat16", _bf16_bits(x)), "n": ("int32", np.array([x.size]))},
+              {"y": ("bfloat16", x.size)}, {"T": "bfloat16", "O": "bfloat16"}, -(-x.size // 256), tmp_path)["y"]
+    assert np.array_equal(got, want)
+
+    S, W, D, first, M = 3, 8, 64, 13, 5  # positions 13..17 wrap around a ring of 8
+    rings = mx.array(rng.standard_normal((S, W, D)).astype(np.float32)).astype(mx.bfloat16)
+    rows = mx.array(rng.standard_normal((S, M, D)).astype(np.float32)).astype(mx.bfloat16)
+    want = _bf16_bits(kernels.ring_write_reference(rings, rows, first))
+    got = run(kernels.RING_WRITE, language, {"rings": ("uint16", _bf16_bits(rings)), "rows": ("uint16", _bf16_bits(rows)),
+                                             "span": ("int32", np.array([first, M]))},
+              {"out": ("uint16", S * W * D)}, {"S": S, "W": W, "D": D}, -(-S * W * (D // 8) // 256), tmp_path)["out"]
+    assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("language", ["metal", "cuda"])
+@pytest.mark.parametrize("rows, qx, sw, ap", [(1, 1, 0, 0), (1, 1, 1, 0), (6, 0, 0, 6), (6, 0, 1, 0)])
+def test_fp8_gemv_runs_its_spec_on_the_host(language, rows, qx, sw, ap, tmp_path):
+    """The scalar FP8 GEMV (a thread group of C threads per T outputs, the simdgroups' sums
+    added in order) with its QX / SW / AP epilogues and a padded forward's zero rows."""
+    from dsv41_mlx.quant import fp8_fake_quant_reference
+    from scripts.check_kernels import random_scales, random_words
+
+    mx.random.seed(rows + 2 * sw + ap)
+    n, k, out_rows = 64, 512, 8
+    w, s = random_words((n, k // 4)), random_scales((n, k // 32))
+    x = mx.random.normal((out_rows, k)).astype(mx.bfloat16)
+    if not qx:
+        x = fp8_fake_quant_reference(x).astype(mx.bfloat16)
+    n_out = n // 2 if sw else n
+    parts = (mx.random.normal((rows, ap, n_out)) * 0.5).astype(mx.bfloat16) if ap else None
+    act = kernels.SwiGLU(7.0) if sw else None
+    want = kernels.fp8_gemv_reference(x, w, s, quantize_input=bool(qx), real_rows=rows, swiglu=act, parts=parts)
+    rb, t = kernels.gemv_layout(rows)
+    c = kernels.gemv_threads_per_output(k, n)
+    got = run(kernels.FP8_GEMV, language, {
+        "x": ("bfloat16", _bf16_bits(x)), "w": ("uint32", np.array(w)), "scales": ("uint8", np.array(s)),
+        "sizes": ("int32", np.array([rows, n, k, 1, out_rows])), "swiglu": ("float32", np.array([7.0])),
+        "parts": ("bfloat16", _bf16_bits(parts) if ap else np.zeros(1, np.uint16))},
+        {"y": ("bfloat16", out_rows * n_out)}, {"RB": rb, "T": t, "C": c, "QX": qx, "SW": sw, "AP": ap},
+        n // (256 // c * t), tmp_path)["y"]
+    got, want = _floats(got), np.array(want.astype(mx.float32)).reshape(-1)
+    bound = 2.0 ** -6 * np.abs(want) + 2.0 ** -10 * np.abs(want).max()
+    assert np.all(np.abs(got - want) <= bound), np.abs(got - want).max()
+    assert np.all(got.reshape(out_rows, n_out)[rows:] == 0)  # the padding rows: zeros
 
 
 @pytest.mark.parametrize("language", ["metal", "cuda"])

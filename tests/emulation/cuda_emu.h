@@ -19,6 +19,7 @@
 #define __shared__ static
 struct Dim { unsigned int x; };
 thread_local Dim threadIdx, blockIdx;
+static const Dim blockDim{256};
 static std::barrier<>* block_sync;
 static std::barrier<>* warp_sync[8];
 static float exchange_f[8][32];
@@ -44,14 +45,25 @@ struct uint2 { unsigned int x, y; };
 struct uint4 { unsigned int x, y, z, w; };
 inline uint4 make_uint4(unsigned int a, unsigned int b, unsigned int c, unsigned int d) { return {a, b, c, d}; }
 template <typename T> inline T __ldg(const T* p) { return *p; }
-struct __nv_bfloat16 { uint16_t bits; };
-inline float __bfloat162float(__nv_bfloat16 b) { return __uint_as_float((unsigned int)b.bits << 16); }
-inline __nv_bfloat16 __float2bfloat16(float f) {
-  unsigned int u = __float_as_uint(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return {(uint16_t)((u >> 16) | 0x40)};
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return {(uint16_t)(u >> 16)};
+inline unsigned int __byte_perm(unsigned int x, unsigned int y, unsigned int s) {  // bytes of {y, x} by selector nibbles
+  const uint64_t both = ((uint64_t)y << 32) | x;
+  unsigned int r = 0;
+  for (int i = 0; i < 4; i++) r |= (unsigned int)((both >> (8 * ((s >> (4 * i)) & 7u))) & 0xffu) << (8 * i);
+  return r;
 }
+struct __nv_bfloat16 {
+  uint16_t bits;
+  __nv_bfloat16() = default;
+  __nv_bfloat16(float f) {  // round to nearest even
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) { bits = (uint16_t)((u >> 16) | 0x40); return; }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    bits = (uint16_t)(u >> 16);
+  }
+  operator float() const { return __uint_as_float((unsigned int)bits << 16); }
+};
+inline float __bfloat162float(__nv_bfloat16 b) { return (float)b; }
+inline __nv_bfloat16 __float2bfloat16(float f) { return __nv_bfloat16(f); }
 inline uint16_t f32_to_f16_bits(float f) {  // round to nearest even
   const unsigned int u = __float_as_uint(f), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
   if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);

@@ -2,8 +2,8 @@
 // Metal types and built-ins our kernels use, for a machine without Metal. A threadgroup is 256
 // std::threads (8 simdgroups of 32) and threadgroups run one after another, so threadgroup
 // memory is static storage; a simdgroup's reductions go through an exchange between two
-// barriers of the whole threadgroup (our kernels call them, and simdgroup_barrier, alike in
-// every simdgroup); a simdgroup matrix is held whole by every lane, each lane computing the
+// barriers of its 32 lanes, and simdgroup_barrier waits for the whole threadgroup (our kernels
+// call it alike in every simdgroup); a simdgroup matrix is held whole by every lane, each lane computing the
 // product itself and lane 0 storing it. Sums inside a product run in k order in float: the
 // matrix unit's own order may differ, which is within the float32 summation bound the tests
 // allow. half is IEEE binary16 converted in software (round to nearest even).
@@ -61,9 +61,11 @@ thread_local uint tid_in_tg, tg_in_grid, lane_id, sg_id;
 struct Pos { uint x; };
 #define thread_position_in_threadgroup (Pos{tid_in_tg})
 #define threadgroup_position_in_grid (Pos{tg_in_grid})
+#define thread_position_in_grid (Pos{tg_in_grid * 256 + tid_in_tg})
 #define thread_index_in_simdgroup (lane_id)
 #define simdgroup_index_in_threadgroup (sg_id)
 static std::barrier<>* tg_sync;
+static std::barrier<>* sg_sync[8];  // a simdgroup's own barrier: its reductions need only its lanes
 static float xch[8][32];
 namespace metal {
 enum class mem_flags { mem_none, mem_device, mem_threadgroup };
@@ -91,18 +93,18 @@ inline void threadgroup_barrier(mem_flags) { tg_sync->arrive_and_wait(); }
 inline void simdgroup_barrier(mem_flags) { tg_sync->arrive_and_wait(); }  // every simdgroup calls it alike here
 inline float simd_exchange(float v, uint src) {
   xch[sg_id][lane_id] = v;
-  tg_sync->arrive_and_wait();
+  sg_sync[sg_id]->arrive_and_wait();
   const float got = xch[sg_id][src & 31];
-  tg_sync->arrive_and_wait();
+  sg_sync[sg_id]->arrive_and_wait();
   return got;
 }
 inline float simd_shuffle_xor(float v, ushort offset) { return simd_exchange(v, lane_id ^ offset); }
 inline float simd_max(float v) {
   xch[sg_id][lane_id] = v;
-  tg_sync->arrive_and_wait();
+  sg_sync[sg_id]->arrive_and_wait();
   float m = xch[sg_id][0];
   for (int l = 1; l < 32; l++) m = std::fmax(m, xch[sg_id][l]);
-  tg_sync->arrive_and_wait();
+  sg_sync[sg_id]->arrive_and_wait();
   return m;
 }
 template <typename T, int R, int C> struct simdgroup_matrix { T m[R][C]; };
@@ -138,9 +140,12 @@ template <typename F> void run_threadgroups(uint groups, F body) {
   for (uint g = 0; g < groups; g++) {
     std::barrier<> bs(256);
     tg_sync = &bs;
+    std::vector<std::barrier<>*> ss;
+    for (int w = 0; w < 8; w++) { ss.push_back(new std::barrier<>(32)); sg_sync[w] = ss.back(); }
     std::vector<std::thread> threads;
     for (uint t = 0; t < 256; t++)
       threads.emplace_back([&, t] { tid_in_tg = t; tg_in_grid = g; lane_id = t % 32; sg_id = t / 32; body(); });
     for (auto& th : threads) th.join();
+    for (auto* w : ss) delete w;
   }
 }
