@@ -157,16 +157,14 @@ def test_act_quant_and_ring_write_give_their_specs_bits_on_the_host(language, tm
     assert np.array_equal(got, want)
 
 
-@pytest.mark.parametrize("language", ["metal", "cuda"])
-@pytest.mark.parametrize("rows, qx, sw, ap", [(1, 1, 0, 0), (1, 1, 1, 0), (6, 0, 0, 6), (6, 0, 1, 0)])
-def test_fp8_gemv_runs_its_spec_on_the_host(language, rows, qx, sw, ap, tmp_path):
-    """The scalar FP8 GEMV (a thread group of C threads per T outputs, the simdgroups' sums
-    added in order) with its QX / SW / AP epilogues and a padded forward's zero rows."""
+def _fp8_gemm_on_the_host(spec, language, rows, out_rows, qx, sw, ap, template, groups, tmp_path):
+    """An FP8 GEMM kernel of fp8_gemv's inputs (fp8_gemv, fp8_mma) run on the host against
+    fp8_gemv_reference: 64 outputs, 512 inputs, `rows` computed of `out_rows`."""
     from dsv41_mlx.quant import fp8_fake_quant_reference
     from scripts.check_kernels import random_scales, random_words
 
     mx.random.seed(rows + 2 * sw + ap)
-    n, k, out_rows = 64, 512, 8
+    n, k = 64, 512
     w, s = random_words((n, k // 4)), random_scales((n, k // 32))
     x = mx.random.normal((out_rows, k)).astype(mx.bfloat16)
     if not qx:
@@ -175,18 +173,26 @@ def test_fp8_gemv_runs_its_spec_on_the_host(language, rows, qx, sw, ap, tmp_path
     parts = (mx.random.normal((rows, ap, n_out)) * 0.5).astype(mx.bfloat16) if ap else None
     act = kernels.SwiGLU(7.0) if sw else None
     want = kernels.fp8_gemv_reference(x, w, s, quantize_input=bool(qx), real_rows=rows, swiglu=act, parts=parts)
-    rb, t = kernels.gemv_layout(rows)
-    c = kernels.gemv_threads_per_output(k, n)
-    got = run(kernels.FP8_GEMV, language, {
+    got = run(spec, language, {
         "x": ("bfloat16", _bf16_bits(x)), "w": ("uint32", np.array(w)), "scales": ("uint8", np.array(s)),
         "sizes": ("int32", np.array([rows, n, k, 1, out_rows])), "swiglu": ("float32", np.array([7.0])),
         "parts": ("bfloat16", _bf16_bits(parts) if ap else np.zeros(1, np.uint16))},
-        {"y": ("bfloat16", out_rows * n_out)}, {"RB": rb, "T": t, "C": c, "QX": qx, "SW": sw, "AP": ap},
-        n // (256 // c * t), tmp_path)["y"]
+        {"y": ("bfloat16", out_rows * n_out)}, template, groups, tmp_path)["y"]
     got, want = _floats(got), np.array(want.astype(mx.float32)).reshape(-1)
     bound = 2.0 ** -6 * np.abs(want) + 2.0 ** -10 * np.abs(want).max()
     assert np.all(np.abs(got - want) <= bound), np.abs(got - want).max()
     assert np.all(got.reshape(out_rows, n_out)[rows:] == 0)  # the padding rows: zeros
+
+
+@pytest.mark.parametrize("language", ["metal", "cuda"])
+@pytest.mark.parametrize("rows, qx, sw, ap", [(1, 1, 0, 0), (1, 1, 1, 0), (6, 0, 0, 6), (6, 0, 1, 0)])
+def test_fp8_gemv_runs_its_spec_on_the_host(language, rows, qx, sw, ap, tmp_path):
+    """The scalar FP8 GEMV (a thread group of C threads per T outputs, the simdgroups' sums
+    added in order) with its QX / SW / AP epilogues and a padded forward's zero rows."""
+    rb, t = kernels.gemv_layout(rows)
+    c = kernels.gemv_threads_per_output(512, 64)
+    _fp8_gemm_on_the_host(kernels.FP8_GEMV, language, rows, 8, qx, sw, ap,
+                          {"RB": rb, "T": t, "C": c, "QX": qx, "SW": sw, "AP": ap}, 64 // (256 // c * t), tmp_path)
 
 
 @pytest.mark.parametrize("language", ["metal", "cuda"])
@@ -198,27 +204,7 @@ def test_fp8_gemv_runs_its_spec_on_the_host(language, rows, qx, sw, ap, tmp_path
     (16, 16, 0, 0, 0),
 ])
 def test_fp8_mma_runs_its_spec_on_the_host(language, rows, out_rows, qx, sw, ap, tmp_path):
-    from dsv41_mlx.quant import fp8_fake_quant_reference
-    from scripts.check_kernels import random_scales, random_words
-
-    mx.random.seed(rows + ap)
-    n, k = 64, 512
-    w, s = random_words((n, k // 4)), random_scales((n, k // 32))
-    x = mx.random.normal((out_rows, k)).astype(mx.bfloat16)
-    if not qx:
-        x = fp8_fake_quant_reference(x).astype(mx.bfloat16)
-    n_out = n // 2 if sw else n
-    parts = (mx.random.normal((rows, ap, n_out)) * 0.5).astype(mx.bfloat16) if ap else None
-    act = kernels.SwiGLU(7.0) if sw else None
-    want = kernels.fp8_gemv_reference(x, w, s, quantize_input=bool(qx), real_rows=rows, swiglu=act, parts=parts)
-    got = run(kernels.FP8_MMA, language, {
-        "x": ("bfloat16", _bf16_bits(x)), "w": ("uint32", np.array(w)), "scales": ("uint8", np.array(s)),
-        "sizes": ("int32", np.array([rows, n, k, 1, out_rows])), "swiglu": ("float32", np.array([7.0])),
-        "parts": ("bfloat16", _bf16_bits(parts) if ap else np.zeros(1, np.uint16))},
-        {"y": ("bfloat16", out_rows * n_out)}, {"NH": kernels.mma_column_groups(rows), "QX": qx, "SW": sw, "AP": ap,
-                                           "ONE": int(rows == 1)},
-        n // 32, tmp_path)["y"]
-    got, want = _floats(got), np.array(want.astype(mx.float32)).reshape(-1)
-    bound = 2.0 ** -6 * np.abs(want) + 2.0 ** -10 * np.abs(want).max()
-    assert np.all(np.abs(got - want) <= bound), np.abs(got - want).max()
-    assert np.all(got.reshape(out_rows, n_out)[rows:] == 0)  # the padding rows: zeros
+    """fp8_gemv's large matrices on the matrix unit (fp8_mma), the one-row path included."""
+    _fp8_gemm_on_the_host(kernels.FP8_MMA, language, rows, out_rows, qx, sw, ap,
+                          {"NH": kernels.mma_column_groups(rows), "QX": qx, "SW": sw, "AP": ap, "ONE": int(rows == 1)},
+                          64 // 32, tmp_path)
