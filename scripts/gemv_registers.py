@@ -44,8 +44,8 @@ def registers(case: tuple, arch: str) -> int:
 
 def table(arch: str, layouts=LAYOUTS, experts_layouts=EXPERTS_LAYOUTS) -> list[dict]:
     """One row per (kernel, layout, variant): registers and threadgroups a core holds."""
-    cases = [("fp8_gemv", f"RB {rb}, T {t}, C {c}", variants, lambda extra, rb=rb, t=t, c=c: _gemv_case(
-        RB=rb, T=t, C=c, **extra)) for rb, t, c in layouts for variants in [GEMV_VARIANTS]]
+    cases = [("fp8_gemv", f"RB {rb}, T {t}, C {c}", GEMV_VARIANTS,
+              lambda extra, rb=rb, t=t, c=c: _gemv_case(RB=rb, T=t, C=c, **extra)) for rb, t, c in layouts]
     cases += [("fp4_experts", f"NH {nh}", EXPERTS_VARIANTS, lambda extra, nh=nh: _experts_case(NH=nh, **extra))
               for nh in experts_layouts]
     cases += [("fp8_mma", f"NH {nh}", MMA_VARIANTS, lambda extra, nh=nh: _mma_case(NH=nh, **extra))

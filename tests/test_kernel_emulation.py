@@ -19,9 +19,11 @@ from dsv41_mlx import kernels
 from tests.metal_check import clang
 from tests.kernel_emulation import run
 
+
 @pytest.fixture(autouse=True)
 def _clang_present():
     assert clang() is not None, "clang++ is needed to build the host emulation (.ci/run installs it)"
+
 
 E, KS, N, K = 5, 3, 64, 512
 
@@ -47,6 +49,26 @@ def _floats(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
+def _assert_within_rounding(got_bits: np.ndarray, want: mx.array) -> np.ndarray:
+    """A GEMM kernel's bf16 output against its spec's: both sum exact products in float32 (in
+    other orders) and round to bf16, so an output may land one bf16 step apart, and a SwiGLU
+    rounds its gate and up first (three roundings). Returns the outputs as floats."""
+    got, want = _floats(got_bits), np.array(want.astype(mx.float32)).reshape(-1)
+    bound = 2.0 ** -6 * np.abs(want) + 2.0 ** -10 * np.abs(want).max()
+    assert np.all(np.abs(got - want) <= bound), np.abs(got - want).max()
+    return got
+
+
+def _fp4_experts_on_the_host(spec, language, x, codes, scales, ids, weights, template, n_out, tmp_path):
+    """spec's body (fp4_experts' inputs) run on the host over the (row, expert) pairs -> y's bits."""
+    rows = ids.shape[0]
+    return run(spec, language, {
+        "x": ("bfloat16", _bf16_bits(x)), "w": ("uint32", codes), "scales": ("uint8", scales),
+        "ids": ("uint32", ids), "sizes": ("int32", np.array([rows, KS, N, K, x.shape[1]])),
+        "swiglu": ("float32", np.array([7.0])), "weights": ("float32", weights)},
+        {"y": ("bfloat16", rows * KS * n_out)}, template, rows * KS * (N // 32), tmp_path)["y"]
+
+
 @pytest.mark.parametrize("language", ["metal", "cuda"])
 @pytest.mark.parametrize("rows, per_slot, qx, sw", [
     (1, False, 1, 2),   # a decode step's gate and up projection: x quantised in the kernel, weighted SwiGLU
@@ -61,19 +83,10 @@ def test_fp4_experts_runs_its_spec_on_the_host(language, rows, per_slot, qx, sw,
     act = None if not sw else kernels.SwiGLU(7.0, mx.array(weights) if sw == 2 else None)
     want = kernels.fp4_experts_reference(x, mx.array(codes), mx.array(scales), mx.array(ids),
                                          quantize_input=bool(qx), swiglu=act)
-    n_out = N // 2 if sw else N
-    got = run(kernels.FP4_EXPERTS, language, {
-        "x": ("bfloat16", _bf16_bits(x)), "w": ("uint32", codes), "scales": ("uint8", scales),
-        "ids": ("uint32", ids), "sizes": ("int32", np.array([rows, KS, N, K, x.shape[1]])),
-        "swiglu": ("float32", np.array([7.0])), "weights": ("float32", weights)},
-        {"y": ("bfloat16", rows * KS * n_out)},
-        {"NH": kernels.mma_column_groups(rows), "QX": qx, "SW": sw, "ONE": int(rows == 1)},
-        rows * KS * (N // 32), tmp_path)["y"]
-    got, want = _floats(got), np.array(want.astype(mx.float32)).reshape(-1)
-    # both sum exact products in float32 (in other orders) and round to bf16: an output may
-    # land one bf16 step apart, and a SwiGLU rounds its gate and up first (three roundings)
-    bound = 2.0 ** -6 * np.abs(want) + 2.0 ** -10 * np.abs(want).max()
-    assert np.all(np.abs(got - want) <= bound), np.abs(got - want).max()
+    got = _fp4_experts_on_the_host(kernels.FP4_EXPERTS, language, x, codes, scales, ids, weights,
+                                   {"NH": kernels.mma_column_groups(rows), "QX": qx, "SW": sw, "ONE": int(rows == 1)},
+                                   N // 2 if sw else N, tmp_path)
+    _assert_within_rounding(got, want)
 
 
 @pytest.mark.parametrize("language, right, wrong", [
@@ -97,11 +110,8 @@ def test_the_host_run_catches_a_wrong_layout(language, right, wrong, tmp_path):
     codes, scales, ids, x, weights = _inputs(rows, False, quantise_first=True, seed=0)
     want = np.array(kernels.fp4_experts_reference(x, mx.array(codes), mx.array(scales), mx.array(ids))
                     .astype(mx.float32)).reshape(-1)
-    got = _floats(run(broken, language, {
-        "x": ("bfloat16", _bf16_bits(x)), "w": ("uint32", codes), "scales": ("uint8", scales),
-        "ids": ("uint32", ids), "sizes": ("int32", np.array([rows, KS, N, K, 1])),
-        "swiglu": ("float32", np.array([0.0])), "weights": ("float32", weights)},
-        {"y": ("bfloat16", rows * KS * N)}, {"NH": 1, "QX": 0, "SW": 0, "ONE": 0}, rows * KS * (N // 32), tmp_path)["y"])
+    got = _floats(_fp4_experts_on_the_host(broken, language, x, codes, scales, ids, weights,
+                                           {"NH": 1, "QX": 0, "SW": 0, "ONE": 0}, N, tmp_path))
     assert np.abs(got - want).max() > 2.0 ** -6 * np.abs(want).max()
 
 
@@ -112,13 +122,13 @@ def test_fp8_rows_runs_its_spec_on_the_host(language, rows, tmp_path):
     each row's 64 best outputs of each tile of 256, merged as fp8_rows_top64 merges them,
     against fp8_rows_reference: the same best values, and each id's logit its value."""
     from dsv41_mlx.quant import Fp8Matrix
+    from scripts.check_kernels import random_scales, random_words
 
-    rng = np.random.default_rng(rows)
+    mx.random.seed(rows)
     n, k, tiles = 768, 256, 3
-    codes = rng.integers(0, 256, (n, k)).astype(np.uint8)
-    codes = np.where((codes & 0x7F) == 0x7F, codes - 1, codes).astype(np.uint8)  # no NaN codes
-    w = Fp8Matrix(mx.array(codes), mx.array(rng.integers(118, 124, (n // 32, k // 32)).astype(np.uint8)))
-    x = mx.array(rng.standard_normal((rows, k)).astype(np.float32)).astype(mx.bfloat16)
+    codes = np.array(random_words((n, k // 4))).view(np.uint8)  # E4M3 codes without NaNs, [n, k]
+    w = Fp8Matrix(mx.array(codes), random_scales((n // 32, k // 32)))
+    x = mx.random.normal((rows, k)).astype(mx.bfloat16)
     out = run(kernels.FP8_ROWS, language, {"x": ("uint16", _bf16_bits(x)), "w": ("uint8", codes),
                                           "scales": ("uint8", np.array(w.scales))},
               {"top_vals": ("float32", rows * tiles * 64), "top_ids": ("int32", rows * tiles * 64)},
@@ -178,9 +188,7 @@ def _fp8_gemm_on_the_host(spec, language, rows, out_rows, qx, sw, ap, template, 
         "sizes": ("int32", np.array([rows, n, k, 1, out_rows])), "swiglu": ("float32", np.array([7.0])),
         "parts": ("bfloat16", _bf16_bits(parts) if ap else np.zeros(1, np.uint16))},
         {"y": ("bfloat16", out_rows * n_out)}, template, groups, tmp_path)["y"]
-    got, want = _floats(got), np.array(want.astype(mx.float32)).reshape(-1)
-    bound = 2.0 ** -6 * np.abs(want) + 2.0 ** -10 * np.abs(want).max()
-    assert np.all(np.abs(got - want) <= bound), np.abs(got - want).max()
+    got = _assert_within_rounding(got, want)
     assert np.all(got.reshape(out_rows, n_out)[rows:] == 0)  # the padding rows: zeros
 
 

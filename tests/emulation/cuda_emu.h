@@ -5,7 +5,7 @@
 // turns its asm into a call of mma_m16n8k16) gathers the 32 lanes' fragments the same way,
 // in the PTX ISA's fragment layout, and each lane sums its own outputs in k order in float (the
 // tensor core's order may differ: within the float32 summation bound the tests allow). fp16
-// conversions are done in software (round to nearest even), in place of fp16_bits.cuh's asm.
+// and bf16 conversions are done in software (host_floats.h), in place of fp16_bits.cuh's asm.
 #include <algorithm>
 #include <barrier>
 #include <cmath>
@@ -14,6 +14,7 @@
 #include <cstring>
 #include <thread>
 #include <vector>
+#include "host_floats.h"
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static
@@ -54,32 +55,15 @@ inline unsigned int __byte_perm(unsigned int x, unsigned int y, unsigned int s) 
 struct __nv_bfloat16 {
   uint16_t bits;
   __nv_bfloat16() = default;
-  __nv_bfloat16(float f) {  // round to nearest even
-    unsigned int u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) { bits = (uint16_t)((u >> 16) | 0x40); return; }
-    u += 0x7fffu + ((u >> 16) & 1u);
-    bits = (uint16_t)(u >> 16);
-  }
-  operator float() const { return __uint_as_float((unsigned int)bits << 16); }
+  __nv_bfloat16(float f) : bits(host_f32_to_bf16(f)) {}
+  operator float() const { return host_bf16_to_f32(bits); }
 };
 inline float __bfloat162float(__nv_bfloat16 b) { return (float)b; }
 inline __nv_bfloat16 __float2bfloat16(float f) { return __nv_bfloat16(f); }
-inline uint16_t f32_to_f16_bits(float f) {  // round to nearest even
-  const unsigned int u = __float_as_uint(f), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);
-  if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);
-  if (a < 0x38800000u) return (uint16_t)(sign | (unsigned int)std::nearbyint(__uint_as_float(a) * 16777216.0f));
-  unsigned int m = a - 0x38000000u;
-  m += 0xfffu + ((m >> 13) & 1u);
-  return (uint16_t)(sign | (m >> 13));
+inline float fp16_bits_to_float(unsigned int bits) { return host_f16_to_f32(bits); }
+inline unsigned int float_pair_to_fp16_bits(float lo, float hi) {
+  return host_f32_to_f16(lo) | ((unsigned int)host_f32_to_f16(hi) << 16);
 }
-inline float fp16_bits_to_float(unsigned int bits) {
-  const unsigned int sign = (bits & 0x8000u) << 16, e = (bits >> 10) & 0x1fu, m = bits & 0x3ffu;
-  if (e == 0) { const float v = (float)m / 16777216.0f; return sign ? -v : v; }
-  if (e == 31) return __uint_as_float(sign | 0x7f800000u | (m << 13));
-  return __uint_as_float(sign | ((e + 112u) << 23) | (m << 13));
-}
-inline unsigned int float_pair_to_fp16_bits(float lo, float hi) { return f32_to_f16_bits(lo) | ((unsigned int)f32_to_f16_bits(hi) << 16); }
 // mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32, d += A B, from the 32 lanes' fragments (PTX ISA's layout)
 inline void mma_m16n8k16(float* d, unsigned int a0, unsigned int a1, unsigned int a2, unsigned int a3,
                          unsigned int b0, unsigned int b1) {

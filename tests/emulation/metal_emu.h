@@ -6,13 +6,14 @@
 // call it alike in every simdgroup); a simdgroup matrix is held whole by every lane, each lane computing the
 // product itself and lane 0 storing it. Sums inside a product run in k order in float: the
 // matrix unit's own order may differ, which is within the float32 summation bound the tests
-// allow. half is IEEE binary16 converted in software (round to nearest even).
+// allow. half and bfloat16_t convert in software (host_floats.h).
 #include <barrier>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <thread>
 #include <vector>
+#include "host_floats.h"
 typedef uint32_t uint;
 typedef uint16_t ushort;
 typedef uint64_t ulong;
@@ -24,37 +25,14 @@ template <typename T, typename S> inline T as_type(S s) { static_assert(sizeof(T
 struct bfloat16_t {
   uint16_t bits;
   bfloat16_t() = default;
-  explicit bfloat16_t(float f) {  // round to nearest even
-    uint u = as_type<uint>(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) { bits = (uint16_t)((u >> 16) | 0x40); return; }
-    u += 0x7fffu + ((u >> 16) & 1u);
-    bits = (uint16_t)(u >> 16);
-  }
-  explicit operator float() const { return as_type<float>((uint)bits << 16); }
+  explicit bfloat16_t(float f) : bits(host_f32_to_bf16(f)) {}
+  explicit operator float() const { return host_bf16_to_f32(bits); }
 };
-struct half {  // IEEE binary16, converted in software (round to nearest even)
+struct half {  // IEEE binary16
   uint16_t bits;
   half() = default;
-  half(float f) {
-    const uint u = as_type<uint>(f), sign = (u >> 16) & 0x8000u;
-    const uint a = u & 0x7fffffffu;
-    if (a > 0x7f800000u) { bits = (uint16_t)(sign | 0x7e00u); return; }
-    if (a >= 0x477ff000u) { bits = (uint16_t)(sign | 0x7c00u); return; }  // rounds to infinity
-    if (a < 0x38800000u) {  // below fp16's least normal: a subnormal, in steps of 2^-24
-      const float scaled = as_type<float>(a) * 16777216.0f;  // exact: a power of two
-      bits = (uint16_t)(sign | (uint)std::nearbyint(scaled));
-      return;
-    }
-    uint m = a - 0x38000000u;  // rebias the exponent by 127 - 15
-    m += 0xfffu + ((m >> 13) & 1u);
-    bits = (uint16_t)(sign | (m >> 13));
-  }
-  operator float() const {
-    const uint sign = (uint)(bits & 0x8000u) << 16, e = (bits >> 10) & 0x1fu, m = bits & 0x3ffu;
-    if (e == 0) { const float v = (float)m / 16777216.0f; return sign ? -v : v; }
-    if (e == 31) return as_type<float>(sign | 0x7f800000u | (m << 13));
-    return as_type<float>(sign | ((e + 112u) << 23) | (m << 13));
-  }
+  half(float f) : bits(host_f32_to_f16(f)) {}
+  operator float() const { return host_f16_to_f32(bits); }
 };
 template <> inline half as_type<half, ushort>(ushort s) { half h; h.bits = s; return h; }
 thread_local uint tid_in_tg, tg_in_grid, lane_id, sg_id;
