@@ -812,7 +812,7 @@ def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None
                          f"{rows} computed rows")
     added = _constant(mx.bfloat16, 0.0) if parts is None else parts.astype(mx.bfloat16)  # AP 0: never read
     ap = 0 if parts is None else parts.shape[1]
-    if threads is None and rows > 0 and fp8_gemv_on_matrix_unit(N, K, G):
+    if threads is None and rows > 0 and fp8_gemv_on_matrix_unit(N, G):
         (y,) = _compiled(FP8_MMA, impl)(
             inputs=[x.astype(mx.bfloat16), w, scales, _int32s(rows, N, K, G, S), limit, added],
             template=[("NH", mma_column_groups(rows)), ("QX", int(quantize_input)), ("SW", sw), ("AP", ap),
@@ -825,23 +825,17 @@ def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None
                         threads or gemv_threads_per_output(K, N * G), sw, [("AP", ap)])
 
 
-# The dense FP8 GEMMs of at least FP8_MMA_MIN_OUTPUTS outputs and at most FP8_MMA_MAX_INPUTS
-# inputs run on the matrix unit (fp8_mma, the layout of fp4_experts: a threadgroup per 32
-# outputs, 8 simdgroups splitting K, the rows the products' columns), where a forward's rows
-# share each weight code's decoding. Smaller matrices (wq_a's 1280 outputs, wkv's 512) keep
-# fp8_gemv, whose threads per output fill the GPU; so do the long ones (wo_b's 8192 inputs, the
-# shared expert's w13's 5120): fp8_mma gives each 32 outputs one threadgroup, and a matrix of
-# few outputs and many inputs then has too few threadgroups and too few bytes in flight. On
-# an H200 (docs/benchmarks.md, session 18) fp8_mma took 0.5-1.0x fp8_gemv's time at one row
-# up to 2304 inputs (1.2x at 25600 x 1024) and 1.3-1.6x from 4096 inputs; at six rows
-# 0.5-0.9x at every shape. By shape only, so each matrix sums in one order at every row count.
+# The dense FP8 GEMMs of at least this many outputs run on the matrix unit (fp8_mma, the
+# layout of fp4_experts: a threadgroup per 32 outputs, 8 simdgroups splitting K, the rows the
+# products' columns), where a forward's rows share each weight code's decoding; smaller ones
+# (wq_a's 1280 outputs, wkv's 512) keep fp8_gemv, whose threads per output fill the GPU. By
+# shape only, so each matrix sums in one order at every row count.
 FP8_MMA_MIN_OUTPUTS = 4096
-FP8_MMA_MAX_INPUTS = 2304
 
 
-def fp8_gemv_on_matrix_unit(n: int, k: int, groups: int = 1) -> bool:
-    """Whether fp8_gemv runs a GEMM of `groups` matrices of n outputs and k inputs on the matrix unit."""
-    return groups == 1 and n >= FP8_MMA_MIN_OUTPUTS and k <= FP8_MMA_MAX_INPUTS
+def fp8_gemv_on_matrix_unit(n: int, groups: int = 1) -> bool:
+    """Whether fp8_gemv runs a GEMM of `groups` matrices of n outputs on the matrix unit."""
+    return groups == 1 and n >= FP8_MMA_MIN_OUTPUTS
 
 
 # The decode path lets a GEMV kernel quantise its bf16 input (quantize_input) for a forward of
