@@ -829,7 +829,11 @@ def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None
 # layout of fp4_experts: a threadgroup per 32 outputs, 8 simdgroups splitting K, the rows the
 # products' columns), where a forward's rows share each weight code's decoding; smaller ones
 # (wq_a's 1280 outputs, wkv's 512) keep fp8_gemv, whose threads per output fill the GPU. By
-# shape only, so each matrix sums in one order at every row count.
+# shape only, so each matrix sums in one order at every row count. On an H200 (docs/benchmarks.md,
+# session 18) a six-row verify forward's FP8 GEMMs took 6.4 ms with these on fp8_mma against
+# ~9 ms all on fp8_gemv (session 17); in a one-row forward the long ones (wo_b's 8192 inputs,
+# the shared expert's w13's 5120) take 1.05-1.2x fp8_gemv's time, which a decode step bound by
+# its host side hides.
 FP8_MMA_MIN_OUTPUTS = 4096
 
 
