@@ -75,10 +75,7 @@ if (w0 < N) {
         const unsigned int a1 = E4M3_EVEN(wh), a3 = E4M3_ODD(wh);  // row g + 8
 #pragma unroll
         for (int h = 0; h < NH; h++) {
-          asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-              "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-              : "+f"(acc[mg][h][0]), "+f"(acc[mg][h][1]), "+f"(acc[mg][h][2]), "+f"(acc[mg][h][3])
-              : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(xs[h][2 * j]), "r"(xs[h][2 * j + 1]));
+          mma_m16n8k16(acc[mg][h], a0, a1, a2, a3, xs[h][2 * j], xs[h][2 * j + 1]);
         }
       }
     }

@@ -29,3 +29,170 @@ __device__ __forceinline__ float mma_x_column(const float v, float* s_out) {
   *s_out = s;
   return (QX ? fp8_fake_quant_value(v, s) : v) * __uint_as_float((254u - (__float_as_uint(s) >> 23)) << 23);
 }
+
+// The weight side (A operand) and one warp's walk over K, shared by the CUDA matrix-unit
+// kernels (CUDA only: the Metal twins stage their decoded tiles in threadgroup memory and
+// each spell their own loop). Fragment bookkeeping (PTX ISA, mma.m16n8k16 .f16; fp8_rows.cu):
+// lane = 4 * g + t holds A rows g and g + 8 and logical K columns {2t, 2t+1, 2t+8, 2t+9} of
+// each k-step, B column g at the same K, C rows g, g + 8 and columns 2t, 2t + 1. A dot product
+// does not care how K is ordered, so the two k-steps of a 32-column block take lane t's
+// logical columns from the block's physical columns 8t .. 8t + 7; a code format says which:
+// B pair c (registers 2 ks, 2 ks + 1 of the fragment, c = 0..3) is physical columns
+// 8t + pair_first(c) and 8t + pair_first(c) + PAIR_GAP, the A registers likewise.
+constexpr int MMA_WARPS = 8;  // the warps of a threadgroup, splitting K
+
+struct E2m1Codes {  // fp4_experts: one 32-bit word (8 codes) of a weight row a lane and block
+  using Word = unsigned int;
+  static constexpr unsigned int PAIR_GAP = 4;  // codes i and i + 4 of the word (E2M1_HALF_PAIR)
+  static constexpr unsigned int SCALE_BIAS = 14u;  // the decoding's 2^-14, folded into the scale
+  __device__ static unsigned int pair_first(int c) { return (unsigned int)c; }
+  __device__ static Word load(const unsigned int* w, size_t row, unsigned int b, unsigned int t) {
+    return __ldg(w + row + 4 * b + t);
+  }
+  __device__ static unsigned int a(Word w, int ks, int half) { return E2M1_HALF_PAIR(w, 2 * ks + half); }
+};
+
+struct E4m3Codes {  // fp8_mma: two 32-bit words (8 codes) of a weight row a lane and block
+  using Word = uint2;
+  static constexpr unsigned int PAIR_GAP = 2;  // bytes 0 and 2 or 1 and 3 of a word (E4M3_EVEN / ODD)
+  static constexpr unsigned int SCALE_BIAS = 8u;  // the decoding's 2^-8, folded into the scale
+  __device__ static unsigned int pair_first(int c) { return (unsigned int)(c + (c & 2)); }  // 0, 1, 4, 5
+  __device__ static Word load(const unsigned int* w, size_t row, unsigned int b, unsigned int t) {
+    return __ldg(reinterpret_cast<const uint2*>(w + row + 8 * b + 2 * t));
+  }
+  __device__ static unsigned int a(Word w, int ks, int half) {
+    const unsigned int v = ks ? w.y : w.x;
+    return half ? E4M3_ODD(v) : E4M3_EVEN(v);
+  }
+};
+
+// One warp's share of a tile of 32 weight rows (row0 .. row0 + 31 of w, `words` 32-bit words
+// a row; their scales `nb` bytes a row) in the 32-column blocks b0 .. b0 + per_warp - 1, times
+// B columns 8h + g (xrow[h]: bf16 x of the whole K): each block's products summed by the
+// matrix unit in fp32, then times both scales into acc [m group][column group][C fragment].
+// `lane`: threadIdx.x % 32, computed by the kernel up front (so ptxas keeps the
+// registers of the kernels before this helper: 64 for fp4_experts at NH 1). U blocks' loads
+// are issued before the first is used. ONE: column 0 alone (a one-row
+// launch), its x read a value a lane (mma_x_column), the other columns zeros, their sums unread.
+template <class Codes, int U, int NH, int QX, bool ONE, class W, class S>
+__device__ __forceinline__ void mma_warp_sums(const W* w, const S* scales, size_t row0, unsigned int words,
+                                              unsigned int nb, const __nv_bfloat16* const* xrow, unsigned int b0,
+                                              unsigned int per_warp, unsigned int lane, float (&acc)[2][NH][4]) {
+  const unsigned int g = lane / 4;
+  const unsigned int t = lane % 4;
+  for (unsigned int i0 = 0; i0 < per_warp; i0 += U) {
+    typename Codes::Word wq[U][2][2];  // [block][m group][row g, g + 8]: this lane's codes of each row
+    unsigned int ws[U][2][2];          // their scale bytes
+    uint4 xv[U][NH];                   // x at the block's columns 8t .. 8t + 7 of column 8h + g
+    float x1[U];                       // ONE: column 0's x at the block's column `lane`
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      const unsigned int b = b0 + min(i0 + u, per_warp - 1);  // past the warp's blocks: its last again, unused
+#pragma unroll
+      for (int mg = 0; mg < 2; mg++) {
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+          const size_t r = row0 + 16 * mg + g + 8 * e;
+          wq[u][mg][e] = Codes::load(w, r * words, b, t);
+          ws[u][mg][e] = scales[r * nb + b];
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; u++) {  // (every lane alike) x's loads after all the weights'
+      const unsigned int b = b0 + min(i0 + u, per_warp - 1);
+      if (ONE) {
+        x1[u] = __bfloat162float(xrow[0][32 * b + lane]);
+      } else {
+#pragma unroll
+        for (int h = 0; h < NH; h++) {
+          xv[u][h] = __ldg(reinterpret_cast<const uint4*>(xrow[h] + 32 * b + 8 * t));
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      if (i0 + u >= per_warp) {
+        break;  // (every lane alike)
+      }
+      unsigned int bx[NH][4];  // B pairs c = 0..3 of x / s (see pair_first)
+      float sx[NH][2];         // s of C columns 2t and 2t + 1
+      if (ONE) {  // column 0's x a value a lane, moved to lanes 4 * 0 + t
+        float s;
+        const float q = mma_x_column<QX>(x1[u], &s);
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+          const unsigned int pair = float_pair_to_fp16_bits(
+              __shfl_sync(0xffffffffu, q, 8 * t + Codes::pair_first(c)),
+              __shfl_sync(0xffffffffu, q, 8 * t + Codes::pair_first(c) + Codes::PAIR_GAP));
+          bx[0][c] = g == 0 ? pair : 0u;
+        }
+        sx[0][0] = sx[0][1] = s;  // column 0's (lanes t = 0); the rest unread
+#pragma unroll
+        for (int h = 1; h < NH; h++) {
+          bx[h][0] = bx[h][1] = bx[h][2] = bx[h][3] = 0u;
+          sx[h][0] = sx[h][1] = s;
+        }
+      } else {
+#pragma unroll
+        for (int h = 0; h < NH; h++) {
+          float v[8];
+          const float s = mma_x_lanes<QX>(xv[u][h], v);
+#pragma unroll
+          for (int c = 0; c < 4; c++) {
+            bx[h][c] = float_pair_to_fp16_bits(v[Codes::pair_first(c)], v[Codes::pair_first(c) + Codes::PAIR_GAP]);
+          }
+          sx[h][0] = __shfl_sync(0xffffffffu, s, 8 * t);  // column 2t's x is lane 4 (2t)'s
+          sx[h][1] = __shfl_sync(0xffffffffu, s, 8 * t + 4);
+        }
+      }
+#pragma unroll
+      for (int mg = 0; mg < 2; mg++) {
+        const float f0 = __uint_as_float((ws[u][mg][0] + Codes::SCALE_BIAS) << 23);  // 2^(e-127) times the bias, row g
+        const float f1 = __uint_as_float((ws[u][mg][1] + Codes::SCALE_BIAS) << 23);  // row g + 8
+#pragma unroll
+        for (int h = 0; h < NH; h++) {
+          float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // the block's sums alone
+#pragma unroll
+          for (int ks = 0; ks < 2; ks++) {
+            mma_m16n8k16(d, Codes::a(wq[u][mg][0], ks, 0), Codes::a(wq[u][mg][1], ks, 0),
+                         Codes::a(wq[u][mg][0], ks, 1), Codes::a(wq[u][mg][1], ks, 1),
+                         bx[h][2 * ks], bx[h][2 * ks + 1]);
+          }
+          acc[mg][h][0] = fmaf(d[0], f0 * sx[h][0], acc[mg][h][0]);
+          acc[mg][h][1] = fmaf(d[1], f0 * sx[h][1], acc[mg][h][1]);
+          acc[mg][h][2] = fmaf(d[2], f1 * sx[h][0], acc[mg][h][2]);
+          acc[mg][h][3] = fmaf(d[3], f1 * sx[h][1], acc[mg][h][3]);
+        }
+      }
+    }
+  }
+}
+
+// acc into red [warp][tile row][column] (COLS = 8 NH columns), for the totals over the warps.
+template <int NH>
+__device__ __forceinline__ void mma_warp_sums_to(float* red, const float (&acc)[2][NH][4]) {
+  const unsigned int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int mg = 0; mg < 2; mg++) {
+#pragma unroll
+    for (int h = 0; h < NH; h++) {
+#pragma unroll
+      for (int i = 0; i < 4; i++) {
+        const unsigned int row = 16 * mg + lane / 4 + 8 * (i / 2);  // C rows g, g + 8
+        const unsigned int col = 8 * h + 2 * (lane % 4) + i % 2;    // C columns 2t, 2t + 1
+        red[((threadIdx.x / 32) * 32 + row) * (8 * NH) + col] = acc[mg][h][i];
+      }
+    }
+  }
+}
+
+// Tile row `row`'s total at column `col` over the warps, in warp order (red: mma_warp_sums_to).
+template <int NH>
+__device__ __forceinline__ float mma_warps_total(const float* red, unsigned int row, unsigned int col) {
+  float sum = red[row * (8 * NH) + col];
+  for (int q = 1; q < MMA_WARPS; q++) {
+    sum += red[(q * 32 + row) * (8 * NH) + col];
+  }
+  return sum;
+}

@@ -8,7 +8,8 @@
 // mma_x_column: one pass column spread over the SIMD group, lane l holding its value at column
 // l: x / s of that value, and s; a pass of one pick (a decode step) reads and scales 1 value a
 // lane this way instead of 8, the same values either way. Every lane must call either.
-// CUDA twin: mma_x.cuh.
+// CUDA twin: mma_x.cuh, which also holds the CUDA kernels' weight side and warp walk
+// (mma_warp_sums: the Metal kernels stage their decoded tiles in threadgroup memory instead).
 template <int QX>
 inline float mma_x_column(const float v, thread float* s_out) {
   const float s = fp8_block_scale(simd_max(metal::abs(v)));

@@ -2,8 +2,8 @@
 
 The body and its headers become C++ against tests/emulation/metal_emu.h or cuda_emu.h:
 Metal's address-space words dropped and its threadgroup arrays made static storage; CUDA's
-mma.sync asm turned into a call of the emulation's mma_m16n8k16 (fp16_bits.cuh's conversion
-asm replaced by the emulation's own). The template constants become file-scope constants,
+inline PTX (fp16_bits.cuh: fp16 conversions and the matrix unit's mma_m16n8k16) left out for
+the emulation's functions of the same names. The template constants become file-scope constants,
 and a main reads each input from a file, runs the grid of 256-thread threadgroups (blocks) one
 after another and writes the outputs. clang++ builds it; numpy carries the arrays. The
 type-check and the NVRTC compile (tests/test_kernels.py) catch a wrong name or type; this
@@ -42,31 +42,6 @@ def metal_host_text(metal: str) -> str:
     return "\n".join(out)
 
 
-def _operands(text: str, constraint: str) -> list[str]:
-    """The expressions of an asm operand list's "constraint"(expression) entries, in order."""
-    found, i = [], 0
-    while (i := text.find(f'"{constraint}"(', i)) >= 0:
-        start = end = i + len(constraint) + 3
-        depth = 1
-        while depth:
-            depth += {"(": 1, ")": -1}.get(text[end], 0)
-            end += 1
-        found.append(text[start:end - 1])
-        i = end
-    return found
-
-
-def cuda_host_text(cuda: str) -> str:
-    """CUDA text as C++ for cuda_emu.h: each mma.sync m16n8k16 asm statement a call."""
-    def call(m):
-        outs, ins = _operands(m.group(1), "+f"), _operands(m.group(2), "r")
-        if len(outs) != 4 or len(ins) != 6:
-            raise ValueError(f"an mma asm statement with {len(outs)} outputs and {len(ins)} inputs")
-        assign = " ".join(f"{o} = mma_d[{i}];" for i, o in enumerate(outs))
-        return f"{{ float mma_d[4] = {{{', '.join(outs)}}}; mma_m16n8k16(mma_d, {', '.join(ins)}); {assign} }}"
-    return re.sub(r'asm\(\s*"mma\.sync[^"]*"\s*"[^"]*"\s*:(.*?):(.*?)\);', call, cuda, flags=re.S)
-
-
 def unit(spec, language: str, inputs: dict[str, str], outputs: dict[str, tuple[str, int]],
          template: dict[str, int | str], groups: int) -> str:
     """The C++ translation unit: inputs/outputs name -> dtype (outputs with their sizes)."""
@@ -75,10 +50,9 @@ def unit(spec, language: str, inputs: dict[str, str], outputs: dict[str, tuple[s
     if language == "metal":
         header, body, run_grid = metal_host_text(spec.header("metal")), metal_host_text(spec.source("metal")), \
             "run_threadgroups"
-    else:  # the emulation converts fp16 itself: fp16_bits.cuh (asm) is left out
-        files = list(spec.header_files) + [f"{name}.cuh" for name in spec.twin_headers]
-        header, body, run_grid = "\n".join(kernel_text(f) for f in files), cuda_host_text(spec.source("cuda")), \
-            "run_blocks"
+    else:  # fp16_bits.cuh (inline PTX) left out: cuda_emu.h has its functions
+        header = spec.header("cuda").replace(kernel_text("fp16_bits.cuh"), "")
+        body, run_grid = spec.source("cuda"), "run_blocks"
     lines = [f'#include "{EMULATION / (language + "_emu.h")}"', "#include <cstdio>"]
     lines += [f"using {k} = {types[v]};" if isinstance(v, str) else f"constexpr int {k} = {v};"
               for k, v in template.items()]  # a type parameter ('bfloat16', ...) or an int constant

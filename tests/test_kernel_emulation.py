@@ -91,20 +91,22 @@ def test_fp4_experts_runs_its_spec_on_the_host(language, rows, per_slot, qx, sw,
 
 @pytest.mark.parametrize("language, right, wrong", [
     ("metal", "ulong2(0, 0), true);", "ulong2(0, 0), false);"),  # x tiles loaded untransposed
-    ("cuda", '"r"(bx[h][2 * ks]), "r"(bx[h][2 * ks + 1])', '"r"(bx[h][2 * ks + 1]), "r"(bx[h][2 * ks])'),  # B halves swapped
+    ("cuda", "bx[h][2 * ks], bx[h][2 * ks + 1]);", "bx[h][2 * ks + 1], bx[h][2 * ks]);"),  # B halves swapped
 ])
 def test_the_host_run_catches_a_wrong_layout(language, right, wrong, tmp_path):
-    """The check can fail: the same body with one operand's layout wrong gives other numbers."""
+    """The check can fail: the same kernel with one operand's layout wrong gives other numbers."""
     from dataclasses import dataclass
 
     @dataclass(frozen=True)
-    class Broken(kernels.KernelSpec):
+    class Broken(kernels.KernelSpec):  # `right` in the body (Metal) or a header (CUDA's mma_x.cuh)
         def source(self, language):
-            text = super().source(language)
-            assert right in text
-            return text.replace(right, wrong)
+            return super().source(language).replace(right, wrong)
+
+        def header(self, language):
+            return super().header(language).replace(right, wrong)
 
     spec = kernels.FP4_EXPERTS
+    assert right in spec.source(language) + spec.header(language)
     broken = Broken(spec.name, spec.inputs, spec.outputs, spec.metal, spec.cuda, spec.header_files, spec.twin_headers)
     rows = 2
     codes, scales, ids, x, weights = _inputs(rows, False, quantise_first=True, seed=0)

@@ -335,15 +335,14 @@ def test_cuda_source_compiles(case):
     ("fp8_gemv", ("gemv_lane_accumulate<T, RB>(p, &wf[0][0], &acc[0][0], r);",
                   "gemv_lane_accumulate<T, RB>(p, &wf[0][0], &acc[0][0]);")),
     ("fp4_experts", ("if (ids[q] == expert) {", "if (id[q] == expert) {")),  # misspelt variable
-    ("fp4_experts", ('"r"(bx[h][2 * ks]), "r"(bx[h][2 * ks + 1])', '"r"(bx[h]), "r"(bx[h][2 * ks + 1])')),  # array operand
-    ("fp4_experts_quantizing", ("mma_x_lanes<QX>(xv[u][h], v)", "mma_x_lanes<QX>(xv[u][h], v[0])")),  # float for array
+    ("fp4_experts", ("nb, xrow, b0, per_warp, lane, acc);", "nb, xrow[0], b0, per_warp, lane, acc);")),  # a row for rows
+    ("fp4_experts_quantizing", ("mma_warp_sums<E2m1Codes,", "mma_warp_sums<E2m1Code,")),  # misspelt code format
     ("fp8_gemv_quantizing", ("p = gemv_fake_quant8(p, xs[r]);", "p = gemv_fake_quant8(p, xs);")),  # array for float
     ("fp8_gemv_swiglu", ("o / RB * RB + RB), swiglu[0]);", "o / RB * RB + RB), swiglu);")),
     ("fp4_experts_swiglu", ("v = v * weights[pr];", "v = v * weight[pr];")),  # misspelt
     ("fp8_gemv_parts", ("t += __bfloat162float(pr[(size_t)j * NY]);", "t += __bfloat162float(pr);")),
-    ("fp8_mma_quantizing", ("mma_x_column<QX>(x1[u], &s)", "mma_x_column<QX>(x1, &s)")),  # array for float
-    ("fp8_mma_16_rows", ("red[(warp * 32 + row) * COLS + col] = acc[mg][h][i];",
-                         "red[(warp * 32 + row) * COLS + col] = accs[mg][h][i];")),  # misspelt variable
+    ("fp8_mma_quantizing", ("mma_warps_total<NH>(red, n, r)", "mma_warps_total<NH>(red, n)")),  # an argument short
+    ("fp8_mma_16_rows", ("mma_warp_sums_to<NH>(red, acc);", "mma_warp_sums_to<NH>(red, acc[0]);")),  # wrong shape
 ])
 def test_a_broken_cuda_source_fails_the_compile(case, breakage):
     old, new = breakage

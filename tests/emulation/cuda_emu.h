@@ -1,8 +1,8 @@
 // CUDA kernel bodies run on the host, as C++ (tests/kernel_emulation.py writes the unit): the
 // CUDA built-ins our kernels use, for a machine without a GPU. A block is 256 std::threads and
 // blocks run one after another, so __shared__ memory is static storage; a warp's shuffles go
-// through a per-warp exchange between two barriers of the warp; mma.sync m16n8k16 (the unit
-// turns its asm into a call of mma_m16n8k16) gathers the 32 lanes' fragments the same way,
+// through a per-warp exchange between two barriers of the warp; mma_m16n8k16 (fp16_bits.cuh's
+// mma.sync m16n8k16, which the unit leaves out) gathers the 32 lanes' fragments the same way,
 // in the PTX ISA's fragment layout, and each lane sums its own outputs in k order in float (the
 // tensor core's order may differ: within the float32 summation bound the tests allow). fp16
 // and bf16 conversions are done in software (host_floats.h), in place of fp16_bits.cuh's asm.
