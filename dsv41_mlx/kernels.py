@@ -77,7 +77,7 @@ class KernelSpec:
     twin_headers: tuple[str, ...] = ()  # a .h for Metal and a .cuh for CUDA each
 
     def header(self, language: str) -> str:
-        files = list(self.header_files) + (["fp16_bits.cuh"] if language == "cuda" else [])
+        files = list(self.header_files) + (["fp16_bits.cuh", "mma_c.cuh"] if language == "cuda" else [])
         files += [f"{name}.cuh" if language == "cuda" else f"{name}.h" for name in self.twin_headers]
         return "\n".join(kernel_text(f) for f in files)
 

@@ -56,7 +56,7 @@ for (int p0 = 0; p0 < m; p0 += COLS) {  // a pass: picks p0 .. p0 + COLS - 1
   }
   float acc[2][NH][4] = {};  // [m group][column group][C fragment]
   mma_warp_sums<E2m1Codes, U, NH, QX, ONE>(w, scales, row0, words, nb, xrow, b0, per_warp, lane, acc);
-  mma_warp_sums_to<NH>(red, acc);
+  mma_warp_sums_to<NH>(red, acc, lane);
   __syncthreads();
   for (unsigned int o = threadIdx.x; o < (SW ? 16u : 32u) * COLS; o += MMA_WARPS * 32) {
     const unsigned int col = o % COLS;

@@ -34,7 +34,7 @@ for (int h = 0; h < NH; h++) {
 }
 float acc[2][NH][4] = {};  // [m group][column group][C fragment]
 mma_warp_sums<E4m3Codes, U, NH, QX, ONE>(w, scales, row0, words, nb, xrow, b0, per_warp, lane, acc);
-mma_warp_sums_to<NH>(red, acc);
+mma_warp_sums_to<NH>(red, acc, lane);
 __syncthreads();
 const unsigned int NY = SW ? (unsigned int)N / 2 : (unsigned int)N;  // outputs a matrix has in y
 const unsigned int y0 = SW ? n0 / 2 : n0;                           // the tile's first output in y

@@ -81,19 +81,11 @@ if (w0 < N) {
     }
   }
 }
-#pragma unroll
-for (int mg = 0; mg < 2; mg++) {
-#pragma unroll
-  for (int h = 0; h < NH; h++) {
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-      const unsigned int out = warp * 32 + 16 * mg + g + 8 * (i / 2);  // C rows g, g+8
-      const unsigned int r = 8 * h + 2 * t + (i % 2);                  // C columns 2t, 2t+1
-      tile_vals[r * TILE + out] = (w0 < N) ? acc[mg][h][i] : neg_inf;
-      tile_ids[r * TILE + out] = (unsigned char)out;
-    }
-  }
-}
+mma_c_each<NH>(acc, lane, [&](unsigned int row, unsigned int r, float v) {  // C rows: outputs; columns: rows of x
+  const unsigned int out = warp * 32 + row;
+  tile_vals[r * TILE + out] = (w0 < N) ? v : neg_inf;
+  tile_ids[r * TILE + out] = (unsigned char)out;
+});
 __syncthreads();
 
 // bitonic sort of every row's 256 (value, id) pairs, best first

@@ -171,20 +171,9 @@ __device__ __forceinline__ void mma_warp_sums(const W* w, const S* scales, size_
 
 // acc into red [warp][tile row][column] (COLS = 8 NH columns), for the totals over the warps.
 template <int NH>
-__device__ __forceinline__ void mma_warp_sums_to(float* red, const float (&acc)[2][NH][4]) {
-  const unsigned int lane = threadIdx.x % 32;
-#pragma unroll
-  for (int mg = 0; mg < 2; mg++) {
-#pragma unroll
-    for (int h = 0; h < NH; h++) {
-#pragma unroll
-      for (int i = 0; i < 4; i++) {
-        const unsigned int row = 16 * mg + lane / 4 + 8 * (i / 2);  // C rows g, g + 8
-        const unsigned int col = 8 * h + 2 * (lane % 4) + i % 2;    // C columns 2t, 2t + 1
-        red[((threadIdx.x / 32) * 32 + row) * (8 * NH) + col] = acc[mg][h][i];
-      }
-    }
-  }
+__device__ __forceinline__ void mma_warp_sums_to(float* red, const float (&acc)[2][NH][4], unsigned int lane) {
+  float* mine = red + (threadIdx.x / 32) * 32 * (8 * NH);
+  mma_c_each<NH>(acc, lane, [&](unsigned int row, unsigned int col, float v) { mine[row * (8 * NH) + col] = v; });
 }
 
 // Tile row `row`'s total at column `col` over the warps, in warp order (red: mma_warp_sums_to).

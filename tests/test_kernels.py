@@ -346,7 +346,7 @@ def test_cuda_source_compiles(case):
     ("fp4_experts_swiglu", ("v = v * weights[pr];", "v = v * weight[pr];")),  # misspelt
     ("fp8_gemv_parts", ("t += __bfloat162float(pr[(size_t)j * NY]);", "t += __bfloat162float(pr);")),
     ("fp8_mma_quantizing", ("mma_warps_total<NH>(red, n, r)", "mma_warps_total<NH>(red, n)")),  # an argument short
-    ("fp8_mma_16_rows", ("mma_warp_sums_to<NH>(red, acc);", "mma_warp_sums_to<NH>(red, acc[0]);")),  # wrong shape
+    ("fp8_mma_16_rows", ("mma_warp_sums_to<NH>(red, acc, lane);", "mma_warp_sums_to<NH>(red, acc[0], lane);")),  # wrong shape
 ])
 def test_a_broken_cuda_source_fails_the_compile(case, breakage):
     old, new = breakage
