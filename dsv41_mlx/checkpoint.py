@@ -456,8 +456,9 @@ def load_weights(model, model_dir: Path, where: dict[str, Path], progress: bool 
     for name, per_expert in experts.items():
         params[name] = mx.stack([per_expert[e] for e in range(len(per_expert))])
     stack_gate_up(params)
-    # a float tensor the model declares wider than the file stores it (the head, which makes
-    # fp32 logits on every call) is widened once here, exactly, rather than on every call
+    # a float tensor the model declares wider than the file stores it (the router's gate, the
+    # compressors' projections: fp32 math on every call) is widened once here, exactly,
+    # rather than on every call
     for name, dtype in declared_floats(model).items():
         t = params.get(name)
         if t is not None and mx.issubdtype(t.dtype, mx.floating) and dtype.size > t.dtype.size:

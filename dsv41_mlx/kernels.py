@@ -118,6 +118,8 @@ FP8_GEMV = KernelSpec("fp8_gemv", ("x", "w", "scales", "sizes", "swiglu", "parts
                       "fp8_gemv.cu", twin_headers=("fp8_lane", "bf16_lane", "gemv_lane"))
 FP8_MMA = KernelSpec("fp8_mma", ("x", "w", "scales", "sizes", "swiglu", "parts"), ("y",), "fp8_mma.metal",
                      "fp8_mma.cu", twin_headers=("fp8_lane", "bf16_lane", "gemv_lane", "mma_x"))
+HEAD_LOGITS = KernelSpec("head_logits", ("x", "w", "sizes"), ("y",), "head_logits.metal", "head_logits.cu",
+                         header_files=(), twin_headers=("bf16_lane",))
 FP4_EXPERTS = KernelSpec("fp4_experts", ("x", "w", "scales", "ids", "sizes", "swiglu", "weights"), ("y",),
                          "fp4_experts.metal", "fp4_experts.cu", twin_headers=("fp8_lane", "bf16_lane", "gemv_lane", "mma_x"))
 
@@ -823,6 +825,52 @@ def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None
     return _gemv_launch(FP8_GEMV, impl, [x.astype(mx.bfloat16), w, scales, _int32s(rows, N, K, G, S), limit, added],
                         rows, G, N, x.shape[:-1], init_value, quantize_input,
                         threads or gemv_threads_per_output(K, N * G), sw, [("AP", ap)])
+
+
+def head_logits_reference(x: mx.array, w: mx.array) -> mx.array:
+    """The model's fp32 logits, as DeepSeek's reference computes them: x [S, D] and the bf16
+    head w [V, D] both widened to float32 (exactly), then a float32 matmul -> [S, V]. The
+    widened head (twice the release's bytes) is made a slice of the vocabulary at a time, so
+    no float32 copy of the whole head exists at once."""
+    x32 = x.astype(mx.float32)
+    step = 16384
+    return mx.concatenate([x32 @ w[v: v + step].astype(mx.float32).T for v in range(0, w.shape[0], step)], axis=-1)
+
+
+def head_logits_fits(x: mx.array, w: mx.array, impl: str | None = None) -> bool:
+    """Whether head_logits runs: a GPU, bf16 x [S, D] of at most DECODE_MAX_ROWS rows (a
+    decode or verify step, or prefill's last row) and a bf16 head w [V, D], V a multiple of 32
+    and D of 256 (the release's 129280 x 5120)."""
+    return ((impl or backend()) != "mlx" and x.ndim == 2 and w.ndim == 2 and x.dtype == mx.bfloat16
+            and w.dtype == mx.bfloat16 and 0 < x.shape[0] <= DECODE_MAX_ROWS and x.shape[1] == w.shape[1]
+            and w.shape[0] % 32 == 0 and w.shape[1] % 256 == 0)
+
+
+def head_row_bound(rows: int) -> int:
+    """head_logits' R (its per-lane sums are sized for R rows): 1, 8 or 16. A row's bits do
+    not depend on it."""
+    return 1 if rows == 1 else 8 if rows <= 8 else 16
+
+
+def head_logits(x: mx.array, w: mx.array, impl: str | None = None, real_rows: int | None = None,
+                init_value: float | None = None) -> mx.array:
+    """The model's fp32 logits from its bf16 head in one launch, each weight byte read once for
+    all rows: x [S, D] bf16, w [V, D] bf16 -> [S, V] float32; the spec is
+    head_logits_reference, equal up to the order of the float32 sums (each product is exact),
+    each row summed in one order at any S. Reading the head as the release stores it reads
+    half the bytes of the float32 copy a float32 matmul needs. real_rows: only those rows
+    computed, the rest zeros (a padded forward); init_value poisons the output first (checks)."""
+    impl = impl or backend()
+    if not head_logits_fits(x, w, impl):
+        raise ValueError(f"head_logits takes bf16 x [<= {DECODE_MAX_ROWS}, D] and a bf16 head [V, D], V a multiple "
+                         f"of 32 and D of 256, on a GPU: got {x.dtype} {x.shape} and {w.dtype} {w.shape} on {impl}")
+    S, V, D = x.shape[0], w.shape[0], w.shape[1]
+    rows = computed_rows(real_rows, S)
+    (y,) = _compiled(HEAD_LOGITS, impl)(
+        inputs=[x, w, _int32s(rows, V, D, S)], template=[("R", head_row_bound(rows))],
+        grid=(V // 32 * 256, 1, 1), threadgroup=(256, 1, 1),
+        output_shapes=[(S, V)], output_dtypes=[mx.float32], init_value=init_value)
+    return y
 
 
 # The dense FP8 GEMMs of at least this many outputs run on the matrix unit (fp8_mma, the

@@ -993,18 +993,22 @@ class Block(nn.Module):
 
 
 class Head(nn.Module):
-    """Vocabulary projection: fp32 logits, as the reference computes them.
+    """Vocabulary projection: fp32 logits, as the reference computes them (x and the weight
+    widened to float32, then a float32 matmul: kernels.head_logits_reference).
 
-    The release stores the weight in BF16; it is held in fp32 (widened once at load,
-    exactly), because casting it on every call would write and read a temporary twice
-    its size per decode step."""
+    The weight stays BF16, as the release stores it. A decode or verify forward on a GPU
+    (up to 16 rows, or prefill's last row) runs kernels.head_logits, which reads those bytes
+    once for all rows and sums each row in one order at any row count; elsewhere the spec
+    widens the weight a slice at a time."""
 
     def __init__(self, vocab: int, dim: int):
         super().__init__()
-        self.weight = mx.zeros((vocab, dim), dtype=F32)
+        self.weight = mx.zeros((vocab, dim), dtype=BF16)
 
-    def __call__(self, x: mx.array) -> mx.array:
-        return x.astype(F32) @ self.weight.T
+    def __call__(self, x: mx.array, real_rows: int | None = None) -> mx.array:
+        if kernels.head_logits_fits(x, self.weight):
+            return kernels.head_logits(x, self.weight, real_rows=real_rows)
+        return kernels.head_logits_reference(x, self.weight)
 
 
 class Model(nn.Module):
@@ -1126,7 +1130,7 @@ class Model(nn.Module):
         x = self.norm(hc_pre(h, pre))
         if last_logits_only:
             last = S if real_rows is None else real_rows
-            x = x[last - 1: last]
-        logits = self.head(x)[None]
+            x, real_rows = x[last - 1: last], None
+        logits = self.head(x, real_rows)[None]
         feats = mx.concatenate(features, axis=-1)[None] if features else mx.zeros((1, S, 0), dtype=BF16)
         return logits, feats

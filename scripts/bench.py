@@ -357,7 +357,7 @@ def decode_bytes(model) -> tuple[int, int]:
                 experts += per_expert * args.moe_shape(i)[1]
             else:
                 total += v.nbytes
-    head = model.head.weight.size * 2  # the release's BF16 head (held in fp32 here, see model.Head)
+    head = model.head.weight.nbytes  # the release's BF16 head, read as it is stored (model.Head)
     total += experts + head + model.embed.weight.nbytes // args.vocab_size
     return total, experts
 

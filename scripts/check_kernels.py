@@ -36,6 +36,10 @@ one each, and fp8_gemv's added parts (the MoE's sum) at the shared expert's down
 projection and a ragged one; 1..16 rows, clamped and not, fed FP8 and raw (quantised in
 the kernel) input, padded: the same bits as the kernel's plain output through the spec
 (kernels.swiglu_pairs, kernels.parts_added).
+head_logits: the model's head from its bf16 weight at the release's 129280 x 5120 and a
+small one, 1..16 rows, outputs poisoned: within the bound of another fp32 summation order
+of the spec's (the products are exact); a row alone equals the row among 8 and 16; with
+fewer real rows, the real rows the same bits and the padding zeros.
 hc_split: random mixes at 1..300 rows, release hc 4 / 20 iterations, within
 2e-6 of the spec (the spec's exp and sigmoid are not bit for bit the kernel's).
 moe_gate: the router at 384 / 24 / 16 experts (top 6, 6, 3), rows 1..16: the
@@ -79,7 +83,7 @@ import numpy as np
 from dsv41_mlx.kernels import (TILE, TOP_K, backend, fp8_rows_tiles, fp8_rows_top64, hc_split, hc_split_reference,
                                ring_write, ring_write_reference)
 from dsv41_mlx.kernels import (SwiGLU, act_quant_fp8, fp4_experts, fp4_quant, fp8_gemv, hc_input, hc_post_input,
-                               moe_gate, moe_gate_reference, padding_zeroed, parts_added, rms_norm,
+                               head_logits, head_logits_reference, moe_gate, moe_gate_reference, padding_zeroed, parts_added, rms_norm,
                                rms_norm_reference, sparse_attention_rows, swiglu_pairs)
 from dsv41_mlx.quant import fp4_fake_quant_reference, fp8_fake_quant_reference, quantize_fp8_tiles_mx
 
@@ -528,6 +532,34 @@ def check_fp4_experts(impl: str, seed: int) -> list[str]:
     return problems
 
 
+def check_head_logits(impl: str, seed: int) -> list[str]:
+    """The model's head from its bf16 weight (kernels.head_logits) at the release's 129280 x
+    5120 and a small one, 1..16 rows, outputs poisoned: each fp32 logit within k * 2**-24
+    times the sum of its products' absolute values of the spec's (another float32 summation
+    order of the same exact products); a row alone the same bits as among 8 and 16; with fewer
+    real rows, those the same bits and the padding zeros."""
+    mx.random.seed(seed)
+    problems = []
+    for v, d in [(129280, 5120), (96, 256)]:
+        w = (mx.random.normal((v, d)) * 0.02).astype(mx.bfloat16)
+        for rows in CHECK_ROWS:
+            x = mx.random.normal((rows, d)).astype(mx.bfloat16)
+            name = f"head_logits {v}x{d} rows={rows}"
+            got = head_logits(x, w, impl=impl, init_value=POISON)
+            want = head_logits_reference(x, w)
+            size = head_logits_reference(mx.abs(x), mx.abs(w))
+            far = mx.abs(got - want) > 2 * d * 2.0 ** -24 * size
+            if far.any().item():
+                problems.append(f"{name}: {int(far.sum().item())} logits beyond the fp32 summation-order bound")
+            if rows in (8, 16):
+                if not mx.array_equal(head_logits(x[:1], w, impl=impl), got[:1]).item():
+                    problems.append(f"{name}: row 0 alone differs from row 0 of {rows}")
+                padded = head_logits(x, w, impl=impl, init_value=POISON, real_rows=rows - 2)
+                if not (mx.array_equal(padded[: rows - 2], got[: rows - 2]).item() and not padded[rows - 2:].any().item()):
+                    problems.append(f"{name}: with {rows - 2} real rows, not the same real rows and zeros after them")
+    return problems
+
+
 def check_hc_split(impl: str, seed: int) -> list[str]:
     mx.random.seed(seed)
     problems = []
@@ -839,7 +871,7 @@ def main() -> int:
     if impl == "cuda":
         checks.append(("quantised GEMMs, bf16-fed vs fp32-fed", check_gemms_bf16, 11))
     checks += [("fp8_gemv", check_fp8_gemv, 31), ("fp4_experts", check_fp4_experts, 37),
-               ("gemv_epilogues", check_gemv_epilogues, 47),
+               ("gemv_epilogues", check_gemv_epilogues, 47), ("head_logits", check_head_logits, 53),
                ("hc_split", check_hc_split, 5), ("rms_norm", check_rms_norm, 23),
                ("rms_norm_rope", check_rms_norm_rope, 43), ("hc_input", check_hc_input, 17),
                ("hc_post_input", check_hc_post_input, 41),

@@ -3,8 +3,8 @@ twins: fp4_experts (Metal: simdgroup matrices and threadgroup staging; CUDA: mma
 fragments in registers) with its pair bookkeeping, at several row counts, x per row and per
 slot, quantised in the kernel or before, with and without its SwiGLU epilogue; the scalar
 fp8_gemv with its epilogues, and fp8_mma (its matrix-unit form for large matrices); the
-drafter head's fp8_rows (the matrix unit, then a bitonic sort); act_quant and ring_write bit
-for bit.
+drafter head's fp8_rows (the matrix unit, then a bitonic sort); the model's head_logits; act_quant
+and ring_write bit for bit.
 There is neither a Mac nor a GPU here: beside the type-check and the NVRTC compile, this is
 the check that each twin computes its spec (the CUDA twins' emulated fragment layout is the
 one that gave the spec's numbers on an H200)."""
@@ -218,3 +218,32 @@ def test_fp8_mma_runs_its_spec_on_the_host(language, rows, out_rows, qx, sw, ap,
     _fp8_gemm_on_the_host(kernels.FP8_MMA, language, rows, out_rows, qx, sw, ap,
                           {"NH": kernels.mma_column_groups(rows), "QX": qx, "SW": sw, "AP": ap, "ONE": int(rows == 1)},
                           64 // 32, tmp_path)
+
+
+def _head_on_the_host(language, x, w, rows, workdir):
+    """head_logits run on the host: x [S, D] and w [V, D] bf16 -> fp32 logits [S, V]."""
+    workdir.mkdir()
+    (S, D), V = x.shape, w.shape[0]
+    return run(kernels.HEAD_LOGITS, language, {
+        "x": ("bfloat16", _bf16_bits(x)), "w": ("bfloat16", _bf16_bits(w)), "sizes": ("int32", np.array([rows, V, D, S]))},
+        {"y": ("float32", S * V)}, {"R": kernels.head_row_bound(rows)}, V // 32, workdir)["y"].reshape(S, V)
+
+
+@pytest.mark.parametrize("language", ["metal", "cuda"])
+@pytest.mark.parametrize("rows, out_rows", [(1, 1), (6, 8), (16, 16)])
+def test_head_logits_runs_its_spec_on_the_host(language, rows, out_rows, tmp_path):
+    """The model's head from its bf16 weight (the vocabulary's logits in fp32): each logit within
+    the bound of a float32 sum of the exact products in any order (against float64 here), a
+    padded forward's padding rows zeros, and row 0 alone the same bits as among the others."""
+    mx.random.seed(rows)
+    V, D = 64, 768  # 3 steps a lane: the last pair of steps half past the end
+    x = mx.random.normal((out_rows, D)).astype(mx.bfloat16)
+    w = (mx.random.normal((V, D)) * 0.05).astype(mx.bfloat16)
+    got = _head_on_the_host(language, x, w, rows, tmp_path / "batch")
+    xs, ws = np.array(x.astype(mx.float32), np.float64), np.array(w.astype(mx.float32), np.float64)
+    exact, size = xs[:rows] @ ws.T, np.abs(xs[:rows]) @ np.abs(ws).T
+    assert np.all(np.abs(got[:rows] - exact) <= D * 2.0 ** -24 * size)
+    assert not np.any(got[rows:])
+    if rows > 1:
+        alone = _head_on_the_host(language, x[:1], w, 1, tmp_path / "alone")
+        assert np.array_equal(alone[0].view(np.uint32), got[0].view(np.uint32))

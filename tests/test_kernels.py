@@ -19,6 +19,7 @@ import pytest
 from dsv41_mlx import kernels
 from dsv41_mlx.cache import DraftCache
 from dsv41_mlx.kernels import (ACT_QUANT, FP4_EXPERTS, FP4_QUANT, FP8_GEMV, FP8_MMA, FP8_ROWS, HC_INPUT, HC_MIX,
+                               HEAD_LOGITS,
                                HC_POST_MIX, HC_SPLIT, MOE_GATE_SCORES, MOE_GATE_TOPK, RING_WRITE, RMS_NORM,
                                SPARSE_ATTENTION, TOP_K,
                                fp8_rows_top64, moe_gate, moe_gate_reference, ring_write, ring_write_reference)
@@ -215,6 +216,7 @@ CASES = {
     "fp8_mma_quantizing": _mma_case(NH=1, QX=1, ONE=1),
     "fp8_mma_swiglu": _mma_case(NH=1, QX=1, SW=1),
     "fp8_mma_parts_16_rows": _mma_case(NH=2, AP=6),
+    "head_logits": (HEAD_LOGITS, {"x": "bfloat16", "w": "bfloat16", "sizes": "int32"}, {"y": "float32"}, {"R": 8}),
     "moe_gate_topk": (MOE_GATE_TOPK, {"scores": "float32", "bias": "float32", "params": "float32", "rows": "int32"},
                       {"weights": "float32", "ids": "uint32"}, {"E": 384, "K": 6, "NORMALIZE": 1}),
 }
@@ -245,6 +247,7 @@ def test_metal_source_type_checks(case, rows, tmp_path):
 
 @pytest.mark.parametrize("case, breakage", [
     ("fp8_rows", ("simdgroup_store(", "simdgroup_stor(")),  # misspelt builtin
+    ("head_logits", ("bf16x8_floats(wv[u][o], wf);", "bf16x8_floats(wv[u], wf);")),  # array of words for a word
     ("fp8_rows", ("const uint odd = E4M3_ODD(words[c]);", "const uint odd = E4M3_ODD(words[c])")),  # no semicolon
     ("fp8_rows", ("simdgroup_half8x8 a;", "simdgroup_float8x8 a;")),  # type error: float tile from half memory
     ("ring_write", ("src[chunk];", "src[chunck];")),  # misspelt variable
@@ -312,6 +315,7 @@ def test_cuda_source_compiles(case):
 @pytest.mark.parametrize("case, breakage", [
     ("fp8_rows", ("__byte_perm(wq[mg][0][j], 0, 0x3120)", "__byte_perm(wq[mg][0][j], 0x3120)")),  # bad call
     ("ring_write", ("src[chunk];", "src[chunck];")),  # misspelt variable
+    ("head_logits", ("acc[o][r] = fmaf(wf[e], xf[e], acc[o][r]);", "acc[o][r] = fmaf(wf, xf[e], acc[o][r]);")),
     ("hc_split", ("mix[k] = mixes[row * (2 + HC) * HC + k];", "mix[k] = mixes[row * (2 + HC) * HC + k]")),
     ("act_quant", ("fp8_fake_quant_lane(v)", "fp8_fake_quant_lane()")),  # bad call
     ("moe_gate_topk", ("choice[bi] = neg_inf;", "choice[bi] = neg_infinity;")),  # misspelt variable
@@ -1068,6 +1072,37 @@ def test_large_dense_fp8_gemms_run_on_the_matrix_unit_at_every_row_count(monkeyp
     assert [(name, nh) for name, nh, _, _ in seen] == [("fp8_mma", 1), ("fp8_mma", 1), ("fp8_mma", 2),
                                                        ("fp8_gemv", None), ("fp8_gemv", None), ("fp8_gemv", None)]
     assert seen[0][2:] == (n // 32 * 256, (16, n))  # a threadgroup per 32 outputs; every row out
+
+
+def test_the_model_head_runs_head_logits_for_a_decode_or_verify_forward(monkeypatch):
+    """model.Head keeps the release's bf16 weight and on a GPU runs head_logits (one launch,
+    its row bound R from the computed rows, a padded forward's real rows passed on) for bf16 x
+    of up to DECODE_MAX_ROWS rows; more rows (or no GPU) take the spec."""
+    from dsv41_mlx import kernels
+    from dsv41_mlx.model import Head
+
+    seen = []
+
+    def compiled(spec, language):
+        def run(inputs, template, grid, output_shapes, output_dtypes, **_):
+            seen.append((spec.name, dict(template)["R"], grid[0], output_shapes[0], inputs[2].tolist()))
+            return [mx.zeros(shape, dtype=dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
+        return run
+
+    monkeypatch.setattr(kernels, "_compiled", compiled)
+    head = Head(64, 256)
+    assert head.weight.dtype == mx.bfloat16
+    head.weight = (mx.random.normal((64, 256)) * 0.05).astype(mx.bfloat16)
+    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
+    x = mx.random.normal((17, 256)).astype(mx.bfloat16)
+    assert head(x[:1]).shape == (1, 64) and head(x[:8], real_rows=6).shape == (8, 64)
+    assert seen == [("head_logits", 1, 2 * 256, (1, 64), [1, 64, 256, 1]),
+                    ("head_logits", 8, 2 * 256, (8, 64), [6, 64, 256, 8])]
+    want = x.astype(mx.float32) @ head.weight.astype(mx.float32).T
+    assert mx.array_equal(head(x), want).item() and len(seen) == 2  # 17 rows: the spec
+    assert mx.array_equal(head(x[:2].astype(mx.float32)), want[:2]).item() and len(seen) == 2  # not bf16
+    monkeypatch.setattr(kernels, "backend", lambda: "mlx")
+    assert mx.array_equal(head(x[:2]), want[:2]).item() and len(seen) == 2
 
 
 def test_gemv_kernels_quantise_bf16_input_only():
