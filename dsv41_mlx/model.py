@@ -666,10 +666,12 @@ class Attention(nn.Module):
 
         self.attn_sink = mx.zeros((self.n_heads,), dtype=F32)
         self.row_invariant = False  # set through Model.decode_rows
-        self.wq_a = Fp8Linear(dim, args.q_lora_rank)
+        # wq_a and wkv, both fed the layer's quantised input, stacked at load (wq_a's rows
+        # first: checkpoint.stack_wq_a_wkv), so that a GPU makes both in one launch
+        self.q_lora_rank = args.q_lora_rank
+        self.wq_a_wkv = Fp8Linear(dim, args.q_lora_rank + self.head_dim)
         self.q_norm = RMSNorm(args.q_lora_rank, self.eps)
         self.wq_b = Fp8Linear(args.q_lora_rank, self.n_heads * self.head_dim)
-        self.wkv = Fp8Linear(dim, self.head_dim)
         self.kv_norm = RMSNorm(self.head_dim, self.eps)
         self.wo_a = Fp8Linear(self.n_heads * self.head_dim // self.n_groups, self.n_groups * self.o_lora_rank)
         self.wo_b = Fp8Linear(self.n_groups * self.o_lora_rank, dim)
@@ -700,20 +702,35 @@ class Attention(nn.Module):
     # inverse rotation: two launches fewer per layer
     # real: only the first `real` rows matter (a padded forward's, SharedAttention.real_rows):
     # on a GPU the FP8 GEMMs compute those alone (Fp8Linear)
-    @fused("wq_a", "q_norm", "wq_b")
+    @fused("wq_a_wkv", "q_norm", "wq_b")
     def queries(self, xq: mx.array, rope: tuple, rope_in_kernel: bool = False,
                 real: int | None = None) -> tuple[mx.array, mx.array]:
         """q [S, H, D] with RoPE (unless rope_in_kernel), and the normed low-rank qr [S, q_lora]
         through fp8_input, as wq_b takes it and the indexer's wq_b reuses it."""
-        qr = self.q_norm.quantized(self.wq_a.quantized(xq, real))
-        q = self.wq_b.quantized(qr, real).reshape(xq.shape[0], self.n_heads, self.head_dim)
-        return (q if rope_in_kernel else Rope.apply(q, rope)), qr
+        return self._queries(self.wq_a_wkv.quantized_rows(xq, 0, self.q_lora_rank, real), rope, rope_in_kernel, real)
 
-    @fused("wkv", "kv_norm")
+    @fused("wq_a_wkv", "kv_norm")
     def latent_kv(self, xq: mx.array, rope: tuple, real: int | None = None) -> mx.array:
         """Window keys [S, D]: normed, RoPE'd, FP8 fake-quantised over the whole latent. On a
         GPU the norm, the rotation and the fake-quant are one kernel (kernels.rms_norm)."""
-        kv = self.wkv.quantized(xq, real)
+        return self._latent_kv(self.wq_a_wkv.quantized_rows(xq, self.q_lora_rank, None, real), rope)
+
+    @fused("wq_a_wkv", "q_norm", "wq_b", "kv_norm")
+    def queries_and_latent_kv(self, xq: mx.array, rope: tuple, rope_in_kernel: bool = False,
+                              real: int | None = None) -> tuple[mx.array, mx.array, mx.array]:
+        """queries' (q, qr) and latent_kv's keys from one input, wq_a and wkv in one launch on a
+        GPU (Fp8Linear.quantized_pair): the same bits as the two methods."""
+        a, kv = self.wq_a_wkv.quantized_pair(xq, self.q_lora_rank, real)
+        return *self._queries(a, rope, rope_in_kernel, real), self._latent_kv(kv, rope)
+
+    def _queries(self, a: mx.array, rope: tuple, rope_in_kernel: bool, real: int | None) -> tuple[mx.array, mx.array]:
+        """queries from wq_a's product a [S, q_lora]."""
+        qr = self.q_norm.quantized(a)
+        q = self.wq_b.quantized(qr, real).reshape(a.shape[0], self.n_heads, self.head_dim)
+        return (q if rope_in_kernel else Rope.apply(q, rope)), qr
+
+    def _latent_kv(self, kv: mx.array, rope: tuple) -> mx.array:
+        """latent_kv from wkv's product kv [S, D]."""
         if kernels.rms_norm_fits(kv, quantized=True, rotated=True):
             S, D = kv.shape
             return rms_norm(kv, self.kv_norm.weight, self.kv_norm.eps, quantize_to=kv.dtype,
@@ -749,8 +766,8 @@ class Attention(nn.Module):
         kernel = self.row_invariant and kernels.attention_fits((S, self.n_heads, self.head_dim), BF16,
                                                                self.window, self.n_picks)
         real = shared.real_rows
-        q, qr = self.queries(xq, rope, kernel, real)
-        keys, first = cache.window.update(self.latent_kv(xq, rope, real))
+        q, qr, kv = self.queries_and_latent_kv(xq, rope, kernel, real)
+        keys, first = cache.window.update(kv)
         # row_invariant: each row gathers its own window, oldest first: the same array for a
         # position whichever forward it is computed in, so its reductions run in the same order
         index, window_mask = shared.window(positions, first, keys.shape[0], self.window, self.row_invariant)

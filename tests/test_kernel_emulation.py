@@ -202,7 +202,41 @@ def test_fp8_gemv_runs_its_spec_on_the_host(language, rows, qx, sw, ap, tmp_path
     rb, t = kernels.gemv_layout(rows)
     c = kernels.gemv_threads_per_output(512, 64)
     _fp8_gemm_on_the_host(kernels.FP8_GEMV, language, rows, 8, qx, sw, ap,
-                          {"RB": rb, "T": t, "C": c, "QX": qx, "SW": sw, "AP": ap}, 64 // (256 // c * t), tmp_path)
+                          {"RB": rb, "T": t, "C": c, "QX": qx, "SW": sw, "AP": ap, "SPLIT": 0}, 64 // (256 // c * t),
+                          tmp_path)
+
+
+@pytest.mark.parametrize("language", ["metal", "cuda"])
+@pytest.mark.parametrize("rows, out_rows", [(1, 8), (6, 8)])
+def test_fp8_gemv_pair_writes_each_matrix_apart_on_the_host(language, rows, out_rows, tmp_path):
+    """fp8_gemv with SPLIT (kernels.fp8_gemv_pair): two stacked matrices of 32 outputs each, one
+    input, the first's [out_rows, 32] then the second's [out_rows, 32] in y; each output the
+    bits of the same kernel without SPLIT (y's columns apart), the padding rows zeros. A
+    launch that split nowhere would interleave the two."""
+    from dsv41_mlx.quant import fp8_fake_quant_reference
+    from scripts.check_kernels import random_scales, random_words
+
+    mx.random.seed(11 + rows)
+    n, k, split = 64, 512, 32
+    w, s = random_words((n, k // 4)), random_scales((n, k // 32))
+    x = fp8_fake_quant_reference(mx.random.normal((out_rows, k))).astype(mx.bfloat16)
+    rb, t = kernels.gemv_layout(rows)
+    c = kernels.gemv_threads_per_output(k, n)
+    inputs = {"x": ("bfloat16", _bf16_bits(x)), "w": ("uint32", np.array(w)), "scales": ("uint8", np.array(s)),
+              "sizes": ("int32", np.array([rows, n, k, 1, out_rows])), "swiglu": ("float32", np.array([0.0])),
+              "parts": ("bfloat16", np.zeros(1, np.uint16))}
+
+    def launch(splits, workdir):
+        workdir.mkdir()
+        template = {"RB": rb, "T": t, "C": c, "QX": 0, "SW": 0, "AP": 0, "SPLIT": splits}
+        return run(kernels.FP8_GEMV, language, inputs, {"y": ("bfloat16", out_rows * n)}, template,
+                   n // (256 // c * t), workdir)["y"]
+
+    whole = launch(0, tmp_path / "whole").reshape(out_rows, n)
+    pair = launch(split, tmp_path / "pair")
+    first, second = pair[: out_rows * split].reshape(out_rows, split), pair[out_rows * split:].reshape(out_rows, -1)
+    assert np.array_equal(first, whole[:, :split]) and np.array_equal(second, whole[:, split:])
+    assert np.all(whole[rows:] == 0) and not np.all(whole[:rows] == 0)
 
 
 @pytest.mark.parametrize("language", ["metal", "cuda"])
