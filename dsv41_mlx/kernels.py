@@ -104,8 +104,10 @@ SPARSE_ATTENTION = KernelSpec("sparse_attention", ("q", "ring", "index", "wmask"
                               ("out",), "sparse_attention.metal", "sparse_attention.cu", header_files=(),
                               twin_headers=("bf16_lane",))
 RMS_NORM = KernelSpec("rms_norm_rows", ("x", "w", "eps", "sizes", "rope_cos", "rope_sin"), ("y",), "rms_norm.metal",
-                      "rms_norm.cu",
-                      header_files=(), twin_headers=("fp8_lane",))
+                      "rms_norm.cu", header_files=(), twin_headers=("fp8_lane", "rms_norm_row"))
+RMS_NORM_PAIR = KernelSpec("rms_norm_pair", ("x", "w", "x2", "w2", "eps", "sizes", "rope_cos", "rope_sin"),
+                           ("y", "y2"), "rms_norm_pair.metal", "rms_norm_pair.cu", header_files=(),
+                           twin_headers=("fp8_lane", "rms_norm_row"))
 FP4_QUANT = KernelSpec("fp4_quant", ("x", "n"), ("y",), "fp4_quant.metal", "fp4_quant.cu", header_files=())
 HC_MIX = KernelSpec("hc_mix", ("h", "fn", "rows"), ("parts",), "hc_mix.metal", "hc_mix.cu", header_files=(),
                     twin_headers=("hc_mix_sum",))
@@ -597,6 +599,35 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float, impl: str | None = None,
                   template=[("T", x.dtype), ("O", out), ("QUANT", int(quantize_to is not None)), ("ROPE", dims)],
                   grid=(rows * 256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[x.shape], output_dtypes=[out])
     return y
+
+
+def rms_norm_pair_fits(x: mx.array, x2: mx.array, impl: str | None = None) -> bool:
+    """Whether rms_norm_pair runs for x [S, D] and x2 [S, D2]: the quantised RMSNorm kernel fits
+    each (x2's rotated), both 2-D of one dtype and row count."""
+    return (x.ndim == x2.ndim == 2 and x.shape[0] == x2.shape[0] and x.dtype == x2.dtype
+            and rms_norm_fits(x, impl, quantized=True) and rms_norm_fits(x2, impl, quantized=True, rotated=True))
+
+
+def rms_norm_pair(x: mx.array, weight: mx.array, x2: mx.array, weight2: mx.array, eps: float,
+                  quantize_to: mx.Dtype, quantize_to2: mx.Dtype, rope2: tuple[mx.array, mx.array, int],
+                  impl: str | None = None) -> tuple[mx.array, mx.array]:
+    """Two quantised RMSNorms of one eps in one launch, the second rotated: (rms_norm(x, weight,
+    eps, quantize_to=quantize_to), rms_norm(x2, weight2, eps, quantize_to=quantize_to2,
+    rope=rope2)), each row the same bits (attention's q_norm and kv_norm: a decode or verify
+    step's launch fewer). Only where rms_norm_pair_fits."""
+    impl = impl or backend()
+    if not rms_norm_pair_fits(x, x2, impl):
+        raise ValueError(f"rms_norm_pair takes two bfloat16/float32 inputs [S, D] and [S, D2] of whole 32-blocks on a "
+                         f"GPU, got {x.dtype} {x.shape} and {x2.dtype} {x2.shape} on {impl}")
+    (S, D), D2 = x.shape, x2.shape[1]
+    cos, sin, dims = rope2
+    y, y2 = _compiled(RMS_NORM_PAIR, impl)(
+        inputs=[x, weight.astype(mx.float32), x2, weight2.astype(mx.float32), _float32s(eps), _int32s(S, D, D2), cos,
+                sin],
+        template=[("T", x.dtype), ("O", quantize_to), ("O2", quantize_to2), ("QUANT", 1), ("ROPE", dims)],
+        grid=(2 * S * 256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[x.shape, x2.shape],
+        output_dtypes=[quantize_to, quantize_to2])
+    return y, y2
 
 
 # ------------------------------------------------------------------- fp4_quant

@@ -281,3 +281,52 @@ def test_head_logits_runs_its_spec_on_the_host(language, rows, out_rows, tmp_pat
     if rows > 1:
         alone = _head_on_the_host(language, x[:1], w, 1, tmp_path / "alone")
         assert np.array_equal(alone[0].view(np.uint32), got[0].view(np.uint32))
+
+
+@pytest.mark.parametrize("language", ["metal", "cuda"])
+def test_rms_norm_pair_gives_two_rms_norms_bits_on_the_host(language, tmp_path):
+    """rms_norm_pair (q_norm and the rotated kv_norm in one launch) on the host: each output the
+    bits of rms_norm's kernel run on that input alone (quantised; the second rotated), the
+    shared row code (rms_norm_row) reached through both bodies; and rms_norm's rotated,
+    quantised rows against the spec: model.rotate of the spec's norm, then act_quant."""
+    from dsv41_mlx.model import rotate
+    from dsv41_mlx.quant import fp8_fake_quant_reference
+
+    rng = np.random.default_rng(3)
+    S, D, D2, R = 3, 64, 32, 16
+    x = mx.array(rng.normal(0, 3, (S, D)).astype(np.float32)).astype(mx.bfloat16)
+    x2 = mx.array(rng.normal(0, 3, (S, D2)).astype(np.float32)).astype(mx.bfloat16)
+    w, w2 = (mx.array(rng.normal(1, 0.3, n).astype(np.float32)) for n in (D, D2))
+    angles = rng.uniform(0, 6.3, (S, R // 2)).astype(np.float32)
+    cos = np.ones((S, D2), np.float32)
+    sin = np.zeros((S, D2), np.float32)
+    cos[:, D2 - R:] = np.repeat(np.cos(angles), 2, axis=1)
+    sin[:, D2 - R::2], sin[:, D2 - R + 1::2] = -np.sin(angles), np.sin(angles)  # the sin table carries the signs
+    eps = np.array([1e-6], np.float32)
+
+    def single(v, weight, rope, name):
+        workdir = tmp_path / name
+        workdir.mkdir()
+        n = v.shape[1]
+        tables = (cos, sin) if rope else (np.zeros(1, np.float32), np.zeros(1, np.float32))
+        return run(kernels.RMS_NORM, language, {
+            "x": ("bfloat16", _bf16_bits(v)), "w": ("float32", np.array(weight)), "eps": ("float32", eps),
+            "sizes": ("int32", np.array([S, n])), "rope_cos": ("float32", tables[0]), "rope_sin": ("float32", tables[1])},
+            {"y": ("bfloat16", S * n)}, {"T": "bfloat16", "O": "bfloat16", "QUANT": 1, "ROPE": rope}, S, workdir)["y"]
+
+    workdir = tmp_path / "pair"
+    workdir.mkdir()
+    pair = run(kernels.RMS_NORM_PAIR, language, {
+        "x": ("bfloat16", _bf16_bits(x)), "w": ("float32", np.array(w)), "x2": ("bfloat16", _bf16_bits(x2)),
+        "w2": ("float32", np.array(w2)), "eps": ("float32", eps), "sizes": ("int32", np.array([S, D, D2])),
+        "rope_cos": ("float32", cos), "rope_sin": ("float32", sin)},
+        {"y": ("bfloat16", S * D), "y2": ("bfloat16", S * D2)},
+        {"T": "bfloat16", "O": "bfloat16", "O2": "bfloat16", "QUANT": 1, "ROPE": R}, 2 * S, workdir)
+    q, kv = single(x, w, 0, "q"), single(x2, w2, R, "kv")
+    assert np.array_equal(pair["y"], q) and np.array_equal(pair["y2"], kv)
+    normed = kernels.rms_norm_reference(x2, w2, 1e-6)
+    pairs = (S, D2 // 2, 2)
+    rotated = rotate(normed, mx.array(cos).reshape(pairs), mx.array(sin).reshape(pairs),
+                     mx.array(np.arange(D2) >= D2 - R).reshape(pairs[1:]))
+    want = _bf16_bits(fp8_fake_quant_reference(rotated))
+    assert np.mean(kv == want) > 0.9 and np.count_nonzero(kv) > 0.5 * kv.size

@@ -20,7 +20,7 @@ from dsv41_mlx import kernels
 from dsv41_mlx.cache import DraftCache
 from dsv41_mlx.kernels import (ACT_QUANT, FP4_EXPERTS, FP4_QUANT, FP8_GEMV, FP8_MMA, FP8_ROWS, HC_INPUT, HC_MIX,
                                HEAD_LOGITS,
-                               HC_POST_MIX, HC_SPLIT, MOE_GATE_SCORES, MOE_GATE_TOPK, RING_WRITE, RMS_NORM,
+                               HC_POST_MIX, HC_SPLIT, MOE_GATE_SCORES, MOE_GATE_TOPK, RING_WRITE, RMS_NORM, RMS_NORM_PAIR,
                                SPARSE_ATTENTION, TOP_K,
                                fp8_rows_top64, moe_gate, moe_gate_reference, ring_write, ring_write_reference)
 from dsv41_mlx.quant import e4m3_decode, e8m0_decode, quantize_fp8_tiles, quantize_fp8_tiles_mx
@@ -194,6 +194,11 @@ CASES = {
     "rms_norm_rope_quantised": (RMS_NORM, {"x": "bfloat16", "w": "float32", "eps": "float32", "sizes": "int32",
                                            "rope_cos": "float32", "rope_sin": "float32"}, {"y": "bfloat16"},
                                 {"T": "bfloat16", "O": "bfloat16", "QUANT": 1, "ROPE": 64}),
+    # attention's q_norm (fp32 out: Metal's GEMM input) and rotated kv_norm in one launch
+    "rms_norm_pair": (RMS_NORM_PAIR, {"x": "bfloat16", "w": "float32", "x2": "bfloat16", "w2": "float32",
+                                      "eps": "float32", "sizes": "int32", "rope_cos": "float32",
+                                      "rope_sin": "float32"}, {"y": "float32", "y2": "bfloat16"},
+                      {"T": "bfloat16", "O": "float32", "O2": "bfloat16", "QUANT": 1, "ROPE": 64}),
     "fp4_quant_kv": (FP4_QUANT, {"x": "bfloat16", "n": "int32"}, {"y": "bfloat16"},
                      {"T": "bfloat16", "BLOCK": 16, "SCALE_E4M3": 1}),
     "fp4_quant_index": (FP4_QUANT, {"x": "float32", "n": "int32"}, {"y": "float32"},
@@ -267,9 +272,10 @@ def test_metal_source_type_checks(case, rows, tmp_path):
     ("hc_post_mix", ("h[row * HD + chunk * CHUNK + j] = hb[k];", "h[row * HD + chunk * CHUNK + j] = hv[k];")),  # misspelt
     ("hc_input", ("t += parts[(row * CH + c) * (M + 1) + tid];", "t += part[(row * CH + c) * (M + 1) + tid];")),
     ("fp4_quant_kv", ("simd_shuffle_xor(amax, offset)", "simd_shuffle_xor(amax)")),  # bad call
-    ("rms_norm", ("sq += v * v;", "sq += v * w;")),  # type error: w is a pointer
-    ("rms_norm_quantised", ("fp8_fake_quant_lane(v)", "fp8_fake_quant_lanes(v)")),  # misspelt function
-    ("rms_norm_rope_quantised", ("simd_shuffle_xor(v, ushort(1))", "simd_shuffle_xor(v)")),  # bad call
+    ("rms_norm", ("w, D, eps[0], rope_cos", "w, D, eps, rope_cos")),  # a pointer for a float
+    ("rms_norm_quantised", ("threadgroup float partial[8];", "threadgroup float partial[8]")),  # no semicolon
+    ("rms_norm_rope_quantised", ("y + ulong(row) * D, partial,", "y + ulong(row) * D, partial[0],")),  # a float for a pointer
+    ("rms_norm_pair", ("(x2 + ulong(row) * D2, w2, D2,", "(x2 + ulong(row) * D2, D2,")),  # an argument short
     ("sparse_attention", ("threadgroup float denom[G];", "threadgroup float denom[G]")),  # no semicolon
     ("fp8_gemv", ("gemv_warp_totals<T, RB>(&acc[0][0], partial,", "gemv_warp_totals<T, RB>(acc, partial,")),  # wrong type
     ("fp4_experts", ("E2M1_HALF(codes >> 4)", "E2M1_HALF(codes >> 4, 1)")),  # bad macro call
@@ -330,8 +336,9 @@ def test_cuda_source_compiles(case):
     ("hc_post_mix", ("(acc, &partial[0][0], lane,", "(acc, partial, lane,")),  # 2-d array for a pointer
     ("hc_post_mix", ("__float2bfloat16(post[row * HC + c]", "__float2bfloat16(posts[row * HC + c]")),  # misspelt
     ("fp4_quant_kv", ("const float mag = fabsf(q);", "const float mag = fabsf(q)")),  # no semicolon
-    ("rms_norm", ("rsqrtf(total / (float)D + eps[0])", "rsqrtf(total / (float)D + eps)")),  # pointer + float
-    ("rms_norm_rope_quantised", ("__shfl_xor_sync(0xffffffffu, v, 1)", "__shfl_xor_sync(v, 1)")),  # bad call
+    ("rms_norm", ("w, D, eps[0], rope_cos", "w, D, eps, rope_cos")),  # a pointer for a float
+    ("rms_norm_rope_quantised", ("y + (size_t)row * D, partial);", "y + (size_t)row * D, partial[0]);")),  # float for pointer
+    ("rms_norm_pair", ("(x2 + (size_t)row * D2, w2, D2,", "(x2 + (size_t)row * D2, D2,")),  # an argument short
     ("sparse_attention", ("denom[g] = total + expf(sink[h0 + g] - row_max);",
                           "denom[g] = total + expf(sinks[h0 + g]);")),  # misspelt variable
     ("sparse_attention", ("v * rope_cos[s * D + d] +", "v * rope_cos +")),  # float times a pointer
@@ -635,6 +642,35 @@ def test_pair_check_passes_two_launches_and_flags_a_wrong_pair(monkeypatch, fixt
     assert any("not the bits of fp8_gemv" in p for p in check.check_fp8_gemv_pair("mlx", seed=1))
     monkeypatch.setattr(check, "fp8_gemv_pair", lambda *a, **kw: pair(*a, **kw, padding=True))
     assert any("zeros after them" in p for p in check.check_fp8_gemv_pair("mlx", seed=1))
+
+
+def test_rms_norm_pair_check_passes_two_norms_and_flags_a_wrong_pair(monkeypatch):
+    """scripts/check_kernels.py's rms_norm_pair check: a pair that is rms_norm on each input
+    passes; one that rotates neither, or scales the second input's weights, fails."""
+    from dsv41_mlx.model import rotate
+    from dsv41_mlx.quant import fp8_fake_quant_reference
+
+    check = _check_kernels_script()
+
+    def norm(x, w, eps, impl=None, quantize_to=None, rope=None):  # the quantised (rotated) kernel's spec
+        y = kernels.rms_norm_reference(x, w, eps)
+        if rope is not None:
+            cos, sin, dims = rope
+            S, D = y.shape
+            pairs = (S, D // 2, 2)
+            y = rotate(y, cos.reshape(pairs), sin.reshape(pairs), (mx.arange(D) >= D - dims).reshape(pairs[1:]))
+        return fp8_fake_quant_reference(y).astype(quantize_to)
+
+    def pair(x, w, x2, w2, eps, q1, q2, rope2, impl=None, unrotated=False, weights=None):
+        return norm(x, w, eps, quantize_to=q1), norm(x2, w2 * 1.01 if weights else w2, eps, quantize_to=q2,
+                                                      rope=None if unrotated else rope2)
+
+    monkeypatch.setattr(check, "rms_norm", norm)
+    monkeypatch.setattr(check, "rms_norm_pair", pair)
+    assert check.check_rms_norm_pair("mlx", seed=2) == []
+    for broken in ({"unrotated": True}, {"weights": "scaled"}):
+        monkeypatch.setattr(check, "rms_norm_pair", lambda *a, kw=broken, **k: pair(*a, **k, **kw))
+        assert any("second output" in p for p in check.check_rms_norm_pair("mlx", seed=2)), broken
 
 
 def test_epilogue_check_passes_the_spec_and_flags_a_wrong_epilogue(monkeypatch):
