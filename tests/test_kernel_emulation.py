@@ -2,9 +2,10 @@
 twins: fp4_experts (Metal: simdgroup matrices and threadgroup staging; CUDA: mma.sync
 fragments in registers) with its pair bookkeeping, at several row counts, x per row and per
 slot, quantised in the kernel or before, with and without its SwiGLU epilogue; the scalar
-fp8_gemv with its epilogues, and fp8_mma (its matrix-unit form for large matrices); the
-drafter head's fp8_rows (the matrix unit, then a bitonic sort); the model's head_logits; act_quant
-and ring_write bit for bit.
+fp8_gemv with its epilogues and its pair form (two stacked matrices written apart), and
+fp8_mma (its matrix-unit form for large matrices); the drafter head's fp8_rows (the matrix
+unit, then a bitonic sort); the model's head_logits; rms_norm_pair against two rms_norm
+launches; act_quant and ring_write bit for bit.
 There is neither a Mac nor a GPU here: beside the type-check and the NVRTC compile, this is
 the check that each twin computes its spec (the CUDA twins' emulated fragment layout is the
 one that gave the spec's numbers on an H200)."""
