@@ -421,6 +421,17 @@ def stack_gate_up(params: dict[str, mx.array]) -> None:
         params[name.replace(".w1.", ".w13.")] = pairs.reshape(*gate.shape[:-2], 2 * gate.shape[-2], gate.shape[-1])
 
 
+def stack_wq_a_wkv(params: dict[str, mx.array]) -> None:
+    """Replace each attention's wq_a and wkv (target layers and DSpark stages; FP8 weights and
+    their scales) by wq_a_wkv: wq_a's rows, then wkv's, so that one GEMM makes both
+    (model.Attention, Fp8Linear.quantized_pair). Exact: each output is its own row of
+    weights and scales, and a product of either part reads a view of those rows."""
+    for name in [n for n in params if ".attn.wq_a." in n]:
+        kv_name = name.replace(".attn.wq_a.", ".attn.wkv.")
+        params[name.replace(".attn.wq_a.", ".attn.wq_a_wkv.")] = mx.concatenate(
+            [params.pop(name), params.pop(kv_name)], axis=0)
+
+
 def load_weights(model, model_dir: Path, where: dict[str, Path], progress: bool = False) -> None:
     """Load every checked tensor into `model`, repacking FP8/FP4 into MLX layouts, and
     attach the engram tables as memory maps. progress: a tqdm bar over the blocks."""
@@ -456,6 +467,7 @@ def load_weights(model, model_dir: Path, where: dict[str, Path], progress: bool 
     for name, per_expert in experts.items():
         params[name] = mx.stack([per_expert[e] for e in range(len(per_expert))])
     stack_gate_up(params)
+    stack_wq_a_wkv(params)
     # a float tensor the model declares wider than the file stores it (the router's gate, the
     # compressors' projections: fp32 math on every call) is widened once here, exactly,
     # rather than on every call

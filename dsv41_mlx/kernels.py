@@ -104,8 +104,10 @@ SPARSE_ATTENTION = KernelSpec("sparse_attention", ("q", "ring", "index", "wmask"
                               ("out",), "sparse_attention.metal", "sparse_attention.cu", header_files=(),
                               twin_headers=("bf16_lane",))
 RMS_NORM = KernelSpec("rms_norm_rows", ("x", "w", "eps", "sizes", "rope_cos", "rope_sin"), ("y",), "rms_norm.metal",
-                      "rms_norm.cu",
-                      header_files=(), twin_headers=("fp8_lane",))
+                      "rms_norm.cu", header_files=(), twin_headers=("fp8_lane", "rms_norm_row"))
+RMS_NORM_PAIR = KernelSpec("rms_norm_pair", ("x", "w", "x2", "w2", "eps", "sizes", "rope_cos", "rope_sin"),
+                           ("y", "y2"), "rms_norm_pair.metal", "rms_norm_pair.cu", header_files=(),
+                           twin_headers=("fp8_lane", "rms_norm_row"))
 FP4_QUANT = KernelSpec("fp4_quant", ("x", "n"), ("y",), "fp4_quant.metal", "fp4_quant.cu", header_files=())
 HC_MIX = KernelSpec("hc_mix", ("h", "fn", "rows"), ("parts",), "hc_mix.metal", "hc_mix.cu", header_files=(),
                     twin_headers=("hc_mix_sum",))
@@ -599,6 +601,35 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float, impl: str | None = None,
     return y
 
 
+def rms_norm_pair_fits(x: mx.array, x2: mx.array, impl: str | None = None) -> bool:
+    """Whether rms_norm_pair runs for x [S, D] and x2 [S, D2]: the quantised RMSNorm kernel fits
+    each (x2's rotated), both 2-D of one dtype and row count."""
+    return (x.ndim == x2.ndim == 2 and x.shape[0] == x2.shape[0] and x.dtype == x2.dtype
+            and rms_norm_fits(x, impl, quantized=True) and rms_norm_fits(x2, impl, quantized=True, rotated=True))
+
+
+def rms_norm_pair(x: mx.array, weight: mx.array, x2: mx.array, weight2: mx.array, eps: float,
+                  quantize_to: mx.Dtype, quantize_to2: mx.Dtype, rope2: tuple[mx.array, mx.array, int],
+                  impl: str | None = None) -> tuple[mx.array, mx.array]:
+    """Two quantised RMSNorms of one eps in one launch, the second rotated: (rms_norm(x, weight,
+    eps, quantize_to=quantize_to), rms_norm(x2, weight2, eps, quantize_to=quantize_to2,
+    rope=rope2)), each row the same bits (attention's q_norm and kv_norm: a decode or verify
+    step's launch fewer). Only where rms_norm_pair_fits."""
+    impl = impl or backend()
+    if not rms_norm_pair_fits(x, x2, impl):
+        raise ValueError(f"rms_norm_pair takes two bfloat16/float32 inputs [S, D] and [S, D2] of whole 32-blocks on a "
+                         f"GPU, got {x.dtype} {x.shape} and {x2.dtype} {x2.shape} on {impl}")
+    (S, D), D2 = x.shape, x2.shape[1]
+    cos, sin, dims = rope2
+    y, y2 = _compiled(RMS_NORM_PAIR, impl)(
+        inputs=[x, weight.astype(mx.float32), x2, weight2.astype(mx.float32), _float32s(eps), _int32s(S, D, D2), cos,
+                sin],
+        template=[("T", x.dtype), ("O", quantize_to), ("O2", quantize_to2), ("QUANT", 1), ("ROPE", dims)],
+        grid=(2 * S * 256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[x.shape, x2.shape],
+        output_dtypes=[quantize_to, quantize_to2])
+    return y, y2
+
+
 # ------------------------------------------------------------------- fp4_quant
 
 def fp4_quant_fits(x: mx.array, block: int, impl: str | None = None) -> bool:
@@ -824,7 +855,49 @@ def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None
         return y
     return _gemv_launch(FP8_GEMV, impl, [x.astype(mx.bfloat16), w, scales, _int32s(rows, N, K, G, S), limit, added],
                         rows, G, N, x.shape[:-1], init_value, quantize_input,
-                        threads or gemv_threads_per_output(K, N * G), sw, [("AP", ap)])
+                        threads or gemv_threads_per_output(K, N * G), sw, [("AP", ap), ("SPLIT", 0)])
+
+
+def fp8_gemv_pair_fits(x: mx.array, w: mx.array, split: int, impl: str | None = None) -> bool:
+    """Whether fp8_gemv_pair runs for x [S, K] and w [N, K/4], two matrices of `split` and
+    N - split outputs stacked: fp8_gemv fits x [S, K] and each matrix alone, neither runs on
+    the matrix unit, and each output's threads (C) are the same in the pair as in a launch
+    of its own matrix (gemv_threads_per_output), so each is summed in the same order, with
+    each matrix whole thread groups of the pair's layout."""
+    if x.ndim != 2 or w.ndim != 2 or not 0 < split < w.shape[0] or not fp8_gemv_fits(x, w, impl):
+        return False
+    N, K = w.shape[0], x.shape[-1]
+    c = gemv_threads_per_output(K, N)
+    tile = 256 // c * 4  # a threadgroup's outputs at T = 4 (gemv_layout's most)
+    return all(_gemv_fits(x.shape[0], n, K, impl) and not fp8_gemv_on_matrix_unit(n)
+               and gemv_threads_per_output(K, n) == c and n % tile == 0 for n in (split, N - split))
+
+
+def fp8_gemv_pair(x: mx.array, w: mx.array, scales: mx.array, split: int, impl: str | None = None,
+                  init_value: float | None = None, real_rows: int | None = None) -> tuple[mx.array, mx.array]:
+    """Two dense FP8 GEMMs of one input in one launch (attention's wq_a and wkv, both fed the
+    layer's quantised input): w [N, K/4] (scales [N, K/32]) the two `mxfp8` matrices stacked,
+    the first `split` rows one -> (x [S, K] through the first: bf16 [S, split], through the
+    second: [S, N - split]), each the bits fp8_gemv gives for its own matrix (the kernel's
+    SPLIT: it writes the two apart, so both are row-contiguous views of its output). x is
+    fed as it is (no quantize_input); real_rows as fp8_gemv's. Only where fp8_gemv_pair_fits."""
+    impl = impl or backend()
+    if not fp8_gemv_pair_fits(x, w, split, impl):
+        raise ValueError(f"fp8_gemv_pair takes x [<= {DECODE_MAX_ROWS}, K] and two stacked matrices w [N, K/4] split "
+                         f"at a row that leaves each whole thread groups of fp8_gemv's layout, off the matrix unit, "
+                         f"got x {x.shape}, w {w.shape}, split {split} on {impl}")
+    S, K = x.shape
+    N = w.shape[0]
+    rows = computed_rows(real_rows, S)
+    rb, t = gemv_layout(rows)
+    c = gemv_threads_per_output(K, N)
+    (y,) = _compiled(FP8_GEMV, impl)(
+        inputs=[x.astype(mx.bfloat16), w, scales, _int32s(rows, N, K, 1, S), _float32s(0.0),
+                _constant(mx.bfloat16, 0.0)],
+        template=[("RB", rb), ("T", t), ("C", c), ("QX", 0), ("SW", 0), ("AP", 0), ("SPLIT", split)],
+        grid=(N // (256 // c * t) * 256, 1, 1), threadgroup=(256, 1, 1),
+        output_shapes=[(S * N,)], output_dtypes=[mx.bfloat16], init_value=init_value)
+    return y[: S * split].reshape(S, split), y[S * split:].reshape(S, N - split)
 
 
 def head_logits_reference(x: mx.array, w: mx.array) -> mx.array:

@@ -666,10 +666,12 @@ class Attention(nn.Module):
 
         self.attn_sink = mx.zeros((self.n_heads,), dtype=F32)
         self.row_invariant = False  # set through Model.decode_rows
-        self.wq_a = Fp8Linear(dim, args.q_lora_rank)
+        # wq_a and wkv, both fed the layer's quantised input, stacked at load (wq_a's rows
+        # first: checkpoint.stack_wq_a_wkv), so that a GPU makes both in one launch
+        self.q_lora_rank = args.q_lora_rank
+        self.wq_a_wkv = Fp8Linear(dim, args.q_lora_rank + self.head_dim)
         self.q_norm = RMSNorm(args.q_lora_rank, self.eps)
         self.wq_b = Fp8Linear(args.q_lora_rank, self.n_heads * self.head_dim)
-        self.wkv = Fp8Linear(dim, self.head_dim)
         self.kv_norm = RMSNorm(self.head_dim, self.eps)
         self.wo_a = Fp8Linear(self.n_heads * self.head_dim // self.n_groups, self.n_groups * self.o_lora_rank)
         self.wo_b = Fp8Linear(self.n_groups * self.o_lora_rank, dim)
@@ -700,25 +702,49 @@ class Attention(nn.Module):
     # inverse rotation: two launches fewer per layer
     # real: only the first `real` rows matter (a padded forward's, SharedAttention.real_rows):
     # on a GPU the FP8 GEMMs compute those alone (Fp8Linear)
-    @fused("wq_a", "q_norm", "wq_b")
+    @fused("wq_a_wkv", "q_norm", "wq_b")
     def queries(self, xq: mx.array, rope: tuple, rope_in_kernel: bool = False,
                 real: int | None = None) -> tuple[mx.array, mx.array]:
         """q [S, H, D] with RoPE (unless rope_in_kernel), and the normed low-rank qr [S, q_lora]
         through fp8_input, as wq_b takes it and the indexer's wq_b reuses it."""
-        qr = self.q_norm.quantized(self.wq_a.quantized(xq, real))
-        q = self.wq_b.quantized(qr, real).reshape(xq.shape[0], self.n_heads, self.head_dim)
-        return (q if rope_in_kernel else Rope.apply(q, rope)), qr
+        qr = self.q_norm.quantized(self.wq_a_wkv.quantized_rows(xq, 0, self.q_lora_rank, real))
+        return self._queries(qr, rope, rope_in_kernel, real), qr
 
-    @fused("wkv", "kv_norm")
+    @fused("wq_a_wkv", "kv_norm")
     def latent_kv(self, xq: mx.array, rope: tuple, real: int | None = None) -> mx.array:
-        """Window keys [S, D]: normed, RoPE'd, FP8 fake-quantised over the whole latent. On a
-        GPU the norm, the rotation and the fake-quant are one kernel (kernels.rms_norm)."""
-        kv = self.wkv.quantized(xq, real)
+        """Window keys [S, D]: normed, RoPE'd, FP8 fake-quantised over the whole latent."""
+        return self.latent_kv_of(self.wq_a_wkv.quantized_rows(xq, self.q_lora_rank, None, real), rope)
+
+    @fused("wq_a_wkv", "q_norm", "wq_b", "kv_norm")
+    def queries_and_latent_kv(self, xq: mx.array, rope: tuple, rope_in_kernel: bool = False,
+                              real: int | None = None) -> tuple[mx.array, mx.array, mx.array]:
+        """queries' (q, qr) and latent_kv's keys from one input, the same bits as the two
+        methods. On a GPU wq_a and wkv run in one launch (Fp8Linear.quantized_pair), and so do
+        q_norm and kv_norm (kernels.rms_norm_pair)."""
+        a, kv = self.wq_a_wkv.quantized_pair(xq, self.q_lora_rank, real)
+        if not (kernels.rms_norm_pair_fits(a, kv) and self.q_norm.eps == self.kv_norm.eps):
+            qr = self.q_norm.quantized(a)
+            return self._queries(qr, rope, rope_in_kernel, real), qr, self.latent_kv_of(kv, rope)
+        qr, keys = kernels.rms_norm_pair(a, self.q_norm.weight, kv, self.kv_norm.weight, self.kv_norm.eps,
+                                         gemm_input_dtype(), kv.dtype, self._latent_rope(rope, kv.shape))
+        return self._queries(qr, rope, rope_in_kernel, real), qr, keys
+
+    def _queries(self, qr: mx.array, rope: tuple, rope_in_kernel: bool, real: int | None) -> mx.array:
+        """queries' q from the normed qr."""
+        q = self.wq_b.quantized(qr, real).reshape(qr.shape[0], self.n_heads, self.head_dim)
+        return q if rope_in_kernel else Rope.apply(q, rope)
+
+    def latent_kv_of(self, kv: mx.array, rope: tuple) -> mx.array:
+        """latent_kv from wkv's product kv [S, D]. On a GPU the norm, the rotation and the
+        fake-quant are one kernel (kernels.rms_norm)."""
         if kernels.rms_norm_fits(kv, quantized=True, rotated=True):
-            S, D = kv.shape
             return rms_norm(kv, self.kv_norm.weight, self.kv_norm.eps, quantize_to=kv.dtype,
-                            rope=(rope[0].reshape(S, D), rope[1].reshape(S, D), self.rope.dims))
+                            rope=self._latent_rope(rope, kv.shape))
         return fp8_fake_quant(Rope.apply(self.kv_norm(kv), rope))
+
+    def _latent_rope(self, rope: tuple, shape: tuple[int, int]) -> tuple[mx.array, mx.array, int]:
+        """The RoPE tables as the RMSNorm kernel rotates the latent [S, D] with them."""
+        return rope[0].reshape(shape), rope[1].reshape(shape), self.rope.dims
 
     @fused("wo_a", "wo_b")
     def output(self, o: mx.array, rope: tuple, rope_in_kernel: bool = False, real: int | None = None) -> mx.array:
@@ -749,8 +775,8 @@ class Attention(nn.Module):
         kernel = self.row_invariant and kernels.attention_fits((S, self.n_heads, self.head_dim), BF16,
                                                                self.window, self.n_picks)
         real = shared.real_rows
-        q, qr = self.queries(xq, rope, kernel, real)
-        keys, first = cache.window.update(self.latent_kv(xq, rope, real))
+        q, qr, kv = self.queries_and_latent_kv(xq, rope, kernel, real)
+        keys, first = cache.window.update(kv)
         # row_invariant: each row gathers its own window, oldest first: the same array for a
         # position whichever forward it is computed in, so its reductions run in the same order
         index, window_mask = shared.window(positions, first, keys.shape[0], self.window, self.row_invariant)

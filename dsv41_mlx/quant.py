@@ -149,6 +149,21 @@ class Fp8Linear(nn.Module):
         swiglu: this is a SwiGLU's w13 (fp8_matmul)."""
         return fp8_matmul(xq, self.weight, self.scales, real, swiglu)
 
+    # Two matrices stacked (attention's wq_a and wkv): the first `split` output rows one, the
+    # rest the other. A slice of whole rows is a view of the same bytes, so each product is
+    # the bits of that matrix held alone.
+    def quantized_rows(self, xq: mx.array, start: int, stop: int | None = None,
+                       real: int | None = None) -> mx.array:
+        """`quantized` through output rows start .. stop of the weight."""
+        return fp8_matmul(xq, self.weight[start:stop], self.scales[start:stop], real)
+
+    def quantized_pair(self, xq: mx.array, split: int, real: int | None = None) -> tuple[mx.array, mx.array]:
+        """Both stacked matrices' products, rows .. split and split .., in one launch where
+        kernels.fp8_gemv_pair fits (a decode or verify step on a GPU), else one each."""
+        if kernels.fp8_gemv_pair_fits(xq, self.weight, split):
+            return kernels.fp8_gemv_pair(xq, self.weight, self.scales, split, real_rows=real)
+        return self.quantized_rows(xq, 0, split, real), self.quantized_rows(xq, split, None, real)
+
 
 def gemm_input_dtype() -> mx.Dtype:
     """What the quantised GEMMs (`mxfp8` and `mxfp4`, dense and gathered) are fed.

@@ -92,10 +92,10 @@ for (unsigned int o = col; o < OT * RB; o += C) {  // output y0 + o / RB, row o 
       }
       v = t + __bfloat162float(__float2bfloat16(v));
     }
-    y[((size_t)(o % RB) * G + g) * NY + y0 + o / RB] = __float2bfloat16(v);
+    y[gemv_y_index<SPLIT>(o % RB, y0 + o / RB, g, G, NY, out_rows)] = __float2bfloat16(v);
   }
 }
 const int pad = out_rows - RB;  // padding rows past RB: zeros
 for (int o = (int)col; o < OT * pad; o += C) {  // output y0 + o / pad, row RB + o % pad
-  y[((size_t)(RB + o % pad) * G + g) * NY + y0 + o / pad] = __float2bfloat16(0.0f);
+  y[gemv_y_index<SPLIT>(RB + o % pad, y0 + o / pad, g, G, NY, out_rows)] = __float2bfloat16(0.0f);
 }

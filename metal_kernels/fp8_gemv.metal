@@ -40,9 +40,15 @@
 // y[r, n] = bf16(((parts[r, 0, n] + parts[r, 1, n]) + ...) + bf16(sum)), in float32 in that
 // order (the MoE's routed experts' outputs, then the shared expert's, which is this GEMM:
 // kernels.parts_added is the spec, bit for bit), one launch where the sum took another.
+// SPLIT > 0 (G = 1, SW = 0, AP = 0): w is two matrices stacked, the first SPLIT rows one
+// (attention's wq_a) and the rest the other (wkv), both fed the same x: y holds the first's
+// outputs [out_rows, SPLIT], then the second's [out_rows, N - SPLIT] (gemv_y_index), each
+// row-contiguous, so the two are views of y (kernels.fp8_gemv_pair): one launch for two
+// GEMMs, each output summed as in a launch of its own matrix (the same K and C).
 // Template constants: RB (a bound on the computed rows, a power of two up to 16), T (outputs
 // per thread group), C (threads per thread group, a multiple of 32), QX (0 or 1), SW (0 or
-// 1), AP (0 to 16); a row's bits do not depend on RB or T (kernels.gemv_layout picks them).
+// 1), AP (0 to 16), SPLIT (0, or a multiple of T); a row's bits do not depend on RB or T
+// (kernels.gemv_layout picks them).
 // CUDA twin: fp8_gemv.cu.
 
 threadgroup float partial[8 * T * RB];  // each simdgroup's sums (gemv_warp_totals)
@@ -130,10 +136,10 @@ for (uint o = col; o < OT * RB; o += C) {  // output y0 + o / RB, row o % RB
       }
       v = t + float(bfloat16_t(v));
     }
-    y[(ulong(o % RB) * G + g) * NY + y0 + o / RB] = bfloat16_t(v);
+    y[gemv_y_index<SPLIT>(o % RB, y0 + o / RB, g, G, NY, out_rows)] = bfloat16_t(v);
   }
 }
 const int pad = out_rows - RB;  // padding rows past RB: zeros
 for (int o = int(col); o < OT * pad; o += C) {  // output y0 + o / pad, row RB + o % pad
-  y[(ulong(RB + o % pad) * G + g) * NY + y0 + o / pad] = bfloat16_t(0.0f);
+  y[gemv_y_index<SPLIT>(RB + o % pad, y0 + o / pad, g, G, NY, out_rows)] = bfloat16_t(0.0f);
 }

@@ -79,3 +79,16 @@ __device__ __forceinline__ float gemv_swiglu(const float gate_sum, const float u
   }
   return gate / (1.0f + expf(-gate)) * up;  // no fast math: IEEE division, precise expf
 }
+
+
+// Where output n of row r of matrix g goes in y: [out_rows, G, NY] (SPLIT 0); with SPLIT > 0 (G 1) two matrices
+// stacked, their outputs apart: the first SPLIT outputs' [out_rows, SPLIT], then the rest's [out_rows, NY - SPLIT]
+template <int SPLIT>
+__device__ __forceinline__ size_t gemv_y_index(const unsigned int r, const unsigned int n, const unsigned int g,
+                                               const int G, const unsigned int NY, const int out_rows) {
+  if (SPLIT == 0) {
+    return ((size_t)r * G + g) * NY + n;
+  }
+  return n < (unsigned int)SPLIT ? (size_t)r * SPLIT + n
+                                 : (size_t)out_rows * SPLIT + (size_t)r * (NY - SPLIT) + (n - SPLIT);
+}

@@ -92,3 +92,14 @@ inline float gemv_swiglu(const float gate_sum, const float up_sum, const float l
   }
   return metal::precise::divide(gate, 1.0f + metal::precise::exp(-gate)) * up;
 }
+
+
+// Where output n of row r of matrix g goes in y: [out_rows, G, NY] (SPLIT 0); with SPLIT > 0 (G 1) two matrices
+// stacked, their outputs apart: the first SPLIT outputs' [out_rows, SPLIT], then the rest's [out_rows, NY - SPLIT]
+template <int SPLIT>
+inline ulong gemv_y_index(const uint r, const uint n, const uint g, const int G, const uint NY, const int out_rows) {
+  if (SPLIT == 0) {
+    return (ulong(r) * G + g) * NY + n;
+  }
+  return n < uint(SPLIT) ? ulong(r) * SPLIT + n : ulong(out_rows) * SPLIT + ulong(r) * (NY - SPLIT) + (n - SPLIT);
+}

@@ -13,50 +13,16 @@
 // model.Rope.tables' first two; D a multiple of 32. ROPE 0 reads neither (placeholders).
 // QUANT 1: the result also FP8 fake-quantised per 32 values (act_quant.metal, bit for bit
 // on the rounded result; D a multiple of 32), as an FP8 GEMM takes it, stored as O.
-// Template constants: T, O, QUANT, ROPE. 256 threads. CUDA twin: rms_norm.cu.
+// Template constants: T, O, QUANT, ROPE. 256 threads. The row's work: rms_norm_row.h.
+// CUDA twin: rms_norm.cu.
 
-constexpr int WARPS = 8;
-threadgroup float partial[WARPS];
+threadgroup float partial[8];  // each simdgroup's sum of squares
 
 const uint row = threadgroup_position_in_grid.x;
-const uint tid = thread_position_in_threadgroup.x;
-const uint lane = thread_index_in_simdgroup;
-const uint warp = simdgroup_index_in_threadgroup;
 const int D = sizes[1];
 if (row >= uint(sizes[0])) {
   return;  // the whole threadgroup
 }
-const device T* xr = x + ulong(row) * D;
-
-float sq = 0.0f;
-for (int d = int(tid); d < D; d += 32 * WARPS) {
-  const float v = float(xr[d]);
-  sq += v * v;
-}
-for (ushort offset = 16; offset > 0; offset /= 2) {
-  sq += simd_shuffle_xor(sq, offset);
-}
-if (lane == 0) {
-  partial[warp] = sq;
-}
-threadgroup_barrier(mem_flags::mem_threadgroup);
-float total = partial[0];
-for (int g = 1; g < WARPS; g++) {
-  total += partial[g];
-}
-const float r = metal::rsqrt(total / float(D) + eps[0]);
-for (int d = int(tid); d < D; d += 32 * WARPS) {
-  float v = float(T(float(xr[d]) * r * w[d]));  // the norm, rounded to T
-  if (ROPE) {  // then RoPE on the last ROPE features; a pair's two values sit in neighbouring lanes
-    const float partner = simd_shuffle_xor(v, ushort(1));
-    if (d >= D - ROPE) {
-      const ulong at = ulong(row) * D + d;
-      v = float(T(v * rope_cos[at] + partner * rope_sin[at]));
-    }
-  }
-  if (QUANT) {  // then the FP8 fake-quant (fp8_lane.h): lanes hold a block's 32 consecutive values
-    y[ulong(row) * D + d] = static_cast<O>(static_cast<T>(fp8_fake_quant_lane(v)));
-  } else {
-    y[ulong(row) * D + d] = static_cast<O>(v);
-  }
-}
+rms_norm_row<T, O, QUANT, ROPE>(x + ulong(row) * D, w, D, eps[0], rope_cos, rope_sin, row, y + ulong(row) * D, partial,
+                                thread_position_in_threadgroup.x, thread_index_in_simdgroup,
+                                simdgroup_index_in_threadgroup);

@@ -26,6 +26,11 @@ wo_a's grouped one) and two ragged ones, 1..16 rows, outputs poisoned: within th
 bound of another fp32 summation order of MLX's fp32-fed gather_qmm; a row
 alone equals the row among 8 and among 16; with fewer real rows than rows, the
 real rows the same bits and the padding zeros.
+rms_norm_pair: q_norm and the rotated kv_norm in one launch at the release's widths and
+small ones, 1..16 rows: each output the bits of rms_norm's kernel on its input alone.
+fp8_gemv_pair: attention's wq_a and wkv stacked (one launch for both) at the flash-shaped
+model's shapes and a ragged one, 1..16 rows, outputs poisoned: each part the same bits
+as fp8_gemv on its own rows of the stack; padded, the real rows the same and zeros after.
 fp4_experts: the routed experts' FP4 GEMMs at the model's expert stacks and a ragged
 one, 1..16 rows of distinct experts, x per row and per slot, outputs poisoned: within
 the bound of another fp32 summation order of MLX's fp32-fed gather_qmm; a row alone
@@ -82,8 +87,9 @@ import numpy as np
 
 from dsv41_mlx.kernels import (TILE, TOP_K, backend, fp8_rows_tiles, fp8_rows_top64, hc_split, hc_split_reference,
                                ring_write, ring_write_reference)
-from dsv41_mlx.kernels import (SwiGLU, act_quant_fp8, fp4_experts, fp4_quant, fp8_gemv, hc_input, hc_post_input,
-                               head_logits, head_logits_reference, moe_gate, moe_gate_reference, padding_zeroed, parts_added, rms_norm,
+from dsv41_mlx.kernels import (SwiGLU, act_quant_fp8, fp4_experts, fp4_quant, fp8_gemv, fp8_gemv_pair,
+                               fp8_gemv_pair_fits, hc_input, hc_post_input, head_logits, head_logits_reference,
+                               moe_gate, moe_gate_reference, padding_zeroed, parts_added, rms_norm, rms_norm_pair,
                                rms_norm_reference, sparse_attention_rows, swiglu_pairs)
 from dsv41_mlx.quant import fp4_fake_quant_reference, fp8_fake_quant_reference, quantize_fp8_tiles_mx
 
@@ -380,6 +386,37 @@ def check_fp8_gemv(impl: str, seed: int) -> list[str]:
                 problems.append(f"{name}: the dense form (x [S, K], w [N, K/4]) differs from one group")
             problems.extend(quantizing_problems(name, lambda v, **kw: fp8_gemv(v, w, s, impl=impl, **kw),
                                                 (rows, groups, d_in), rows in (8, 16)))
+    return problems
+
+
+def check_fp8_gemv_pair(impl: str, seed: int) -> list[str]:
+    """fp8_gemv_pair (attention's wq_a and wkv in one launch) at the flash-shaped model's
+    stacked shapes and a ragged one, 1..16 rows, outputs poisoned: each part the same bits as
+    fp8_gemv on its own rows of the stack (a view, as the drafter's stages run them), and
+    with fewer real rows the real rows the same bits and the padding zeros."""
+    from dsv41_mlx.model import Attention, Model
+
+    mx.random.seed(seed)
+    problems = []
+    stacks = {(m.wq_a_wkv.weight.shape[1] * 4, m.wq_a_wkv.weight.shape[0], m.q_lora_rank)
+              for _, m in Model(flash_args()).named_modules() if isinstance(m, Attention)}
+    for d_in, d_out, split in sorted(stacks) + [(512, 96, 64)]:
+        w, s = random_words((d_out, d_in // 4)), random_scales((d_out, d_in // 32))
+        for rows in CHECK_ROWS:
+            name = f"fp8_gemv_pair {d_in}->{split}+{d_out - split} rows={rows}"
+            x = random_fp8_input((rows, d_in))
+            if not fp8_gemv_pair_fits(x, w, split, impl):
+                problems.append(f"{name}: does not fit")
+                continue
+            want = (fp8_gemv(x, w[:split], s[:split], impl=impl), fp8_gemv(x, w[split:], s[split:], impl=impl))
+            got = fp8_gemv_pair(x, w, s, split, impl=impl, init_value=POISON)
+            if not all(mx.array_equal(a, b).item() for a, b in zip(got, want)):
+                problems.append(f"{name}: not the bits of fp8_gemv on each matrix")
+            for real in (1, rows - 2) if rows >= 8 else ():
+                padded = fp8_gemv_pair(x, w, s, split, impl=impl, init_value=POISON, real_rows=real)
+                if not all(mx.array_equal(p[:real], b[:real]).item() and not p[real:].any().item()
+                           for p, b in zip(padded, want)):
+                    problems.append(f"{name}: with {real} real rows, not the same real rows and zeros after them")
     return problems
 
 
@@ -845,6 +882,31 @@ def check_rms_norm_rope(impl: str, seed: int) -> list[str]:
     return problems
 
 
+def check_rms_norm_pair(impl: str, seed: int) -> list[str]:
+    """rms_norm_pair (attention's q_norm and rotated kv_norm in one launch) at the release's
+    widths (1280; 512 with 64 rotated features, YaRN tables at random positions) and small
+    ones, 1..16 rows, the first output in the GEMMs' input dtype: each output the bits of
+    rms_norm's kernel on its input alone."""
+    from dsv41_mlx.quant import gemm_input_dtype
+
+    rng = np.random.default_rng(seed)
+    problems = []
+    rope = release_ropes()[0]
+    for D, D2 in ((1280, 512), (64, 128)):
+        w, w2 = (mx.array(rng.normal(1, 0.3, n).astype(np.float32)) for n in (D, D2))
+        for rows in CHECK_ROWS:
+            x, x2 = (mx.array(rng.normal(0, 3, (rows, n)).astype(np.float32)).astype(mx.bfloat16) for n in (D, D2))
+            tables = rope.tables(mx.array(rng.integers(0, 100000, rows).astype(np.int32)), D2)
+            rope2 = (tables[0].reshape(rows, D2), tables[1].reshape(rows, D2), rope.dims)
+            got = rms_norm_pair(x, w, x2, w2, 1e-6, gemm_input_dtype(), mx.bfloat16, rope2, impl=impl)
+            want = (rms_norm(x, w, 1e-6, impl=impl, quantize_to=gemm_input_dtype()),
+                    rms_norm(x2, w2, 1e-6, impl=impl, quantize_to=mx.bfloat16, rope=rope2))
+            for part, a, b in zip(("first", "second"), got, want):
+                if a.dtype != b.dtype or bits_differ(a, b):
+                    problems.append(f"rms_norm_pair {D}+{D2} rows={rows}: the {part} output is not rms_norm's bits")
+    return problems
+
+
 def main() -> int:
     impl = backend()
     if impl == "mlx":
@@ -870,10 +932,11 @@ def main() -> int:
               ("fp4_quant", check_fp4_quant, 29)]
     if impl == "cuda":
         checks.append(("quantised GEMMs, bf16-fed vs fp32-fed", check_gemms_bf16, 11))
-    checks += [("fp8_gemv", check_fp8_gemv, 31), ("fp4_experts", check_fp4_experts, 37),
+    checks += [("fp8_gemv", check_fp8_gemv, 31), ("fp8_gemv_pair", check_fp8_gemv_pair, 59), ("fp4_experts", check_fp4_experts, 37),
                ("gemv_epilogues", check_gemv_epilogues, 47), ("head_logits", check_head_logits, 53),
                ("hc_split", check_hc_split, 5), ("rms_norm", check_rms_norm, 23),
-               ("rms_norm_rope", check_rms_norm_rope, 43), ("hc_input", check_hc_input, 17),
+               ("rms_norm_rope", check_rms_norm_rope, 43), ("rms_norm_pair", check_rms_norm_pair, 61),
+               ("hc_input", check_hc_input, 17),
                ("hc_post_input", check_hc_post_input, 41),
                ("sparse_attention", check_sparse_attention, 19), ("moe_gate", check_moe_gate, 13)]
     for name, check, seed in [c for c in checks if wanted(c[0])]:

@@ -43,8 +43,8 @@ def gpu_path_with_stub_kernels(calls: collections.Counter):
     zeros = {}
 
     def compiled(spec, language):
-        def run(inputs, output_shapes, output_dtypes, **_):
-            calls[spec.name] += 1
+        def run(inputs, output_shapes, output_dtypes, template=(), **_):
+            calls[spec.name + ("_pair" if dict(template).get("SPLIT") else "")] += 1  # fp8_gemv_pair apart
             outs = [mx.broadcast_to(zeros[dtype], tuple(shape)) for shape, dtype in zip(output_shapes, output_dtypes)]
             return mx.depends(outs, list(inputs))
 

@@ -150,8 +150,9 @@ print(json.dumps({"times": next(iter(res["layers"].values())), "calls": calls}))
 
 def test_count_ops_counts_the_gpu_path_with_its_kernels():
     """scripts/count_ops.py builds a decode step as a GPU runs it (the custom kernels stubbed,
-    one operation each) on the CPU: every layer's attention through the attention kernel,
-    every MoE through the router kernels, and nothing of the patch left behind."""
+    one operation each) on the CPU: every layer's attention through the attention kernel and
+    its wq_a and wkv through one fp8_gemv_pair and their norms through one rms_norm_pair, every MoE through the router kernels, and
+    nothing of the patch left behind."""
     res = _in_own_process("""
 import json, sys
 sys.path.insert(0, "scripts")
@@ -168,6 +169,8 @@ print(json.dumps(res))
     layers = sum(len(v) for v in res["per_kind"].values())
     calls = res["kernel_calls"]
     assert calls["sparse_attention"] == calls["moe_gate_scores"] == calls["moe_gate_topk"] == layers
+    # each attention's wq_a and wkv: one launch, and so are their norms
+    assert calls["fp8_gemv_pair"] == calls["rms_norm_pair"] == layers
     # every sub-layer input is hc_input after hc_mix, or after hc_post_mix where the stream is
     # still to be expanded: every MoE's input, and a block's input from the previous block
     # except where the stream is needed whole before it (engram layers, DSpark feature taps)

@@ -155,11 +155,17 @@ def test_load_fixture_puts_every_tensor_into_the_model(loaded, fixture_tensors):
     for name, (dtype, stored) in fixture_tensors.items():
         if ".engram.embed." in name or name.endswith(".scale"):
             continue  # tables: below; scales: checked with their weights
+        release_name = name
         # an expert's w1 (gate) and w3 (up) are the even and the odd rows of the model's w13
         gate_up = "experts." in name and name.rsplit(".", 2)[-2] in ("w1", "w3")
         rows = slice(None)
         if gate_up:
             rows = slice(0, None, 2) if name.rsplit(".", 2)[-2] == "w1" else slice(1, None, 2)
+        # an attention's wq_a and wkv are the first q_lora_rank rows of the model's wq_a_wkv and the rest
+        q_lora = model.args.q_lora_rank
+        if ".attn.wq_a." in name or ".attn.wkv." in name:
+            rows = slice(0, q_lora) if ".attn.wq_a." in name else slice(q_lora, None)
+            name = name.replace(".attn.wq_a.", ".attn.wq_a_wkv.").replace(".attn.wkv.", ".attn.wq_a_wkv.")
         if ".ffn.experts." in name:
             prefix, rest = name.split(".ffn.experts.")
             e, proj, _ = rest.split(".")
@@ -174,7 +180,7 @@ def test_load_fixture_puts_every_tensor_into_the_model(loaded, fixture_tensors):
             filled |= {f"{key}.weight", f"{key}.scales"}
             n_fp4 += 1
         elif dtype == "F8_E4M3":
-            scale_codes = fixture_tensors[name[: -len("weight")] + "scale"][1]
+            scale_codes = fixture_tensors[release_name[: -len("weight")] + "scale"][1]
             tile = np.repeat(np.repeat(2.0 ** (scale_codes.astype(np.float64) - 127), 32, 0), 32, 1)
             want = (E4M3[stored] * tile[: stored.shape[0], : stored.shape[1]]).astype(np.float32)
             key = sanitize(name.replace(".w1.", ".w13.").replace(".w3.", ".w13.") if gate_up else name)
@@ -185,7 +191,7 @@ def test_load_fixture_puts_every_tensor_into_the_model(loaded, fixture_tensors):
                 filled.add(scales_key)
             else:  # dequantised at load time
                 got = np.array(w.astype(mx.float32))
-            np.testing.assert_array_equal(got, want, err_msg=name)
+            np.testing.assert_array_equal(got, want, err_msg=release_name)
             filled.add(key)
             n_fp8 += 1
         else:
@@ -211,12 +217,12 @@ def test_load_fixture_puts_every_tensor_into_the_model(loaded, fixture_tensors):
 
 
 def test_one_fp8_and_one_fp4_weight_by_hand(loaded, fixture_tensors):
-    """The same check, spelled out for `layers.0.attn.wq_a` (FP8) and expert 3 of layer 2 (FP4)."""
+    """The same check, spelled out for `layers.0.attn.wq_a` (FP8, the first rows of wq_a_wkv) and expert 3 of layer 2 (FP4)."""
     model, _ = loaded
     codes = fixture_tensors["layers.0.attn.wq_a.weight"][1]  # [64, 128]
     tiles = fixture_tensors["layers.0.attn.wq_a.scale"][1]  # [2, 4]
-    lin = model.layers[0].attn.wq_a
-    got = np.array(mx.dequantize(lin.weight, lin.scales, mode="mxfp8", dtype=mx.float32))
+    lin = model.layers[0].attn.wq_a_wkv  # wq_a: its first q_lora_rank rows
+    got = np.array(mx.dequantize(lin.weight[:64], lin.scales[:64], mode="mxfp8", dtype=mx.float32))
     for r in (0, 31, 32, 63):
         for c in (0, 33, 100, 127):
             assert got[r, c] == E4M3[codes[r, c]] * 2.0 ** (int(tiles[r // 32, c // 32]) - 127)

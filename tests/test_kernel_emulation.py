@@ -2,9 +2,10 @@
 twins: fp4_experts (Metal: simdgroup matrices and threadgroup staging; CUDA: mma.sync
 fragments in registers) with its pair bookkeeping, at several row counts, x per row and per
 slot, quantised in the kernel or before, with and without its SwiGLU epilogue; the scalar
-fp8_gemv with its epilogues, and fp8_mma (its matrix-unit form for large matrices); the
-drafter head's fp8_rows (the matrix unit, then a bitonic sort); the model's head_logits; act_quant
-and ring_write bit for bit.
+fp8_gemv with its epilogues and its pair form (two stacked matrices written apart), and
+fp8_mma (its matrix-unit form for large matrices); the drafter head's fp8_rows (the matrix
+unit, then a bitonic sort); the model's head_logits; rms_norm_pair against two rms_norm
+launches; act_quant and ring_write bit for bit.
 There is neither a Mac nor a GPU here: beside the type-check and the NVRTC compile, this is
 the check that each twin computes its spec (the CUDA twins' emulated fragment layout is the
 one that gave the spec's numbers on an H200)."""
@@ -202,7 +203,41 @@ def test_fp8_gemv_runs_its_spec_on_the_host(language, rows, qx, sw, ap, tmp_path
     rb, t = kernels.gemv_layout(rows)
     c = kernels.gemv_threads_per_output(512, 64)
     _fp8_gemm_on_the_host(kernels.FP8_GEMV, language, rows, 8, qx, sw, ap,
-                          {"RB": rb, "T": t, "C": c, "QX": qx, "SW": sw, "AP": ap}, 64 // (256 // c * t), tmp_path)
+                          {"RB": rb, "T": t, "C": c, "QX": qx, "SW": sw, "AP": ap, "SPLIT": 0}, 64 // (256 // c * t),
+                          tmp_path)
+
+
+@pytest.mark.parametrize("language", ["metal", "cuda"])
+@pytest.mark.parametrize("rows, out_rows", [(1, 8), (6, 8)])
+def test_fp8_gemv_pair_writes_each_matrix_apart_on_the_host(language, rows, out_rows, tmp_path):
+    """fp8_gemv with SPLIT (kernels.fp8_gemv_pair): two stacked matrices of 32 outputs each, one
+    input, the first's [out_rows, 32] then the second's [out_rows, 32] in y; each output the
+    bits of the same kernel without SPLIT (y's columns apart), the padding rows zeros. A
+    launch that split nowhere would interleave the two."""
+    from dsv41_mlx.quant import fp8_fake_quant_reference
+    from scripts.check_kernels import random_scales, random_words
+
+    mx.random.seed(11 + rows)
+    n, k, split = 64, 512, 32
+    w, s = random_words((n, k // 4)), random_scales((n, k // 32))
+    x = fp8_fake_quant_reference(mx.random.normal((out_rows, k))).astype(mx.bfloat16)
+    rb, t = kernels.gemv_layout(rows)
+    c = kernels.gemv_threads_per_output(k, n)
+    inputs = {"x": ("bfloat16", _bf16_bits(x)), "w": ("uint32", np.array(w)), "scales": ("uint8", np.array(s)),
+              "sizes": ("int32", np.array([rows, n, k, 1, out_rows])), "swiglu": ("float32", np.array([0.0])),
+              "parts": ("bfloat16", np.zeros(1, np.uint16))}
+
+    def launch(splits, workdir):
+        workdir.mkdir()
+        template = {"RB": rb, "T": t, "C": c, "QX": 0, "SW": 0, "AP": 0, "SPLIT": splits}
+        return run(kernels.FP8_GEMV, language, inputs, {"y": ("bfloat16", out_rows * n)}, template,
+                   n // (256 // c * t), workdir)["y"]
+
+    whole = launch(0, tmp_path / "whole").reshape(out_rows, n)
+    pair = launch(split, tmp_path / "pair")
+    first, second = pair[: out_rows * split].reshape(out_rows, split), pair[out_rows * split:].reshape(out_rows, -1)
+    assert np.array_equal(first, whole[:, :split]) and np.array_equal(second, whole[:, split:])
+    assert np.all(whole[rows:] == 0) and not np.all(whole[:rows] == 0)
 
 
 @pytest.mark.parametrize("language", ["metal", "cuda"])
@@ -247,3 +282,52 @@ def test_head_logits_runs_its_spec_on_the_host(language, rows, out_rows, tmp_pat
     if rows > 1:
         alone = _head_on_the_host(language, x[:1], w, 1, tmp_path / "alone")
         assert np.array_equal(alone[0].view(np.uint32), got[0].view(np.uint32))
+
+
+@pytest.mark.parametrize("language", ["metal", "cuda"])
+def test_rms_norm_pair_gives_two_rms_norms_bits_on_the_host(language, tmp_path):
+    """rms_norm_pair (q_norm and the rotated kv_norm in one launch) on the host: each output the
+    bits of rms_norm's kernel run on that input alone (quantised; the second rotated), the
+    shared row code (rms_norm_row) reached through both bodies; and rms_norm's rotated,
+    quantised rows against the spec: model.rotate of the spec's norm, then act_quant."""
+    from dsv41_mlx.model import rotate
+    from dsv41_mlx.quant import fp8_fake_quant_reference
+
+    rng = np.random.default_rng(3)
+    S, D, D2, R = 3, 64, 32, 16
+    x = mx.array(rng.normal(0, 3, (S, D)).astype(np.float32)).astype(mx.bfloat16)
+    x2 = mx.array(rng.normal(0, 3, (S, D2)).astype(np.float32)).astype(mx.bfloat16)
+    w, w2 = (mx.array(rng.normal(1, 0.3, n).astype(np.float32)) for n in (D, D2))
+    angles = rng.uniform(0, 6.3, (S, R // 2)).astype(np.float32)
+    cos = np.ones((S, D2), np.float32)
+    sin = np.zeros((S, D2), np.float32)
+    cos[:, D2 - R:] = np.repeat(np.cos(angles), 2, axis=1)
+    sin[:, D2 - R::2], sin[:, D2 - R + 1::2] = -np.sin(angles), np.sin(angles)  # the sin table carries the signs
+    eps = np.array([1e-6], np.float32)
+
+    def single(v, weight, rope, name):
+        workdir = tmp_path / name
+        workdir.mkdir()
+        n = v.shape[1]
+        tables = (cos, sin) if rope else (np.zeros(1, np.float32), np.zeros(1, np.float32))
+        return run(kernels.RMS_NORM, language, {
+            "x": ("bfloat16", _bf16_bits(v)), "w": ("float32", np.array(weight)), "eps": ("float32", eps),
+            "sizes": ("int32", np.array([S, n])), "rope_cos": ("float32", tables[0]), "rope_sin": ("float32", tables[1])},
+            {"y": ("bfloat16", S * n)}, {"T": "bfloat16", "O": "bfloat16", "QUANT": 1, "ROPE": rope}, S, workdir)["y"]
+
+    workdir = tmp_path / "pair"
+    workdir.mkdir()
+    pair = run(kernels.RMS_NORM_PAIR, language, {
+        "x": ("bfloat16", _bf16_bits(x)), "w": ("float32", np.array(w)), "x2": ("bfloat16", _bf16_bits(x2)),
+        "w2": ("float32", np.array(w2)), "eps": ("float32", eps), "sizes": ("int32", np.array([S, D, D2])),
+        "rope_cos": ("float32", cos), "rope_sin": ("float32", sin)},
+        {"y": ("bfloat16", S * D), "y2": ("bfloat16", S * D2)},
+        {"T": "bfloat16", "O": "bfloat16", "O2": "bfloat16", "QUANT": 1, "ROPE": R}, 2 * S, workdir)
+    q, kv = single(x, w, 0, "q"), single(x2, w2, R, "kv")
+    assert np.array_equal(pair["y"], q) and np.array_equal(pair["y2"], kv)
+    normed = kernels.rms_norm_reference(x2, w2, 1e-6)
+    pairs = (S, D2 // 2, 2)
+    rotated = rotate(normed, mx.array(cos).reshape(pairs), mx.array(sin).reshape(pairs),
+                     mx.array(np.arange(D2) >= D2 - R).reshape(pairs[1:]))
+    want = _bf16_bits(fp8_fake_quant_reference(rotated))
+    assert np.mean(kv == want) > 0.9 and np.count_nonzero(kv) > 0.5 * kv.size

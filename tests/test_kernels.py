@@ -20,7 +20,7 @@ from dsv41_mlx import kernels
 from dsv41_mlx.cache import DraftCache
 from dsv41_mlx.kernels import (ACT_QUANT, FP4_EXPERTS, FP4_QUANT, FP8_GEMV, FP8_MMA, FP8_ROWS, HC_INPUT, HC_MIX,
                                HEAD_LOGITS,
-                               HC_POST_MIX, HC_SPLIT, MOE_GATE_SCORES, MOE_GATE_TOPK, RING_WRITE, RMS_NORM,
+                               HC_POST_MIX, HC_SPLIT, MOE_GATE_SCORES, MOE_GATE_TOPK, RING_WRITE, RMS_NORM, RMS_NORM_PAIR,
                                SPARSE_ATTENTION, TOP_K,
                                fp8_rows_top64, moe_gate, moe_gate_reference, ring_write, ring_write_reference)
 from dsv41_mlx.quant import e4m3_decode, e8m0_decode, quantize_fp8_tiles, quantize_fp8_tiles_mx
@@ -142,10 +142,11 @@ ATTENTION_IO = ({"q": "bfloat16", "ring": "bfloat16", "index": "int32", "wmask":
                  "params": "float32", "rows": "int32"}, {"out": "bfloat16"})  # sparse_attention's inputs, output
 
 
-def _gemv_case(RB, T, C, QX=0, SW=0, AP=0):  # noqa: N803 (the kernel's template names)
+def _gemv_case(RB, T, C, QX=0, SW=0, AP=0, SPLIT=0):  # noqa: N803 (the kernel's template names)
     inputs = {"x": "bfloat16", "w": "uint32", "scales": "uint8", "sizes": "int32", "swiglu": "float32",
               "parts": "bfloat16"}
-    return FP8_GEMV, inputs, {"y": "bfloat16"}, {"RB": RB, "T": T, "C": C, "QX": QX, "SW": SW, "AP": AP}
+    return FP8_GEMV, inputs, {"y": "bfloat16"}, {"RB": RB, "T": T, "C": C, "QX": QX, "SW": SW, "AP": AP,
+                                                 "SPLIT": SPLIT}
 
 
 def _experts_case(NH, QX=0, SW=0, ONE=0):  # noqa: N803
@@ -193,6 +194,11 @@ CASES = {
     "rms_norm_rope_quantised": (RMS_NORM, {"x": "bfloat16", "w": "float32", "eps": "float32", "sizes": "int32",
                                            "rope_cos": "float32", "rope_sin": "float32"}, {"y": "bfloat16"},
                                 {"T": "bfloat16", "O": "bfloat16", "QUANT": 1, "ROPE": 64}),
+    # attention's q_norm (fp32 out: Metal's GEMM input) and rotated kv_norm in one launch
+    "rms_norm_pair": (RMS_NORM_PAIR, {"x": "bfloat16", "w": "float32", "x2": "bfloat16", "w2": "float32",
+                                      "eps": "float32", "sizes": "int32", "rope_cos": "float32",
+                                      "rope_sin": "float32"}, {"y": "float32", "y2": "bfloat16"},
+                      {"T": "bfloat16", "O": "float32", "O2": "bfloat16", "QUANT": 1, "ROPE": 64}),
     "fp4_quant_kv": (FP4_QUANT, {"x": "bfloat16", "n": "int32"}, {"y": "bfloat16"},
                      {"T": "bfloat16", "BLOCK": 16, "SCALE_E4M3": 1}),
     "fp4_quant_index": (FP4_QUANT, {"x": "float32", "n": "int32"}, {"y": "float32"},
@@ -206,6 +212,7 @@ CASES = {
     "fp8_gemv_swiglu_8_rows": _gemv_case(RB=8, T=2, C=32, SW=1),
     "fp8_gemv_parts": _gemv_case(RB=1, T=4, C=64, QX=1, AP=6),
     "fp8_gemv_parts_8_rows": _gemv_case(RB=8, T=2, C=64, AP=6),
+    "fp8_gemv_pair": _gemv_case(RB=1, T=4, C=256, SPLIT=1280),
     "fp4_experts": _experts_case(NH=1),
     "fp4_experts_16_rows": _experts_case(NH=2),
     "fp4_experts_quantizing": _experts_case(NH=1, QX=1, ONE=1),
@@ -265,9 +272,10 @@ def test_metal_source_type_checks(case, rows, tmp_path):
     ("hc_post_mix", ("h[row * HD + chunk * CHUNK + j] = hb[k];", "h[row * HD + chunk * CHUNK + j] = hv[k];")),  # misspelt
     ("hc_input", ("t += parts[(row * CH + c) * (M + 1) + tid];", "t += part[(row * CH + c) * (M + 1) + tid];")),
     ("fp4_quant_kv", ("simd_shuffle_xor(amax, offset)", "simd_shuffle_xor(amax)")),  # bad call
-    ("rms_norm", ("sq += v * v;", "sq += v * w;")),  # type error: w is a pointer
-    ("rms_norm_quantised", ("fp8_fake_quant_lane(v)", "fp8_fake_quant_lanes(v)")),  # misspelt function
-    ("rms_norm_rope_quantised", ("simd_shuffle_xor(v, ushort(1))", "simd_shuffle_xor(v)")),  # bad call
+    ("rms_norm", ("w, D, eps[0], rope_cos", "w, D, eps, rope_cos")),  # a pointer for a float
+    ("rms_norm_quantised", ("threadgroup float partial[8];", "threadgroup float partial[8]")),  # no semicolon
+    ("rms_norm_rope_quantised", ("y + ulong(row) * D, partial,", "y + ulong(row) * D, partial[0],")),  # a float for a pointer
+    ("rms_norm_pair", ("(x2 + ulong(row) * D2, w2, D2,", "(x2 + ulong(row) * D2, D2,")),  # an argument short
     ("sparse_attention", ("threadgroup float denom[G];", "threadgroup float denom[G]")),  # no semicolon
     ("fp8_gemv", ("gemv_warp_totals<T, RB>(&acc[0][0], partial,", "gemv_warp_totals<T, RB>(acc, partial,")),  # wrong type
     ("fp4_experts", ("E2M1_HALF(codes >> 4)", "E2M1_HALF(codes >> 4, 1)")),  # bad macro call
@@ -328,8 +336,9 @@ def test_cuda_source_compiles(case):
     ("hc_post_mix", ("(acc, &partial[0][0], lane,", "(acc, partial, lane,")),  # 2-d array for a pointer
     ("hc_post_mix", ("__float2bfloat16(post[row * HC + c]", "__float2bfloat16(posts[row * HC + c]")),  # misspelt
     ("fp4_quant_kv", ("const float mag = fabsf(q);", "const float mag = fabsf(q)")),  # no semicolon
-    ("rms_norm", ("rsqrtf(total / (float)D + eps[0])", "rsqrtf(total / (float)D + eps)")),  # pointer + float
-    ("rms_norm_rope_quantised", ("__shfl_xor_sync(0xffffffffu, v, 1)", "__shfl_xor_sync(v, 1)")),  # bad call
+    ("rms_norm", ("w, D, eps[0], rope_cos", "w, D, eps, rope_cos")),  # a pointer for a float
+    ("rms_norm_rope_quantised", ("y + (size_t)row * D, partial);", "y + (size_t)row * D, partial[0]);")),  # float for pointer
+    ("rms_norm_pair", ("(x2 + (size_t)row * D2, w2, D2,", "(x2 + (size_t)row * D2, D2,")),  # an argument short
     ("sparse_attention", ("denom[g] = total + expf(sink[h0 + g] - row_max);",
                           "denom[g] = total + expf(sinks[h0 + g]);")),  # misspelt variable
     ("sparse_attention", ("v * rope_cos[s * D + d] +", "v * rope_cos +")),  # float times a pointer
@@ -603,6 +612,65 @@ def test_gemm_kernel_checks_pass_the_spec_and_flag_wrong_kernels(monkeypatch, ke
     for broken, message in wrong:
         monkeypatch.setattr(check, kernel, broken)
         assert any(message in p for p in run("mlx", seed=1)), message
+
+
+def test_pair_check_passes_two_launches_and_flags_a_wrong_pair(monkeypatch, fixture_dir):
+    """scripts/check_kernels.py's fp8_gemv_pair check: a pair that is fp8_gemv on each matrix
+    passes; one whose second part reads the first matrix's rows, or that computes a padded
+    forward's padding rows, fails."""
+    from dsv41_mlx import kernels
+
+    import json
+
+    from dsv41_mlx.config import ModelArgs
+
+    check = _check_kernels_script()
+    tiny = ModelArgs.from_dict(json.loads((fixture_dir / "config.json").read_text()))
+    monkeypatch.setattr(check, "flash_args", lambda: tiny)
+    monkeypatch.setattr(check, "fp8_gemv_pair_fits", lambda *args: True)
+    monkeypatch.setattr(check, "fp8_gemv", lambda x, w, s, impl=None, **kw: kernels.fp8_gemv_reference(x, w, s, **kw))
+
+    def pair(x, w, s, split, impl=None, init_value=None, real_rows=None, shift=0, padding=False):
+        rows = slice(split - shift, w.shape[0] - shift)
+        real = None if padding else real_rows
+        return (kernels.fp8_gemv_reference(x, w[:split], s[:split], real_rows=real),
+                kernels.fp8_gemv_reference(x, w[rows], s[rows], real_rows=real))
+
+    monkeypatch.setattr(check, "fp8_gemv_pair", pair)
+    assert check.check_fp8_gemv_pair("mlx", seed=1) == []
+    monkeypatch.setattr(check, "fp8_gemv_pair", lambda *a, **kw: pair(*a, **kw, shift=32))
+    assert any("not the bits of fp8_gemv" in p for p in check.check_fp8_gemv_pair("mlx", seed=1))
+    monkeypatch.setattr(check, "fp8_gemv_pair", lambda *a, **kw: pair(*a, **kw, padding=True))
+    assert any("zeros after them" in p for p in check.check_fp8_gemv_pair("mlx", seed=1))
+
+
+def test_rms_norm_pair_check_passes_two_norms_and_flags_a_wrong_pair(monkeypatch):
+    """scripts/check_kernels.py's rms_norm_pair check: a pair that is rms_norm on each input
+    passes; one that rotates neither, or scales the second input's weights, fails."""
+    from dsv41_mlx.model import rotate
+    from dsv41_mlx.quant import fp8_fake_quant_reference
+
+    check = _check_kernels_script()
+
+    def norm(x, w, eps, impl=None, quantize_to=None, rope=None):  # the quantised (rotated) kernel's spec
+        y = kernels.rms_norm_reference(x, w, eps)
+        if rope is not None:
+            cos, sin, dims = rope
+            S, D = y.shape
+            pairs = (S, D // 2, 2)
+            y = rotate(y, cos.reshape(pairs), sin.reshape(pairs), (mx.arange(D) >= D - dims).reshape(pairs[1:]))
+        return fp8_fake_quant_reference(y).astype(quantize_to)
+
+    def pair(x, w, x2, w2, eps, q1, q2, rope2, impl=None, unrotated=False, weights=None):
+        return norm(x, w, eps, quantize_to=q1), norm(x2, w2 * 1.01 if weights else w2, eps, quantize_to=q2,
+                                                      rope=None if unrotated else rope2)
+
+    monkeypatch.setattr(check, "rms_norm", norm)
+    monkeypatch.setattr(check, "rms_norm_pair", pair)
+    assert check.check_rms_norm_pair("mlx", seed=2) == []
+    for broken in ({"unrotated": True}, {"weights": "scaled"}):
+        monkeypatch.setattr(check, "rms_norm_pair", lambda *a, kw=broken, **k: pair(*a, **k, **kw))
+        assert any("second output" in p for p in check.check_rms_norm_pair("mlx", seed=2)), broken
 
 
 def test_epilogue_check_passes_the_spec_and_flags_a_wrong_epilogue(monkeypatch):
@@ -1043,6 +1111,47 @@ def test_gemv_layout_bounds_the_computed_rows_by_a_power_of_two(monkeypatch):
                     ("fp8_gemv", 8, 2, 2048 // (per_tg * 2) * 256, (8, 2048)),
                     ("fp4_experts", 1, 3 * 2 * 64 // 32 * 256, (3, 2, 64)),
                     ("fp4_experts", 2, 9 * 2 * 64 // 32 * 256, (9, 2, 64))]
+
+
+def test_wq_a_and_wkv_run_as_one_launch_that_writes_them_apart(monkeypatch):
+    """fp8_gemv_pair fits the release's stacked wq_a + wkv (5120 -> 1280 + 512) on a GPU: one
+    fp8_gemv launch with SPLIT at wq_a's rows, each part a [rows, outputs] view of its output,
+    with the C each matrix gets alone (256). Not on the CPU, not for a matrix on the matrix
+    unit, not where a part alone would take another C (another summation order), not for a
+    split inside a thread group's outputs."""
+    from dsv41_mlx import kernels
+
+    x = mx.zeros((8, 5120), dtype=mx.bfloat16)
+
+    def stack(n):
+        return mx.zeros((n, 1280), dtype=mx.uint32), mx.zeros((n, 160), dtype=mx.uint8)
+
+    w, s = stack(1792)
+    assert kernels.fp8_gemv_pair_fits(x, w, 1280, impl="cuda") and kernels.fp8_gemv_pair_fits(x, w, 1280, impl="metal")
+    assert not kernels.fp8_gemv_pair_fits(x, w, 1280, impl="mlx")
+    assert not kernels.fp8_gemv_pair_fits(x, w, 1282, impl="cuda")  # a part of 1282 outputs: not whole groups
+    assert not kernels.fp8_gemv_pair_fits(x, stack(4608)[0], 4096, impl="cuda")  # 4096 outputs: the matrix unit
+    assert kernels.gemv_threads_per_output(5120, 2560) != kernels.gemv_threads_per_output(5120, 512)
+    assert not kernels.fp8_gemv_pair_fits(x, stack(2560)[0], 2048, impl="cuda")  # C 128 for the pair, 256 for 512
+    assert not kernels.fp8_gemv_pair_fits(x[None], w, 1280, impl="cuda")  # a dense x [S, K] only
+    seen = []
+
+    def compiled(spec, language):
+        def run(inputs, template, grid, output_shapes, output_dtypes, **_):
+            seen.append((spec.name, dict(template), grid[0], output_shapes[0]))
+            return [mx.arange(shape[0]).astype(dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
+        return run
+
+    monkeypatch.setattr(kernels, "_compiled", compiled)
+    a, kv = kernels.fp8_gemv_pair(x, w, s, 1280, impl="cuda", real_rows=1)
+    (name, template, grid, shape), = seen
+    assert name == "fp8_gemv" and shape == (8 * 1792,) and grid == 1792 // 4 * 256
+    assert {k: template[k] for k in ("RB", "T", "C", "QX", "SW", "AP", "SPLIT")} == {
+        "RB": 1, "T": 4, "C": 256, "QX": 0, "SW": 0, "AP": 0, "SPLIT": 1280}
+    assert a.shape == (8, 1280) and kv.shape == (8, 512)
+    assert a[1, 0].item() == 1280 and kv[0, 0].item() == 8 * 1280  # the first part's rows, then the second's
+    with pytest.raises(ValueError, match="fp8_gemv_pair takes"):
+        kernels.fp8_gemv_pair(x, w, s, 1282, impl="cuda")
 
 
 def test_large_dense_fp8_gemms_run_on_the_matrix_unit_at_every_row_count(monkeypatch):

@@ -41,6 +41,7 @@ inline unsigned int max(unsigned int a, unsigned int b) { return a > b ? a : b; 
 inline unsigned int min(unsigned int a, unsigned int b) { return a < b ? a : b; }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline float rintf(float v) { return std::nearbyint(v); }
+inline float rsqrtf(float v) { return 1.0f / std::sqrt(v); }  // the GPU's may round otherwise: both sides here alike
 inline bool isnan(float v) { return std::isnan(v); }
 struct uint2 { unsigned int x, y; };
 struct uint4 { unsigned int x, y, z, w; };

@@ -57,6 +57,7 @@ inline float rint(float a) { return std::nearbyint(a); }
 inline float exp(float a) { return std::exp(a); }
 inline float log(float a) { return std::log(a); }
 inline float sqrt(float a) { return std::sqrt(a); }
+inline float rsqrt(float a) { return 1.0f / std::sqrt(a); }  // the GPU's may round otherwise: both sides here alike
 inline bool isnan(float a) { return std::isnan(a); }
 namespace precise {
 inline float exp(float a) { return std::exp(a); }
