@@ -838,14 +838,14 @@ class Fp4Stack(nn.Module):
         x row each pair takes (default: x's own batch order). quantize: x is a bf16 activation
         to go through quant.fp8_input first. On a GPU, a decode or verify step's pairs run
         kernels.fp4_experts (each expert's weights read once for all the rows that picked
-        it; a decode step's x it quantises as it reads it, the same bits in one launch:
-        kernels.quantizes_in_kernel); the spec is MLX's gather_qmm, which runs everywhere else.
+        it; a decode or verify step's x it quantises as it reads it, the same bits in one
+        launch: kernels.quantizes_in_kernel); the spec is MLX's gather_qmm, which runs everywhere else.
         swiglu: this is a w13 stack (gate and up rows interleaved); the output is their
         kernels.swiglu_pairs [.., out / 2], which the kernel computes as it writes."""
         if not sorted_ids and x.ndim == 4 and x.shape[2] == 1:
             per_row = x[:, :, 0]  # [N, 1|k, in]: pair (n, j) takes x[n, 0] or x[n, j]
             if kernels.fp4_experts_fits(per_row, self.weight, ids):
-                in_kernel = quantize and kernels.quantizes_in_kernel(per_row, per_row.shape[0])
+                in_kernel = quantize and kernels.quantizes_in_kernel(per_row, per_row.shape[0], matrix_unit=True)
                 if quantize and not in_kernel:
                     per_row = fp8_input(per_row)
                 return kernels.fp4_experts(per_row, self.weight, self.scales, ids, quantize_input=in_kernel,

@@ -216,11 +216,12 @@ def _fp8_matmul_mlx(xq: mx.array, weight: mx.array, scales: mx.array) -> mx.arra
 def fp8_linear(x: mx.array, weight: mx.array, scales: mx.array, real: int | None = None,
                parts: mx.array | None = None) -> mx.array:
     """Fp8Linear's product: FP8 fake-quantised x times an `mxfp8` weight, bf16 out, parts
-    added as fp8_matmul adds them. On a GPU, a decode step's bf16 x is quantised by
-    kernels.fp8_gemv as it reads it: the bits of fp8_input then fp8_matmul, in one launch
-    instead of two (kernels.quantizes_in_kernel)."""
+    added as fp8_matmul adds them. On a GPU, a decode step's bf16 x (and a verify step's, for
+    a matrix on the matrix unit) is quantised by kernels.fp8_gemv as it reads it: the bits of
+    fp8_input then fp8_matmul, in one launch instead of two (kernels.quantizes_in_kernel)."""
     rows = kernels.computed_rows(real, x.size // x.shape[-1])
-    if _gemv_takes(x, weight, rows, parts) and kernels.quantizes_in_kernel(x, rows):
+    if _gemv_takes(x, weight, rows, parts) and kernels.quantizes_in_kernel(
+            x, rows, kernels.fp8_gemv_on_matrix_unit(weight.shape[0])):
         return kernels.fp8_gemv(x, weight, scales, quantize_input=True, real_rows=real, parts=parts)
     return fp8_matmul(fp8_input(x), weight, scales, real, parts=parts)
 

@@ -74,8 +74,8 @@ def _fp4_experts_on_the_host(spec, language, x, codes, scales, ids, weights, tem
 @pytest.mark.parametrize("rows, per_slot, qx, sw", [
     (1, False, 1, 2),   # a decode step's gate and up projection: x quantised in the kernel, weighted SwiGLU
     (1, True, 1, 0),    # its down projection
-    (5, False, 0, 2),   # a verify forward's: x quantised before
-    (6, True, 0, 0),
+    (5, False, 0, 2),   # a verify forward's gate and up projection: x quantised before
+    (6, True, 1, 0),    # its down projection, x quantised in the kernel (up to 8 rows)
     (9, False, 0, 1),   # past 8 rows: two column groups (NH 2)
     (16, True, 0, 0),
 ])
@@ -245,6 +245,7 @@ def test_fp8_gemv_pair_writes_each_matrix_apart_on_the_host(language, rows, out_
     (1, 8, 1, 0, 0),    # a decode step's wq_b: one computed row of a padded forward, x quantised in the kernel
     (1, 8, 1, 1, 0),    # the shared expert's gate and up projection with its SwiGLU
     (6, 8, 0, 0, 6),    # a verify forward's shared-expert down projection, the routed experts' parts added
+    (6, 8, 1, 0, 0),    # a verify forward's wo_b: x quantised in the kernel (up to 8 rows)
     (9, 16, 0, 1, 0),   # past 8 rows: two column groups (NH 2)
     (16, 16, 0, 0, 0),
 ])

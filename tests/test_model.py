@@ -232,8 +232,8 @@ def test_overlapped_build_changes_no_bit(fixture_model, golden):
 def test_routed_experts_take_the_fp4_kernel_for_a_decode_steps_pairs_on_a_gpu(monkeypatch):
     """On a GPU, a decode or verify step's (row, expert) pairs run kernels.fp4_experts: the
     gate and up projection with x per row, the down projection with x per pair, whose bf16
-    input the kernel quantises as it reads it for one row (a decode step) and act_quant
-    quantises first for more; the gate and up projection's SwiGLU (each pair's weight
+    input the kernel quantises as it reads it for up to 8 rows (a decode or verify step) and
+    act_quant quantises first for more; the gate and up projection's SwiGLU (each pair's weight
     applied) is the kernel's too. Prefill's pairs grouped by expert, more than 16 rows, or a
     shape the kernel does not take keep MLX's gather_qmm, then kernels.swiglu_pairs; either
     way the values are the spec's."""
@@ -270,7 +270,7 @@ def test_routed_experts_take_the_fp4_kernel_for_a_decode_steps_pairs_on_a_gpu(mo
                               (False, kernels.SwiGLU(0.0, weights))):
             calls.clear()
             got = stack(x, ids, sorted_ids, quantize=quantize, swiglu=act)
-            in_kernel = quantize and rows == 1
+            in_kernel = quantize and rows <= kernels.QUANTIZE_IN_MMA_ROWS  # the matrix unit's rule
             assert calls == ([((rows, 3 if per_pair else 1, 256), (rows, 3), in_kernel, act is not None)]
                              if kernel else [])
             xq = fp8_fake_quant_reference(x) if quantize else x

@@ -501,9 +501,10 @@ def test_fp8_linear_lets_the_gemv_kernel_quantise_a_decode_steps_row_on_a_gpu(mo
     """On a GPU, Fp8Linear's product of a decode step's one computed bf16 row (of a padded
     forward's 8, or alone) is one fp8_gemv launch that FP8-quantises x as it reads it
     (quantize_input), where it was act_quant then the GEMM. More computed rows (a verify
-    step: the kernel would quantise every row again in each threadgroup), another dtype (the
-    kernel quantises bf16 only) or more than 16 rows are quantised first, as before. Either
-    way the values are fp8_input's then the GEMM's."""
+    step: the scalar kernel would quantise every row again in each threadgroup; a matrix on
+    the matrix unit takes up to 8), another dtype (the kernel quantises bf16 only) or more
+    than 16 rows are quantised first, as before. Either way the values are fp8_input's then
+    the GEMM's."""
     from dsv41_mlx import kernels, quant
 
     from .test_kernels import act_quant_spec
@@ -532,6 +533,13 @@ def test_fp8_linear_lets_the_gemv_kernel_quantise_a_decode_steps_row_on_a_gpu(mo
         want = mx.quantized_matmul(quant.fp8_fake_quant_reference(x[:rows]).astype(mx.float32), w, s, transpose=True,
                                    mode="mxfp8").astype(mx.bfloat16)
         assert mx.array_equal(got[:rows], want).item() and not got[rows:].any().item()
+    # a matrix on the matrix unit (fp8_mma) quantises a verify step's rows too, up to 8
+    monkeypatch.setattr(kernels, "FP8_MMA_MIN_OUTPUTS", w.shape[0])
+    for x, real, launches, grouped in ((bf16[:8], 6, [(mx.bfloat16, True, 6)], []),
+                                       (bf16[:16], 9, [(fed, False, 9)], [(16, 256)])):
+        calls.clear(), quantised.clear()
+        quant.fp8_linear(x, w, s, real)
+        assert calls == launches and quantised == grouped
 
 
 def test_fp8_linear_adds_a_moes_routed_parts_in_the_gemv_kernel_on_a_gpu(monkeypatch):
