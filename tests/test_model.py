@@ -448,6 +448,56 @@ def test_padded_forwards_compute_their_real_rows_alone(padded_model, golden, mon
     assert told and set(told) <= {3, len(rest) % 3 or 3}  # traced once per real-row count
 
 
+def test_attention_projects_and_norms_through_the_pair_launches(padded_model, golden, monkeypatch):
+    """On a GPU a decode or verify step's attention makes wq_a's and wkv's products in one
+    launch (kernels.fp8_gemv_pair, split at q_lora_rank) and their norms in another
+    (kernels.rms_norm_pair: q_norm quantised as wq_b takes it, kv_norm rotated and quantised
+    as the window keeps it). With the two pairs their specs (the single GEMMs and norms) and
+    every other kernel on its spec, padded decode steps are the CPU path's bits (logits,
+    features and cache), and each layer of each forward launched each pair once."""
+    from dsv41_mlx import kernels
+    from dsv41_mlx.model import rotate
+    from dsv41_mlx.quant import fp8_fake_quant_reference
+
+    from .test_kernels import _check_kernels_script
+
+    spec = _check_kernels_script().sparse_attention_spec
+    model = padded_model
+    rest, plain, kernel = _two_prefilled(model, golden)
+    want = [model.decode(rest[start: start + 3], plain) for start in range(0, len(rest), 3)]
+    pairs, norms = [], []
+
+    def gemv_pair(x, w, s, split, impl=None, real_rows=None):
+        pairs.append((x.shape, split, real_rows))
+        return tuple(kernels.fp8_gemv_reference(x, w[rows], s[rows], real_rows=real_rows)
+                     for rows in (slice(0, split), slice(split, None)))
+
+    def norm_pair(x, w, x2, w2, eps, quantize_to, quantize_to2, rope2, impl=None):
+        norms.append((x.shape, x2.shape, quantize_to, quantize_to2))
+        cos, sin, dims = rope2
+        S, D = x2.shape
+        pair = (S, D // 2, 2)
+        rotated = rotate(kernels.rms_norm_reference(x2, w2, eps), cos.reshape(pair), sin.reshape(pair),
+                         (mx.arange(D) >= D - dims).reshape(pair[1:]))
+        return (fp8_fake_quant_reference(kernels.rms_norm_reference(x, w, eps)).astype(quantize_to),
+                fp8_fake_quant_reference(rotated).astype(quantize_to2))
+
+    _gpu_dispatch_with_specs(monkeypatch, lambda *args, impl=None: spec(*args))
+    monkeypatch.setattr(kernels, "fp8_gemv_pair_fits", lambda x, w, split, impl=None: True)
+    monkeypatch.setattr(kernels, "fp8_gemv_pair", gemv_pair)
+    monkeypatch.setattr(kernels, "rms_norm_pair_fits", lambda x, x2, impl=None: True)
+    monkeypatch.setattr(kernels, "rms_norm_pair", norm_pair)
+    got = [model.decode(rest[start: start + 3], kernel) for start in range(0, len(rest), 3)]
+    for (want_logits, want_feats), (logits, feats) in zip(want, got):
+        assert mx.array_equal(want_logits, logits).item() and mx.array_equal(want_feats, feats).item()
+    _assert_same_state(plain, kernel)
+    q_lora, head_dim, dim = model.args.q_lora_rank, model.args.head_dim, model.args.hidden_size
+    # traced once per real-row count (3, then the last forward's), by every layer
+    assert len(pairs) == len(norms) == len(model.layers) * len({3, len(rest) % 3 or 3})
+    assert {p[:2] for p in pairs} == {((8, dim), q_lora)} and {p[2] for p in pairs} <= {3, len(rest) % 3 or 3}
+    assert set(norms) == {((8, q_lora), (8, head_dim), mx.float32, mx.bfloat16)}
+
+
 @pytest.mark.parametrize("rows", [None, 8])
 def test_indexer_skips_its_scores_while_it_picks_every_position(fixture_model, golden, monkeypatch, rows):
     """While an indexer's k picks hold every compressed position (n <= k) and no candidate mask
