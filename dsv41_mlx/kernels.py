@@ -16,6 +16,7 @@ The bodies share `fp8_common.h` (integer bit tricks valid in both languages).
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from dataclasses import dataclass
 from functools import lru_cache
@@ -889,14 +890,10 @@ def fp8_gemv_pair(x: mx.array, w: mx.array, scales: mx.array, split: int, impl: 
     S, K = x.shape
     N = w.shape[0]
     rows = computed_rows(real_rows, S)
-    rb, t = gemv_layout(rows)
-    c = gemv_threads_per_output(K, N)
-    (y,) = _compiled(FP8_GEMV, impl)(
-        inputs=[x.astype(mx.bfloat16), w, scales, _int32s(rows, N, K, 1, S), _float32s(0.0),
-                _constant(mx.bfloat16, 0.0)],
-        template=[("RB", rb), ("T", t), ("C", c), ("QX", 0), ("SW", 0), ("AP", 0), ("SPLIT", split)],
-        grid=(N // (256 // c * t) * 256, 1, 1), threadgroup=(256, 1, 1),
-        output_shapes=[(S * N,)], output_dtypes=[mx.bfloat16], init_value=init_value)
+    y = _gemv_launch(FP8_GEMV, impl, [x.astype(mx.bfloat16), w, scales, _int32s(rows, N, K, 1, S), _float32s(0.0),
+                                      _constant(mx.bfloat16, 0.0)],
+                     rows, 1, N, (S,), init_value, False, gemv_threads_per_output(K, N), 0,
+                     [("AP", 0), ("SPLIT", split)], flat=True)
     return y[: S * split].reshape(S, split), y[S * split:].reshape(S, N - split)
 
 
@@ -995,11 +992,12 @@ def _bf16_to_quantize(x: mx.array, quantize_input: bool) -> None:
 
 def _gemv_launch(spec: KernelSpec, impl: str, inputs: list, rows: int, sets: int, n: int, lead: tuple,
                  init_value: float | None, quantize_input: bool, threads: int, sw: int,
-                 more: list | None = None) -> mx.array:
+                 more: list | None = None, flat: bool = False) -> mx.array:
     """Launch fp8_gemv for `rows` computed rows (up to 16): `sets` matrices of n outputs, a
     threadgroup of 256 threads per (256 / C) * T outputs of a matrix -> bf16 [*lead, n], or
-    [*lead, n / 2] with a SwiGLU (sw > 0). threads: C (gemv_threads_per_output, or bench's
-    choice); (RB, T): gemv_layout(rows). more: the kernel's other template constants."""
+    [*lead, n / 2] with a SwiGLU (sw > 0); flat: those values on one axis (fp8_gemv_pair's
+    two products, written apart). threads: C (gemv_threads_per_output, or bench's choice);
+    (RB, T): gemv_layout(rows). more: the kernel's other template constants."""
     if threads not in (32, 64, 128, 256):  # a threadgroup then holds 32 to 4 outputs: N is a multiple of 32
         raise ValueError(f"a GEMV kernel takes 32, 64, 128 or 256 threads per output, got {threads}")
     rb, t = gemv_layout(rows)
@@ -1007,7 +1005,8 @@ def _gemv_launch(spec: KernelSpec, impl: str, inputs: list, rows: int, sets: int
         inputs=inputs,
         template=[("RB", rb), ("T", t), ("C", threads), ("QX", int(quantize_input)), ("SW", sw), *(more or [])],
         grid=(sets * n // (256 // threads * t) * 256, 1, 1), threadgroup=(256, 1, 1),
-        output_shapes=[(*lead, n // 2 if sw else n)], output_dtypes=[mx.bfloat16], init_value=init_value)
+        output_shapes=[(math.prod(lead) * (n // 2 if sw else n),) if flat else (*lead, n // 2 if sw else n)],
+        output_dtypes=[mx.bfloat16], init_value=init_value)
     return y
 
 
