@@ -528,17 +528,19 @@ def sparse_attention_rows(q: mx.array, ring: mx.array, index: mx.array, window_m
     their own window, in one launch, without gathering the keys first: q rotated by
     Rope.apply, model.sparse_attention, and its output rotated back (Rope.apply inverse);
     that composition is the spec (scripts/check_kernels.py). q [S, H, D] bf16, not rotated;
-    ring [R, D] and index [S, W] (each row's window slots), window_mask [S, W]; kv [T, D],
+    ([S, H * D] reads as [S, H, D]: H from sink); ring [R, D] and index [S, W] (each row's
+    window slots), window_mask [S, W]; kv [T, D],
     ids [S, K], picked_mask [S, K], or None for none; rope: Rope.tables(positions, D) of the
     S rows, whose last rope_dims features rotate (a model's constant: one build per value);
     real_rows: only the first real_rows rows are computed (default all), the rest, a padded
     forward's padding (model.Model.padded), come out zeros. -> [S, H, D] bf16. Only where
     attention_fits."""
     impl = impl or backend()
-    S, H, D = q.shape
+    S, H = q.shape[0], sink.shape[0]
+    D = q.shape[-1] if q.ndim == 3 else q.shape[1] // H
     W = index.shape[1]
     K = 0 if ids is None else ids.shape[1]
-    if not attention_fits(q.shape, q.dtype, W, K, impl):
+    if q.size != S * H * D or not attention_fits((S, H, D), q.dtype, W, K, impl):
         raise ValueError(f"sparse_attention_rows takes bfloat16 queries [<= {DECODE_MAX_ROWS}, H, D] on a GPU "
                          f"within its threadgroup memory, got {q.dtype} {q.shape} with {W} + {K} keys on {impl}")
     cos, sin = rope[:2]
@@ -546,7 +548,7 @@ def sparse_attention_rows(q: mx.array, ring: mx.array, index: mx.array, window_m
         raise ValueError(f"sparse_attention_rows takes Rope.tables of its {S} rows at width {D} and an even "
                          f"rope_dims <= {D}, got {cos.shape} and {rope_dims}")
     if K == 0:  # placeholders the kernel does not read
-        kv, ids, picked_mask = ring[:1], mx.zeros((S, 1), dtype=mx.uint32), mx.zeros((S, 1), dtype=mx.bool_)
+        kv, ids, picked_mask = _constant(mx.bfloat16, 0.0), _constant(mx.uint32, 0), _constant(mx.bool_, False)
     kernel = _compiled(SPARSE_ATTENTION, impl)
     G = ATTENTION_HEADS_PER_GROUP
     (out,) = kernel(inputs=[q, ring.astype(mx.bfloat16), index.astype(mx.int32), window_mask.astype(mx.bool_),
@@ -686,17 +688,19 @@ def swiglu_pairs(y: mx.array, act: SwiGLU) -> mx.array:
     return (h if act.weights is None else h * act.weights).astype(mx.bfloat16)
 
 
-def _swiglu_arguments(act: SwiGLU | None, pairs: int = 0) -> tuple[int, mx.array, mx.array]:
+def _swiglu_arguments(act: SwiGLU | None, pairs: tuple[int, int] = (0, 0)) -> tuple[int, mx.array, mx.array]:
     """A GEMV kernel's SW and its swiglu and weights inputs: SW 0 without a SwiGLU (neither
-    read), 1 with [limit], 2 with [limit] and the pairs' weights (fp4_experts)."""
+    read), 1 with [limit], 2 with [limit] and the pairs' weights (fp4_experts: one for each
+    of its ids' pairs [R, k], passed as they are: the kernel reads pair (r, j)'s at r * k + j)."""
     unread = _float32s(0.0)
     if act is None:
         return 0, unread, unread
     if act.weights is None:
         return 1, _float32s(float(act.limit)), unread
-    if act.weights.size != pairs:
-        raise ValueError(f"a SwiGLU's weights are one a (row, expert) pair: {pairs}, got {act.weights.shape}")
-    return 2, _float32s(float(act.limit)), act.weights.astype(mx.float32).reshape(-1)
+    weights = act.weights
+    if weights.size != math.prod(pairs) or (weights.ndim == 2 and weights.shape[1] != pairs[1]):
+        raise ValueError(f"a SwiGLU's weights are one a (row, expert) pair {pairs}, got {weights.shape}")
+    return 2, _float32s(float(act.limit)), weights.astype(mx.float32)
 
 
 def parts_added(y: mx.array, parts: mx.array) -> mx.array:
@@ -721,7 +725,7 @@ def parts_added(y: mx.array, parts: mx.array) -> mx.array:
 
 def fp8_gemv_reference(x: mx.array, w: mx.array, scales: mx.array, quantize_input: bool = False,
                        real_rows: int | None = None, swiglu: SwiGLU | None = None,
-                       parts: mx.array | None = None) -> mx.array:
+                       parts: mx.array | None = None, groups: int = 0) -> mx.array:
     """Pure-MLX spec: x [S, G, K] through G `mxfp8` matrices w [G, N, K/4] (scales [G, N, K/32]),
     group g of every row through matrix g -> bf16 [S, G, N], accumulated in float32. (A
     gather_qmm: MLX 0.32.4's CUDA quantized_matmul does not broadcast stacked weights over
@@ -729,7 +733,13 @@ def fp8_gemv_reference(x: mx.array, w: mx.array, scales: mx.array, quantize_inpu
     fake-quantised first (quant.fp8_fake_quant). The dense form, x [..., K] through one matrix
     w [N, K/4] -> [..., N], is that of one group. real_rows: rows from there on (a padded
     forward's padding) are zeros. swiglu: w's rows a gate and an up projection, the output
-    their swiglu_pairs [..., N / 2]. parts: [R, P, N] added to the first R rows (parts_added)."""
+    their swiglu_pairs [..., N / 2]. parts: [R, P, N] added to the first R rows (parts_added).
+    groups G: the stacked form, x [S, ...] of G * K a row and w [G * N, K/4] -> [S, G * N]."""
+    if groups:
+        S = x.shape[0]
+        y = fp8_gemv_reference(x.reshape(S, groups, -1), w.reshape(groups, -1, w.shape[-1]),
+                               scales.reshape(groups, -1, scales.shape[-1]), quantize_input, real_rows)
+        return y.reshape(S, -1)
     if w.ndim == 2:
         y = fp8_gemv_reference(x.reshape(-1, 1, x.shape[-1]), w[None], scales[None], quantize_input, real_rows)
         y = y.reshape(*x.shape[:-1], w.shape[0])
@@ -754,11 +764,16 @@ def _gathered(x: mx.array, w: mx.array, scales: mx.array, ids: mx.array, mode: s
                          mode=mode)[:, :, 0, :]
 
 
-def fp8_gemv_fits(x: mx.array, w: mx.array, impl: str | None = None) -> bool:
+def fp8_gemv_fits(x: mx.array, w: mx.array, impl: str | None = None, groups: int = 0) -> bool:
     """Whether fp8_gemv runs for x [S, G, K] and w [G, N, K/4], or x [..., K] and one matrix
-    w [N, K/4]: a GPU, at most DECODE_MAX_ROWS rows (a decode or verify step's forward;
+    w [N, K/4], or (groups G) x [S, ...] of G * K values a row and G matrices stacked in w
+    [G * N, K/4]: a GPU, at most DECODE_MAX_ROWS rows (a decode or verify step's forward;
     prefill keeps MLX's GEMMs), N a multiple of 32 and K of 256 (every FP8 GEMM of the
     release)."""
+    if groups:
+        K = 4 * w.shape[-1]
+        return (x.ndim >= 2 and w.ndim == 2 and w.shape[0] % groups == 0 and x.size == x.shape[0] * groups * K
+                and _gemv_fits(x.shape[0], w.shape[0] // groups, K, impl))
     if w.ndim == 2:
         return (x.ndim >= 1 and x.size > 0 and x.shape[-1] == 4 * w.shape[1]
                 and _gemv_fits(x.size // x.shape[-1], w.shape[0], x.shape[-1], impl))
@@ -809,11 +824,14 @@ def gemv_threads_per_output(k: int, outputs: int = 0) -> int:
 def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None,
              init_value: float | None = None, quantize_input: bool = False,
              real_rows: int | None = None, threads: int | None = None, swiglu: SwiGLU | None = None,
-             parts: mx.array | None = None) -> mx.array:
+             parts: mx.array | None = None, groups: int = 0) -> mx.array:
     """The FP8 GEMMs of a decode or verify step in one launch each: x [S, G, K] (FP8
     fake-quantised or bf16 values, exact in bf16) through G `mxfp8` matrices w [G, N, K/4] ->
     bf16 [S, G, N] (attention's wo_a: its groups), or x [..., K] through one matrix w [N, K/4]
-    -> bf16 [..., N] (a dense GEMM, with no reshapes around it). Each weight byte is
+    -> bf16 [..., N] (a dense GEMM, with no reshapes around it). groups G: w [G * N, K/4] holds
+    the G matrices stacked and x [S, ...] G * K values a row (attention's [S, heads, head_dim]
+    as it is) -> bf16 [S, G * N]: the same launch as with x [S, G, K] and w [G, N, K/4], whose
+    bytes these are, without the views that would reshape them. Each weight byte is
     read once for all rows; the spec is fp8_gemv_reference (MLX's gather_qmm), equal up to the
     order of the float32 sums (scripts/check_kernels.py); only where fp8_gemv_fits.
     init_value poisons the output before the launch (for checks). quantize_input: x is a bf16
@@ -828,15 +846,20 @@ def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None
     bf16, R the computed rows, added to the output as it is written (parts_added: a MoE's
     routed experts' outputs and the shared expert's sum, of a dense x [S, K]; P <= 16)."""
     impl = impl or backend()
-    if not fp8_gemv_fits(x, w, impl):
+    if not fp8_gemv_fits(x, w, impl, groups):
         raise ValueError(f"fp8_gemv takes x [<= {DECODE_MAX_ROWS}, G, K] and w [G, N, K/4], or x [..., K] of at most "
-                         f"{DECODE_MAX_ROWS} rows and w [N, K/4], with N a multiple of 32 and K of 256 on a GPU, got "
-                         f"{x.shape} and {w.shape} on {impl}")
+                         f"{DECODE_MAX_ROWS} rows and w [N, K/4], or x [S, ...] of G * K a row and w [G * N, K/4] "
+                         f"(groups G), with N a multiple of 32 and K of 256 on a GPU, got {x.shape} and {w.shape} "
+                         f"({groups} groups) on {impl}")
     _bf16_to_quantize(x, quantize_input)
     if swiglu is not None and swiglu.weights is not None:
         raise ValueError("fp8_gemv's SwiGLU takes no weights (fp4_experts' pairs have them)")
-    K, G = x.shape[-1], (w.shape[0] if w.ndim == 3 else 1)
-    S, N = x.size // (G * K), w.shape[-2]
+    if groups:
+        K, G = 4 * w.shape[1], groups
+        S, N = x.shape[0], w.shape[0] // groups
+    else:
+        K, G = x.shape[-1], (w.shape[0] if w.ndim == 3 else 1)
+        S, N = x.size // (G * K), w.shape[-2]
     rows = computed_rows(real_rows, S)
     sw, limit, _ = _swiglu_arguments(swiglu)
     if parts is not None and (w.ndim != 2 or x.ndim != 2 or swiglu is not None or parts.ndim != 3
@@ -856,7 +879,8 @@ def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None
         return y
     return _gemv_launch(FP8_GEMV, impl, [x.astype(mx.bfloat16), w, scales, _int32s(rows, N, K, G, S), limit, added],
                         rows, G, N, x.shape[:-1], init_value, quantize_input,
-                        threads or gemv_threads_per_output(K, N * G), sw, [("AP", ap), ("SPLIT", 0)])
+                        threads or gemv_threads_per_output(K, N * G), sw, [("AP", ap), ("SPLIT", 0)],
+                        (S, G * N) if groups else None)
 
 
 def fp8_gemv_pair_fits(x: mx.array, w: mx.array, split: int, impl: str | None = None) -> bool:
@@ -893,7 +917,7 @@ def fp8_gemv_pair(x: mx.array, w: mx.array, scales: mx.array, split: int, impl: 
     y = _gemv_launch(FP8_GEMV, impl, [x.astype(mx.bfloat16), w, scales, _int32s(rows, N, K, 1, S), _float32s(0.0),
                                       _constant(mx.bfloat16, 0.0)],
                      rows, 1, N, (S,), init_value, False, gemv_threads_per_output(K, N), 0,
-                     [("AP", 0), ("SPLIT", split)], flat=True)
+                     [("AP", 0), ("SPLIT", split)], (S * N,))
     return y[: S * split].reshape(S, split), y[S * split:].reshape(S, N - split)
 
 
@@ -992,12 +1016,13 @@ def _bf16_to_quantize(x: mx.array, quantize_input: bool) -> None:
 
 def _gemv_launch(spec: KernelSpec, impl: str, inputs: list, rows: int, sets: int, n: int, lead: tuple,
                  init_value: float | None, quantize_input: bool, threads: int, sw: int,
-                 more: list | None = None, flat: bool = False) -> mx.array:
+                 more: list | None = None, shape: tuple | None = None) -> mx.array:
     """Launch fp8_gemv for `rows` computed rows (up to 16): `sets` matrices of n outputs, a
     threadgroup of 256 threads per (256 / C) * T outputs of a matrix -> bf16 [*lead, n], or
-    [*lead, n / 2] with a SwiGLU (sw > 0); flat: those values on one axis (fp8_gemv_pair's
-    two products, written apart). threads: C (gemv_threads_per_output, or bench's choice);
-    (RB, T): gemv_layout(rows). more: the kernel's other template constants."""
+    [*lead, n / 2] with a SwiGLU (sw > 0); shape: those values in another shape (fp8_gemv_pair's
+    two products, written apart, on one axis; a grouped GEMM's [S, G * N]). threads: C
+    (gemv_threads_per_output, or bench's choice); (RB, T): gemv_layout(rows). more: the
+    kernel's other template constants."""
     if threads not in (32, 64, 128, 256):  # a threadgroup then holds 32 to 4 outputs: N is a multiple of 32
         raise ValueError(f"a GEMV kernel takes 32, 64, 128 or 256 threads per output, got {threads}")
     rb, t = gemv_layout(rows)
@@ -1005,8 +1030,7 @@ def _gemv_launch(spec: KernelSpec, impl: str, inputs: list, rows: int, sets: int
         inputs=inputs,
         template=[("RB", rb), ("T", t), ("C", threads), ("QX", int(quantize_input)), ("SW", sw), *(more or [])],
         grid=(sets * n // (256 // threads * t) * 256, 1, 1), threadgroup=(256, 1, 1),
-        output_shapes=[(math.prod(lead) * (n // 2 if sw else n),) if flat else (*lead, n // 2 if sw else n)],
-        output_dtypes=[mx.bfloat16], init_value=init_value)
+        output_shapes=[shape or (*lead, n // 2 if sw else n)], output_dtypes=[mx.bfloat16], init_value=init_value)
     return y
 
 
@@ -1025,37 +1049,45 @@ def fp4_experts_reference(x: mx.array, w: mx.array, scales: mx.array, ids: mx.ar
     return swiglu_pairs(y, SwiGLU(swiglu.limit, weights))
 
 
-def fp4_experts_fits(x: mx.array, w: mx.array, ids: mx.array, impl: str | None = None) -> bool:
-    """Whether fp4_experts runs: a GPU, x [R, 1 or k, K] with R <= DECODE_MAX_ROWS, ids [R, k],
-    w [E, N, K/8] with N a multiple of 32 and K of 256."""
-    return (x.ndim == 3 and w.ndim == 3 and ids.ndim == 2 and ids.shape[0] == x.shape[0]
-            and x.shape[1] in (1, ids.shape[1]) and x.shape[2] == 8 * w.shape[2]
-            and _gemv_fits(x.shape[0], w.shape[1], x.shape[2], impl))
+def fp4_experts_fits(x: mx.array, w: mx.array, ids: mx.array, impl: str | None = None,
+                     rows: int | None = None) -> bool:
+    """Whether fp4_experts runs: a GPU, x [R, 1 or k, K] (or [R, K], as [R, 1, K]) with R <=
+    DECODE_MAX_ROWS, ids [R, k], w [E, N, K/8] with N a multiple of 32 and K of 256. rows: R,
+    where x and ids hold more rows than are computed (their first R; default all)."""
+    R = ids.shape[0] if rows is None else rows
+    slots = x.shape[1] if x.ndim == 3 else 1
+    return (x.ndim in (2, 3) and w.ndim == 3 and ids.ndim == 2 and 0 < R <= min(ids.shape[0], x.shape[0])
+            and slots in (1, ids.shape[1]) and x.shape[-1] == 8 * w.shape[2]
+            and _gemv_fits(R, w.shape[1], x.shape[-1], impl))
 
 
 def fp4_experts(x: mx.array, w: mx.array, scales: mx.array, ids: mx.array, impl: str | None = None,
                 init_value: float | None = None, quantize_input: bool = False,
-                swiglu: SwiGLU | None = None) -> mx.array:
+                swiglu: SwiGLU | None = None, rows: int | None = None) -> mx.array:
     """The routed experts' FP4 GEMMs of a decode or verify step in one launch: x [R, 1 or k, K]
-    (FP8 fake-quantised, exact in bf16) through each row's experts ids [R, k] of the `mxfp4`
-    stack w [E, N, K/8] -> bf16 [R, k, N], each expert's weights read once for all the rows
-    that picked it (MLX's gather_qmm reads them once per (row, expert) pair). The spec is
-    fp4_experts_reference, equal up to the order of the float32 sums; only where
-    fp4_experts_fits. A row's experts must be distinct (a router's top-k are). init_value
-    poisons the output before the launch (for checks); quantize_input as fp8_gemv's. swiglu:
-    w is the experts' gate and up projections stacked (w13); the kernel writes their
-    swiglu_pairs [R, k, N / 2], times each pair's weight where swiglu has weights [R, k]."""
+    (FP8 fake-quantised, exact in bf16; [R, K] reads as [R, 1, K]) through each row's experts
+    ids [R, k] of the `mxfp4` stack w [E, N, K/8] -> bf16 [R, k, N], each expert's weights
+    read once for all the rows that picked it (MLX's gather_qmm reads them once per (row,
+    expert) pair). The spec is fp4_experts_reference, equal up to the order of the float32
+    sums; only where fp4_experts_fits. A row's experts must be distinct (a router's top-k
+    are). init_value poisons the output before the launch (for checks); quantize_input as
+    fp8_gemv's. swiglu: w is the experts' gate and up projections stacked (w13); the kernel
+    writes their swiglu_pairs [R, k, N / 2], times each pair's weight where swiglu has
+    weights [R, k]. rows: R, where x, ids and the weights hold more rows (a padded forward's:
+    only its first R, the real ones, are computed and returned). The kernel indexes its
+    inputs itself, so none of them is reshaped or sliced first: no view operations."""
     impl = impl or backend()
-    if not fp4_experts_fits(x, w, ids, impl):
-        raise ValueError(f"fp4_experts takes x [<= {DECODE_MAX_ROWS}, 1 or k, K], ids [R, k] and w [E, N, K/8] with N "
-                         f"a multiple of 32 and K of 256 on a GPU, got {x.shape}, {ids.shape} and {w.shape} on {impl}")
+    if not fp4_experts_fits(x, w, ids, impl, rows):
+        raise ValueError(f"fp4_experts takes x [<= {DECODE_MAX_ROWS}, 1 or k, K] (or [R, K]), ids [R, k] and w "
+                         f"[E, N, K/8] with N a multiple of 32 and K of 256 on a GPU, got {x.shape}, {ids.shape} and "
+                         f"{w.shape} for {rows} rows on {impl}")
     _bf16_to_quantize(x, quantize_input)
-    R, k = ids.shape
-    N, K = w.shape[1], x.shape[2]
-    sw, limit, weights = _swiglu_arguments(swiglu, R * k)
+    R, k = (ids.shape[0] if rows is None else rows), ids.shape[1]
+    N, K = w.shape[1], x.shape[-1]
+    sw, limit, weights = _swiglu_arguments(swiglu, ids.shape)
+    slots = x.shape[1] if x.ndim == 3 else 1
     (y,) = _compiled(FP4_EXPERTS, impl)(
-        inputs=[x.astype(mx.bfloat16), w, scales, ids.astype(mx.uint32).reshape(-1), _int32s(R, k, N, K, x.shape[1]),
-                limit, weights],
+        inputs=[x.astype(mx.bfloat16), w, scales, ids.astype(mx.uint32), _int32s(R, k, N, K, slots), limit, weights],
         template=[("NH", mma_column_groups(R)), ("QX", int(quantize_input)), ("SW", sw), ("ONE", int(R == 1))],
         grid=(R * k * (N // 32) * 256, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[(R, k, N // 2 if sw else N)], output_dtypes=[mx.bfloat16], init_value=init_value)

@@ -70,6 +70,7 @@ def fused(*parts: str):
                 compiled = by_shape[shape] = mx.compile(functools.partial(method, self), inputs=inputs)
             return compiled(*args)
 
+        call.traces = name  # the instance attribute that holds them (tests start a forward afresh)
         return call
 
     return decorate
@@ -726,38 +727,43 @@ class Attention(nn.Module):
             qr = self.q_norm.quantized(a)
             return self._queries(qr, rope, rope_in_kernel, real), qr, self.latent_kv_of(kv, rope)
         qr, keys = kernels.rms_norm_pair(a, self.q_norm.weight, kv, self.kv_norm.weight, self.kv_norm.eps,
-                                         gemm_input_dtype(), kv.dtype, self._latent_rope(rope, kv.shape))
+                                         gemm_input_dtype(), kv.dtype, self._latent_rope(rope))
         return self._queries(qr, rope, rope_in_kernel, real), qr, keys
 
     def _queries(self, qr: mx.array, rope: tuple, rope_in_kernel: bool, real: int | None) -> mx.array:
-        """queries' q from the normed qr."""
-        q = self.wq_b.quantized(qr, real).reshape(qr.shape[0], self.n_heads, self.head_dim)
-        return q if rope_in_kernel else Rope.apply(q, rope)
+        """queries' q from the normed qr: [S, H, D], or as wq_b gives it, [S, H * D], where the
+        attention kernel rotates it (it reads either; no view to reshape it)."""
+        q = self.wq_b.quantized(qr, real)
+        return q if rope_in_kernel else Rope.apply(q.reshape(qr.shape[0], self.n_heads, self.head_dim), rope)
 
     def latent_kv_of(self, kv: mx.array, rope: tuple) -> mx.array:
         """latent_kv from wkv's product kv [S, D]. On a GPU the norm, the rotation and the
         fake-quant are one kernel (kernels.rms_norm)."""
         if kernels.rms_norm_fits(kv, quantized=True, rotated=True):
             return rms_norm(kv, self.kv_norm.weight, self.kv_norm.eps, quantize_to=kv.dtype,
-                            rope=self._latent_rope(rope, kv.shape))
+                            rope=self._latent_rope(rope))
         return fp8_fake_quant(Rope.apply(self.kv_norm(kv), rope))
 
-    def _latent_rope(self, rope: tuple, shape: tuple[int, int]) -> tuple[mx.array, mx.array, int]:
-        """The RoPE tables as the RMSNorm kernel rotates the latent [S, D] with them."""
-        return rope[0].reshape(shape), rope[1].reshape(shape), self.rope.dims
+    def _latent_rope(self, rope: tuple) -> tuple[mx.array, mx.array, int]:
+        """The RoPE tables as the RMSNorm kernel rotates the latent [S, D] with them: cos and sin
+        [S, D / 2, 2] as they are (the kernel reads them as [S, D]: the same values in the
+        same order, no view), and how many features rotate."""
+        return rope[0], rope[1], self.rope.dims
 
     @fused("wo_a", "wo_b")
     def output(self, o: mx.array, rope: tuple, rope_in_kernel: bool = False, real: int | None = None) -> mx.array:
         """Undo the query RoPE (unless rope_in_kernel: undone already), then the grouped wo_a
         (block-diagonal) and wo_b."""
         S = o.shape[0]
-        o = (o if rope_in_kernel else Rope.apply(o, rope, inverse=True)).reshape(S, self.n_groups, -1)
+        o = o if rope_in_kernel else Rope.apply(o, rope, inverse=True)
+        # wo_a is applied to bf16 activations as stored (the reference dequantises it, no act-quant)
+        if kernels.fp8_gemv_fits(o, self.wo_a.weight, groups=self.n_groups):  # a decode or verify step on a GPU
+            # o [S, H, D] read as [S, groups, in], wo_a's rows as its groups' matrices: no views
+            o = kernels.fp8_gemv(o, self.wo_a.weight, self.wo_a.scales, real_rows=real, groups=self.n_groups)
+            return self.wo_b(o, real)
         w = self.wo_a.weight.reshape(self.n_groups, self.o_lora_rank, -1)
         s = self.wo_a.scales.reshape(self.n_groups, self.o_lora_rank, -1)
-        # wo_a is applied to bf16 activations as stored (the reference dequantises it, no act-quant)
-        if kernels.fp8_gemv_fits(o, w):  # a decode or verify step on a GPU
-            return self.wo_b(kernels.fp8_gemv(o, w, s, real_rows=real).reshape(S, -1), real)
-        o = o[:, :, None]  # [S, groups, 1, in]
+        o = o.reshape(S, self.n_groups, 1, -1)  # [S, groups, 1, in]
         groups = self._pair_ids[: self.n_groups]
         pairs = self._pair_ids[: S * self.n_groups].reshape(S, -1) if S <= MAX_CONSTANT_ROWS else None
         o = mx.gather_qmm(o.astype(gemm_input_dtype()), w, s, lhs_indices=pairs, rhs_indices=groups, transpose=True,
@@ -833,27 +839,30 @@ class Fp4Stack(nn.Module):
     def __call__(self, x: mx.array, ids: mx.array, sorted_ids: bool = False, rows: mx.array | None = None,
                  quantize: bool = False, swiglu: kernels.SwiGLU | None = None) -> mx.array:
         """x [N, 1|k, 1, in] FP8-rounded activations through experts ids [N, k] -> bf16
-        [N, k, 1, out]: the fp32 products summed in fp32, rounded to bf16 once. sorted_ids:
-        ids are in ascending order (MLX then runs each expert's rows as one GEMM). rows: which
-        x row each pair takes (default: x's own batch order). quantize: x is a bf16 activation
-        to go through quant.fp8_input first. On a GPU, a decode or verify step's pairs run
-        kernels.fp4_experts (each expert's weights read once for all the rows that picked
-        it; a decode or verify step's x it quantises as it reads it, the same bits in one
-        launch: kernels.quantizes_in_kernel); the spec is MLX's gather_qmm, which runs everywhere else.
-        swiglu: this is a w13 stack (gate and up rows interleaved); the output is their
-        kernels.swiglu_pairs [.., out / 2], which the kernel computes as it writes."""
-        if not sorted_ids and x.ndim == 4 and x.shape[2] == 1:
-            per_row = x[:, :, 0]  # [N, 1|k, in]: pair (n, j) takes x[n, 0] or x[n, j]
-            if kernels.fp4_experts_fits(per_row, self.weight, ids):
-                in_kernel = quantize and kernels.quantizes_in_kernel(per_row, per_row.shape[0], matrix_unit=True)
-                if quantize and not in_kernel:
-                    per_row = fp8_input(per_row)
-                return kernels.fp4_experts(per_row, self.weight, self.scales, ids, quantize_input=in_kernel,
-                                           swiglu=swiglu)[:, :, None]
+        [N, k, 1, out]: the fp32 products summed in fp32, rounded to bf16 once (MLX's
+        gather_qmm; on a GPU, a decode or verify step runs `pairs` instead). sorted_ids: ids
+        are in ascending order (MLX then runs each expert's rows as one GEMM). rows: which x
+        row each pair takes (default: x's own batch order). quantize: x is a bf16 activation
+        to go through quant.fp8_input first. swiglu: this is a w13 stack (gate and up rows
+        interleaved); the output is their kernels.swiglu_pairs [.., out / 2]."""
         x = fp8_input(x) if quantize else x
         y = mx.gather_qmm(x.astype(gemm_input_dtype()), self.weight, self.scales, lhs_indices=rows, rhs_indices=ids,
                           transpose=True, mode="mxfp4", sorted_indices=sorted_ids).astype(BF16)
         return y if swiglu is None else kernels.swiglu_pairs(y, swiglu)
+
+    def pairs(self, x: mx.array, ids: mx.array, real: int, quantize: bool = False,
+              swiglu: kernels.SwiGLU | None = None) -> mx.array:
+        """A decode or verify step's (row, expert) pairs on a GPU, where kernels.fp4_experts_fits:
+        x [S, in] (each of a row's experts reads its row) or [S, k, in] (pair (r, j) reads
+        x[r, j]) through experts ids [S, k], the first `real` rows -> bf16 [real, k, out] (or
+        the SwiGLU's [real, k, out / 2]) in one launch that reads each expert's weights once
+        for all the rows that picked it. The arrays go in as they are: the kernel indexes them
+        itself, so no views of them are made. quantize and swiglu as __call__'s; a bf16 x
+        is quantised by the kernel as it reads it where kernels.quantizes_in_kernel."""
+        in_kernel = quantize and kernels.quantizes_in_kernel(x, real, matrix_unit=True)
+        if quantize and not in_kernel:
+            x = fp8_input(x)
+        return kernels.fp4_experts(x, self.weight, self.scales, ids, quantize_input=in_kernel, swiglu=swiglu, rows=real)
 
 
 class Fp4Experts(nn.Module):
@@ -936,13 +945,11 @@ class MoE(nn.Module):
         N, k = ids.shape
         real = N if rows is None else rows
         x8 = fp8_input(x) if x8 is None else x8  # once, for the routed experts and the shared expert
-        xq = x8[:real, None, None, :]
-        weights, ids = weights[:real], ids[:real]
         # y [real, k, dim]: row r's j-th expert's output at [r, j]
-        if ids.size < SORT_EXPERTS_AT:  # decode and verify: each row through its own k experts
-            y = self._routed(xq, weights[:, :, None, None], ids, False).reshape(real, k, -1)
+        if real * k < SORT_EXPERTS_AT:  # decode and verify: each row through its own k experts
+            y = self._routed_rows(x8, weights, ids, real)
         else:  # prefill: the (row, expert) pairs grouped by expert, so each expert's rows form one GEMM
-            flat = ids.flatten()
+            xq, weights, flat = x8[:real, None, None, :], weights[:real], ids[:real].flatten()
             order = mx.argsort(flat)
             pairs = self._routed(xq[order // k, 0], weights.flatten()[order][:, None, None], flat[order], True)
             y = pairs[mx.argsort(order)].reshape(real, k, -1)
@@ -950,6 +957,18 @@ class MoE(nn.Module):
         # them (kernels.parts_added; on a GPU inside its last GEMM); the padding rows get the
         # shared expert alone (zeros on a GPU)
         return self.shared_experts(x8, rows, y)
+
+    def _routed_rows(self, x8: mx.array, weights: mx.array, ids: mx.array, real: int) -> mx.array:
+        """The routed experts of a decode or verify step: the first `real` rows of x8 [N, dim]
+        (through quant.fp8_input), their weights and ids [N, k] -> bf16 [real, k, dim]. On a GPU
+        two fp4_experts launches (Fp4Stack.pairs) over the arrays as they are, the SwiGLU
+        written by the first; elsewhere _routed's gathered GEMMs, its spec."""
+        w13, w2 = self.experts.w13, self.experts.w2
+        if kernels.fp4_experts_fits(x8, w13.weight, ids, rows=real):
+            h = w13.pairs(x8, ids, real, swiglu=kernels.SwiGLU(self.limit, weights))  # [real, k, inter]
+            return w2.pairs(h, ids, real, quantize=True)
+        weights, ids = weights[:real], ids[:real]
+        return self._routed(x8[:real, None, None, :], weights[:, :, None, None], ids, False).reshape(real, ids.shape[1], -1)
 
     def _routed(self, xq: mx.array, weights: mx.array, ids: mx.array, sorted_ids: bool) -> mx.array:
         """The routed experts' SwiGLU, weighted before the down projection (as the reference):

@@ -359,7 +359,8 @@ def check_fp8_gemv(impl: str, seed: int) -> list[str]:
     ones, 1..16 rows, outputs poisoned before the launch: every value within the bound of
     another float32 summation order (`gemm_agreement`); a row alone the same bits as among
     others, at 8 rows and at 16 (row bounds RB 8 and 16 against RB 1); a dense GEMM's 2-D form the same
-    bits as one group; asked for fewer real rows (a padded forward), those the same bits and
+    bits as one group, a grouped one's stacked form (model.Attention.output's) the same bits as
+    its [S, G, K] form; asked for fewer real rows (a padded forward), those the same bits and
     the rest zeros."""
     mx.random.seed(seed)
     problems = []
@@ -384,6 +385,11 @@ def check_fp8_gemv(impl: str, seed: int) -> list[str]:
                                         f"them")
             if groups == 1 and not mx.array_equal(fp8_gemv(x[:, 0], w[0], s[0], impl=impl), got[:, 0]).item():
                 problems.append(f"{name}: the dense form (x [S, K], w [N, K/4]) differs from one group")
+            if groups > 1:  # attention's wo_a as the model runs it: x [S, H, D] and the matrices stacked [G * N, K/4]
+                flat = fp8_gemv(x.reshape(rows, -1), w.reshape(-1, w.shape[-1]), s.reshape(-1, s.shape[-1]),
+                                impl=impl, init_value=POISON, groups=groups)
+                if not mx.array_equal(flat, got.reshape(rows, -1)).item():
+                    problems.append(f"{name}: the stacked form (groups={groups}) differs from [S, G, K] by [G, N, K/4]")
             problems.extend(quantizing_problems(name, lambda v, **kw: fp8_gemv(v, w, s, impl=impl, **kw),
                                                 (rows, groups, d_in), rows in (8, 16)))
     return problems
@@ -725,11 +731,13 @@ def _check_sublayer_input(impl: str, seed: int, expanded: bool) -> list[str]:
 def sparse_attention_spec(q, ring, index, window_mask, kv, ids, picked_mask, sink, scale, rope, rope_dims,
                           real_rows=None):
     """What kernels.sparse_attention_rows computes, by model.Attention's pure-MLX path: q
-    rotated, the attention over gathered keys, its output rotated back (rope: Rope.tables,
-    which say themselves which features rotate; rope_dims is the kernel's copy of that);
-    rows from real_rows on (a padded forward's padding) zeros."""
+    ([S, H, D], or [S, H * D] with H from sink) rotated, the attention over gathered keys, its
+    output rotated back (rope: Rope.tables, which say themselves which features rotate;
+    rope_dims is the kernel's copy of that); rows from real_rows on (a padded forward's
+    padding) zeros."""
     from dsv41_mlx.model import Rope, sparse_attention
 
+    q = q.reshape(q.shape[0], sink.shape[0], -1)
     picked = None if ids is None else kv[ids]
     o = sparse_attention(Rope.apply(q, rope), ring[index], window_mask, picked, picked_mask, sink, scale)
     return padding_zeroed(Rope.apply(o, rope, inverse=True), real_rows)
@@ -763,7 +771,8 @@ def check_sparse_attention(impl: str, seed: int) -> list[str]:
     window is all masked and one with no visible key at all. Its sums run in another order
     (and a probability may round to the other bf16 neighbour), so: each row-head within 1%
     of its largest value, and on average within 0.1%. These tolerances are set before any
-    GPU run of the kernel. A row alone equals the same row among others."""
+    GPU run of the kernel. A row alone equals the same row among others; q as wq_b gives it,
+    [S, H * D], the bits of [S, H, D]."""
     rng = np.random.default_rng(seed)
     problems = []
     H, D, W, K, R, T = 64, 512, 128, 512, 160, 700
@@ -796,6 +805,9 @@ def check_sparse_attention(impl: str, seed: int) -> list[str]:
             alone = sparse_attention_rows(*attention_rows(args, slice(-1, None)), impl=impl)
             if not np.array_equal(np.array(alone.astype(mx.float32)), got[-1:]):
                 problems.append(f"sparse_attention picks={picks} rows={rows}: the last row alone differs")
+            flat = sparse_attention_rows(q.reshape(rows, -1), *args[1:], impl=impl)  # as wq_b gives q: [S, H * D]
+            if not np.array_equal(np.array(flat.astype(mx.float32)), got):
+                problems.append(f"sparse_attention picks={picks} rows={rows}: q as [S, H * D] differs from [S, H, D]")
             if rows in (8, 16):  # a padded forward: its real rows the same bits, the padding zeros
                 for real in (1, rows - 2):
                     padded = np.array(sparse_attention_rows(*args, real, impl=impl).astype(mx.float32))

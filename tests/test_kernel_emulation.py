@@ -60,9 +60,11 @@ def _assert_within_rounding(got_bits: np.ndarray, want: mx.array) -> np.ndarray:
     return got
 
 
-def _fp4_experts_on_the_host(spec, language, x, codes, scales, ids, weights, template, n_out, tmp_path):
-    """spec's body (fp4_experts' inputs) run on the host over the (row, expert) pairs -> y's bits."""
-    rows = ids.shape[0]
+def _fp4_experts_on_the_host(spec, language, x, codes, scales, ids, weights, template, n_out, tmp_path,
+                             rows: int | None = None):
+    """spec's body (fp4_experts' inputs) run on the host over the (row, expert) pairs of the
+    first `rows` rows (default all) -> y's bits."""
+    rows = ids.shape[0] if rows is None else rows
     return run(spec, language, {
         "x": ("bfloat16", _bf16_bits(x)), "w": ("uint32", codes), "scales": ("uint8", scales),
         "ids": ("uint32", ids), "sizes": ("int32", np.array([rows, KS, N, K, x.shape[1]])),
@@ -87,6 +89,23 @@ def test_fp4_experts_runs_its_spec_on_the_host(language, rows, per_slot, qx, sw,
     got = _fp4_experts_on_the_host(kernels.FP4_EXPERTS, language, x, codes, scales, ids, weights,
                                    {"NH": kernels.mma_column_groups(rows), "QX": qx, "SW": sw, "ONE": int(rows == 1)},
                                    N // 2 if sw else N, tmp_path)
+    _assert_within_rounding(got, want)
+
+
+@pytest.mark.parametrize("language", ["metal", "cuda"])
+@pytest.mark.parametrize("per_slot, sw", [(False, 2), (True, 0)])
+def test_fp4_experts_computes_the_first_rows_of_longer_inputs(language, per_slot, sw, tmp_path):
+    """A padded decode step hands the kernel x, ids and the pairs' weights of all 8 rows as they
+    are (model.Fp4Stack.pairs: no views) with its real rows as R: the kernel's first R rows are
+    the spec's of those rows alone, whatever the other rows hold."""
+    rows, real = 8, 2
+    codes, scales, ids, x, weights = _inputs(rows, per_slot, quantise_first=True, seed=11)
+    act = None if not sw else kernels.SwiGLU(7.0, mx.array(weights[:real]) if sw == 2 else None)
+    want = kernels.fp4_experts_reference(x[:real], mx.array(codes), mx.array(scales), mx.array(ids[:real]),
+                                         swiglu=act)
+    got = _fp4_experts_on_the_host(kernels.FP4_EXPERTS, language, x, codes, scales, ids, weights,
+                                   {"NH": 1, "QX": 0, "SW": sw, "ONE": 0}, N // 2 if sw else N, tmp_path, rows=real)
+    assert got.size == real * KS * (N // 2 if sw else N)
     _assert_within_rounding(got, want)
 
 

@@ -590,7 +590,7 @@ def test_gemm_kernel_checks_pass_the_spec_and_flag_wrong_kernels(monkeypatch, ke
     """scripts/check_kernels.py's fp8_gemv and fp4_experts checks: the spec itself passes; a
     kernel whose values are off, that leaves an output unwritten, whose rows depend on each
     other, or that does not quantise its input when asked, fails; so does an fp8_gemv whose
-    2-D form differs, or that computes a padded forward's padding rows."""
+    2-D form or stacked grouped form differs, or that computes a padded forward's padding rows."""
     from dsv41_mlx import kernels
 
     check = _check_kernels_script()
@@ -608,7 +608,12 @@ def test_gemm_kernel_checks_pass_the_spec_and_flag_wrong_kernels(monkeypatch, ke
         def padding_computed(*args, impl=None, init_value=None, real_rows=None, **kw):
             return reference(*args, **kw)
 
-        wrong += ((dense_off, "the dense form"), (padding_computed, "zeros after them"))
+        def stacked_off(x, w, s, impl=None, init_value=None, groups=0, **kw):
+            y = reference(x, w, s, groups=groups, **kw)
+            return (y.astype(mx.float32) * 1.01).astype(mx.bfloat16) if groups else y
+
+        wrong += ((dense_off, "the dense form"), (padding_computed, "zeros after them"),
+                  (stacked_off, "the stacked form"))
     for broken, message in wrong:
         monkeypatch.setattr(check, kernel, broken)
         assert any(message in p for p in run("mlx", seed=1)), message

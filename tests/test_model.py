@@ -230,68 +230,89 @@ def test_overlapped_build_changes_no_bit(fixture_model, golden):
 
 
 def test_routed_experts_take_the_fp4_kernel_for_a_decode_steps_pairs_on_a_gpu(monkeypatch):
-    """On a GPU, a decode or verify step's (row, expert) pairs run kernels.fp4_experts: the
-    gate and up projection with x per row, the down projection with x per pair, whose bf16
-    input the kernel quantises as it reads it for up to 8 rows (a decode or verify step) and
-    act_quant quantises first for more; the gate and up projection's SwiGLU (each pair's weight
-    applied) is the kernel's too. Prefill's pairs grouped by expert, more than 16 rows, or a
-    shape the kernel does not take keep MLX's gather_qmm, then kernels.swiglu_pairs; either
-    way the values are the spec's."""
+    """On a GPU, a decode or verify step's (row, expert) pairs run kernels.fp4_experts, handed
+    x, the ids and the pairs' weights of every row as they are with the real rows as its R (no
+    views): the gate and up projection with x per row and its SwiGLU (each pair's weight
+    applied), the down projection with x per pair, whose bf16 input the kernel quantises as it
+    reads it for up to 8 rows and act_quant quantises first for more. More than 16 rows, or
+    a shape the kernel does not take, keep MLX's gather_qmm, then kernels.swiglu_pairs; either
+    way the real rows' values are the spec's."""
     from dsv41_mlx import kernels
-    from dsv41_mlx.model import Fp4Stack
+    from dsv41_mlx.config import ModelArgs
+    from dsv41_mlx.model import MoE
     from dsv41_mlx.quant import fp8_fake_quant_reference
+    from dsv41_mlx.tiny import tiny_config
 
     from .test_kernels import act_quant_spec
 
     calls = []
 
-    def experts(x, w, s, ids, impl=None, init_value=None, quantize_input=False, swiglu=None):
-        calls.append((x.shape, ids.shape, quantize_input, swiglu is not None))
-        return kernels.fp4_experts_reference(x, w, s, ids, quantize_input, swiglu)
+    def experts(x, w, s, ids, impl=None, init_value=None, quantize_input=False, swiglu=None, rows=None):
+        calls.append((x.shape, ids.shape, rows, quantize_input, swiglu is not None and swiglu.weights is not None))
+        x = x[:rows] if x.ndim == 3 else x[:rows, None]
+        act = swiglu and kernels.SwiGLU(swiglu.limit, None if swiglu.weights is None else swiglu.weights[:rows])
+        return kernels.fp4_experts_reference(x, w, s, ids[:rows], quantize_input, act)
 
-    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
-    monkeypatch.setattr(kernels, "fp4_experts", experts)
-    monkeypatch.setattr(kernels, "act_quant_fp8", act_quant_spec)  # where the kernel does not quantise
+    def moe_of(dim: int, inter: int) -> MoE:
+        args = ModelArgs.from_dict(tiny_config())
+        args.hidden_size, args.moe_intermediate_size, args.n_routed_experts, args.num_experts_per_tok = dim, inter, 5, 3
+        moe = MoE(args, 0)
+        for stack in (moe.experts.w13, moe.experts.w2):
+            stack.weight = mx.random.randint(0, 2**31, stack.weight.shape).astype(mx.uint32)
+            stack.scales = mx.random.randint(118, 124, stack.scales.shape).astype(mx.uint8)
+        return moe
+
     mx.random.seed(6)
-    stack = Fp4Stack(5, 256, 64)
-    stack.weight = mx.random.randint(0, 2**31, stack.weight.shape).astype(mx.uint32)
-    stack.scales = mx.random.randint(118, 124, stack.scales.shape).astype(mx.uint8)
-    for rows, per_pair, sorted_ids, kernel in ((1, False, False, True), (6, False, False, True),
-                                               (16, True, False, True), (17, False, False, False),
-                                               (4, False, True, False)):
-        calls.clear()
-        ids = mx.array(np.stack([np.random.default_rng(rows).permutation(5)[:3] for _ in range(rows)]).astype(np.uint32))
-        if sorted_ids:
-            ids = mx.sort(ids.flatten())[:, None]
-        x = mx.random.normal((ids.shape[0], 3 if per_pair else 1, 1, 256)).astype(mx.bfloat16)
-        weights = mx.random.uniform(shape=(*ids.shape, 1, 1))
-        # quantize: the down projection's bf16 input, to be quantised; act: the gate and up's SwiGLU
-        for quantize, act in ((False, None), (True, None), (False, kernels.SwiGLU(3.0, weights)),
-                              (False, kernels.SwiGLU(0.0, weights))):
+    moe = moe_of(256, 256)
+    for padded, real in ((8, 1), (8, 6), (16, 16), (17, 17)):
+        ids = mx.array(np.stack([np.random.default_rng(r).permutation(5)[:3] for r in range(padded)]).astype(np.uint32))
+        x8 = fp8_fake_quant_reference(mx.random.normal((padded, 256))).astype(mx.bfloat16)
+        weights = mx.random.uniform(shape=ids.shape)
+        want = moe._routed_rows(x8, weights, ids, real)  # on the CPU: MLX's gather_qmm, the spec
+        with monkeypatch.context() as m:
+            m.setattr(kernels, "backend", lambda: "cuda")
+            m.setattr(kernels, "fp4_experts", experts)
+            m.setattr(kernels, "act_quant_fp8", act_quant_spec)  # where the kernel does not quantise
             calls.clear()
-            got = stack(x, ids, sorted_ids, quantize=quantize, swiglu=act)
-            in_kernel = quantize and rows <= kernels.QUANTIZE_IN_MMA_ROWS  # the matrix unit's rule
-            assert calls == ([((rows, 3 if per_pair else 1, 256), (rows, 3), in_kernel, act is not None)]
-                             if kernel else [])
-            xq = fp8_fake_quant_reference(x) if quantize else x
-            want = mx.gather_qmm(xq.astype(mx.float32), stack.weight, stack.scales, rhs_indices=ids, transpose=True,
-                                 mode="mxfp4", sorted_indices=sorted_ids).astype(mx.bfloat16)
-            want = want if act is None else kernels.swiglu_pairs(want, act)
-            assert got.shape == want.shape and mx.array_equal(got, want).item()
-    calls.clear()
-    small = Fp4Stack(5, 128, 64)  # 128 inputs: not the kernel's
-    small(mx.zeros((2, 1, 1, 128)), mx.array([[0, 1], [2, 3]], dtype=mx.uint32))
+            got = moe._routed_rows(x8, weights, ids, real)
+        assert calls == ([((padded, 256), (padded, 3), real, False, True),
+                          ((real, 3, 256), (padded, 3), real, real <= kernels.QUANTIZE_IN_MMA_ROWS, False)]
+                         if padded <= 16 else [])
+        assert got.shape == want.shape == (real, 3, 256) and mx.array_equal(got, want).item()
+    small = moe_of(128, 256)  # 128 inputs: not the kernel's
+    with monkeypatch.context() as m:
+        m.setattr(kernels, "backend", lambda: "cuda")
+        m.setattr(kernels, "fp4_experts", experts)
+        m.setattr(kernels, "act_quant_fp8", act_quant_spec)
+        calls.clear()
+        small._routed_rows(mx.zeros((2, 128), dtype=mx.bfloat16), mx.ones((2, 3)), mx.array([[0, 1, 2], [2, 3, 4]],
+                                                                                           dtype=mx.uint32), 2)
     assert calls == []
 
 
-def _gpu_dispatch_with_specs(monkeypatch, attention, gemv=None) -> None:
+def _fresh_traces(monkeypatch, model) -> None:
+    """For this test, every compiled method of the model's modules starts without traces
+    (model.fused keeps them on the instance): a forward under a patched dispatch traces again
+    and so reaches the patched kernels, whatever earlier tests traced, and its traces are
+    dropped after the test."""
+    for module in model.modules():
+        for attr in dir(type(module)):
+            name = getattr(getattr(type(module), attr, None), "traces", None)
+            if isinstance(name, str):
+                monkeypatch.setitem(module.__dict__, name, {})
+
+
+def _gpu_dispatch_with_specs(monkeypatch, model, attention, gemv=None) -> None:
     """The kernels' dispatch answers as on a GPU (kernels.backend() is 'cuda'), every custom
-    kernel a forward reaches taking its pure-MLX spec (its fit answered no, or the call routed
-    to the spec) but the attention kernel, which is `attention`, and the FP8 GEMMs of up to 16
-    rows, which are `gemv` where given; any other launch fails."""
+    kernel a forward of `model` reaches taking its pure-MLX spec (its fit answered no, or the
+    call routed to the spec) but the attention kernel, which is `attention`, and the FP8 GEMMs
+    of up to 16 rows, which are `gemv` where given; any other launch fails. The model's
+    compiled methods trace afresh (_fresh_traces)."""
     from dsv41_mlx import kernels
 
     from .test_kernels import act_quant_spec
+
+    _fresh_traces(monkeypatch, model)
 
     def no_build(spec, language):
         raise AssertionError(f"kernel {spec.name} built on the CPU")
@@ -305,8 +326,8 @@ def _gpu_dispatch_with_specs(monkeypatch, attention, gemv=None) -> None:
     monkeypatch.setattr(kernels, "act_quant_fp8", act_quant_spec)
     monkeypatch.setattr(kernels, "sparse_attention_rows", attention)
     if gemv is not None:
-        monkeypatch.setattr(kernels, "fp8_gemv_fits", lambda x, w, impl=None: x.size // x.shape[-1] <= 16 * w.shape[0]
-                            if w.ndim == 3 else x.size // x.shape[-1] <= 16)
+        monkeypatch.setattr(kernels, "fp8_gemv_fits", lambda x, w, impl=None, groups=0: x.shape[0] <= 16 if groups else
+                            x.size // x.shape[-1] <= 16 * w.shape[0] if w.ndim == 3 else x.size // x.shape[-1] <= 16)
         monkeypatch.setattr(kernels, "fp8_gemv", gemv)
 
 
@@ -329,9 +350,10 @@ def test_attention_kernel_takes_the_queries_unrotated_and_rotates_its_output_bac
         calls.append(args[0].shape)
         return spec(*args)
 
-    _gpu_dispatch_with_specs(monkeypatch, attention)
+    _gpu_dispatch_with_specs(monkeypatch, model, attention)
     got = [model.decode(rest[start: start + 3], kernel) for start in range(0, len(rest), 3)]
-    assert calls == [(8, model.args.num_attention_heads, model.args.head_dim)] * len(model.layers) * len(got)
+    # q as wq_b gives it, [S, H * D]: the kernel reads it as [S, H, D]
+    assert calls == [(8, model.args.num_attention_heads * model.args.head_dim)] * len(model.layers) * len(got)
     for (want_logits, want_feats), (logits, feats) in zip(want, got):
         assert mx.array_equal(want_logits, logits).item() and mx.array_equal(want_feats, feats).item()
     _assert_same_state(plain, kernel)
@@ -424,8 +446,9 @@ def test_padded_forwards_compute_their_real_rows_alone(padded_model, golden, mon
     """A padded decode or verify forward on a GPU computes its real rows alone where a kernel
     can skip the padding: the FP8 GEMMs (kernels.fp8_gemv's real_rows) and the attention give
     the padding rows zeros. With those kernels their specs (zeros after the real rows), decode
-    steps of 3 real rows in 8 are the CPU path's bits (logits, features and cache), and every
-    GEMM call of the forwards was told how many rows are real."""
+    steps of 3 real rows in 8 are the CPU path's bits (logits, features and cache), every
+    GEMM call of the forwards was told how many rows are real, and wo_a's took attention's
+    output as it is (its groups given, no reshapes)."""
     from dsv41_mlx import kernels
 
     from .test_kernels import _check_kernels_script
@@ -434,18 +457,22 @@ def test_padded_forwards_compute_their_real_rows_alone(padded_model, golden, mon
     model = padded_model
     rest, plain, kernel = _two_prefilled(model, golden)
     want = [model.decode(rest[start: start + 3], plain) for start in range(0, len(rest), 3)]
-    told = []
+    told, grouped = [], []
 
-    def gemv(x, w, s, impl=None, init_value=None, quantize_input=False, real_rows=None, swiglu=None, parts=None):
+    def gemv(x, w, s, impl=None, init_value=None, quantize_input=False, real_rows=None, swiglu=None, parts=None,
+             groups=0):
         told.append(real_rows)
-        return kernels.fp8_gemv_reference(x, w, s, quantize_input, real_rows, swiglu, parts)
+        grouped.append(groups)
+        return kernels.fp8_gemv_reference(x, w, s, quantize_input, real_rows, swiglu, parts, groups)
 
-    _gpu_dispatch_with_specs(monkeypatch, lambda *args, impl=None: spec(*args), gemv)
+    _gpu_dispatch_with_specs(monkeypatch, model, lambda *args, impl=None: spec(*args), gemv)
     got = [model.decode(rest[start: start + 3], kernel) for start in range(0, len(rest), 3)]
     for (want_logits, want_feats), (logits, feats) in zip(want, got):
         assert mx.array_equal(want_logits, logits).item() and mx.array_equal(want_feats, feats).item()
     _assert_same_state(plain, kernel)
     assert told and set(told) <= {3, len(rest) % 3 or 3}  # traced once per real-row count
+    # wo_a: attention's output [S, H, D] and the stacked weight as they are, read as its groups
+    assert grouped.count(model.args.o_groups) == len(model.layers) * len(set(told))
 
 
 def test_attention_projects_and_norms_through_the_pair_launches(padded_model, golden, monkeypatch):
@@ -482,9 +509,7 @@ def test_attention_projects_and_norms_through_the_pair_launches(padded_model, go
         return (fp8_fake_quant_reference(kernels.rms_norm_reference(x, w, eps)).astype(quantize_to),
                 fp8_fake_quant_reference(rotated).astype(quantize_to2))
 
-    _gpu_dispatch_with_specs(monkeypatch, lambda *args, impl=None: spec(*args))
-    for layer in model.layers:  # traces of this method from other tests would not reach the pairs below
-        monkeypatch.delitem(layer.attn.__dict__, "_fused_queries_and_latent_kv", raising=False)
+    _gpu_dispatch_with_specs(monkeypatch, model, lambda *args, impl=None: spec(*args))
     monkeypatch.setattr(kernels, "fp8_gemv_pair_fits", lambda x, w, split, impl=None: True)
     monkeypatch.setattr(kernels, "fp8_gemv_pair", gemv_pair)
     monkeypatch.setattr(kernels, "rms_norm_pair_fits", lambda x, x2, impl=None: True)
