@@ -1037,11 +1037,18 @@ def _gemv_launch(spec: KernelSpec, impl: str, inputs: list, rows: int, sets: int
 # ----------------------------------------------------------------- fp4_experts
 
 def fp4_experts_reference(x: mx.array, w: mx.array, scales: mx.array, ids: mx.array,
-                          quantize_input: bool = False, swiglu: SwiGLU | None = None) -> mx.array:
+                          quantize_input: bool = False, swiglu: SwiGLU | None = None,
+                          rows: int | None = None) -> mx.array:
     """Pure-MLX spec: pair (r, j) = row r's j-th expert ids[r, j] of the `mxfp4` stack w [E, N, K/8]
-    (scales [E, N, K/32]) applied to x[r, 0] (x [R, 1, K]) or x[r, j] (x [R, k, K]) -> bf16
-    [R, k, N], accumulated in float32. quantize_input: x FP8 fake-quantised first. swiglu:
-    the output's swiglu_pairs [R, k, N / 2], the pairs' weights [R, k] applied."""
+    (scales [E, N, K/32]) applied to x[r, 0] (x [R, 1, K], or [R, K]) or x[r, j] (x [R, k, K])
+    -> bf16 [R, k, N], accumulated in float32. quantize_input: x FP8 fake-quantised first.
+    swiglu: the output's swiglu_pairs [R, k, N / 2], the pairs' weights [R, k] applied. rows:
+    only the first `rows` rows of x, ids and the weights (the kernel's rows=)."""
+    if rows is not None:
+        x, ids = x[:rows], ids[:rows]
+        if swiglu is not None and swiglu.weights is not None:
+            swiglu = SwiGLU(swiglu.limit, swiglu.weights[:rows])
+    x = x[:, None] if x.ndim == 2 else x
     y = _gathered(_quantized_input(x, quantize_input), w, scales, ids, "mxfp4").astype(mx.bfloat16)
     if swiglu is None:
         return y

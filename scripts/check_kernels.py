@@ -549,7 +549,9 @@ def check_fp4_experts(impl: str, seed: int) -> list[str]:
     model's expert stacks (gate + up, down; target and DSpark) and a ragged one, 1..16 rows
     of distinct sorted experts, x per row and per slot, outputs poisoned before the launch:
     every value within the bound of another float32 summation order (`gemm_agreement`); a row
-    alone the same bits as among others, at 8 rows and at 16."""
+    alone the same bits as among others, at 8 rows and at 16; the first rows of longer inputs
+    (rows=, a padded forward's arrays as they are, with and without the weighted SwiGLU) the
+    bits of those rows alone."""
     mx.random.seed(seed)
     rng = np.random.default_rng(seed)
     problems = []
@@ -569,6 +571,17 @@ def check_fp4_experts(impl: str, seed: int) -> list[str]:
                 problems.extend([problem] if problem else [])
                 if rows in (8, 16) and not mx.array_equal(fp4_experts(x[:1], w, s, ids[:1], impl=impl), got[:1]).item():
                     problems.append(f"{name}: row 0 alone differs from row 0 of {rows}")
+                if rows in (8, 16):  # a padded forward's arrays as they are, its real rows computed (Fp4Stack.pairs)
+                    xs = x if per_slot else x[:, 0]  # as the gate and up projection: x [S, K], a weighted SwiGLU
+                    weights = mx.array(rng.random((rows, top)).astype(np.float32))
+                    for real in (1, rows - 2):
+                        act, act_real = (None, None) if per_slot else (SwiGLU(7.0, weights),
+                                                                       SwiGLU(7.0, weights[:real]))
+                        alone = fp4_experts(xs[:real], w, s, ids[:real], impl=impl, swiglu=act_real)
+                        padded = fp4_experts(xs, w, s, ids, impl=impl, init_value=POISON, rows=real, swiglu=act)
+                        if not mx.array_equal(alone, padded).item():
+                            problems.append(f"{name}: {real} rows of {rows} (rows={real}) differ from those rows "
+                                            f"alone")
                 problems.extend(quantizing_problems(
                     name, lambda v, **kw: fp4_experts(v, w, s, ids[: v.shape[0]], impl=impl, **kw),
                     x.shape, rows in (8, 16)))

@@ -590,7 +590,8 @@ def test_gemm_kernel_checks_pass_the_spec_and_flag_wrong_kernels(monkeypatch, ke
     """scripts/check_kernels.py's fp8_gemv and fp4_experts checks: the spec itself passes; a
     kernel whose values are off, that leaves an output unwritten, whose rows depend on each
     other, or that does not quantise its input when asked, fails; so does an fp8_gemv whose
-    2-D form or stacked grouped form differs, or that computes a padded forward's padding rows."""
+    2-D form or stacked grouped form differs, or that computes a padded forward's padding rows,
+    and an fp4_experts that computes every row of longer inputs than its rows=."""
     from dsv41_mlx import kernels
 
     check = _check_kernels_script()
@@ -614,6 +615,11 @@ def test_gemm_kernel_checks_pass_the_spec_and_flag_wrong_kernels(monkeypatch, ke
 
         wrong += ((dense_off, "the dense form"), (padding_computed, "zeros after them"),
                   (stacked_off, "the stacked form"))
+    else:
+        def rows_ignored(*args, impl=None, init_value=None, rows=None, **kw):  # every row of its inputs
+            return reference(*args, **kw)
+
+        wrong += ((rows_ignored, "differ from those rows alone"),)
     for broken, message in wrong:
         monkeypatch.setattr(check, kernel, broken)
         assert any(message in p for p in run("mlx", seed=1)), message
@@ -894,7 +900,8 @@ def test_attention_kernel_runs_only_where_it_fits():
 def test_attention_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatch):
     """scripts/check_kernels.py's attention check: the spec itself passes; a kernel that
     drops the sink, reads the wrong window slot, forgets the RoPE (of q and of the output,
-    or only the inverse), couples rows, or computes a padded forward's padding rows, fails."""
+    or only the inverse), couples rows, computes a padded forward's padding rows, or reads q
+    given as [S, H * D] in another layout, fails."""
     from dsv41_mlx.model import Rope, sparse_attention
 
     check = _check_kernels_script()
@@ -907,12 +914,18 @@ def test_attention_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatch):
         return spec(q, ring, (index + 1) % ring.shape[0], *rest)
 
     def no_rope(q, ring, index, wmask, kv, ids, pmask, sink, scale, rope, rope_dims, real_rows=None, impl=None):
+        q = q.reshape(q.shape[0], sink.shape[0], -1)
         return sparse_attention(q, ring[index], wmask, None if ids is None else kv[ids], pmask, sink, scale)
 
     def no_inverse_rope(q, ring, index, wmask, kv, ids, pmask, sink, scale, rope, rope_dims, real_rows=None,
                         impl=None):
+        q = q.reshape(q.shape[0], sink.shape[0], -1)
         return sparse_attention(Rope.apply(q, rope), ring[index], wmask, None if ids is None else kv[ids], pmask,
                                 sink, scale)
+
+    def flat_q_misread(q, *rest, impl=None):  # [S, H * D] read with the features outermost
+        S, H = q.shape[0], rest[6].shape[0]
+        return spec(q.reshape(S, -1, H).swapaxes(1, 2) if q.ndim == 2 else q, *rest)
 
     def coupled_rows(q, *rest, impl=None):
         out = spec(q, *rest)
@@ -925,7 +938,7 @@ def test_attention_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatch):
     assert check.check_sparse_attention("mlx", seed=4) == []
     for broken, message in ((no_sink, "off by"), (shifted_slot, "off by"), (no_rope, "off by"),
                             (no_inverse_rope, "off by"), (coupled_rows, "alone differs"),
-                            (padding_computed, "zeros after them")):
+                            (padding_computed, "zeros after them"), (flat_q_misread, "q as [S, H * D]")):
         monkeypatch.setattr(check, "sparse_attention_rows", broken)
         assert any(message in p for p in check.check_sparse_attention("mlx", seed=4)), broken.__name__
 
