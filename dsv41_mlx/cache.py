@@ -38,6 +38,13 @@ class RowBuffer:
     def __len__(self) -> int:
         return self._hi - self._lo
 
+    @property
+    def buffer(self) -> tuple[mx.array | None, int]:
+        """(the whole buffer, the row of it that holds the oldest row held): a reader that
+        indexes the buffer itself (the attention kernel) takes it without a view, and its shape
+        changes only when the rows move to a new buffer."""
+        return self._buffer, self._lo
+
     def append(self, new: mx.array) -> mx.array:
         """Write new rows [S, width] after the last; return every row held, them included."""
         S = new.shape[0]
@@ -75,6 +82,12 @@ class WindowCache:
     @property
     def start(self) -> int:
         return self.end - len(self._rows)
+
+    def buffer(self, first: int) -> tuple[mx.array, int]:
+        """The keys' whole buffer and its row that holds position `first` (the first position
+        update returned: the rows before the kept ones stay in the buffer until it moves)."""
+        buffer, row = self._rows.buffer
+        return buffer, row - (self.start - first)
 
     def update(self, rows: mx.array) -> tuple[mx.array, int]:
         """Append rows [S, D]; return every row a query of this chunk can see and its first position."""
@@ -116,6 +129,8 @@ class CompressorCache:
     raw_score = property(lambda self: self._raw_score.rows)
     kv = property(lambda self: self._kv.rows)
     index_keys = property(lambda self: self._index_keys.rows)
+    # the pooled groups' whole buffer: group g at row g (groups are never dropped at the front)
+    kv_buffer = property(lambda self: self._kv.buffer[0])
 
     @property
     def n_groups(self) -> int:

@@ -48,11 +48,17 @@ def kernel_text(filename: str) -> str:
 
 def device_backend() -> str:
     """'metal', 'cuda' or 'mlx' (the CPU): what the default device runs on."""
-    if mx.default_device() == mx.gpu:
-        if mx.metal.is_available():
-            return "metal"
-        if mx.cuda.is_available():
-            return "cuda"
+    return _gpu_language() if mx.default_device() == mx.gpu else "mlx"
+
+
+@lru_cache(maxsize=None)
+def _gpu_language() -> str:
+    """'metal' or 'cuda' where this process has that GPU, else 'mlx': asked once (a forward
+    asks device_backend for every kernel it launches)."""
+    if mx.metal.is_available():
+        return "metal"
+    if mx.cuda.is_available():
+        return "cuda"
     return "mlx"
 
 

@@ -629,15 +629,19 @@ class SharedAttention:
         return self._groups[key]
 
     def window(self, positions: mx.array, first: int, n_keys: int, window: int,
-               row_invariant: bool) -> tuple[mx.array | None, mx.array]:
+               row_invariant: bool, row0: int = 0) -> tuple[mx.array | None, mx.array]:
         """Which window keys each row sees, the same for every layer of a forward (their
-        windows hold the same positions), so computed once: (gather index [S, W] of each
-        row's own window, oldest first, or None where rows share the keys [n_keys]; mask)."""
-        key = (first, n_keys, window, row_invariant)
+        windows hold the same positions in the same rows of their buffers), so computed once:
+        (gather index [S, W] of each row's own window, oldest first, or None where rows share
+        the keys [n_keys]; mask). row0: the index counts from there (the buffer row of the
+        oldest key, where the keys are read from their whole buffer: WindowCache.buffer)."""
+        key = (first, n_keys, window, row_invariant, row0)
         if self._window is None or self._window[0] != key:
             if row_invariant:
                 key_pos = positions[:, None] - window + 1 + mx.arange(window)[None, :]  # [S, W]
-                index, mask = mx.clip(key_pos - first, 0, n_keys - 1), key_pos >= max(first, 0)
+                # buffer rows row0 .. row0 + n_keys - 1 hold positions first .. first + n_keys - 1
+                index = mx.clip(key_pos - (first - row0), row0, row0 + n_keys - 1)
+                mask = key_pos >= max(first, 0)
             else:
                 key_pos = first + mx.arange(n_keys)
                 index = None
@@ -784,8 +788,11 @@ class Attention(nn.Module):
         q, qr, kv = self.queries_and_latent_kv(xq, rope, kernel, real)
         keys, first = cache.window.update(kv)
         # row_invariant: each row gathers its own window, oldest first: the same array for a
-        # position whichever forward it is computed in, so its reductions run in the same order
-        index, window_mask = shared.window(positions, first, keys.shape[0], self.window, self.row_invariant)
+        # position whichever forward it is computed in, so its reductions run in the same order.
+        # It gathers from the keys' whole buffer, which keeps its shape across forwards where
+        # the kept keys' view grows and slides (and is no view to make)
+        ring, row0 = cache.window.buffer(first) if self.row_invariant else (keys, 0)
+        index, window_mask = shared.window(positions, first, keys.shape[0], self.window, self.row_invariant, row0)
 
         kv = ids = picked_mask = None
         if self.ratio:
@@ -798,17 +805,30 @@ class Attention(nn.Module):
                 if source.n_groups:
                     shared.topk = self.indexer(x, qr, positions, source.index_keys, visible, self.rope, shared)
             if shared.topk is not None:
-                kv, (ids, picked_mask) = source.kv, shared.topk
+                # the pooled groups' whole buffer (group g at row g), which the picks index
+                kv, (ids, picked_mask) = source.kv_buffer, shared.topk
         if kernel:
-            # one launch that rotates q, gathers each row's keys itself and rotates its output
-            # back (spec: the rotations in queries and output around the lines below)
-            o = kernels.sparse_attention_rows(q, keys, index, window_mask, kv, ids, picked_mask, self.attn_sink,
-                                              self.scale, rope, self.rope.dims, real)
-        else:
-            window_keys = keys if index is None else keys[index]  # [N, D] shared, or [S, W, D] per row
-            picked = None if ids is None else kv[ids]  # [S, k, D]
-            o = sparse_attention(q, window_keys, window_mask, picked, picked_mask, self.attn_sink, self.scale)
+            return self.attention_and_output(q, ring, index, window_mask, kv, ids, picked_mask, self.attn_sink, rope,
+                                             real)
+        window_keys = keys if index is None else ring[index]  # [N, D] shared, or [S, W, D] per row
+        picked = None if ids is None else kv[ids]  # [S, k, D]
+        o = sparse_attention(q, window_keys, window_mask, picked, picked_mask, self.attn_sink, self.scale)
         return self.output(o, rope, kernel, real)
+
+    @fused("wo_a", "wo_b")
+    def attention_and_output(self, q: mx.array, ring: mx.array, index: mx.array, window_mask: mx.array,
+                             kv: mx.array | None, ids: mx.array | None, picked_mask: mx.array | None,
+                             sink: mx.array, rope: tuple, real: int | None) -> mx.array:
+        """The attention kernel's path (rows that gather their own windows, on a GPU): one launch
+        that rotates q, gathers each row's keys from the buffers as they are (ring [R, D] by
+        index, kv [T, D] by ids) and rotates its output back (spec: the rotations in queries
+        and output around sparse_attention), then output's projections. Compiled with them:
+        its arguments keep their shapes from forward to forward (the buffers change theirs
+        only when they move), so a forward replays the trace. sink: attn_sink (an argument: a
+        compiled method takes its own arrays through their modules, and this one has none)."""
+        o = kernels.sparse_attention_rows(q, ring, index, window_mask, kv, ids, picked_mask, sink, self.scale, rope,
+                                          self.rope.dims, real)
+        return self.output(o, rope, True, real)
 
     def _compress(self, x: mx.array, cache: LayerCache, shared: SharedAttention) -> None:
         """Pool finished groups; store their index keys and RoPE'd FP4 compressed KV."""

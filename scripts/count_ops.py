@@ -64,8 +64,9 @@ def gpu_path_with_stub_kernels(calls: collections.Counter):
 
 def census(*outputs) -> tuple[int, int, collections.Counter]:
     """(launches, views, primitive counts) of the lazy graph behind outputs (nothing is
-    evaluated). A stub is one launch (its Depends); its outputs' broadcasts are no views of
-    the model's, so as many views as the Depends nodes have outputs are not counted."""
+    evaluated). A stub is one launch (its Depends); the broadcasts that make its outputs (those
+    a Depends node takes in) are no views of the model's and are not counted (inside a
+    compiled method, equal broadcasts of two stubs are one node)."""
     import re
 
     import bench
@@ -73,9 +74,10 @@ def census(*outputs) -> tuple[int, int, collections.Counter]:
     dot = bench.graph_dot(*outputs)
     labels = dict(re.findall(r'\{ (\d+) \[label ="([^"]+)"', dot))
     ops = collections.Counter(label.split()[0] for label in labels.values())
-    depends = {node for node, label in labels.items() if label == "Depends"}
-    stub_outputs = sum(1 for node in re.findall(r'^(\d+) -> "', dot, flags=re.M) if node in depends)
-    return bench.kernels(ops), sum(v for k, v in ops.items() if k in bench.VIEWS) - stub_outputs, ops
+    makes = dict((array, node) for node, array in re.findall(r'^(\d+) -> "([^"]+)"', dot, flags=re.M))
+    stub_outputs = {makes.get(array) for array, node in re.findall(r'^"([^"]+)" -> (\d+)', dot, flags=re.M)
+                    if labels.get(node) == "Depends" and labels.get(makes.get(array)) == "Broadcast"}
+    return bench.kernels(ops), sum(v for k, v in ops.items() if k in bench.VIEWS) - len(stub_outputs), ops
 
 
 def count(model_path: str | None, rows: int, prompt: int = 300) -> dict:

@@ -350,8 +350,9 @@ def test_attention_kernel_takes_the_queries_unrotated_and_rotates_its_output_bac
 
     _gpu_dispatch_with_specs(monkeypatch, model, attention)
     got = [model.decode(rest[start: start + 3], kernel) for start in range(0, len(rest), 3)]
-    # q as wq_b gives it, [S, H * D]: the kernel reads it as [S, H, D]
-    assert calls == [(8, model.args.num_attention_heads * model.args.head_dim)] * len(model.layers) * len(got)
+    # every layer through the kernel (traced inside a compiled method: once a shape of its buffers), with q as wq_b
+    # gives it, [S, H * D]: the kernel reads it as [S, H, D]
+    assert set(calls) == {(8, model.args.num_attention_heads * model.args.head_dim)} and len(calls) >= len(model.layers)
     for (want_logits, want_feats), (logits, feats) in zip(want, got):
         assert mx.array_equal(want_logits, logits).item() and mx.array_equal(want_feats, feats).item()
     _assert_same_state(plain, kernel)
