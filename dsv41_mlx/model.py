@@ -710,8 +710,9 @@ class Attention(nn.Module):
     @fused("wq_a_wkv", "q_norm", "wq_b")
     def queries(self, xq: mx.array, rope: tuple, rope_in_kernel: bool = False,
                 real: int | None = None) -> tuple[mx.array, mx.array]:
-        """q [S, H, D] with RoPE (unless rope_in_kernel), and the normed low-rank qr [S, q_lora]
-        through fp8_input, as wq_b takes it and the indexer's wq_b reuses it."""
+        """q [S, H, D] with RoPE (with rope_in_kernel unrotated, as wq_b gives it: [S, H * D]),
+        and the normed low-rank qr [S, q_lora] through fp8_input, as wq_b takes it and the
+        indexer's wq_b reuses it."""
         qr = self.q_norm.quantized(self.wq_a_wkv.quantized_rows(xq, 0, self.q_lora_rank, real))
         return self._queries(qr, rope, rope_in_kernel, real), qr
 

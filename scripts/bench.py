@@ -848,6 +848,7 @@ def bench_pieces(model_path: str | None, layer_ids: list[int]) -> dict:
         # where the attention kernel runs, it rotates q and its output itself: queries and output do not
         rope_in_kernel = kernels.attention_fits((rows, attn.n_heads, attn.head_dim), mx.bfloat16, W, K)
         q, _ = attn.queries(xq, rope, rope_in_kernel)
+        q = q.reshape(rows, attn.n_heads, attn.head_dim)  # (the kernel's unrotated q comes as [S, H * D])
         ring = mx.random.normal((W + rows, attn.head_dim)).astype(mx.bfloat16)
         kv = mx.random.normal((4 * K, attn.head_dim)).astype(mx.bfloat16)
         index = mx.random.randint(0, W + rows, (rows, W))
