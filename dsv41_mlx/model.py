@@ -298,6 +298,14 @@ def sum_copies(terms: mx.array) -> mx.array:
 
 
 @mx.compile
+def copies_mean(h: mx.array) -> mx.array:
+    """The mean over the stream's hc copies [S, hc, dim] -> [S, dim] bf16: their fp32 sum in
+    order (sum_copies) over hc, rounded to bf16 (a DSpark feature). Compiled: one fused pass
+    where its steps were seven launches."""
+    return (sum_copies(h.astype(F32)) / h.shape[1]).astype(BF16)
+
+
+@mx.compile
 def hc_pre(x: mx.array, pre: mx.array) -> mx.array:
     """Collapse copies: [S, hc, dim] x [S, hc] -> [S, dim] (fp32 sum, x's dtype out)."""
     terms = [w * c.astype(F32) for w, c in zip(copies(pre[:, :, None], 1), copies(x, 1))]  # [S, 1, dim] each
@@ -1152,7 +1160,11 @@ class Model(nn.Module):
     def takes_whole_stream(self, i: int) -> bool:
         """Whether block i needs the stream whole before it runs (an engram layer adds to it, a
         DSpark target layer taps it), so that a previous block's Expansion is expanded first."""
-        return i in self.args.engram_layer_ids or i in self.args.dspark_target_layer_ids
+        return i in self._whole_stream_layers
+
+    @functools.cached_property
+    def _whole_stream_layers(self) -> frozenset[int]:
+        return frozenset(self.args.engram_layer_ids) | frozenset(self.args.dspark_target_layer_ids)
 
     def make_cache(self) -> ModelCache:
         return ModelCache([LayerCache(self.args.sliding_window,
@@ -1187,7 +1199,7 @@ class Model(nn.Module):
             if i in engram_rows:
                 h = layer.engram(h, engram_rows[i], real_rows)
             if i in targets:
-                features.append((sum_copies(h.astype(F32)) / h.shape[1]).astype(BF16))
+                features.append(copies_mean(h))
             # each block hands the next its output unexpanded (Expansion); the last expands it
             h, pre = layer(h, pre, positions, cache.layers[i], cache.layers, shared, rows=real_rows,
                            expand=i + 1 == len(self.layers))
