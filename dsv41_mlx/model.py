@@ -435,8 +435,15 @@ class Compressor(nn.Module):
             return None, first_group
         kv = kv[: n_full * self.ratio].reshape(n_full, self.ratio, -1)
         score = score[: n_full * self.ratio].reshape(n_full, self.ratio, -1)
-        pooled = (kv * mx.softmax(score, axis=1, precise=True)).sum(axis=1)
-        return self.norm(pooled.astype(BF16)), first_group
+        return self.norm(pooled(kv, score)), first_group
+
+
+@mx.compile
+def pooled(kv: mx.array, score: mx.array) -> mx.array:
+    """Each full group's rows kv [G, ratio, D] weighted by the softmax of their scores over the
+    group (fp32) and summed, in bf16. Compiled: the softmax over a middle axis is several
+    operations, whose element-wise steps fuse."""
+    return (kv * mx.softmax(score, axis=1, precise=True)).sum(axis=1).astype(BF16)
 
 
 @mx.compile
