@@ -23,7 +23,10 @@ class RowBuffer:
     with room to grow: an append writes its rows after the last one (one slice update, in
     place when nothing else holds the buffer) where a concatenate would copy every row held
     (two copy launches on a GPU, each step). When the room runs out, the rows held move to
-    a new buffer with as much room again as they take (at least `min_room` rows)."""
+    a new buffer with as much room again as they take (at least `min_room` rows), its rows
+    rounded up to a power of two: the attention kernel's compiled path takes the whole
+    buffer (model.Attention.attention_and_output), and a compiled function is traced once
+    for each shape it is given, so the shapes are few and the same in every sequence."""
 
     def __init__(self, min_room: int):
         self.min_room = min_room
@@ -50,7 +53,8 @@ class RowBuffer:
         S = new.shape[0]
         if self._buffer is None or self._hi + S > self._buffer.shape[0]:
             held, n = self.rows, len(self)
-            buffer = mx.zeros((n + S + max(self.min_room, n), new.shape[1]), dtype=new.dtype)
+            rows = 1 << (n + S + max(self.min_room, n) - 1).bit_length()  # the least power of two that holds them
+            buffer = mx.zeros((rows, new.shape[1]), dtype=new.dtype)
             if n:
                 buffer[:n] = held
             self._buffer, self._lo, self._hi = buffer, 0, n

@@ -350,9 +350,9 @@ def test_attention_kernel_takes_the_queries_unrotated_and_rotates_its_output_bac
 
     _gpu_dispatch_with_specs(monkeypatch, model, attention)
     got = [model.decode(rest[start: start + 3], kernel) for start in range(0, len(rest), 3)]
-    # every layer through the kernel (traced inside a compiled method: once a shape of its buffers), with q as wq_b
-    # gives it, [S, H * D]: the kernel reads it as [S, H, D]
-    assert set(calls) == {(8, model.args.num_attention_heads * model.args.head_dim)} and len(calls) >= len(model.layers)
+    # every layer through the kernel, with q as wq_b gives it, [S, H * D] (the kernel reads it as [S, H, D]), traced
+    # once: inside a compiled method, whose inputs (the whole window and group buffers) kept their shapes
+    assert calls == [(8, model.args.num_attention_heads * model.args.head_dim)] * len(model.layers)
     for (want_logits, want_feats), (logits, feats) in zip(want, got):
         assert mx.array_equal(want_logits, logits).item() and mx.array_equal(want_feats, feats).item()
     _assert_same_state(plain, kernel)
@@ -360,7 +360,8 @@ def test_attention_kernel_takes_the_queries_unrotated_and_rotates_its_output_bac
 
 def test_window_cache_keeps_the_newest_rows_through_its_buffer_moves():
     """Decode-like updates (8 rows written, 7 trimmed) and a long chunk: the kept rows and the
-    rows an update returns are always the newest ones, oldest first, across the buffer's moves."""
+    rows an update returns are always the newest ones, oldest first, across the buffer's moves,
+    and the whole buffer holds them where WindowCache.buffer says."""
     from dsv41_mlx.cache import TRIM_SLACK, WindowCache
 
     cache, rows = WindowCache(4), []  # rows: every position's row, as a plain list
@@ -369,6 +370,11 @@ def test_window_cache_keeps_the_newest_rows_through_its_buffer_moves():
         keys, first = cache.update(new)
         rows += new.tolist()
         assert first == len(rows) - keys.shape[0] and keys.tolist() == rows[first:]
+        # the whole buffer (what the attention kernel reads) holds them from the row it names, and its
+        # rows are a power of two (few shapes for the compiled path to trace)
+        buffer, row = cache.buffer(first)
+        assert buffer[row: row + keys.shape[0]].tolist() == keys.tolist()
+        assert buffer.shape[0] & (buffer.shape[0] - 1) == 0
         if size == 8:
             cache.trim(7)
             del rows[-7:]
