@@ -533,10 +533,10 @@ def sparse_attention_rows(q: mx.array, ring: mx.array, index: mx.array, window_m
     """model.Attention between its query and output projections, for rows that each gather
     their own window, in one launch, without gathering the keys first: q rotated by
     Rope.apply, model.sparse_attention, and its output rotated back (Rope.apply inverse);
-    that composition is the spec (scripts/check_kernels.py). q [S, H, D] bf16, not rotated;
-    ([S, H * D] reads as [S, H, D]: H from sink); ring [R, D] and index [S, W] (each row's
-    window slots), window_mask [S, W]; kv [T, D],
-    ids [S, K], picked_mask [S, K], or None for none; rope: Rope.tables(positions, D) of the
+    that composition is the spec (scripts/check_kernels.py). q [S, H, D] bf16, not rotated
+    ([S, H * D] reads as [S, H, D], H from sink); ring [R, D] and index [S, W] (each row's
+    window slots), window_mask [S, W]; kv [T, D], ids [S, K], picked_mask [S, K], or None
+    for none; rope: Rope.tables(positions, D) of the
     S rows, whose last rope_dims features rotate (a model's constant: one build per value);
     real_rows: only the first real_rows rows are computed (default all), the rest, a padded
     forward's padding (model.Model.padded), come out zeros. -> [S, H, D] bf16. Only where

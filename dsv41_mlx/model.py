@@ -1003,8 +1003,8 @@ class MoE(nn.Module):
         if kernels.fp4_experts_fits(x8, w13.weight, ids, rows=real):
             h = w13.pairs(x8, ids, real, swiglu=kernels.SwiGLU(self.limit, weights))  # [real, k, inter]
             return w2.pairs(h, ids, real, quantize=True)
-        weights, ids = weights[:real], ids[:real]
-        return self._routed(x8[:real, None, None, :], weights[:, :, None, None], ids, False).reshape(real, ids.shape[1], -1)
+        weights, ids = weights[:real, :, None, None], ids[:real]
+        return self._routed(x8[:real, None, None, :], weights, ids, False).reshape(real, ids.shape[1], -1)
 
     def _routed(self, xq: mx.array, weights: mx.array, ids: mx.array, sorted_ids: bool) -> mx.array:
         """The routed experts' SwiGLU, weighted before the down projection (as the reference):
