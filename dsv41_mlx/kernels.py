@@ -501,6 +501,11 @@ def _hc_input_rest(h, parts, pre_in, scale, base, norm_w, iters, hc_norm_eps, ep
 # ------------------------------------------------------------ sparse_attention
 
 ATTENTION_HEADS_PER_GROUP = 2  # heads of one row per threadgroup: each key row is read once for them
+# simdgroups a threadgroup: more shorten each one's chain of key reads in the scores and change
+# no bits (the softmax and the weighted sum run on the first 8 whatever this is). The H200 ran
+# 16 faster than 8 (docs/benchmarks.md, session 21); Metal keeps the 8 written for it, unmeasured
+# (a pipeline's thread limit there depends on its registers)
+ATTENTION_WARPS = {"cuda": 16, "metal": 8}
 ATTENTION_THREADGROUP_BYTES = 32 * 1024  # Apple GPUs' threadgroup memory
 
 
@@ -556,13 +561,14 @@ def sparse_attention_rows(q: mx.array, ring: mx.array, index: mx.array, window_m
     if K == 0:  # placeholders the kernel does not read
         kv, ids, picked_mask = _constant(mx.bfloat16, 0.0), _constant(mx.uint32, 0), _constant(mx.bool_, False)
     kernel = _compiled(SPARSE_ATTENTION, impl)
-    G = ATTENTION_HEADS_PER_GROUP
+    G, warps = ATTENTION_HEADS_PER_GROUP, ATTENTION_WARPS[impl]
     (out,) = kernel(inputs=[q, ring.astype(mx.bfloat16), index.astype(mx.int32), window_mask.astype(mx.bool_),
                             kv.astype(mx.bfloat16), ids.astype(mx.uint32), picked_mask.astype(mx.bool_),
                             sink.astype(mx.float32), cos.astype(mx.float32), sin.astype(mx.float32),
                             _float32s(scale), _int32s(computed_rows(real_rows, S))],
-                    template=[("D", D), ("H", H), ("G", G), ("W", W), ("K", K), ("RD", rope_dims)],
-                    grid=(S * (H // G) * 256, 1, 1), threadgroup=(256, 1, 1),
+                    template=[("D", D), ("H", H), ("G", G), ("W", W), ("K", K), ("RD", rope_dims),
+                              ("WARPS", warps)],
+                    grid=(S * (H // G) * 32 * warps, 1, 1), threadgroup=(32 * warps, 1, 1),
                     output_shapes=[(S, H, D)], output_dtypes=[mx.bfloat16])
     return out
 

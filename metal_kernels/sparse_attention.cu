@@ -1,14 +1,14 @@
-// CUDA twin of sparse_attention.metal (see there for what it computes). 256 threads per block.
+// CUDA twin of sparse_attention.metal (see there for what it computes): 32 * WARPS threads a block.
 
-constexpr int WARPS = 8;
 constexpr int N = W + K;
 constexpr int CH = D / 8;            // a key row's chunks of 8 features (16 bytes each)
 constexpr int LCH = (CH + 31) / 32;  // the chunks a lane takes in the scores
-constexpr int P = 256 / CH;          // the key subsets of the weighted sum
+constexpr int SUM_WARPS = 8;         // the warps of the softmax and the weighted sum (any WARPS >= 8)
+constexpr int P = 32 * SUM_WARPS / CH;  // the key subsets of the weighted sum
 __shared__ float qs[G][D];
 __shared__ float sc[G][N];
 __shared__ int key_row[N];
-__shared__ float red[WARPS];
+__shared__ float red[SUM_WARPS];
 __shared__ float denom[G];
 __shared__ float subset_sum[P][G][D];
 
@@ -87,41 +87,46 @@ for (unsigned int j = warp; j < N; j += WARPS) {  // (unrolled: four keys' reads
 }
 __syncthreads();
 
-// per head: the row max, the probabilities (kept rounded to bf16) and their sum
+// per head: the row max, the probabilities (kept rounded to bf16) and their sum, by the first
+// SUM_WARPS warps whatever WARPS is, so that the sum runs in one order
 for (int g = 0; g < G; g++) {
-  float m = neg_inf;
-  for (unsigned int j = tid; j < N; j += 32 * WARPS) {
-    m = fmaxf(m, sc[g][j]);
-  }
-  for (int offset = 16; offset > 0; offset /= 2) {
-    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
-  }
-  if (lane == 0) {
-    red[warp] = m;
+  if (warp < SUM_WARPS) {
+    float m = neg_inf;
+    for (unsigned int j = tid; j < N; j += 32 * SUM_WARPS) {
+      m = fmaxf(m, sc[g][j]);
+    }
+    for (int offset = 16; offset > 0; offset /= 2) {
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+    }
+    if (lane == 0) {
+      red[warp] = m;
+    }
   }
   __syncthreads();
   float row_max = red[0];
-  for (int w = 1; w < WARPS; w++) {
+  for (int w = 1; w < SUM_WARPS; w++) {
     row_max = fmaxf(row_max, red[w]);
   }
   row_max = fmaxf(row_max, -1e30f);
   __syncthreads();  // everyone has read red
-  float sum = 0.0f;
-  for (unsigned int j = tid; j < N; j += 32 * WARPS) {
-    const float p = expf(sc[g][j] - row_max);
-    sum += p;
-    sc[g][j] = __bfloat162float(__float2bfloat16(p));
-  }
-  for (int offset = 16; offset > 0; offset /= 2) {
-    sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-  }
-  if (lane == 0) {
-    red[warp] = sum;
+  if (warp < SUM_WARPS) {
+    float sum = 0.0f;
+    for (unsigned int j = tid; j < N; j += 32 * SUM_WARPS) {
+      const float p = expf(sc[g][j] - row_max);
+      sum += p;
+      sc[g][j] = __bfloat162float(__float2bfloat16(p));
+    }
+    for (int offset = 16; offset > 0; offset /= 2) {
+      sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    }
+    if (lane == 0) {
+      red[warp] = sum;
+    }
   }
   __syncthreads();
   if (tid == 0) {
     float total = red[0];
-    for (int w = 1; w < WARPS; w++) {
+    for (int w = 1; w < SUM_WARPS; w++) {
       total += red[w];
     }
     denom[g] = total + expf(sink[h0 + g] - row_max);
@@ -129,9 +134,9 @@ for (int g = 0; g < G; g++) {
   __syncthreads();
 }
 
-// the weighted keys: thread t takes chunk t % CH of keys t / CH, t / CH + P, ... (window keys
-// first, then picked ones), the P subsets' sums then added in order
-{
+// the weighted keys: thread t < 256 takes chunk t % CH of keys t / CH, t / CH + P, ... (window
+// keys first, then picked ones), the P subsets' sums then added in order
+if (tid < P * CH) {
   const unsigned int ch = tid % CH;
   const unsigned int subset = tid / CH;
   float acc[G][8] = {};

@@ -24,18 +24,20 @@
 // takes -sin. The attention's sums run in another order than the spec's matmuls, so
 // results match it to float32 noise (a probability may round to the neighbouring
 // bfloat16), not bit for bit; each row is computed alone, the same bits in any forward.
-// Template constants: D, H, G, W, K, RD. 256 threads. CUDA twin: sparse_attention.cu (the
-// bf16 reads: bf16_lane.h).
+// Template constants: D, H, G, W, K, RD, WARPS (the simdgroups: 32 * WARPS threads, at least
+// 8; more shorten each simdgroup's chain of key reads in the scores, and the same sums are
+// made: the same bits at any WARPS). CUDA twin: sparse_attention.cu (the bf16 reads:
+// bf16_lane.h).
 
-constexpr int WARPS = 8;
 constexpr int N = W + K;
 constexpr int CH = D / 8;            // a key row's chunks of 8 features (16 bytes each)
 constexpr int LCH = (CH + 31) / 32;  // the chunks a lane takes in the scores
-constexpr int P = 256 / CH;          // the key subsets of the weighted sum
+constexpr int SUM_WARPS = 8;         // the warps of the softmax and the weighted sum (any WARPS >= 8)
+constexpr int P = 32 * SUM_WARPS / CH;  // the key subsets of the weighted sum
 threadgroup float qs[G][D];
 threadgroup float sc[G][N];
 threadgroup int key_row[N];
-threadgroup float red[WARPS];
+threadgroup float red[SUM_WARPS];
 threadgroup float denom[G];
 threadgroup float subset_sum[P][G][D];
 
@@ -105,41 +107,46 @@ for (uint j = warp; j < N; j += WARPS) {
 }
 threadgroup_barrier(mem_flags::mem_threadgroup);
 
-// per head: the row max, the probabilities (kept rounded to bf16) and their sum
+// per head: the row max, the probabilities (kept rounded to bf16) and their sum, by the first
+// SUM_WARPS warps whatever WARPS is, so that the sum runs in one order
 for (int g = 0; g < G; g++) {
-  float m = neg_inf;
-  for (uint j = tid; j < N; j += 32 * WARPS) {
-    m = metal::max(m, sc[g][j]);
-  }
-  for (int offset = 16; offset > 0; offset /= 2) {
-    m = metal::max(m, simd_shuffle_xor(m, ushort(offset)));
-  }
-  if (lane == 0) {
-    red[warp] = m;
+  if (warp < SUM_WARPS) {
+    float m = neg_inf;
+    for (uint j = tid; j < N; j += 32 * SUM_WARPS) {
+      m = metal::max(m, sc[g][j]);
+    }
+    for (int offset = 16; offset > 0; offset /= 2) {
+      m = metal::max(m, simd_shuffle_xor(m, ushort(offset)));
+    }
+    if (lane == 0) {
+      red[warp] = m;
+    }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
   float row_max = red[0];
-  for (int w = 1; w < WARPS; w++) {
+  for (int w = 1; w < SUM_WARPS; w++) {
     row_max = metal::max(row_max, red[w]);
   }
   row_max = metal::max(row_max, -1e30f);
   threadgroup_barrier(mem_flags::mem_threadgroup);  // everyone has read red
-  float sum = 0.0f;
-  for (uint j = tid; j < N; j += 32 * WARPS) {
-    const float p = metal::exp(sc[g][j] - row_max);
-    sum += p;
-    sc[g][j] = float(bfloat16_t(p));
-  }
-  for (int offset = 16; offset > 0; offset /= 2) {
-    sum += simd_shuffle_xor(sum, ushort(offset));
-  }
-  if (lane == 0) {
-    red[warp] = sum;
+  if (warp < SUM_WARPS) {
+    float sum = 0.0f;
+    for (uint j = tid; j < N; j += 32 * SUM_WARPS) {
+      const float p = metal::exp(sc[g][j] - row_max);
+      sum += p;
+      sc[g][j] = float(bfloat16_t(p));
+    }
+    for (int offset = 16; offset > 0; offset /= 2) {
+      sum += simd_shuffle_xor(sum, ushort(offset));
+    }
+    if (lane == 0) {
+      red[warp] = sum;
+    }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
   if (tid == 0) {
     float total = red[0];
-    for (int w = 1; w < WARPS; w++) {
+    for (int w = 1; w < SUM_WARPS; w++) {
       total += red[w];
     }
     denom[g] = total + metal::exp(sink[h0 + g] - row_max);
@@ -147,9 +154,9 @@ for (int g = 0; g < G; g++) {
   threadgroup_barrier(mem_flags::mem_threadgroup);
 }
 
-// the weighted keys: thread t takes chunk t % CH of keys t / CH, t / CH + P, ... (window keys
-// first, then picked ones), the P subsets' sums then added in order
-{
+// the weighted keys: thread t < 256 takes chunk t % CH of keys t / CH, t / CH + P, ... (window
+// keys first, then picked ones), the P subsets' sums then added in order
+if (tid < P * CH) {
   const uint ch = tid % CH;
   const uint subset = tid / CH;
   float acc[G][8] = {};

@@ -71,11 +71,12 @@ none visible, against the query RoPE, model.sparse_attention on gathered keys an
 the inverse RoPE (the release's 64 rotated features, YaRN on compressed layers):
 each row-head within 1% of its largest value, 0.1% on average; a row alone equals
 the row among others; with fewer real rows than rows, the real rows the same bits
-and the padding zeros.
+and the padding zeros; at 8 simdgroups a threadgroup the bits of the backend's count.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -85,6 +86,7 @@ os.environ.setdefault("MLX_ENABLE_TF32", "0")  # the spec's matmul in true float
 import mlx.core as mx
 import numpy as np
 
+from dsv41_mlx import kernels
 from dsv41_mlx.kernels import (TILE, TOP_K, backend, fp8_rows_tiles, fp8_rows_top64, hc_split, hc_split_reference,
                                ring_write, ring_write_reference)
 from dsv41_mlx.kernels import (SwiGLU, act_quant_fp8, fp4_experts, fp4_quant, fp8_gemv, fp8_gemv_pair,
@@ -377,6 +379,11 @@ def check_fp8_gemv(impl: str, seed: int) -> list[str]:
             problems.extend([problem] if problem else [])
             if rows in (8, 16) and not mx.array_equal(fp8_gemv(x[:1], w, s, impl=impl), got[:1]).item():
                 problems.append(f"{name}: row 0 alone differs from row 0 of {rows}")
+            with attention_warps(impl, 8):
+                eight = sparse_attention_rows(*args, impl=impl)
+            if not np.array_equal(np.array(eight.astype(mx.float32)), got):
+                problems.append(f"sparse_attention picks={picks} rows={rows}: 8 simdgroups a threadgroup differ "
+                                f"from {kernels.ATTENTION_WARPS.get(impl)}")
             if rows in (8, 16):  # a padded forward: its real rows the same bits, the padding zeros
                 for real in (1, rows - 2):
                     padded = fp8_gemv(x, w, s, impl=impl, init_value=POISON, real_rows=real)
@@ -776,6 +783,17 @@ def attention_rows(args: tuple, rows: slice) -> tuple:
             None if pmask is None else pmask[rows], sink, scale, rope, rope_dims)
 
 
+@contextlib.contextmanager
+def attention_warps(impl: str, warps: int):
+    """Inside: the attention kernel runs `warps` simdgroups a threadgroup on impl."""
+    saved = kernels.ATTENTION_WARPS
+    kernels.ATTENTION_WARPS = {**saved, impl: warps}
+    try:
+        yield
+    finally:
+        kernels.ATTENTION_WARPS = saved
+
+
 def check_sparse_attention(impl: str, seed: int) -> list[str]:
     """The attention kernel against its spec at the release's shape (64 heads x 512, a
     128-key window, 512 picks or none; the last 64 features rotated, by the compressed
@@ -785,7 +803,8 @@ def check_sparse_attention(impl: str, seed: int) -> list[str]:
     (and a probability may round to the other bf16 neighbour), so: each row-head within 1%
     of its largest value, and on average within 0.1%. These tolerances are set before any
     GPU run of the kernel. A row alone equals the same row among others; q as wq_b gives it,
-    [S, H * D], the bits of [S, H, D]."""
+    [S, H * D], the bits of [S, H, D]; at 8 simdgroups a threadgroup (kernels.ATTENTION_WARPS),
+    the bits of the backend's own count."""
     rng = np.random.default_rng(seed)
     problems = []
     H, D, W, K, R, T = 64, 512, 128, 512, 160, 700
@@ -821,6 +840,11 @@ def check_sparse_attention(impl: str, seed: int) -> list[str]:
             flat = sparse_attention_rows(q.reshape(rows, -1), *args[1:], impl=impl)  # as wq_b gives q: [S, H * D]
             if not np.array_equal(np.array(flat.astype(mx.float32)), got):
                 problems.append(f"sparse_attention picks={picks} rows={rows}: q as [S, H * D] differs from [S, H, D]")
+            with attention_warps(impl, 8):
+                eight = sparse_attention_rows(*args, impl=impl)
+            if not np.array_equal(np.array(eight.astype(mx.float32)), got):
+                problems.append(f"sparse_attention picks={picks} rows={rows}: 8 simdgroups a threadgroup differ "
+                                f"from {kernels.ATTENTION_WARPS.get(impl)}")
             if rows in (8, 16):  # a padded forward: its real rows the same bits, the padding zeros
                 for real in (1, rows - 2):
                     padded = np.array(sparse_attention_rows(*args, real, impl=impl).astype(mx.float32))

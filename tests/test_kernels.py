@@ -179,11 +179,14 @@ CASES = {
     # the tiny checkpoint's width: a row's features and a chunk's values not a whole number of passes
     "hc_input_tiny": (HC_INPUT, *HC_INPUT_IO, {"D": 64, "HC": 4, "ITERS": 20, "O": "bfloat16", "CH": 16}),
     "hc_post_mix_tiny": (HC_POST_MIX, *HC_POST_MIX_IO, {"D": 64, "HC": 4, "CH": 16}),
-    "sparse_attention": (SPARSE_ATTENTION, *ATTENTION_IO, {"D": 512, "H": 64, "G": 2, "W": 128, "K": 512, "RD": 64}),
+    # (the simdgroups: 16 on CUDA, 8 on Metal; both forms in both languages)
+    "sparse_attention": (SPARSE_ATTENTION, *ATTENTION_IO,
+                         {"D": 512, "H": 64, "G": 2, "W": 128, "K": 512, "RD": 64, "WARPS": 16}),
     "sparse_attention_window_only": (SPARSE_ATTENTION, *ATTENTION_IO,
-                                     {"D": 512, "H": 64, "G": 2, "W": 128, "K": 0, "RD": 64}),
+                                     {"D": 512, "H": 64, "G": 2, "W": 128, "K": 0, "RD": 64, "WARPS": 8}),
     # the tiny checkpoint's attention: 8 chunks a key row (most lanes idle in the scores), 32 key subsets
-    "sparse_attention_tiny": (SPARSE_ATTENTION, *ATTENTION_IO, {"D": 64, "H": 4, "G": 2, "W": 8, "K": 4, "RD": 16}),
+    "sparse_attention_tiny": (SPARSE_ATTENTION, *ATTENTION_IO,
+                              {"D": 64, "H": 4, "G": 2, "W": 8, "K": 4, "RD": 16, "WARPS": 8}),
     "rms_norm": (RMS_NORM, {"x": "bfloat16", "w": "float32", "eps": "float32", "sizes": "int32", **NO_ROPE},
                  {"y": "bfloat16"}, {"T": "bfloat16", "O": "bfloat16", "QUANT": 0, "ROPE": 0}),
     "rms_norm_f32": (RMS_NORM, {"x": "float32", "w": "float32", "eps": "float32", "sizes": "int32", **NO_ROPE},
@@ -900,8 +903,9 @@ def test_attention_kernel_runs_only_where_it_fits():
 def test_attention_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatch):
     """scripts/check_kernels.py's attention check: the spec itself passes; a kernel that
     drops the sink, reads the wrong window slot, forgets the RoPE (of q and of the output,
-    or only the inverse), couples rows, computes a padded forward's padding rows, or reads q
-    given as [S, H * D] in another layout, fails."""
+    or only the inverse), couples rows, computes a padded forward's padding rows, reads q
+    given as [S, H * D] in another layout, or gives other bits at 8 simdgroups a threadgroup,
+    fails."""
     from dsv41_mlx.model import Rope, sparse_attention
 
     check = _check_kernels_script()
@@ -934,11 +938,16 @@ def test_attention_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatch):
     def padding_computed(*args, impl=None):  # ignores real_rows
         return spec(*args[:11])
 
+    def warps_dependent(*args, impl=None):  # sums in another order at another simdgroup count
+        out = spec(*args)
+        return out if kernels.ATTENTION_WARPS.get(impl) != 8 else (out.astype(mx.float32) * 1.05).astype(mx.bfloat16)
+
     monkeypatch.setattr(check, "sparse_attention_rows", lambda *a, impl=None: spec(*a))
     assert check.check_sparse_attention("mlx", seed=4) == []
     for broken, message in ((no_sink, "off by"), (shifted_slot, "off by"), (no_rope, "off by"),
                             (no_inverse_rope, "off by"), (coupled_rows, "alone differs"),
-                            (padding_computed, "zeros after them"), (flat_q_misread, "q as [S, H * D]")):
+                            (padding_computed, "zeros after them"), (flat_q_misread, "q as [S, H * D]"),
+                            (warps_dependent, "8 simdgroups")):
         monkeypatch.setattr(check, "sparse_attention_rows", broken)
         assert any(message in p for p in check.check_sparse_attention("mlx", seed=4)), broken.__name__
 
