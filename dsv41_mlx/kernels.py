@@ -358,7 +358,7 @@ DECODE_MAX_ROWS = 16
 
 # -------------------------------------------------------------------- moe_gate
 
-MOE_GATE_MAX_EXPERTS = 3072  # two floats per expert in the top-k kernel's threadgroup memory (Metal: 32 KB)
+MOE_GATE_MAX_EXPERTS = 3072  # the top-k kernel keeps a float per expert in threadgroup memory (Metal: 32 KB)
 
 
 def moe_gate_reference(x: mx.array, w: mx.array, bias: mx.array, k: int, temp: float, route_scale: float,
@@ -380,7 +380,7 @@ def moe_gate(x: mx.array, w: mx.array, bias: mx.array, k: int, temp: float, rout
              normalize: bool, impl: str | None = None) -> tuple[mx.array, mx.array]:
     """The router in two launches on a GPU for up to DECODE_MAX_ROWS rows: the scores (a
     threadgroup per expert, its weights read once for all rows), then each row's top-k (a
-    threadgroup per row); the spec otherwise. The fp32 dot products are summed in another
+    simdgroup per row); the spec otherwise. The fp32 dot products are summed in another
     order than the spec's matmul, so a near-tie between two experts may fall the other way;
     each row is computed alone, the same bits in any forward (scripts/check_kernels.py
     compares the two)."""
@@ -398,7 +398,7 @@ def moe_gate(x: mx.array, w: mx.array, bias: mx.array, k: int, temp: float, rout
     weights, ids = _compiled(MOE_GATE_TOPK, impl)(
         inputs=[scores, bias.astype(mx.float32), _float32s(route_scale),
                 _int32s(N)],
-        template=[("E", E), ("K", k), ("NORMALIZE", int(normalize))], grid=(N * 256, 1, 1), threadgroup=(256, 1, 1),
+        template=[("E", E), ("K", k), ("NORMALIZE", int(normalize))], grid=(N * 32, 1, 1), threadgroup=(32, 1, 1),
         output_shapes=[(N, k), (N, k)], output_dtypes=[mx.float32, mx.uint32])
     return weights, ids
 

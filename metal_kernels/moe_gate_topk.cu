@@ -1,37 +1,29 @@
-// CUDA twin of moe_gate_topk.metal (see there for what it computes). 256 threads per block.
+// CUDA twin of moe_gate_topk.metal (see there for what it computes). One warp a block.
 
-constexpr int WARPS = 8;
-__shared__ float score[E];
 __shared__ float choice[E];
-__shared__ float best_v[WARPS];
-__shared__ int best_i[WARPS];
-__shared__ int picked[K];
 
 const unsigned int row = blockIdx.x;
-const unsigned int tid = threadIdx.x;
-const unsigned int lane = threadIdx.x % 32;
-const unsigned int warp = threadIdx.x / 32;
+const unsigned int lane = threadIdx.x;
 if (row >= (unsigned int)rows[0]) {
   return;  // the whole block
 }
 const float neg_inf = __uint_as_float(0xff800000u);
 
-for (unsigned int e = tid; e < E; e += 32 * WARPS) {
-  score[e] = scores[row * E + e];
-  choice[e] = score[e] + bias[e];
+for (unsigned int e = lane; e < E; e += 32) {  // a lane reads only the choices it writes: no barrier
+  choice[e] = scores[row * E + e] + bias[e];
 }
-__syncthreads();
 
+int picked[K];  // every lane holds the picks
 for (int k = 0; k < K; k++) {
   float v = neg_inf;
   int i = E;
-  for (unsigned int e = tid; e < E; e += 32 * WARPS) {  // ascending ids: a tie keeps the lower
+  for (unsigned int e = lane; e < E; e += 32) {  // ascending ids: a tie keeps the lower
     if (choice[e] > v) {
       v = choice[e];
       i = (int)e;
     }
   }
-  for (int offset = 16; offset > 0; offset /= 2) {
+  for (int offset = 16; offset > 0; offset /= 2) {  // every lane ends with the warp's best
     const float ov = __shfl_xor_sync(0xffffffffu, v, offset);
     const int oi = __shfl_xor_sync(0xffffffffu, i, offset);
     if (ov > v || (ov == v && oi < i)) {
@@ -39,38 +31,24 @@ for (int k = 0; k < K; k++) {
       i = oi;
     }
   }
-  if (lane == 0) {
-    best_v[warp] = v;
-    best_i[warp] = i;
-  }
-  __syncthreads();
-  if (tid == 0) {
-    float bv = best_v[0];
-    int bi = best_i[0];
-    for (int g = 1; g < WARPS; g++) {
-      if (best_v[g] > bv || (best_v[g] == bv && best_i[g] < bi)) {
-        bv = best_v[g];
-        bi = best_i[g];
+  if (i >= E) {  // no finite score left (NaN or -inf input): the lowest id not yet picked
+    for (i = 0; i < E; i++) {
+      bool used = false;
+      for (int p = 0; p < k; p++) {
+        used = used || picked[p] == i;
+      }
+      if (!used) {
+        break;
       }
     }
-    if (bi >= E) {  // no finite score left (NaN or -inf input): the lowest id not yet picked
-      for (bi = 0; bi < E; bi++) {
-        bool used = false;
-        for (int p = 0; p < k; p++) {
-          used = used || picked[p] == bi;
-        }
-        if (!used) {
-          break;
-        }
-      }
-    }
-    picked[k] = bi;
-    choice[bi] = neg_inf;
   }
-  __syncthreads();
+  picked[k] = i;
+  if ((unsigned int)i % 32 == lane) {
+    choice[i] = neg_inf;
+  }
 }
 
-if (tid == 0) {
+if (lane == 0) {
   int order[K];
   for (int k = 0; k < K; k++) {  // insertion sort: ascending expert ids
     int j = k;
@@ -82,10 +60,10 @@ if (tid == 0) {
   }
   float total = 0.0f;
   for (int k = 0; k < K; k++) {
-    total += score[order[k]];
+    total += scores[row * E + order[k]];
   }
   for (int k = 0; k < K; k++) {
-    const float s = score[order[k]];
+    const float s = scores[row * E + order[k]];
     weights[row * K + k] = ((NORMALIZE && K > 1) ? s / (total + 1e-20f) : s) * params[0];
     ids[row * K + k] = (uint32_t)order[k];
   }

@@ -1,4 +1,4 @@
-// The MoE router's choice for a decode or verify forward, a threadgroup per row: the K
+// The MoE router's choice for a decode or verify forward, a simdgroup per row: the K
 // experts of largest score_e + bias_e (ties: the lower id), in ascending id order,
 // weighted by their unbiased scores (divided by the sum of the K scores, added in id
 // order, when NORMALIZE) times the route scale. The scores come from
@@ -6,41 +6,34 @@
 //
 // scores [rows, E] float32, bias [E] float32, params [1] float32 = (route scale,),
 // rows [1] int32. Outputs: weights [rows, K] float32, ids [rows, K] uint32. K rounds of a
-// threadgroup argmax over the biased scores. Template constants: E, K, NORMALIZE.
-// 256 threads. CUDA twin: moe_gate_topk.cu.
+// simdgroup argmax over the biased scores (lane l holds experts l, l + 32, ...; the
+// shuffles leave every lane with the best). Template constants:
+// E, K, NORMALIZE. 32 threads. CUDA twin: moe_gate_topk.cu.
 
-constexpr int WARPS = 8;
-threadgroup float score[E];
 threadgroup float choice[E];
-threadgroup float best_v[WARPS];
-threadgroup int best_i[WARPS];
-threadgroup int picked[K];
 
 const uint row = threadgroup_position_in_grid.x;
-const uint tid = thread_position_in_threadgroup.x;
 const uint lane = thread_index_in_simdgroup;
-const uint warp = simdgroup_index_in_threadgroup;
 if (row >= uint(rows[0])) {
   return;  // the whole threadgroup
 }
 const float neg_inf = as_type<float>(0xff800000u);
 
-for (uint e = tid; e < E; e += 32 * WARPS) {
-  score[e] = scores[row * E + e];
-  choice[e] = score[e] + bias[e];
+for (uint e = lane; e < E; e += 32) {  // a lane reads only the choices it writes: no barrier
+  choice[e] = scores[row * E + e] + bias[e];
 }
-threadgroup_barrier(mem_flags::mem_threadgroup);
 
+int picked[K];  // every lane holds the picks
 for (int k = 0; k < K; k++) {
   float v = neg_inf;
   int i = E;
-  for (uint e = tid; e < E; e += 32 * WARPS) {  // ascending ids: a tie keeps the lower
+  for (uint e = lane; e < E; e += 32) {  // ascending ids: a tie keeps the lower
     if (choice[e] > v) {
       v = choice[e];
-      i = int(e);
+      i = (int)e;
     }
   }
-  for (ushort offset = 16; offset > 0; offset /= 2) {
+  for (ushort offset = 16; offset > 0; offset /= 2) {  // every lane ends with the simdgroup's best
     const float ov = simd_shuffle_xor(v, offset);
     const int oi = simd_shuffle_xor(i, offset);
     if (ov > v || (ov == v && oi < i)) {
@@ -48,38 +41,24 @@ for (int k = 0; k < K; k++) {
       i = oi;
     }
   }
-  if (lane == 0) {
-    best_v[warp] = v;
-    best_i[warp] = i;
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  if (tid == 0) {
-    float bv = best_v[0];
-    int bi = best_i[0];
-    for (int g = 1; g < WARPS; g++) {
-      if (best_v[g] > bv || (best_v[g] == bv && best_i[g] < bi)) {
-        bv = best_v[g];
-        bi = best_i[g];
+  if (i >= E) {  // no finite score left (NaN or -inf input): the lowest id not yet picked
+    for (i = 0; i < E; i++) {
+      bool used = false;
+      for (int p = 0; p < k; p++) {
+        used = used || picked[p] == i;
+      }
+      if (!used) {
+        break;
       }
     }
-    if (bi >= E) {  // no finite score left (NaN or -inf input): the lowest id not yet picked
-      for (bi = 0; bi < E; bi++) {
-        bool used = false;
-        for (int p = 0; p < k; p++) {
-          used = used || picked[p] == bi;
-        }
-        if (!used) {
-          break;
-        }
-      }
-    }
-    picked[k] = bi;
-    choice[bi] = neg_inf;
   }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
+  picked[k] = i;
+  if (uint(i) % 32 == lane) {
+    choice[i] = neg_inf;
+  }
 }
 
-if (tid == 0) {
+if (lane == 0) {
   int order[K];
   for (int k = 0; k < K; k++) {  // insertion sort: ascending expert ids
     int j = k;
@@ -91,10 +70,10 @@ if (tid == 0) {
   }
   float total = 0.0f;
   for (int k = 0; k < K; k++) {
-    total += score[order[k]];
+    total += scores[row * E + order[k]];
   }
   for (int k = 0; k < K; k++) {
-    const float s = score[order[k]];
+    const float s = scores[row * E + order[k]];
     weights[row * K + k] = ((NORMALIZE && K > 1) ? s / (total + 1e-20f) : s) * params[0];
     ids[row * K + k] = uint(order[k]);
   }

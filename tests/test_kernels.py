@@ -266,7 +266,7 @@ def test_metal_source_type_checks(case, rows, tmp_path):
     ("act_quant", ("fp8_fake_quant_lane(v)", "fp8_fake_quant_lane(v, 1)")),  # bad call
     ("moe_gate_scores", ("a += simd_shuffle_xor(a, offset);", "a += simd_shuffle_xor(a);")),  # bad call
     ("moe_gate_scores", ("threadgroup float partial[WARPS][RB];", "threadgroup float partial[WARPS][RB]")),
-    ("moe_gate_topk", ("threadgroup int picked[K];", "threadgroup int picked[K]")),  # no semicolon
+    ("moe_gate_topk", ("threadgroup float choice[E];", "threadgroup float choice[E]")),  # no semicolon
     ("hc_input", ("cb[k] = float(bfloat16_t(c));", "cb[k] = float(bfloat16_t(c))")),  # no semicolon
     ("hc_input", ("(mix, scale, base, params[1], pre", "(mix, scale, params[1], pre")),  # hc_split_lanes' arguments
     ("hc_input", ("bfloat16_t(c)", "bfloat16_t(c, 1)")),  # bad conversion
@@ -329,7 +329,7 @@ def test_cuda_source_compiles(case):
     ("head_logits", ("acc[o][r] = fmaf(wf[e], xf[e], acc[o][r]);", "acc[o][r] = fmaf(wf, xf[e], acc[o][r]);")),
     ("hc_split", ("mix[k] = mixes[row * (2 + HC) * HC + k];", "mix[k] = mixes[row * (2 + HC) * HC + k]")),
     ("act_quant", ("fp8_fake_quant_lane(v)", "fp8_fake_quant_lane()")),  # bad call
-    ("moe_gate_topk", ("choice[bi] = neg_inf;", "choice[bi] = neg_infinity;")),  # misspelt variable
+    ("moe_gate_topk", ("choice[i] = neg_inf;", "choice[i] = neg_infinity;")),  # misspelt variable
     ("moe_gate_scores", ("acc[r] += static_cast<float>(x[min(r, rows - 1) * D + d]) * wd[k];",
                          "acc[r] += static_cast<float>(x[min(r, rows - 1) * D + d]) * wd;")),  # array for a float
     ("hc_input", ("__float2bfloat16(c)", "__float2bfloat16(c, 1)")),  # bad call
