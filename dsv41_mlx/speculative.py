@@ -245,8 +245,7 @@ class SpeculativeDecoder:
         ell = min(self.policy.verify_length(confidence, self.round_costs()), budget - 1)
         drafts = proposal.drafts[:ell]
         logits, features = self.model.decode([anchor] + drafts.tolist(), cache)
-        accepted, next_token = self.accept(logits[0], proposal, ell, anchor_pos + 1)
-        mx.eval(features)
+        accepted, next_token = self.accept(logits[0], proposal, ell, anchor_pos + 1, features)
         tic = time.perf_counter()
         self.stats.verify_s += tic - toc
 
@@ -260,31 +259,38 @@ class SpeculativeDecoder:
             self.beyond_verify.append(max(0.0, done - start - self.costs[ell]))
         return drafts[:accepted].tolist() + [next_token]
 
-    def accept(self, logits: mx.array, proposal: Proposal, ell: int, first_pos: int) -> tuple[int, int]:
+    def accept(self, logits: mx.array, proposal: Proposal, ell: int, first_pos: int,
+               features: mx.array | None = None) -> tuple[int, int]:
         """Verify rows logits [ell+1, V] (row j predicts position first_pos + j) against the
-        first ell drafts; returns (drafts accepted, the token after them)."""
+        first ell drafts; returns (drafts accepted, the token after them). features (the
+        verify forward's, for the drafter) are evaluated with the verdict: one wait for the
+        device, whose values are then read on the host."""
         positions = mx.arange(first_pos, first_pos + ell + 1)
-        drafts = proposal.drafts[:ell]
+        drafts = proposal.drafts[:ell].tolist()  # proposed and evaluated before the forward
+        also = [] if features is None else [features]
         if self.verify in ("greedy", "coupled"):
             target = sample(logits, positions, self.params)  # what plain decoding picks at each position
-            match = (drafts == target[:ell]).tolist()
-            accepted = next((j for j, ok in enumerate(match) if not ok), ell)
-            return accepted, int(target[accepted].item())
+            mx.eval(target, *also)
+            picks = target.tolist()
+            accepted = next((j for j in range(ell) if drafts[j] != picks[j]), ell)
+            return accepted, picks[accepted]
         # rejection: each row either keeps its draft or resamples; the bonus row samples p
         vocab = logits.shape[-1]
         p = mx.exp(filtered_log_probs(logits, self.params))
         g = gumbel_noise(self.params.seed, positions, vocab, RESAMPLE)
         bonus = mx.argmax(mx.log(p[ell]) + g[ell])
         if ell == 0:
+            mx.eval(bonus, *also)
             return 0, int(bonus.item())
         q = mx.exp(filtered_log_probs(proposal.logits[:ell], self.params))
         if proposal.candidates is not None:  # q lives on the candidates: zero elsewhere
             q = mx.put_along_axis(mx.zeros((ell, vocab), dtype=q.dtype), proposal.candidates[:ell], q, axis=-1)
-        keep, token = accept_or_resample(p[:ell], q, drafts, uniform_noise(self.params.seed, positions[:ell], ACCEPT),
-                                         g[:ell])
+        keep, token = accept_or_resample(p[:ell], q, proposal.drafts[:ell],
+                                         uniform_noise(self.params.seed, positions[:ell], ACCEPT), g[:ell])
+        mx.eval(keep, token, bonus, *also)
         keep = keep.tolist()
         accepted = next((j for j, ok in enumerate(keep) if not ok), ell)
-        return accepted, int(token[accepted].item() if accepted < ell else bonus.item())
+        return accepted, int(token.tolist()[accepted] if accepted < ell else bonus.item())
 
 
 def speculative_decode(decoder: SpeculativeDecoder, cache: ModelCache, last_logits: mx.array,
