@@ -463,6 +463,12 @@ def weighted_relu(dots: mx.array, w: mx.array) -> mx.array:
 _ids = mx.arange(1024)
 
 
+def positions_of(start: int, n: int) -> mx.array:
+    """Positions start .. start + n - 1 [n] int32, made on the host: an array that holds its
+    values (no launch), from which SharedAttention derives what each row sees on the host too."""
+    return mx.array(np.arange(start, start + n, dtype=np.int32))
+
+
 def key_ids(n: int) -> mx.array:
     """mx.arange(n) as a slice (a view) of one array kept across forwards, which doubles as
     sequences grow: no launch per index layer for ids that are the same every time."""
@@ -614,11 +620,11 @@ class SharedAttention:
         self._picks: dict[tuple[int, int, int], tuple[mx.array, mx.array]] = {}
 
     def visible(self, positions: mx.array, ratio: int) -> mx.array:
-        """How many compressed groups of `ratio` positions each row may see [S] (the groups
-        finished at or before its position): the same for every index layer of that ratio in
-        a forward, so computed once."""
+        """How many compressed groups of `ratio` positions each row may see [S] int32 (the
+        groups finished at or before its position): the same for every index layer of that
+        ratio in a forward, so computed once, on the host (positions_of)."""
         if ratio not in self._visible:
-            self._visible[ratio] = (positions + 1) // ratio
+            self._visible[ratio] = mx.array((np.asarray(positions) + 1) // ratio, dtype=mx.int32)
         return self._visible[ratio]
 
     def every_pick(self, n: int, pick_ids: mx.array, visible: mx.array) -> tuple[mx.array, mx.array]:
@@ -652,15 +658,16 @@ class SharedAttention:
         oldest key, where the keys are read from their whole buffer: WindowCache.buffer)."""
         key = (first, n_keys, window, row_invariant, row0)
         if self._window is None or self._window[0] != key:
+            pos = np.asarray(positions).astype(np.int64)  # on the host (positions_of): no launches
             if row_invariant:
-                key_pos = positions[:, None] - window + 1 + mx.arange(window)[None, :]  # [S, W]
+                key_pos = pos[:, None] - window + 1 + np.arange(window)[None, :]  # [S, W]
                 # buffer rows row0 .. row0 + n_keys - 1 hold positions first .. first + n_keys - 1
-                index = mx.clip(key_pos - (first - row0), row0, row0 + n_keys - 1)
-                mask = key_pos >= max(first, 0)
+                index = mx.array(np.clip(key_pos - (first - row0), row0, row0 + n_keys - 1), dtype=mx.int32)
+                mask = mx.array(key_pos >= max(first, 0))
             else:
-                key_pos = first + mx.arange(n_keys)
+                key_pos = first + np.arange(n_keys)
                 index = None
-                mask = (key_pos[None, :] <= positions[:, None]) & (key_pos[None, :] > positions[:, None] - window)
+                mask = mx.array((key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] > pos[:, None] - window))
             self._window = (key, index, mask)
         return self._window[1], self._window[2]
 
@@ -1188,7 +1195,7 @@ class Model(nn.Module):
         tokens = ids[0].tolist()
         start = cache.offset
         S = len(tokens)
-        positions = mx.arange(start, start + S)
+        positions = positions_of(start, S)
         hashes = self.hasher(cache.tokens, tokens) if self.hasher is not None else None
         # every engram layer's table rows, read on the host before any of this forward's GPU
         # work is queued (EngramTable.gather says why)

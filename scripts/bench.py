@@ -736,12 +736,12 @@ def layer_kind(layer) -> str:
 def decode_by_layer(model, token: int, cache, on_layer) -> mx.array:
     """One decode step (padded as Model.decode pads it), calling on_layer(i, run) for each block,
     where run() builds that block's outputs; returns the logits. Mirrors Model.__call__."""
-    from dsv41_mlx.model import SharedAttention, hc_expand, hc_pre, stream_value
+    from dsv41_mlx.model import SharedAttention, hc_expand, hc_pre, positions_of, stream_value
 
     args = model.args
     rows = model.decode_rows or 1
     tokens = [token] * rows
-    positions = mx.arange(cache.offset, cache.offset + rows)
+    positions = positions_of(cache.offset, rows)
     hashes = model.hasher(cache.tokens, tokens) if model.hasher is not None else None
     cache.tokens.extend(tokens)
     h, pre = hc_expand(model.embed(mx.array(tokens, dtype=mx.int32)), args.hc_mult)
@@ -829,14 +829,14 @@ def bench_pieces(model_path: str | None, layer_ids: list[int]) -> dict:
     import dsv41_mlx
     from dsv41_mlx import kernels
     from dsv41_mlx.generate import prefill
-    from dsv41_mlx.model import HcMixes, Rope, hc_expand, hc_post, sparse_attention
+    from dsv41_mlx.model import HcMixes, Rope, hc_expand, hc_post, positions_of, sparse_attention
     from dsv41_mlx.quant import fp8_input, gemm_input_dtype
 
     model, _ = dsv41_mlx.load(model_path)
     cache = model.make_cache()
     prefill(model, list(range(100, 356)), cache)
     rows = model.decode_rows or 1
-    positions = mx.arange(cache.offset, cache.offset + rows)
+    positions = positions_of(cache.offset, rows)
     h, pre = hc_expand(model.embed(mx.array([7] * rows)), model.args.hc_mult)
     out = {"rows": rows, "gemms_fed": str(gemm_input_dtype()).rsplit(".", 1)[-1], "layers": {}}
     for li in layer_ids:
