@@ -562,3 +562,30 @@ def test_indexer_skips_its_scores_while_it_picks_every_position(fixture_model, g
     for (logits, feats), (want_logits, want_feats) in zip(skipping, scored):
         assert mx.array_equal(logits, want_logits).item() and mx.array_equal(feats, want_feats).item()
     _assert_same_state(cache, scored_cache)
+
+
+def test_shared_attention_derives_windows_and_visible_groups_from_host_positions():
+    """SharedAttention.window and .visible from positions_of (made on the host): each row's
+    window slots (the buffer rows of its positions, clipped to the rows held), which are
+    masked (before the oldest key held, or outside a row's window when rows share the keys),
+    and how many compressed groups each row sees; the same for a lazy mx.arange."""
+    from dsv41_mlx.model import SharedAttention, positions_of
+
+    for positions in (positions_of(10, 3), mx.arange(10, 13)):
+        shared = SharedAttention()
+        # buffer rows 2 .. 9 hold positions 5 .. 12; windows of 4
+        index, mask = shared.window(positions, 5, 8, 4, True, 2)
+        assert index.dtype == mx.int32 and mask.dtype == mx.bool_
+        assert index.tolist() == [[4, 5, 6, 7], [5, 6, 7, 8], [6, 7, 8, 9]]
+        assert mask.tolist() == [[True] * 4] * 3
+        # keys held from position 9 on (rows 2 ..): the older slots clipped to row 2 and masked
+        index, mask = SharedAttention().window(positions, 9, 4, 4, True, 2)
+        assert index.tolist() == [[2, 2, 2, 3], [2, 2, 3, 4], [2, 3, 4, 5]]
+        assert mask.tolist() == [[False, False, True, True], [False, True, True, True], [True] * 4]
+        # rows sharing the keys of positions 8 .. 12: no index, each row's window masked in
+        index, mask = SharedAttention().window(positions, 8, 5, 3, False)
+        assert index is None
+        assert mask.tolist() == [[True, True, True, False, False], [False, True, True, True, False],
+                                 [False, False, True, True, True]]
+        assert shared.visible(positions, 2).tolist() == [5, 6, 6]
+        assert shared.visible(positions, 1).dtype == mx.int32
