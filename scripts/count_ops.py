@@ -2,6 +2,8 @@
 
     python scripts/count_ops.py [--model DIR] [--rows 8] [--prompt 300]
 
+(The release's layer layout on any machine: a checkpoint from `make_flash_shaped.py DIR --small`.)
+
 Builds a padded decode step's graph as a CUDA GPU would (bf16-fed GEMMs, each row
 gathering its own window, the custom kernels) without running it: every custom
 kernel is stubbed by one operation that depends on all of its inputs, so the

@@ -1,6 +1,6 @@
 """Write a synthetic checkpoint with DeepSeek-V4.1-Flash's shapes, for benchmarks.
 
-    python scripts/make_flash_shaped.py OUT_DIR [--experts 24] [--top 6] [--dspark-experts 16]
+    python scripts/make_flash_shaped.py OUT_DIR [--experts 24] [--top 6] [--dspark-experts 16] [--small]
 
 Everything the release has per decoded token is here at the release's size
 and format: 40 layers, hidden 5120, 64 heads x 512, q_lora 1280, o_groups
@@ -15,6 +15,10 @@ Weights are random but valid: FP8/FP4 codes drawn in a narrow band of
 magnitudes with scales that keep activations O(1). One shard per layer,
 written by up to --jobs processes at once, each holding only its shard, so the
 whole model never sits in host RAM; the bytes do not depend on --jobs.
+
+--small keeps the release's layer layout and its choices (window, picks, candidate
+blocks) at the tiny model's widths (SMALL_DIMS, a few MB): what scripts/count_ops.py
+counts for the release's layout on any machine.
 """
 
 from __future__ import annotations
@@ -57,6 +61,12 @@ RELEASE_TEXT = {
     "num_nextn_predict_layers": 3, "dspark_block_size": 5, "dspark_noise_token_id": 128799,
     "dspark_target_layer_ids": [37, 38, 39], "dspark_markov_rank": 256,
 }
+
+# the tiny model's widths, for a checkpoint of the release's layout that any machine runs (--small)
+SMALL_DIMS = {"hidden_size": 128, "moe_intermediate_size": 64, "num_attention_heads": 4, "head_dim": 64,
+              "qk_rope_head_dim": 16, "q_lora_rank": 64, "o_lora_rank": 32, "o_groups": 2, "index_n_heads": 4,
+              "index_head_dim": 64, "engram_head_dim": 32, "engram_n_heads": 2, "engram_vocab_size": 211,
+              "dspark_markov_rank": 16}
 
 
 def flash_config(experts: int = 24, top: int = 6, dspark_experts: int = 16, dspark_top: int = 3,
@@ -166,8 +176,11 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
                         help="shards written at once (each process holds one shard in memory)")
+    parser.add_argument("--small", action="store_true",
+                        help="the release's layer layout at the tiny model's widths (SMALL_DIMS)")
     args = parser.parse_args()
-    config = flash_config(args.experts, args.top, args.dspark_experts, args.dspark_top)
+    config = flash_config(args.experts, args.top, args.dspark_experts, args.dspark_top,
+                          dims=SMALL_DIMS if args.small else None)
     total = write_checkpoint(args.out_dir, config, args.seed, jobs=args.jobs)
     shutil.copy(args.tokenizer or default_tokenizer_json(), args.out_dir / "tokenizer.json")
     print(f"wrote {total / 1e9:.2f} GB to {args.out_dir}")

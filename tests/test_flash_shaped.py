@@ -12,10 +12,8 @@ import dsv41_mlx
 
 from .scripts import load_script
 
-SMALL = {"hidden_size": 128, "moe_intermediate_size": 64, "num_attention_heads": 4, "head_dim": 64,
-         "qk_rope_head_dim": 16, "q_lora_rank": 64, "o_lora_rank": 32, "o_groups": 2, "index_n_heads": 4,
-         "index_head_dim": 64, "index_topk": 8, "candidate_topk_blocks": 4, "engram_head_dim": 32,
-         "engram_n_heads": 2, "engram_vocab_size": 211, "dspark_markov_rank": 16}
+# the script's small widths, with few picks and candidate blocks, so that a short prompt scores
+SMALL = {**load_script("make_flash_shaped").SMALL_DIMS, "index_topk": 8, "candidate_topk_blocks": 4}
 
 
 def test_release_config_has_the_release_layout():
@@ -48,3 +46,18 @@ def test_parallel_writers_write_the_same_bytes(tmp_path):
         return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}
 
     assert digests(tmp_path / "jobs1") == digests(tmp_path / "jobs3")
+
+
+def test_small_option_keeps_the_release_layout_at_tiny_widths(tmp_path, monkeypatch):
+    """`make_flash_shaped.py --small`: the release's layers, compress / source / candidate layout,
+    window and picks (what count_ops counts for the release), at the tiny widths."""
+    script = load_script("make_flash_shaped")
+    monkeypatch.setattr("sys.argv", ["make_flash_shaped.py", str(tmp_path), "--small", "--experts", "4", "--top", "2",
+                                     "--dspark-experts", "4", "--dspark-top", "2", "--jobs", "1"])
+    assert script.main() == 0
+    model, _ = dsv41_mlx.load(tmp_path)
+    args = model.args
+    assert (args.num_hidden_layers, args.hidden_size, args.head_dim) == (40, 128, 64)
+    assert args.compress_ratios == [0, 0] + [2] * 18 + [1] * 20 + [0, 0, 0]
+    assert (args.kv_source_layer_ids, args.index_source_layer_ids) == ([2, 8, 14, 20], [2, 8, 14, 20, 24, 28, 32, 36])
+    assert (args.sliding_window, args.index_topk, args.candidate_topk_blocks) == (128, 512, 2048)
