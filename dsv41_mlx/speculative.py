@@ -260,18 +260,16 @@ class SpeculativeDecoder:
         return drafts[:accepted].tolist() + [next_token]
 
     def accept(self, logits: mx.array, proposal: Proposal, ell: int, first_pos: int,
-               features: mx.array | None = None) -> tuple[int, int]:
+               features: mx.array) -> tuple[int, int]:
         """Verify rows logits [ell+1, V] (row j predicts position first_pos + j) against the
         first ell drafts; returns (drafts accepted, the token after them). features (the
         verify forward's, for the drafter) are evaluated with the verdict: one wait for the
         device, whose values are then read on the host."""
         positions = mx.arange(first_pos, first_pos + ell + 1)
-        drafts = proposal.drafts[:ell].tolist()  # proposed and evaluated before the forward
-        also = [] if features is None else [features]
         if self.verify in ("greedy", "coupled"):
             target = sample(logits, positions, self.params)  # what plain decoding picks at each position
-            mx.eval(target, *also)
-            picks = target.tolist()
+            mx.eval(target, features)
+            drafts, picks = proposal.drafts[:ell].tolist(), target.tolist()  # the drafts evaluated before the forward
             accepted = next((j for j in range(ell) if drafts[j] != picks[j]), ell)
             return accepted, picks[accepted]
         # rejection: each row either keeps its draft or resamples; the bonus row samples p
@@ -280,14 +278,14 @@ class SpeculativeDecoder:
         g = gumbel_noise(self.params.seed, positions, vocab, RESAMPLE)
         bonus = mx.argmax(mx.log(p[ell]) + g[ell])
         if ell == 0:
-            mx.eval(bonus, *also)
+            mx.eval(bonus, features)
             return 0, int(bonus.item())
         q = mx.exp(filtered_log_probs(proposal.logits[:ell], self.params))
         if proposal.candidates is not None:  # q lives on the candidates: zero elsewhere
             q = mx.put_along_axis(mx.zeros((ell, vocab), dtype=q.dtype), proposal.candidates[:ell], q, axis=-1)
         keep, token = accept_or_resample(p[:ell], q, proposal.drafts[:ell],
                                          uniform_noise(self.params.seed, positions[:ell], ACCEPT), g[:ell])
-        mx.eval(keep, token, bonus, *also)
+        mx.eval(keep, token, bonus, features)
         keep = keep.tolist()
         accepted = next((j for j, ok in enumerate(keep) if not ok), ell)
         return accepted, int(token.tolist()[accepted] if accepted < ell else bonus.item())
