@@ -82,6 +82,7 @@ class KernelSpec:
     cuda: str
     header_files: tuple[str, ...] = ("fp8_common.h",)
     twin_headers: tuple[str, ...] = ()  # a .h for Metal and a .cuh for CUDA each
+    end: str = ""  # a body's end shared by kernels with one start: `{end}.metal` / `{end}.cu` appended
 
     def header(self, language: str) -> str:
         files = list(self.header_files) + (["fp16_bits.cuh", "mma_c.cuh"] if language == "cuda" else [])
@@ -89,7 +90,8 @@ class KernelSpec:
         return "\n".join(kernel_text(f) for f in files)
 
     def source(self, language: str) -> str:
-        return kernel_text(self.metal if language == "metal" else self.cuda)
+        text = kernel_text(self.metal if language == "metal" else self.cuda)
+        return text + kernel_text(f"{self.end}.{'metal' if language == 'metal' else 'cu'}") if self.end else text
 
 
 FP8_ROWS = KernelSpec("fp8_rows_top64", ("x", "w", "scales"), ("top_vals", "top_ids"),
@@ -119,14 +121,18 @@ FP4_QUANT = KernelSpec("fp4_quant", ("x", "n"), ("y",), "fp4_quant.metal", "fp4_
 HC_MIX = KernelSpec("hc_mix", ("h", "fn", "rows"), ("parts",), "hc_mix.metal", "hc_mix.cu", header_files=(),
                     twin_headers=("hc_mix_sum",))
 HC_POST_MIX = KernelSpec("hc_post_mix", ("y", "residual", "post", "comb", "fn", "rows"), ("parts", "h"),
-                         "hc_post_mix.metal", "hc_post_mix.cu", header_files=(), twin_headers=("hc_mix_sum",))
+                         "hc_post_mix.metal", "hc_post_mix.cu", header_files=(), twin_headers=("hc_expand", "hc_mix_sum"))
 HC_INPUT = KernelSpec("hc_input", ("h", "pre_in", "parts", "scale", "base", "norm_w", "params", "rows"),
                       ("x", "xq", "pre", "post", "comb"), "hc_input.metal", "hc_input.cu", header_files=(),
                       twin_headers=("hc_split_lanes", "fp8_lane"))
 FP8_GEMV = KernelSpec("fp8_gemv", ("x", "w", "scales", "sizes", "swiglu", "parts"), ("y",), "fp8_gemv.metal",
                       "fp8_gemv.cu", twin_headers=("fp8_lane", "bf16_lane", "gemv_lane"))
 FP8_MMA = KernelSpec("fp8_mma", ("x", "w", "scales", "sizes", "swiglu", "parts"), ("y",), "fp8_mma.metal",
-                     "fp8_mma.cu", twin_headers=("fp8_lane", "bf16_lane", "gemv_lane", "mma_x"))
+                     "fp8_mma.cu", twin_headers=("fp8_lane", "bf16_lane", "gemv_lane", "mma_x"), end="fp8_mma_y")
+# fp8_mma whose output goes straight into the hyper-connection stream (fp8_mma_hc.metal)
+FP8_MMA_HC = KernelSpec("fp8_mma_hc", ("x", "w", "scales", "sizes", "parts", "residual", "post", "comb", "fn"),
+                        ("h", "mix_parts"), "fp8_mma.metal", "fp8_mma.cu",
+                        twin_headers=("fp8_lane", "bf16_lane", "gemv_lane", "mma_x", "hc_expand"), end="fp8_mma_hc")
 HEAD_LOGITS = KernelSpec("head_logits", ("x", "w", "sizes"), ("y",), "head_logits.metal", "head_logits.cu",
                          header_files=(), twin_headers=("bf16_lane",))
 FP4_EXPERTS = KernelSpec("fp4_experts", ("x", "w", "scales", "ids", "sizes", "swiglu", "weights"), ("y",),
@@ -452,7 +458,8 @@ def hc_input(h: mx.array, pre_in: mx.array, fn: mx.array, scale: mx.array, base:
         inputs=[h, fn.astype(mx.float32), _int32s(S)], template=[("D", dim), ("HC", hc), ("CH", HC_MIX_CHUNKS)],
         grid=(S * HC_MIX_CHUNKS * 256, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[(S, HC_MIX_CHUNKS, (2 + hc) * hc + 1)], output_dtypes=[mx.float32])
-    return _hc_input_rest(h, parts, pre_in, scale, base, norm_w, iters, hc_norm_eps, eps, norm_eps, quantize_to, impl)
+    return hc_input_from_parts(h, parts, pre_in, scale, base, norm_w, iters, hc_norm_eps, eps, norm_eps, quantize_to,
+                               impl)
 
 
 def hc_post_input(y: mx.array, residual: mx.array, post: mx.array, comb: mx.array, pre_in: mx.array,
@@ -472,8 +479,8 @@ def hc_post_input(y: mx.array, residual: mx.array, post: mx.array, comb: mx.arra
         template=[("D", dim), ("HC", hc), ("CH", HC_MIX_CHUNKS)],
         grid=(S * HC_MIX_CHUNKS * 256, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[(S, HC_MIX_CHUNKS, (2 + hc) * hc + 1), (S, hc, dim)], output_dtypes=[f32, mx.bfloat16])
-    return (h, *_hc_input_rest(h, parts, pre_in, scale, base, norm_w, iters, hc_norm_eps, eps, norm_eps,
-                               quantize_to, impl))
+    return (h, *hc_input_from_parts(h, parts, pre_in, scale, base, norm_w, iters, hc_norm_eps, eps, norm_eps,
+                                    quantize_to, impl))
 
 
 def _hc_input_impl(h: mx.array, impl: str | None) -> str:
@@ -484,15 +491,23 @@ def _hc_input_impl(h: mx.array, impl: str | None) -> str:
     return impl
 
 
-def _hc_input_rest(h, parts, pre_in, scale, base, norm_w, iters, hc_norm_eps, eps, norm_eps, quantize_to,
-                   impl) -> tuple[mx.array, ...]:
-    """hc_input's second launch, after hc_mix or hc_post_mix made the parts of h."""
+def hc_input_from_parts(h: mx.array, parts: mx.array, pre_in: mx.array, scale: mx.array, base: mx.array,
+                        norm_w: mx.array, iters: int, hc_norm_eps: float, eps: float, norm_eps: float,
+                        quantize_to: mx.Dtype, impl: str | None = None) -> tuple[mx.array, ...]:
+    """hc_input's second launch, after hc_mix, hc_post_mix or fp8_into_stream made the parts of
+    the stream h [S, hc, dim]: parts [S, CH, (2 + hc) * hc + 1] float32, each chunk's share of
+    h's mix projection and of its sum of squares, which it adds up in chunk order. -> (x, xq,
+    pre, post, comb) as hc_input's."""
+    impl = _hc_input_impl(h, impl)
     S, hc, dim = h.shape
+    if parts.shape[0] != S or parts.shape[2] != (2 + hc) * hc + 1:
+        raise ValueError(f"hc_input's parts are [{S}, chunks, {(2 + hc) * hc + 1}] for a stream {h.shape}, "
+                         f"got {parts.shape}")
     f32 = mx.float32  # the bodies read these as float32 (a build is keyed by its template values only)
     return tuple(_compiled(HC_INPUT, impl)(
         inputs=[h, pre_in.astype(f32), parts, scale.astype(f32), base.astype(f32), norm_w.astype(f32),
                 _float32s(hc_norm_eps, eps, norm_eps), _int32s(S)],
-        template=[("D", dim), ("HC", hc), ("ITERS", iters), ("O", quantize_to), ("CH", HC_MIX_CHUNKS)],
+        template=[("D", dim), ("HC", hc), ("ITERS", iters), ("O", quantize_to), ("CH", parts.shape[1])],
         grid=(S * 256, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[(S, dim), (S, dim), (S, hc), (S, hc), (S, hc, hc)],
         output_dtypes=[mx.bfloat16, quantize_to, f32, f32, f32]))
@@ -994,6 +1009,68 @@ FP8_MMA_MIN_OUTPUTS = 4096
 def fp8_gemv_on_matrix_unit(n: int, groups: int = 1) -> bool:
     """Whether fp8_gemv runs a GEMM of `groups` matrices of n outputs on the matrix unit."""
     return groups == 1 and n >= FP8_MMA_MIN_OUTPUTS
+
+
+class StreamOnto(NamedTuple):
+    """Where a sub-layer's last GEMM puts its output y [S, N] with fp8_into_stream: the
+    hyper-connection stream residual [S, hc, N] bf16 the sub-layer ran on, the sub-layer's
+    mixes post [S, hc] and comb [S, hc, hc], and the next sub-layer's mix projection fn
+    [(2 + hc) * hc, hc * N] float32. A tuple of arrays (a compiled method takes it as one)."""
+    residual: mx.array
+    post: mx.array
+    comb: mx.array
+    fn: mx.array
+
+
+def fp8_into_stream_fits(w: mx.array, residual: mx.array, impl: str | None = None) -> bool:
+    """Whether fp8_into_stream runs the dense FP8 GEMM of w [N, K/4] for the stream residual
+    [S, hc, N]: hc_input fits the stream (a GPU, a decode or verify step's rows), and fp8_gemv
+    runs the GEMM on the matrix unit (fp8_mma)."""
+    return (w.ndim == 2 and residual.ndim == 3 and residual.shape[2] == w.shape[0] and hc_input_fits(residual, impl)
+            and _gemv_fits(residual.shape[0], w.shape[0], 4 * w.shape[1], impl) and fp8_gemv_on_matrix_unit(w.shape[0]))
+
+
+def fp8_into_stream(x: mx.array, w: mx.array, scales: mx.array, onto: StreamOnto, impl: str | None = None,
+                    quantize_input: bool = False, real_rows: int | None = None,
+                    parts: mx.array | None = None) -> tuple[mx.array, mx.array]:
+    """A sub-layer's last FP8 GEMM with its output y = fp8_gemv(x, w, scales, ..) [S, N] put into
+    the hyper-connection stream in the same launch (fp8_mma_hc): -> (h, mix_parts), h [S, hc, N]
+    bf16 the new stream model.hc_post(y, onto.residual, onto.post, onto.comb) (hc_post_mix's bits
+    for the same y), mix_parts [S, N / 32, (2 + hc) * hc + 1] float32 each tile of 32 features'
+    share of h's projection by onto.fn and of its sum of squares, which hc_input_from_parts
+    completes into the next sub-layer's input: a launch (hc_post_mix) a sub-layer fewer, and the
+    2 MB of fn read by N / 32 threadgroups instead of HC_MIX_CHUNKS. x [S, K], quantize_input,
+    real_rows and parts as fp8_gemv's (a dense GEMM without a SwiGLU); every row of h, a padded
+    forward's padding included (its y zeros), as hc_post_mix makes them. The spec is
+    fp8_gemv_reference, model.hc_post and the mix projection (scripts/check_kernels.py); only
+    where fp8_into_stream_fits."""
+    impl = impl or backend()
+    residual = onto.residual
+    S, hc, N = residual.shape
+    if not (fp8_into_stream_fits(w, residual, impl) and x.ndim == 2 and x.shape == (S, 4 * w.shape[1])):
+        raise ValueError(f"fp8_into_stream takes x [S, K], w [N, K/4] on the matrix unit and a stream [S, hc, N] that "
+                         f"hc_input fits, got x {x.shape}, w {w.shape}, stream {residual.dtype} {residual.shape} "
+                         f"on {impl}")
+    _bf16_to_quantize(x, quantize_input)
+    K = x.shape[1]
+    rows = computed_rows(real_rows, S)
+    if parts is not None and (parts.ndim != 3 or parts.shape[0] != rows or parts.shape[2] != N
+                              or not 0 < parts.shape[1] <= 16):
+        raise ValueError(f"fp8_into_stream adds parts [computed rows, 1..16, N]: got {parts.shape} for {rows} "
+                         f"computed rows and N {N}")
+    if rows == 0:
+        raise ValueError("fp8_into_stream computes at least one row")
+    f32, M = mx.float32, (2 + hc) * hc
+    added = _constant(mx.bfloat16, 0.0) if parts is None else parts.astype(mx.bfloat16)  # AP 0: never read
+    h, mix_parts = _compiled(FP8_MMA_HC, impl)(
+        inputs=[x.astype(mx.bfloat16), w, scales, _int32s(rows, N, K, 1, S), added, residual, onto.post.astype(f32),
+                onto.comb.astype(f32), onto.fn.astype(f32)],
+        template=[("NH", mma_column_groups(rows)), ("QX", int(quantize_input)), ("AP", 0 if parts is None else
+                                                                                 parts.shape[1]),
+                  ("ONE", int(rows == 1)), ("HC", hc)],
+        grid=(N // 32 * 256, 1, 1), threadgroup=(256, 1, 1),
+        output_shapes=[(S, hc, N), (S, N // 32, M + 1)], output_dtypes=[mx.bfloat16, f32])
+    return h, mix_parts
 
 
 # The decode path lets a GEMV kernel quantise its bf16 input (quantize_input) for a forward of

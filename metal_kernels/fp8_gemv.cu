@@ -85,12 +85,7 @@ for (unsigned int o = col; o < OT * RB; o += C) {  // output y0 + o / RB, row o 
       v = gemv_swiglu(v, gemv_group_total<T, RB, C>(partial, grp, o + o / RB * RB + RB), swiglu[0]);
     }
     if (AP > 0 && (int)(o % RB) < rows) {  // the row's AP parts, in order, then this output as bf16
-      const __nv_bfloat16* pr = parts + (size_t)(o % RB) * AP * NY + y0 + o / RB;
-      float t = __bfloat162float(pr[0]);
-      for (int j = 1; j < AP; j++) {
-        t += __bfloat162float(pr[(size_t)j * NY]);
-      }
-      v = t + __bfloat162float(__float2bfloat16(v));
+      v = gemv_parts_added<AP>(parts + (size_t)(o % RB) * AP * NY + y0 + o / RB, NY, v);
     }
     y[gemv_y_index<SPLIT>(o % RB, y0 + o / RB, g, G, NY, out_rows)] = __float2bfloat16(v);
   }

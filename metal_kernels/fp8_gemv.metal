@@ -129,12 +129,7 @@ for (uint o = col; o < OT * RB; o += C) {  // output y0 + o / RB, row o % RB
       v = gemv_swiglu(v, gemv_group_total<T, RB, C>(partial, grp, o + o / RB * RB + RB), swiglu[0]);
     }
     if (AP > 0 && int(o % RB) < rows) {  // the row's AP parts, in order, then this output as bf16
-      const device bfloat16_t* pr = parts + ulong(o % RB) * AP * NY + y0 + o / RB;
-      float t = float(pr[0]);
-      for (int j = 1; j < AP; j++) {
-        t += float(pr[ulong(j) * NY]);
-      }
-      v = t + float(bfloat16_t(v));
+      v = gemv_parts_added<AP>(parts + ulong(o % RB) * AP * NY + y0 + o / RB, NY, v);
     }
     y[gemv_y_index<SPLIT>(o % RB, y0 + o / RB, g, G, NY, out_rows)] = bfloat16_t(v);
   }

@@ -36,28 +36,3 @@ float acc[2][NH][4] = {};  // [m group][column group][C fragment]
 mma_warp_sums<E4m3Codes, U, NH, QX, ONE>(w, scales, row0, words, nb, xrow, b0, per_warp, lane, acc);
 mma_warp_sums_to<NH>(red, acc, lane);
 __syncthreads();
-const unsigned int NY = SW ? (unsigned int)N / 2 : (unsigned int)N;  // outputs a matrix has in y
-const unsigned int y0 = SW ? n0 / 2 : n0;                           // the tile's first output in y
-for (unsigned int o = threadIdx.x; o < (SW ? 16u : 32u) * (unsigned int)out_rows; o += MMA_WARPS * 32) {
-  const unsigned int r = o % (unsigned int)out_rows;  // the row (a padded forward's padding: zeros)
-  const unsigned int out = o / (unsigned int)out_rows;  // with SW, pair `out`: rows 2 out (gate) and 2 out + 1 (up)
-  float v = 0.0f;
-  if ((int)r < rows) {
-    float sum[2];
-#pragma unroll
-    for (int j = 0; j < (SW ? 2 : 1); j++) {  // each output's total over the warps, in warp order
-      const unsigned int n = SW ? 2 * out + j : out;
-      sum[j] = mma_warps_total<NH>(red, n, r);
-    }
-    v = SW ? gemv_swiglu(sum[0], sum[1], swiglu[0]) : sum[0];
-    if (AP > 0) {  // the row's AP parts, in order, then this output as bf16
-      const __nv_bfloat16* pr = parts + (size_t)r * AP * NY + y0 + out;
-      float total = __bfloat162float(pr[0]);
-      for (int j = 1; j < AP; j++) {
-        total += __bfloat162float(pr[(size_t)j * NY]);
-      }
-      v = total + __bfloat162float(__float2bfloat16(v));
-    }
-  }
-  y[((size_t)r * G + grp) * NY + y0 + out] = __float2bfloat16(v);
-}

@@ -57,6 +57,9 @@
 // kernels.mma_column_groups), QX (0 or 1), SW (0 or 1), AP (0 to 16); a row's bits do not
 // depend on NH.
 // CUDA twin: fp8_mma.cu
+// This text ends with every simdgroup's sums in red; the kernel's end, what it writes, is
+// fp8_mma_y.metal (kernels.FP8_MMA: y as above) or fp8_mma_hc.metal (kernels.FP8_MMA_HC: y
+// expanded into the hyper-connection stream and the next sub-layer's mixes begun).
 
 constexpr int WARPS = 8;
 constexpr int COLS = 8 * NH;  // the matrix products' columns: the computed rows, padded
@@ -179,30 +182,3 @@ for (int mg = 0; mg < 4; mg++) {
   }
 }
 threadgroup_barrier(mem_flags::mem_threadgroup);
-const uint NY = SW ? uint(N) / 2 : uint(N);  // outputs a matrix has in y
-const uint y0 = SW ? n0 / 2 : n0;            // the tile's first output in y
-for (uint o = tid; o < (SW ? 16u : 32u) * uint(out_rows); o += WARPS * 32) {
-  const uint r = o % uint(out_rows);    // the row (a padded forward's padding: zeros)
-  const uint out = o / uint(out_rows);  // with SW, pair `out`: rows 2 out (gate) and 2 out + 1 (up)
-  float v = 0.0f;
-  if (int(r) < rows) {
-    float sum[2] = {0.0f, 0.0f};
-    for (int j = 0; j < (SW ? 2 : 1); j++) {  // each output's total over the simdgroups, in order
-      const uint n = SW ? 2 * out + j : out;
-      sum[j] = red[n * COLS + r];
-      for (int q = 1; q < WARPS; q++) {
-        sum[j] += red[(q * 32 + n) * COLS + r];
-      }
-    }
-    v = SW ? gemv_swiglu(sum[0], sum[1], swiglu[0]) : sum[0];
-    if (AP > 0) {  // the row's AP parts, in order, then this output as bf16
-      const device bfloat16_t* pr = parts + ulong(r) * AP * NY + y0 + out;
-      float total = float(pr[0]);
-      for (int j = 1; j < AP; j++) {
-        total += float(pr[ulong(j) * NY]);
-      }
-      v = total + float(bfloat16_t(v));
-    }
-  }
-  y[(ulong(r) * G + grp) * NY + y0 + out] = bfloat16_t(v);
-}

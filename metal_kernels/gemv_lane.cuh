@@ -81,6 +81,16 @@ __device__ __forceinline__ float gemv_swiglu(const float gate_sum, const float u
 }
 
 
+// gemv_lane.h's gemv_parts_added
+template <int AP>
+__device__ __forceinline__ float gemv_parts_added(const __nv_bfloat16* pr, const unsigned int stride, const float v) {
+  float t = __bfloat162float(pr[0]);
+  for (int j = 1; j < AP; j++) {
+    t += __bfloat162float(pr[(size_t)j * stride]);
+  }
+  return t + __bfloat162float(__float2bfloat16(v));
+}
+
 // Where output n of row r of matrix g goes in y: [out_rows, G, NY] (SPLIT 0); with SPLIT > 0 (G 1) two matrices
 // stacked, their outputs apart: the first SPLIT outputs' [out_rows, SPLIT], then the rest's [out_rows, NY - SPLIT]
 template <int SPLIT>

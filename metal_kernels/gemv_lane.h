@@ -94,6 +94,18 @@ inline float gemv_swiglu(const float gate_sum, const float up_sum, const float l
 }
 
 
+// A row's AP parts added to a GEMM's sum v, the way kernels.parts_added specifies it bit for bit:
+// ((parts[0] + parts[1]) + ...) + bf16(v) in float32, pr the row's first part at this output and
+// the parts `stride` apart
+template <int AP>
+inline float gemv_parts_added(const device bfloat16_t* pr, const uint stride, const float v) {
+  float t = float(pr[0]);
+  for (int j = 1; j < AP; j++) {
+    t += float(pr[ulong(j) * stride]);
+  }
+  return t + float(bfloat16_t(v));
+}
+
 // Where output n of row r of matrix g goes in y: [out_rows, G, NY] (SPLIT 0); with SPLIT > 0 (G 1) two matrices
 // stacked, their outputs apart: the first SPLIT outputs' [out_rows, SPLIT], then the rest's [out_rows, NY - SPLIT]
 template <int SPLIT>

@@ -34,11 +34,8 @@ for (int k = 0; k < PER; k++) {
   const unsigned int e = chunk * CHUNK + j;  // the value's place in the row: copy c, feature d
   const unsigned int c = e / D;
   const unsigned int d = e % D;
-  float mixed = comb[row * HC * HC + c] * __bfloat162float(residual[row * HD + d]);
-  for (int i = 1; i < HC; i++) {
-    mixed += comb[(row * HC + i) * HC + c] * __bfloat162float(residual[row * HD + i * D + d]);
-  }
-  hb[k] = __float2bfloat16(post[row * HC + c] * __bfloat162float(y[row * D + d]) + mixed);
+  hb[k] = hc_expanded<HC>(__bfloat162float(y[row * D + d]), post[row * HC + c], comb + row * HC * HC,
+                          residual + row * HD + d, D, c);
 }
 #pragma unroll
 for (int k = 0; k < PER; k++) {

@@ -45,11 +45,8 @@ for (int k = 0; k < PER; k++) {
   const uint e = chunk * CHUNK + j;  // the value's place in the row: copy c, feature d
   const uint c = e / D;
   const uint d = e % D;
-  float mixed = comb[row * HC * HC + c] * float(residual[row * HD + d]);
-  for (int i = 1; i < HC; i++) {
-    mixed += comb[(row * HC + i) * HC + c] * float(residual[row * HD + i * D + d]);
-  }
-  hb[k] = bfloat16_t(post[row * HC + c] * float(y[row * D + d]) + mixed);
+  hb[k] = hc_expanded<HC>(float(y[row * D + d]), post[row * HC + c], comb + row * HC * HC, residual + row * HD + d,
+                          D, c);
 }
 for (int k = 0; k < PER; k++) {
   const uint j = tid + k * 32 * WARPS;

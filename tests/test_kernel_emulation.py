@@ -275,6 +275,55 @@ def test_fp8_mma_runs_its_spec_on_the_host(language, rows, out_rows, qx, sw, ap,
                           64 // 32, tmp_path)
 
 
+
+@pytest.mark.parametrize("language", ["metal", "cuda"])
+@pytest.mark.parametrize("rows, out_rows, qx, ap", [
+    (1, 8, 1, 0),   # a decode step's wo_b: one computed row of a padded forward, x quantised in the kernel
+    (6, 8, 0, 6),   # a verify forward's shared-expert down projection, the routed experts' parts added
+    (9, 16, 0, 0),  # past 8 rows: two column groups (NH 2)
+])
+def test_fp8_mma_into_the_stream_runs_its_spec_on_the_host(language, rows, out_rows, qx, ap, tmp_path):
+    """fp8_mma_hc (kernels.fp8_into_stream): fp8_mma's output y put into the stream in the same
+    launch. The new stream h is model._hc_post of fp8_mma's own y (run beside it on the same
+    inputs) within a bfloat16 step, every row (the padding's y zeros); each row's mix parts, its
+    tiles' sums, add up to h's projection by fn and its sum of squares (within a float32 sum's
+    bound, against float64)."""
+    from dsv41_mlx.model import _hc_post
+    from dsv41_mlx.quant import fp8_fake_quant_reference
+    from scripts.check_kernels import bf16_step_problem, random_scales, random_words
+
+    mx.random.seed(40 + rows)
+    n, k, hc = 64, 512, 4
+    m = (2 + hc) * hc
+    w, s = random_words((n, k // 4)), random_scales((n, k // 32))
+    x = mx.random.normal((out_rows, k)).astype(mx.bfloat16)
+    x = x if qx else fp8_fake_quant_reference(x).astype(mx.bfloat16)
+    parts = (mx.random.normal((rows, ap, n)) * 0.5).astype(mx.bfloat16) if ap else None
+    residual = mx.random.normal((out_rows, hc, n)).astype(mx.bfloat16)
+    post, comb = mx.random.uniform(0, 2, (out_rows, hc)), mx.softmax(mx.random.normal((out_rows, hc, hc)), axis=-1)
+    fn = mx.random.normal((m, hc * n)) * 0.1
+    common = {"x": ("bfloat16", _bf16_bits(x)), "w": ("uint32", np.array(w)), "scales": ("uint8", np.array(s)),
+              "sizes": ("int32", np.array([rows, n, k, 1, out_rows])),
+              "parts": ("bfloat16", _bf16_bits(parts) if ap else np.zeros(1, np.uint16))}
+    template = {"NH": kernels.mma_column_groups(rows), "QX": qx, "AP": ap, "ONE": int(rows == 1)}
+    (tmp_path / "y").mkdir()
+    y = run(kernels.FP8_MMA, language, {**common, "swiglu": ("float32", np.array([0.0]))},
+            {"y": ("bfloat16", out_rows * n)}, {**template, "SW": 0}, n // 32, tmp_path / "y")["y"]
+    got = run(kernels.FP8_MMA_HC, language, {
+        **common, "residual": ("bfloat16", _bf16_bits(residual)), "post": ("float32", np.array(post)),
+        "comb": ("float32", np.array(comb)), "fn": ("float32", np.array(fn))},
+        {"h": ("bfloat16", out_rows * hc * n), "mix_parts": ("float32", out_rows * n // 32 * (m + 1))},
+        {**template, "HC": hc}, n // 32, tmp_path)
+    y = mx.array(_floats(y).reshape(out_rows, n)).astype(mx.bfloat16)
+    h = mx.array(_floats(got["h"]).reshape(out_rows, hc, n)).astype(mx.bfloat16)
+    assert bf16_step_problem(h, _hc_post(y, residual, post, comb)) is None
+    flat = np.array(h.astype(mx.float32), np.float64).reshape(out_rows, hc * n)
+    sums = got["mix_parts"].reshape(out_rows, n // 32, m + 1).astype(np.float64).sum(axis=1)
+    f = np.array(fn, np.float64)
+    exact = np.concatenate([flat @ f.T, (flat * flat).sum(axis=1, keepdims=True)], axis=1)
+    size = np.concatenate([np.abs(flat) @ np.abs(f).T, (flat * flat).sum(axis=1, keepdims=True)], axis=1)
+    assert np.all(np.abs(sums - exact) <= hc * n * 2.0 ** -24 * size)
+
 def _head_on_the_host(language, x, w, rows, workdir):
     """head_logits run on the host: x [S, D] and w [V, D] bf16 -> fp32 logits [S, V]."""
     workdir.mkdir()

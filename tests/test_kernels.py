@@ -18,7 +18,7 @@ import pytest
 
 from dsv41_mlx import kernels
 from dsv41_mlx.cache import DraftCache
-from dsv41_mlx.kernels import (ACT_QUANT, FP4_EXPERTS, FP4_QUANT, FP8_GEMV, FP8_MMA, FP8_ROWS, HC_INPUT, HC_MIX,
+from dsv41_mlx.kernels import (ACT_QUANT, FP4_EXPERTS, FP4_QUANT, FP8_GEMV, FP8_MMA, FP8_MMA_HC, FP8_ROWS, HC_INPUT, HC_MIX,
                                HEAD_LOGITS,
                                HC_POST_MIX, HC_SPLIT, MOE_GATE_SCORES, MOE_GATE_TOPK, RING_WRITE, RMS_NORM, RMS_NORM_PAIR,
                                SPARSE_ATTENTION, TOP_K,
@@ -161,6 +161,13 @@ def _mma_case(NH, QX=0, SW=0, AP=0, ONE=0):  # noqa: N803
     return FP8_MMA, inputs, {"y": "bfloat16"}, {"NH": NH, "QX": QX, "SW": SW, "AP": AP, "ONE": ONE}
 
 
+def _mma_hc_case(NH, QX=0, AP=0, ONE=0):  # noqa: N803
+    inputs = {"x": "bfloat16", "w": "uint32", "scales": "uint8", "sizes": "int32", "parts": "bfloat16",
+              "residual": "bfloat16", "post": "float32", "comb": "float32", "fn": "float32"}
+    return FP8_MMA_HC, inputs, {"h": "bfloat16", "mix_parts": "float32"}, {"NH": NH, "QX": QX, "AP": AP, "ONE": ONE,
+                                                                           "HC": 4}
+
+
 CASES = {
     "fp8_rows": (FP8_ROWS, {"x": "uint16", "w": "uint8", "scales": "uint8"},
                  {"top_vals": "float32", "top_ids": "int32"}, {"R": 5, "K": 5120, "N": 129280, "TILES": 505}),
@@ -226,6 +233,9 @@ CASES = {
     "fp8_mma_quantizing": _mma_case(NH=1, QX=1, ONE=1),
     "fp8_mma_swiglu": _mma_case(NH=1, QX=1, SW=1),
     "fp8_mma_parts_16_rows": _mma_case(NH=2, AP=6),
+    # wo_b of a decode step and the shared expert's w2 of a verify step, their output put into the stream
+    "fp8_mma_hc": _mma_hc_case(NH=1, QX=1, ONE=1),
+    "fp8_mma_hc_parts_16_rows": _mma_hc_case(NH=2, AP=6),
     "head_logits": (HEAD_LOGITS, {"x": "bfloat16", "w": "bfloat16", "sizes": "int32"}, {"y": "float32"}, {"R": 8}),
     "moe_gate_topk": (MOE_GATE_TOPK, {"scores": "float32", "bias": "float32", "params": "float32", "rows": "int32"},
                       {"weights": "float32", "ids": "uint32"}, {"E": 384, "K": 6, "NORMALIZE": 1}),
@@ -288,12 +298,16 @@ def test_metal_source_type_checks(case, rows, tmp_path):
     ("fp4_experts_quantizing", ("mma_x_column<QX>(float(", "mma_x_columns<QX>(float(")),  # misspelt
     ("fp8_gemv_swiglu", ("o / RB * RB + RB), swiglu[0]);", "o / RB * RB + RB), swiglu);")),
     ("fp4_experts_swiglu", ("v = v * weights[pr];", "v = v * weight[pr];")),  # misspelt
-    ("fp8_gemv_parts", ("t += float(pr[ulong(j) * NY]);", "t += float(pr);")),  # pointer to float
+    ("fp8_gemv_parts", ("o / RB, NY, v);", "o / RB, v);")),  # an argument short
     ("sparse_attention", ("ulong(key_row[j]) * D;", "ulong(key_rows[j]) * D;")),  # misspelt variable
     ("sparse_attention", ("qs[i / D][d ^ 1] * -rope_sin[s * D + d]", "qs[i / D][d ^ 1] * -rope_sine[s * D + d]")),
     ("sparse_attention_window_only", ("float(q[q0 + (i ^ 1)])", "float(q + (i ^ 1))")),  # pointer to float
     ("fp8_mma", ("const uint odd = E4M3_ODD(qw[c]);", "const uint odd = E4M3_ODD(qw[c])")),  # no semicolon
-    ("fp8_mma_parts_16_rows", ("total += float(pr[ulong(j) * NY]);", "total += float(pr);")),  # pointer to float
+    ("fp8_mma_parts_16_rows", ("mma_warps_total<COLS>(red, SW ? 2 * out + j : out, r)",
+                               "mma_warps_total<COLS>(red, SW ? 2 * out + j : out)")),  # an argument short
+    ("fp8_mma_hc", ("h[(ulong(r) * HC + c) * N + d] = b;", "h[(ulong(r) * HC + c) * N + d] = hv;")),  # array stored
+    ("fp8_mma_hc_parts_16_rows", ("acc[m] += simd_shuffle_xor(acc[m], offset);",
+                                  "acc[m] += simd_shuffle_xor(acc, offset);")),  # array for a float
 ])
 def test_a_broken_metal_source_fails_the_check(case, breakage, tmp_path):
     spec = CASES[case][0]
@@ -337,7 +351,7 @@ def test_cuda_source_compiles(case):
     ("hc_input", ("w[k] = EVEN || d < (unsigned int)D ? norm_w[d] : 0.0f;", "w = norm_w[d];")),
     ("hc_mix", ("acc[m] += v * fc[m * HD + j];", "acc[m] += v * fc;")),  # pointer into a float
     ("hc_post_mix", ("(acc, &partial[0][0], lane,", "(acc, partial, lane,")),  # 2-d array for a pointer
-    ("hc_post_mix", ("__float2bfloat16(post[row * HC + c]", "__float2bfloat16(posts[row * HC + c]")),  # misspelt
+    ("hc_post_mix", ("post[row * HC + c], comb + row * HC * HC,", "posts[row * HC + c], comb + row * HC * HC,")),
     ("fp4_quant_kv", ("const float mag = fabsf(q);", "const float mag = fabsf(q)")),  # no semicolon
     ("rms_norm", ("w, D, eps[0], rope_cos", "w, D, eps, rope_cos")),  # a pointer for a float
     ("rms_norm_rope_quantised", ("y + (size_t)row * D, partial);", "y + (size_t)row * D, partial[0]);")),  # float for pointer
@@ -356,9 +370,12 @@ def test_cuda_source_compiles(case):
     ("fp8_gemv_quantizing", ("p = gemv_fake_quant8(p, xs[r]);", "p = gemv_fake_quant8(p, xs);")),  # array for float
     ("fp8_gemv_swiglu", ("o / RB * RB + RB), swiglu[0]);", "o / RB * RB + RB), swiglu);")),
     ("fp4_experts_swiglu", ("v = v * weights[pr];", "v = v * weight[pr];")),  # misspelt
-    ("fp8_gemv_parts", ("t += __bfloat162float(pr[(size_t)j * NY]);", "t += __bfloat162float(pr);")),
+    ("fp8_gemv_parts", ("o / RB, NY, v);", "o / RB, v);")),  # an argument short
     ("fp8_mma_quantizing", ("mma_warps_total<NH>(red, n, r)", "mma_warps_total<NH>(red, n)")),  # an argument short
     ("fp8_mma_16_rows", ("mma_warp_sums_to<NH>(red, acc, lane);", "mma_warp_sums_to<NH>(red, acc[0], lane);")),  # wrong shape
+    ("fp8_mma_hc", ("acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], offset);",
+                    "acc[m] += __shfl_xor_sync(0xffffffffu, acc, offset);")),  # array for a float
+    ("fp8_mma_hc_parts_16_rows", ("v = mma_warps_total<NH>(red, lane, r);", "v = mma_warps_total<NH>(red, r);")),
 ])
 def test_a_broken_cuda_source_fails_the_compile(case, breakage):
     old, new = breakage
