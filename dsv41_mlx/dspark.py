@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from .cache import DraftCache
 from .config import ModelArgs
-from .kernels import fp8_rows_top64
+from .kernels import StreamOnto, fp8_rows_top64
 from .model import Attention, Block, Linear, RMSNorm, hc_expand, hc_pre, sparse_attention
 from .quant import Fp8Linear, Fp8Matrix, fp8_input, quantize_fp8_tiles_mx
 
@@ -77,9 +77,11 @@ class DSparkAttention(Attention):
     side_stream: mx.Stream | None = None  # set by Drafter: where the key path runs beside the queries
 
     def __call__(self, x: mx.array, positions: mx.array, ring: mx.array, ring_valid: mx.array,
-                 xq: mx.array | None = None) -> mx.array:
+                 xq: mx.array | None = None,
+                 onto: StreamOnto | None = None) -> mx.array | tuple[mx.array, mx.array]:
         """x [S, dim] block rows at `positions`; ring [window, D] bf16, ring_valid [window] bool;
-        xq: x through quant.fp8_input, where the caller has it."""
+        xq: x through quant.fp8_input, where the caller has it; onto: the output goes into that
+        stream (Attention.output's onto)."""
         S = x.shape[0]
         rope = self.rope.tables(positions, self.head_dim)
         xq = fp8_input(x) if xq is None else xq  # once, for both paths
@@ -89,7 +91,7 @@ class DSparkAttention(Attention):
         keys = mx.concatenate([ring, block_keys])
         mask = mx.broadcast_to(mx.concatenate([ring_valid, mx.ones((S,), dtype=mx.bool_)])[None], (S, keys.shape[0]))
         o = sparse_attention(q, keys, mask, None, None, self.attn_sink, self.scale)
-        return self.output(o, rope)
+        return self.output(o, rope, False, None, onto)
 
 
 class DSparkStage(Block):

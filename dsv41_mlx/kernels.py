@@ -1045,7 +1045,7 @@ def fp8_into_stream(x: mx.array, w: mx.array, scales: mx.array, onto: StreamOnto
     fp8_gemv_reference, model.hc_post and the mix projection (scripts/check_kernels.py); only
     where fp8_into_stream_fits."""
     impl = impl or backend()
-    residual = onto.residual
+    residual, post, comb, fn = onto  # (a compiled method hands a StreamOnto on as a plain tuple)
     S, hc, N = residual.shape
     if not (fp8_into_stream_fits(w, residual, impl) and x.ndim == 2 and x.shape == (S, 4 * w.shape[1])):
         raise ValueError(f"fp8_into_stream takes x [S, K], w [N, K/4] on the matrix unit and a stream [S, hc, N] that "
@@ -1063,8 +1063,8 @@ def fp8_into_stream(x: mx.array, w: mx.array, scales: mx.array, onto: StreamOnto
     f32, M = mx.float32, (2 + hc) * hc
     added = _constant(mx.bfloat16, 0.0) if parts is None else parts.astype(mx.bfloat16)  # AP 0: never read
     h, mix_parts = _compiled(FP8_MMA_HC, impl)(
-        inputs=[x.astype(mx.bfloat16), w, scales, _int32s(rows, N, K, 1, S), added, residual, onto.post.astype(f32),
-                onto.comb.astype(f32), onto.fn.astype(f32)],
+        inputs=[x.astype(mx.bfloat16), w, scales, _int32s(rows, N, K, 1, S), added, residual, post.astype(f32),
+                comb.astype(f32), fn.astype(f32)],
         template=[("NH", mma_column_groups(rows)), ("QX", int(quantize_input)), ("AP", 0 if parts is None else
                                                                                  parts.shape[1]),
                   ("ONE", int(rows == 1)), ("HC", hc)],

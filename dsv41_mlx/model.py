@@ -342,9 +342,21 @@ class Expansion(NamedTuple):
         return _hc_post(self.y, self.residual, self.post, self.comb)
 
 
-def stream_value(h: mx.array | Expansion) -> mx.array:
+class Folded(NamedTuple):
+    """A sub-layer's output that its last GEMM put into the stream itself
+    (kernels.fp8_into_stream): the new stream h [S, hc, dim] and the next sub-layer's mix
+    parts [S, chunks, (2 + hc) * hc + 1], which that sub-layer's input completes
+    (HyperConnection.input_from_parts) instead of projecting h again."""
+    h: mx.array
+    parts: mx.array
+
+    def value(self) -> mx.array:
+        return self.h
+
+
+def stream_value(h: mx.array | Expansion | Folded) -> mx.array:
     """The stream [S, hc, dim], expanded where a block left it as an Expansion."""
-    return h.value() if isinstance(h, Expansion) else h
+    return h.value() if isinstance(h, (Expansion, Folded)) else h
 
 
 class HyperConnection(nn.Module):
@@ -373,6 +385,14 @@ class HyperConnection(nn.Module):
                                              self._norm_eps, self._eps, norm.eps, gemm_input_dtype())
             return x, xq, HcMixes(*mixes)
         return self.sublayer_input_unfused(h, pre, norm)
+
+    def input_from_parts(self, h: mx.array, parts: mx.array, pre: mx.array,
+                         norm: RMSNorm) -> tuple[mx.array, mx.array, HcMixes]:
+        """sublayer_input of a stream h that the previous sub-layer's last GEMM made together
+        with this sub-layer's mix parts (a Folded): one launch (kernels.hc_input_from_parts)."""
+        x, xq, *mixes = kernels.hc_input_from_parts(h, parts, pre, self.scale, self.base, norm.weight, self._iters,
+                                                    self._norm_eps, self._eps, norm.eps, gemm_input_dtype())
+        return x, xq, HcMixes(*mixes)
 
     def sublayer_input_unfused(self, h: mx.array, pre: mx.array, norm: RMSNorm) -> tuple[mx.array, mx.array, HcMixes]:
         """sublayer_input as separate operations (prefill, the CPU; bench.py pieces times it)."""
@@ -778,16 +798,18 @@ class Attention(nn.Module):
         return rope[0], rope[1], self.rope.dims
 
     @fused("wo_a", "wo_b")
-    def output(self, o: mx.array, rope: tuple, rope_in_kernel: bool = False, real: int | None = None) -> mx.array:
+    def output(self, o: mx.array, rope: tuple, rope_in_kernel: bool = False, real: int | None = None,
+               onto: kernels.StreamOnto | None = None) -> mx.array | tuple[mx.array, mx.array]:
         """Undo the query RoPE (unless rope_in_kernel: undone already), then the grouped wo_a
-        (block-diagonal) and wo_b."""
+        (block-diagonal) and wo_b. onto: wo_b puts its output into that stream
+        (Fp8Linear.into_stream) and this returns its (h, mix_parts)."""
         S = o.shape[0]
         o = o if rope_in_kernel else Rope.apply(o, rope, inverse=True)
         # wo_a is applied to bf16 activations as stored (the reference dequantises it, no act-quant)
         if kernels.fp8_gemv_fits(o, self.wo_a.weight, groups=self.n_groups):  # a decode or verify step on a GPU
             # o [S, H, D] read as [S, groups, in], wo_a's rows as its groups' matrices: no views
             o = kernels.fp8_gemv(o, self.wo_a.weight, self.wo_a.scales, real_rows=real, groups=self.n_groups)
-            return self.wo_b(o, real)
+            return self.wo_b(o, real) if onto is None else self.wo_b.into_stream(o, onto, real)
         w = self.wo_a.weight.reshape(self.n_groups, self.o_lora_rank, -1)
         s = self.wo_a.scales.reshape(self.n_groups, self.o_lora_rank, -1)
         o = o.reshape(S, self.n_groups, 1, -1)  # [S, groups, 1, in]
@@ -795,11 +817,14 @@ class Attention(nn.Module):
         pairs = self._pair_ids[: S * self.n_groups].reshape(S, -1) if S <= MAX_CONSTANT_ROWS else None
         o = mx.gather_qmm(o.astype(gemm_input_dtype()), w, s, lhs_indices=pairs, rhs_indices=groups, transpose=True,
                           mode="mxfp8")
-        return self.wo_b(o.astype(BF16).reshape(S, -1))
+        o = o.astype(BF16).reshape(S, -1)
+        return self.wo_b(o) if onto is None else self.wo_b.into_stream(o, onto, real)
 
-    def __call__(self, x: mx.array, positions: mx.array, cache: LayerCache,
-                 caches: list[LayerCache], shared: SharedAttention, xq: mx.array | None = None) -> mx.array:
-        """xq: x through quant.fp8_input, where the caller has it already."""
+    def __call__(self, x: mx.array, positions: mx.array, cache: LayerCache, caches: list[LayerCache],
+                 shared: SharedAttention, xq: mx.array | None = None,
+                 onto: kernels.StreamOnto | None = None) -> mx.array | tuple[mx.array, mx.array]:
+        """xq: x through quant.fp8_input, where the caller has it already. onto: the output goes
+        into that stream (output's onto)."""
         S = x.shape[0]
         rope = self.rope.tables(positions, self.head_dim)
         xq = fp8_input(x) if xq is None else xq
@@ -832,16 +857,17 @@ class Attention(nn.Module):
                 kv, (ids, picked_mask) = source.kv_buffer, shared.topk
         if kernel:
             return self.attention_and_output(q, ring, index, window_mask, kv, ids, picked_mask, self.attn_sink, rope,
-                                             real)
+                                             real, onto)
         window_keys = keys if index is None else ring[index]  # [N, D] shared, or [S, W, D] per row
         picked = None if ids is None else kv[ids]  # [S, k, D]
         o = sparse_attention(q, window_keys, window_mask, picked, picked_mask, self.attn_sink, self.scale)
-        return self.output(o, rope, kernel, real)
+        return self.output(o, rope, kernel, real, onto)
 
     @fused("wo_a", "wo_b")
     def attention_and_output(self, q: mx.array, ring: mx.array, index: mx.array, window_mask: mx.array,
                              kv: mx.array | None, ids: mx.array | None, picked_mask: mx.array | None,
-                             sink: mx.array, rope: tuple, real: int | None) -> mx.array:
+                             sink: mx.array, rope: tuple, real: int | None,
+                             onto: kernels.StreamOnto | None = None) -> mx.array | tuple[mx.array, mx.array]:
         """The attention kernel's path (rows that gather their own windows, on a GPU): one launch
         that rotates q, gathers each row's keys from the buffers as they are (ring [R, D] by
         index, kv [T, D] by ids) and rotates its output back (spec: the rotations in queries
@@ -851,7 +877,7 @@ class Attention(nn.Module):
         compiled method takes its own arrays through their modules, and this one has none)."""
         o = kernels.sparse_attention_rows(q, ring, index, window_mask, kv, ids, picked_mask, sink, self.scale, rope,
                                           self.rope.dims, real)
-        return self.output(o, rope, True, real)
+        return self.output(o, rope, True, real, onto)
 
     def _compress(self, x: mx.array, cache: LayerCache, shared: SharedAttention) -> None:
         """Pool finished groups; store their index keys and RoPE'd FP4 compressed KV."""
@@ -926,12 +952,15 @@ class Expert(nn.Module):
         self.w13, self.w2 = Fp8Linear(dim, 2 * inter), Fp8Linear(inter, dim)
         self.limit = limit
 
-    def __call__(self, xq: mx.array, real: int | None = None, routed: mx.array | None = None) -> mx.array:
+    def __call__(self, xq: mx.array, real: int | None = None, routed: mx.array | None = None,
+                 onto: kernels.StreamOnto | None = None) -> mx.array | tuple[mx.array, mx.array]:
         """xq: the input through quant.fp8_input (shared with the routed experts); real: the
         rows that matter, the first `real` (on a GPU the others come out zeros; Fp8Linear).
         routed: the routed experts' outputs [real, k, dim] bf16, added to this one's
-        (kernels.parts_added): the MoE's output."""
-        return self.w2(self.w13.quantized(xq, real, kernels.SwiGLU(self.limit)), real, routed)
+        (kernels.parts_added): the MoE's output. onto: w2 puts it into that stream
+        (Fp8Linear.into_stream) and this returns (h, mix_parts)."""
+        h = self.w13.quantized(xq, real, kernels.SwiGLU(self.limit))
+        return self.w2(h, real, routed) if onto is None else self.w2.into_stream(h, onto, real, routed)
 
 
 class Gate(nn.Module):
@@ -977,8 +1006,10 @@ class MoE(nn.Module):
         self._pair_ids = index_range(SORT_EXPERTS_AT)
 
     @fused()
-    def __call__(self, x: mx.array, rows: int | None = None, x8: mx.array | None = None) -> mx.array:
+    def __call__(self, x: mx.array, rows: int | None = None, x8: mx.array | None = None,
+                 onto: kernels.StreamOnto | None = None) -> mx.array | tuple[mx.array, mx.array]:
         """x [N, dim] bf16 -> [N, dim] bf16. x8: x through quant.fp8_input, where the caller has it.
+        onto: the output goes into that stream (Expert's onto): -> (h, mix_parts).
 
         rows: only the first `rows` rows are real (a padded decode forward, Model.decode);
         the others get the shared expert alone. Each (row, expert) pair is its own
@@ -999,7 +1030,7 @@ class MoE(nn.Module):
         # the shared expert adds them to its own output, in expert-id order as the reference adds
         # them (kernels.parts_added; on a GPU inside its last GEMM); the padding rows get the
         # shared expert alone (zeros on a GPU)
-        return self.shared_experts(x8, rows, y)
+        return self.shared_experts(x8, rows, y, onto)
 
     def _routed_rows(self, x8: mx.array, weights: mx.array, ids: mx.array, real: int) -> mx.array:
         """The routed experts of a decode or verify step: the first `real` rows of x8 [N, dim]
@@ -1043,17 +1074,32 @@ class Block(nn.Module):
         if layer_id in args.engram_layer_ids:
             self.engram = Engram(args, layer_id)
 
-    def __call__(self, h: mx.array | Expansion, pre: mx.array, positions: mx.array, *attn_args,
-                 rows: int | None = None, expand: bool = True) -> tuple[mx.array | Expansion, mx.array]:
-        """h [S, hc, dim] bf16, or the previous block's Expansion; pre [S, hc] -> (h, pre for the
-        next block). rows: how many of the S rows are real (the rest pad a decode forward).
-        expand=False: h is returned as an Expansion of the MoE's output, for the next block."""
-        if isinstance(h, Expansion):
+    def __call__(self, h: mx.array | Expansion | Folded, pre: mx.array, positions: mx.array, *attn_args,
+                 rows: int | None = None, expand: bool = True,
+                 next_fn: mx.array | None = None) -> tuple[mx.array | Expansion | Folded, mx.array]:
+        """h [S, hc, dim] bf16, or the previous block's Expansion or Folded; pre [S, hc] -> (h, pre
+        for the next block). rows: how many of the S rows are real (the rest pad a decode forward).
+        expand=False: h is returned as an Expansion of the MoE's output, for the next block, or,
+        given the next block's attention mix projection next_fn (its hc_attn.fn) and where
+        kernels.fp8_into_stream_fits, as a Folded: the MoE's last GEMM put its output into the
+        stream and began the next block's mixes. The attention's output goes into the stream
+        the same way where it fits (else the MoE's input kernel expands it): on a GPU, no
+        sub-layer output is expanded by a launch of its own."""
+        if isinstance(h, Folded):
+            h, (x, xq, *attn_mix) = h.h, self.folded_attn_input(h.h, h.parts, pre)
+        elif isinstance(h, Expansion):
             h, x, xq, *attn_mix = self.expanded_attn_input(*h, pre)
         else:
             x, xq, *attn_mix = self.attn_input(h, pre)
-        x = self.attn(x, positions, *attn_args, xq=xq)
-        h, x, xq, *ffn_mix = self.ffn_input(x, h, *attn_mix)
+        if kernels.fp8_into_stream_fits(self.attn.wo_b.weight, h):
+            h, parts = self.attn(x, positions, *attn_args, xq=xq,
+                                 onto=kernels.StreamOnto(h, attn_mix[1], attn_mix[2], self.hc_ffn.fn))
+            x, xq, *ffn_mix = self.folded_ffn_input(h, parts, attn_mix[0])
+        else:
+            x = self.attn(x, positions, *attn_args, xq=xq)
+            h, x, xq, *ffn_mix = self.ffn_input(x, h, *attn_mix)
+        if not expand and next_fn is not None and kernels.fp8_into_stream_fits(self.ffn.shared_experts.w2.weight, h):
+            return Folded(*self.ffn(x, rows, xq, kernels.StreamOnto(h, ffn_mix[1], ffn_mix[2], next_fn))), ffn_mix[0]
         out = Expansion(self.ffn(x, rows, xq), h, *ffn_mix[1:])
         return (out.value() if expand else out), ffn_mix[0]
 
@@ -1071,6 +1117,20 @@ class Block(nn.Module):
         pre: (h, x, xq, pre, post, comb), h the expanded stream."""
         h, x, xq, mix = self.hc_attn.expanded_input(y, residual, HcMixes(pre, post, comb), self.attn_norm)
         return h, x, xq, mix.pre, mix.post, mix.comb
+
+    @fused("hc_attn", "attn_norm")
+    def folded_attn_input(self, h: mx.array, parts: mx.array, pre: mx.array) -> tuple[mx.array, ...]:
+        """attn_input of the previous block's Folded stream h and mix parts: (x, xq, pre, post,
+        comb)."""
+        x, xq, mix = self.hc_attn.input_from_parts(h, parts, pre, self.attn_norm)
+        return x, xq, mix.pre, mix.post, mix.comb
+
+    @fused("hc_ffn", "ffn_norm")
+    def folded_ffn_input(self, h: mx.array, parts: mx.array, pre: mx.array) -> tuple[mx.array, ...]:
+        """The MoE's input from the stream h that the attention's wo_b made with this sub-layer's
+        mix parts (Attention.output's onto): (x, xq, pre, post, comb)."""
+        x, xq, mix = self.hc_ffn.input_from_parts(h, parts, pre, self.ffn_norm)
+        return x, xq, mix.pre, mix.post, mix.comb
 
     @fused("hc_ffn", "ffn_norm")
     def ffn_input(self, x: mx.array, h: mx.array, *attn_mix: mx.array) -> tuple[mx.array, ...]:
@@ -1180,6 +1240,28 @@ class Model(nn.Module):
     def _whole_stream_layers(self) -> frozenset[int]:
         return frozenset(self.args.engram_layer_ids) | frozenset(self.args.dspark_target_layer_ids)
 
+    def block_forward(self, i: int, h: mx.array | Expansion | Folded, pre: mx.array, positions: mx.array,
+                      cache: ModelCache, shared: SharedAttention, engram_rows: mx.array | None = None,
+                      real_rows: int | None = None,
+                      features: list[mx.array] | None = None) -> tuple[mx.array | Expansion | Folded, mx.array]:
+        """Block i of a forward (__call__'s loop; bench.py's per-layer runs): the stream taken
+        whole first where the block needs it so (takes_whole_stream), the engram's table rows
+        added (engram_rows: EngramTable.gather's, for an engram layer), the DSpark features
+        tapped (appended to `features`, where given), then the block. Each
+        block hands the next its output unexpanded (Expansion) or put into the stream with the
+        next block's mixes begun (Folded; not into an engram layer, which adds to the stream
+        first); the last expands it."""
+        layer, last = self.layers[i], len(self.layers) - 1
+        if self.takes_whole_stream(i) and isinstance(h, Expansion):
+            h = h.value()  # (a Folded holds its stream whole, and the next block's mixes begun)
+        if engram_rows is not None:
+            h = layer.engram(stream_value(h), engram_rows, real_rows)
+        if features is not None and i in self.args.dspark_target_layer_ids:
+            features.append(copies_mean(stream_value(h)))
+        next_fn = self.layers[i + 1].hc_attn.fn if i < last and not hasattr(self.layers[i + 1], "engram") else None
+        return layer(h, pre, positions, cache.layers[i], cache.layers, shared, rows=real_rows, expand=i == last,
+                     next_fn=next_fn)
+
     def make_cache(self) -> ModelCache:
         return ModelCache([LayerCache(self.args.sliding_window,
                                       self.args.compress_ratios[i] if layer.attn.is_kv_source else 0)
@@ -1206,17 +1288,8 @@ class Model(nn.Module):
         h, pre = hc_expand(self.embed(ids[0]), self.args.hc_mult)  # [S, hc, dim], [S, hc]
         shared = SharedAttention(real_rows)
         features = []
-        targets = self.args.dspark_target_layer_ids
-        for i, layer in enumerate(self.layers):
-            if self.takes_whole_stream(i):
-                h = stream_value(h)
-            if i in engram_rows:
-                h = layer.engram(h, engram_rows[i], real_rows)
-            if i in targets:
-                features.append(copies_mean(h))
-            # each block hands the next its output unexpanded (Expansion); the last expands it
-            h, pre = layer(h, pre, positions, cache.layers[i], cache.layers, shared, rows=real_rows,
-                           expand=i + 1 == len(self.layers))
+        for i in range(len(self.layers)):
+            h, pre = self.block_forward(i, h, pre, positions, cache, shared, engram_rows.get(i), real_rows, features)
             if self.overlap_build:
                 mx.async_eval(h, pre)
         x = self.norm(hc_pre(h, pre))

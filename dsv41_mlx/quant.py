@@ -143,6 +143,16 @@ class Fp8Linear(nn.Module):
     def __call__(self, x: mx.array, real: int | None = None, parts: mx.array | None = None) -> mx.array:
         return fp8_linear(x, self.weight, self.scales, real, parts)
 
+    def into_stream(self, x: mx.array, onto: kernels.StreamOnto, real: int | None = None,
+                    parts: mx.array | None = None) -> tuple[mx.array, mx.array]:
+        """The product of x [S, in] (bf16, as __call__ takes it), parts added, put into the
+        hyper-connection stream in the same launch (kernels.fp8_into_stream): -> (h, mix_parts).
+        Only where kernels.fp8_into_stream_fits this weight and onto's stream."""
+        rows = kernels.computed_rows(real, x.shape[0])
+        in_kernel = kernels.quantizes_in_kernel(x, rows, matrix_unit=True)
+        return kernels.fp8_into_stream(x if in_kernel else fp8_input(x), self.weight, self.scales, onto,
+                                       quantize_input=in_kernel, real_rows=real, parts=parts)
+
     def quantized(self, xq: mx.array, real: int | None = None, swiglu: kernels.SwiGLU | None = None) -> mx.array:
         """The product for an input already through `fp8_input`: an activation that feeds
         several FP8 GEMMs is quantised once (on a GPU, one kernel launch fewer each).

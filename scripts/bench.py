@@ -736,7 +736,7 @@ def layer_kind(layer) -> str:
 def decode_by_layer(model, token: int, cache, on_layer) -> mx.array:
     """One decode step (padded as Model.decode pads it), calling on_layer(i, run) for each block,
     where run() builds that block's outputs; returns the logits. Mirrors Model.__call__."""
-    from dsv41_mlx.model import SharedAttention, hc_expand, hc_pre, positions_of, stream_value
+    from dsv41_mlx.model import SharedAttention, hc_expand, hc_pre, positions_of
 
     args = model.args
     rows = model.decode_rows or 1
@@ -747,13 +747,10 @@ def decode_by_layer(model, token: int, cache, on_layer) -> mx.array:
     h, pre = hc_expand(model.embed(mx.array(tokens, dtype=mx.int32)), args.hc_mult)
     shared = SharedAttention(real_rows=1)
     for i, layer in enumerate(model.layers):
-        def run(i=i, layer=layer, h=h, pre=pre):  # h: an array or the previous block's Expansion
-            if model.takes_whole_stream(i):
-                h = stream_value(h)  # the feature tap's graph is not the step's: Model.__call__ taps it
-            if hasattr(layer, "engram"):
-                h = layer.engram(h, layer.engram.gather(hashes[:, model.hasher.layer_index(i)]), 1)
-            return layer(h, pre, positions, cache.layers[i], cache.layers, shared, rows=1,
-                         expand=i + 1 == len(model.layers))
+        def run(i=i, layer=layer, h=h, pre=pre):  # h: an array, or the previous block's Expansion or Folded
+            # (Model.__call__ also taps the DSpark features: not the step's graph)
+            rows = layer.engram.gather(hashes[:, model.hasher.layer_index(i)]) if hasattr(layer, "engram") else None
+            return model.block_forward(i, h, pre, positions, cache, shared, rows, 1)
         h, pre = on_layer(i, run)
     logits = model.head(model.norm(hc_pre(h, pre)))
     cache.trim(rows - 1)

@@ -58,6 +58,11 @@ others.
 hc_post_input: the same with the stream expanded inside the kernel from the previous
 sub-layer's output (model.hc_post's spec): the stream within a bf16 step of hc_post's
 (equal in 99%), the rest as hc_input's against the spec of the kernel's own stream.
+fp8_into_stream: wo_b and the shared expert's w2 (parts added) putting their output into
+the stream (fp8_mma_hc), rows 1..16 with a padding row: the stream the same bits as
+fp8_gemv then hc_post_input, within a bf16 step of hc_post of the spec's output; the next
+sub-layer's input from the kernel's mix parts (hc_input_from_parts) as hc_input's
+against the spec of that stream; a row alone equals the row among others.
 rms_norm: RMSNorm at widths 128..5120, rows 1..300, bf16 and fp32, against the
 spec's casts around MLX's RMSNorm: bf16 within a bf16 step (equal in 99%), fp32
 within 1e-6; a row alone equals the row among others; the quantised form bit for
@@ -743,6 +748,69 @@ def _check_sublayer_input(impl: str, seed: int, expanded: bool) -> list[str]:
     return problems
 
 
+
+def check_fp8_into_stream(impl: str, seed: int) -> list[str]:
+    """kernels.fp8_into_stream (fp8_mma_hc) at the release's two shapes that take it, wo_b
+    (8192 -> 5120, its input quantised in the kernel) and the shared expert's w2 (its inputs ->
+    5120, the routed experts' parts added), rows 1..16 of a forward one row longer (the padding
+    row's y zeros), against two launches of the other kernels on the same inputs: fp8_gemv's
+    output y put into the stream by hc_post_input. The stream h the same bits (fp8_mma's y
+    and hc_post_mix's arithmetic, hc_expand); and h within a bf16 step of model.hc_post of
+    fp8_gemv_reference's y. Then hc_input_from_parts of the kernel's mix parts against
+    hc_input's spec of h, with check_hc_input's tolerances; a row alone equals the same row
+    among others."""
+    from dsv41_mlx.model import _hc_post
+
+    rng = np.random.default_rng(seed)
+    mx.random.seed(seed)
+    problems = []
+    args, hc, iters = flash_args(), 4, 20
+    dim, M = args.hidden_size, (2 + hc) * hc
+    fn = mx.array(rng.normal(0, 1 / np.sqrt(hc * dim), (M, hc * dim)).astype(np.float32))
+    scale = mx.array(rng.normal(0, 1, 3).astype(np.float32))
+    base = mx.array(rng.normal(0, 1, M).astype(np.float32))
+    norm_w = mx.array(rng.normal(1, 0.2, dim).astype(np.float32))
+    for name, k, ap in (("wo_b", args.o_groups * args.o_lora_rank, 0), ("shared w2", args.moe_intermediate_size, 6)):
+        w, s = random_words((dim, k // 4)), random_scales((dim, k // 32))
+        for rows in CHECK_ROWS:
+            S = min(rows + 1, kernels.DECODE_MAX_ROWS)
+            x = raw_activation((S, k)) if ap == 0 else random_fp8_input((S, k))
+            gemm = {"quantize_input": ap == 0, "real_rows": rows, "parts": mixed_parts(rows, dim) if ap else None}
+            residual = mx.array(rng.normal(0, 1, (S, hc, dim)).astype(np.float32)).astype(mx.bfloat16)
+            post = mx.array(rng.uniform(0, 2, (S, hc)).astype(np.float32))
+            comb = mx.array(rng.uniform(0, 1, (S, hc, hc)).astype(np.float32))
+            pre_in = mx.array(rng.uniform(0, 1, (S, hc)).astype(np.float32))
+            hc_args = (scale, base, norm_w, iters, 1e-6, 1e-6, 1e-6, mx.bfloat16)
+            onto = kernels.StreamOnto(residual, post, comb, fn)
+            label = f"fp8_into_stream {name} rows={rows} of {S}"
+            h, parts = kernels.fp8_into_stream(x, w, s, onto, impl=impl, **gemm)
+            y = fp8_gemv(x, w, s, impl=impl, **gemm)
+            want_h = kernels.hc_post_input(y, residual, post, comb, pre_in, fn, *hc_args, impl=impl)[0]
+            differ = bits_differ(h, want_h)
+            if differ:
+                problems.append(f"{label}: {differ} values of h differ from fp8_gemv then hc_post_input's")
+            spec_y = kernels.fp8_gemv_reference(x, w, s, quantize_input=ap == 0, real_rows=rows, parts=gemm["parts"])
+            problem = bf16_step_problem(h, _hc_post(spec_y, residual, post, comb))
+            if problem:
+                problems.append(f"{label} h against the spec's: {problem}")
+            got = kernels.hc_input_from_parts(h, parts, pre_in, *hc_args, impl=impl)
+            want = hc_input_spec(h, pre_in, fn, *hc_args)
+            problem = bf16_step_problem(got[0], want[0])
+            if problem:
+                problems.append(f"{label} x: {problem}")
+            for part, a, b in zip(("pre", "post", "comb"), got[2:], want[2:]):
+                err = mx.abs(a - b).max().item()
+                if not err <= 2e-5:
+                    problems.append(f"{label} {part} off by {err:.3g}")
+            if rows > 1:
+                r = rows - 1  # the last real row alone
+                one = {**gemm, "real_rows": 1, "parts": None if ap == 0 else gemm["parts"][r:]}
+                alone = kernels.fp8_into_stream(x[r:r + 1], w, s, kernels.StreamOnto(*(a[r:r + 1] for a in onto[:3]), fn),
+                                                impl=impl, **one)
+                if not (mx.array_equal(alone[0], h[r:r + 1]).item() and mx.array_equal(alone[1], parts[r:r + 1]).item()):
+                    problems.append(f"{label}: the last real row alone differs from the same row among {S}")
+    return problems
+
 def sparse_attention_spec(q, ring, index, window_mask, kv, ids, picked_mask, sink, scale, rope, rope_dims,
                           real_rows=None):
     """What kernels.sparse_attention_rows computes, by model.Attention's pure-MLX path: q
@@ -982,6 +1050,7 @@ def main() -> int:
                ("rms_norm_rope", check_rms_norm_rope, 43), ("rms_norm_pair", check_rms_norm_pair, 61),
                ("hc_input", check_hc_input, 17),
                ("hc_post_input", check_hc_post_input, 41),
+               ("fp8_into_stream", check_fp8_into_stream, 67),
                ("sparse_attention", check_sparse_attention, 19), ("moe_gate", check_moe_gate, 13)]
     for name, check, seed in [c for c in checks if wanted(c[0])]:
         problems, notes = (check(seed=seed) if check is check_gemms_bf16 else (check(impl, seed=seed), []))

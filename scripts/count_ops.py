@@ -55,13 +55,18 @@ def gpu_path_with_stub_kernels(calls: collections.Counter):
     for dtype in (mx.bool_, mx.uint8, mx.uint16, mx.uint32, mx.int32, mx.float16, mx.bfloat16, mx.float32):
         zeros[dtype] = mx.zeros((), dtype=dtype)
     mx.eval(list(zeros.values()))
-    saved = kernels._compiled, kernels.backend, kernels.device_backend, kernels._gemv_fits
+    saved = kernels._compiled, kernels.backend, kernels.device_backend, kernels._gemv_fits, kernels.fp8_into_stream_fits
     kernels._compiled, kernels.backend, kernels.device_backend = compiled, lambda: "cuda", lambda: "cuda"
     kernels._gemv_fits = lambda rows, n, k, impl=None: rows <= kernels.DECODE_MAX_ROWS
+    # the sub-layers' last GEMMs (wo_b, the shared w2: the stream's width of outputs, on the
+    # matrix unit at the release's 5120) put their output into the stream where it fits
+    kernels.fp8_into_stream_fits = lambda w, residual, impl=None: (kernels.hc_input_fits(residual)
+                                                                   and residual.shape[2] == w.shape[0])
     try:
         yield
     finally:
-        kernels._compiled, kernels.backend, kernels.device_backend, kernels._gemv_fits = saved
+        (kernels._compiled, kernels.backend, kernels.device_backend, kernels._gemv_fits,
+         kernels.fp8_into_stream_fits) = saved
 
 
 def census(*outputs) -> tuple[int, int, collections.Counter]:

@@ -163,7 +163,7 @@ from dsv41_mlx.config import ModelArgs
 res = count_ops.count(str(default_checkpoint()), rows=8, prompt=40)
 res["restored"] = kernels.backend() == "mlx" and kernels.device_backend() == "mlx"
 args = ModelArgs.from_dict(json.loads((default_checkpoint() / "config.json").read_text()))
-res["tapped"] = sorted(set(args.engram_layer_ids) | set(args.dspark_target_layer_ids))
+res["engram"] = sorted(args.engram_layer_ids)
 print(json.dumps(res))
 """)
     layers = sum(len(v) for v in res["per_kind"].values())
@@ -171,12 +171,14 @@ print(json.dumps(res))
     assert calls["sparse_attention"] == calls["moe_gate_scores"] == calls["moe_gate_topk"] == layers
     # each attention's wq_a and wkv: one launch, and so are their norms
     assert calls["fp8_gemv_pair"] == calls["rms_norm_pair"] == layers
-    # every sub-layer input is hc_input after hc_mix, or after hc_post_mix where the stream is
-    # still to be expanded: every MoE's input, and a block's input from the previous block
-    # except where the stream is needed whole before it (engram layers, DSpark feature taps)
-    assert calls["hc_input"] == calls["hc_mix"] + calls["hc_post_mix"] == 2 * layers
-    entered_unexpanded = [i for i in range(1, layers) if i not in res["tapped"]]
-    assert entered_unexpanded and calls["hc_post_mix"] == layers + len(entered_unexpanded)
+    # every sub-layer input is hc_input after hc_mix, or after the GEMM before it put its output
+    # into the stream with the mix parts begun (fp8_mma_hc: every attention's wo_b, and a MoE's
+    # shared w2 but the last block's and those before an engram layer, which adds to the stream
+    # first); no launch of its own expands a stream (hc_post_mix)
+    assert calls["hc_input"] == calls["hc_mix"] + calls["fp8_mma_hc"] == 2 * layers
+    entered_folded = [i for i in range(1, layers) if i not in res["engram"]]
+    assert entered_folded and calls["fp8_mma_hc"] == layers + len(entered_folded)
+    assert "hc_post_mix" not in calls
     assert 0 < res["total"] < 200 * layers and res["views"] > 0
     assert res["restored"]
     for kind in ("ratio 1", "ratio 2"):  # a plain layer's casts all fuse into compiled kernels

@@ -889,6 +889,52 @@ def test_hc_post_input_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatc
         assert any(message in p for p in check.check_hc_post_input("mlx", seed=3)), message
 
 
+
+def test_fp8_into_stream_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatch):
+    """check_kernels.py's check of the GEMM that puts its output into the stream: specs of the
+    kernels it runs (the GEMM's output by fp8_gemv_reference, the stream by model._hc_post,
+    its mix parts the whole projection in one part, the next sub-layer's input completing
+    them) pass; a stream off by a bf16 step, parts that miss a share of the projection, or
+    rows that depend on each other fail."""
+    from dsv41_mlx.kernels import hc_split_reference, rms_norm_reference
+    from dsv41_mlx.model import _hc_post, hc_pre
+    from dsv41_mlx.quant import fp8_fake_quant_reference
+
+    check = _check_kernels_script()
+    monkeypatch.setattr(check, "CHECK_ROWS", (1, 5))
+
+    def gemv(x, w, s, impl=None, **kw):
+        return kernels.fp8_gemv_reference(x, w, s, **kw)
+
+    def hc_post_input(y, residual, post, comb, pre_in, *args, impl=None):
+        h = _hc_post(y, residual, post, comb)
+        return (h, *check.hc_input_spec(h, pre_in, *args))
+
+    def into_stream(x, w, s, onto, impl=None, h_scale=1.0, share=1.0, coupled=False, **kw):
+        residual, post, comb, fn = onto
+        y = gemv(x, w, s, **kw)
+        h = (_hc_post(y, residual, post + 1e-2 * (coupled and x.shape[0] > 1), comb).astype(mx.float32)
+             * h_scale).astype(mx.bfloat16)
+        flat = h.reshape(h.shape[0], -1).astype(mx.float32)
+        return h, mx.concatenate([flat @ fn.T * share, (flat * flat).sum(axis=1, keepdims=True)], axis=1)[:, None]
+
+    def from_parts(h, parts, pre_in, scale, base, norm_w, iters, hc_norm_eps, eps, norm_eps, quantize_to, impl=None):
+        total = parts.sum(axis=1)
+        mixes = total[:, :-1] * mx.rsqrt(total[:, -1:] / (h.shape[1] * h.shape[2]) + hc_norm_eps)
+        x = rms_norm_reference(hc_pre(h, pre_in), norm_w, norm_eps)
+        return (x, fp8_fake_quant_reference(x).astype(quantize_to),
+                *hc_split_reference(mixes, scale, base, h.shape[1], iters, eps))
+
+    monkeypatch.setattr(check, "fp8_gemv", gemv)
+    monkeypatch.setattr(kernels, "hc_post_input", hc_post_input)
+    monkeypatch.setattr(kernels, "hc_input_from_parts", from_parts)
+    monkeypatch.setattr(kernels, "fp8_into_stream", into_stream)
+    assert check.check_fp8_into_stream("mlx", seed=3) == []
+    for broken, message in (({"h_scale": 1 + 2.0**-6}, "values of h differ"), ({"share": 0.99}, "off by"),
+                            ({"coupled": True}, "alone differs")):
+        monkeypatch.setattr(kernels, "fp8_into_stream", lambda *a, b=broken, **kw: into_stream(*a, **b, **kw))
+        assert any(message in p for p in check.check_fp8_into_stream("mlx", seed=3)), message
+
 def test_attention_kernel_runs_only_where_it_fits():
     """The attention kernel takes a GPU, bfloat16 queries, at most 16 rows, heads in groups of
     two, a width of 16-byte chunks that divide 256 and its threadgroup memory; elsewhere the
