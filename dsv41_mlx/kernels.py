@@ -434,10 +434,11 @@ def hc_input_fits(h: mx.array, impl: str | None = None) -> bool:
     """Whether hc_input runs for this stream [S, hc, dim]: a GPU, at most DECODE_MAX_ROWS
     rows, a bfloat16 stream, dim a multiple of 32 (whole FP8 blocks) and at most
     HC_INPUT_MAX_DIM (each of the 256 threads keeps its share of the row's collapsed values
-    and norm weights in registers), with (2 + hc) * hc <= 32 (a lane for each mix)."""
+    and norm weights in registers), with (2 + hc) * hc < 32 (a lane for each mix, and one for
+    the sum of squares)."""
     impl = impl or backend()
     return (impl != "mlx" and h.ndim == 3 and h.shape[0] <= DECODE_MAX_ROWS and h.dtype == mx.bfloat16
-            and h.shape[2] % 32 == 0 and h.shape[2] <= HC_INPUT_MAX_DIM and (2 + h.shape[1]) * h.shape[1] <= 32)
+            and h.shape[2] % 32 == 0 and h.shape[2] <= HC_INPUT_MAX_DIM and (2 + h.shape[1]) * h.shape[1] < 32)
 
 
 def hc_input(h: mx.array, pre_in: mx.array, fn: mx.array, scale: mx.array, base: mx.array, norm_w: mx.array,

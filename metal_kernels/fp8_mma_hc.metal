@@ -7,13 +7,17 @@
 // bits hc_post_mix gives), written out, and the tile's share of the next sub-layer's mix
 // projection: for each mix m, sum over c of h[r, c, d] * fn[m, c * N + d], and sum over c of
 // h[r, c, d]^2, each then summed over the tile's 32 features in a butterfly, into
-// mix_parts[r, tile, ..] (hc_input's parts: it adds a row's N / 32 tiles in order).
+// mix_parts[r, tile, ..] (the parts hc_input adds up), MG mixes a pass.
 // Extra inputs: residual [out_rows, HC, N] bfloat16 (the stream the sub-layer ran on), post
 // [out_rows, HC] and comb [out_rows, HC, HC] float32 (its mixes), fn [M, HC * N] float32 (the
 // next sub-layer's mix projection, M = (2 + HC) * HC). Outputs: h [out_rows, HC, N] bfloat16,
 // mix_parts [out_rows, N / 32, M + 1] float32. Template constant HC; SW 0 and G 1 (a dense
 // GEMM). CUDA twin: fp8_mma_hc.cu.
 constexpr int M = (2 + HC) * HC;
+// mixes a pass: their loads of fn are issued together, MG * HC a lane; all M at once held ~100
+// registers a thread more than the GEMM (NVRTC: 255 against 122), which halved the threadgroups
+// a core holds (CUDA; docs/benchmarks.md, session 22)
+constexpr int MG = 8;
 const uint d = n0 + lane;  // this lane's feature
 for (uint r = warp; r < uint(out_rows); r += WARPS) {
   float v = 0.0f;  // y[r, d]
@@ -31,25 +35,33 @@ for (uint r = warp; r < uint(out_rows); r += WARPS) {
     h[(ulong(r) * HC + c) * N + d] = b;
     hv[c] = float(b);
   }
-  float acc[M + 1];
-  for (int m = 0; m < M; m++) {
-    acc[m] = hv[0] * fn[ulong(m) * HC * N + d];
-    for (int c = 1; c < HC; c++) {
-      acc[m] += hv[c] * fn[(ulong(m) * HC + c) * N + d];
-    }
-  }
-  acc[M] = hv[0] * hv[0];
+  float sq = hv[0] * hv[0];  // the tile's sum of squares, then its share of each mix, in butterflies over the features
   for (int c = 1; c < HC; c++) {
-    acc[M] += hv[c] * hv[c];
+    sq += hv[c] * hv[c];
   }
-  for (int m = 0; m <= M; m++) {  // the tile's totals, every lane left with them
-    for (ushort offset = 16; offset > 0; offset /= 2) {
-      acc[m] += simd_shuffle_xor(acc[m], offset);
-    }
+  for (ushort offset = 16; offset > 0; offset /= 2) {
+    sq += simd_shuffle_xor(sq, offset);
   }
+  const ulong out = (ulong(r) * tiles + n0 / 32) * (M + 1);  // this row's and tile's parts
   if (lane == 0) {
-    for (int m = 0; m <= M; m++) {
-      mix_parts[(ulong(r) * tiles + n0 / 32) * (M + 1) + m] = acc[m];
+    mix_parts[out + M] = sq;
+  }
+  for (int m0 = 0; m0 < M; m0 += MG) {
+    float acc[MG];
+    for (int j = 0; j < MG; j++) {
+      const ulong m = m0 + j < M ? m0 + j : M - 1;  // (past M: a repeat, not written)
+      acc[j] = hv[0] * fn[m * HC * N + d];
+      for (int c = 1; c < HC; c++) {
+        acc[j] += hv[c] * fn[(m * HC + c) * N + d];
+      }
+    }
+    for (int j = 0; j < MG; j++) {
+      for (ushort offset = 16; offset > 0; offset /= 2) {
+        acc[j] += simd_shuffle_xor(acc[j], offset);
+      }
+      if (lane == 0 && m0 + j < M) {
+        mix_parts[out + m0 + j] = acc[j];
+      }
     }
   }
 }

@@ -5,9 +5,10 @@ constexpr int M = (2 + HC) * HC;
 constexpr int HD = HC * D;
 constexpr int PER = (D + 32 * WARPS - 1) / (32 * WARPS);  // a thread's features: tid, tid + 256, ..
 constexpr bool EVEN = D % (32 * WARPS) == 0;  // then no feature needs a bounds check
-static_assert(M <= 32, "a lane for each mix");
+constexpr int CPW = (CH + WARPS - 1) / WARPS;  // the chunks a warp adds
+static_assert(M < 32, "a lane for each mix and one for the squares");
 __shared__ float partial[WARPS];
-__shared__ float total[M + 1];
+__shared__ float chunk_sums[WARPS][M + 1];
 __shared__ float mix[M];
 
 const unsigned int row = blockIdx.x;
@@ -47,12 +48,19 @@ for (int k = 0; k < PER; k++) {
 for (int offset = 16; offset > 0; offset /= 2) {
   sq += __shfl_xor_sync(0xffffffffu, sq, offset);
 }
-if (tid <= M) {  // the mixes' totals over hc_mix's chunks, in order
-  float t = parts[row * CH * (M + 1) + tid];
-  for (int c = 1; c < CH; c++) {
-    t += parts[(row * CH + c) * (M + 1) + tid];
+if (lane <= (unsigned int)M) {  // this warp's chunks of the totals
+  float v[CPW];
+#pragma unroll
+  for (int k = 0; k < CPW; k++) {
+    const unsigned int c = warp + k * WARPS;
+    v[k] = c < (unsigned int)CH ? parts[(row * CH + c) * (M + 1) + lane] : 0.0f;
   }
-  total[tid] = t;
+  float t = v[0];
+#pragma unroll
+  for (int k = 1; k < CPW; k++) {
+    t += v[k];
+  }
+  chunk_sums[warp][lane] = t;
 }
 if (lane == 0) {
   partial[warp] = sq;
@@ -73,10 +81,17 @@ for (int k = 0; k < PER; k++) {  // D a multiple of 32: lanes hold a block's 32 
   }
 }
 
-if (warp == 0) {  // the split, a lane for each entry (hc_split_lanes.cuh)
-  const float rs = rsqrtf(total[M] / float(HD) + params[0]);
+if (warp == 0) {  // the totals over the warps, in order, then the split, a lane for each entry (hc_split_lanes.cuh)
+  float t = 0.0f;
+  if (lane <= (unsigned int)M) {
+    t = chunk_sums[0][lane];
+    for (int g = 1; g < WARPS; g++) {
+      t += chunk_sums[g][lane];
+    }
+  }
+  const float rs = rsqrtf(__shfl_sync(0xffffffffu, t, M) / float(HD) + params[0]);
   if (lane < (unsigned int)M) {
-    mix[lane] = total[lane] * rs;
+    mix[lane] = t * rs;
   }
   __syncwarp();
   hc_split_lanes<HC, ITERS>(mix, scale, base, params[1], pre + row * HC, post + row * HC, comb + row * HC * HC,

@@ -15,7 +15,10 @@
 // pre [S, HC], post [S, HC], comb [S, HC, HC] float32: this sub-layer's mixes, split
 // (sigmoids, softmax and ITERS Sinkhorn passes, as hc_split.metal) from
 //   mix_m = (h . fn_m) * rsqrt(mean(h^2) + hc norm eps)   over the flattened row,
-// each total the row's CH chunk sums added in order.
+// each total the row's CH chunk sums added up: simdgroup g adds chunks g, g + 8, .. in order
+// (lane m mix m, lane M the squares; the loads all issued before the first is used: a chain
+// of loads, each waiting for the last, costs a memory trip a chunk, and fp8_mma_hc leaves
+// D / 32 chunks), then the split's simdgroup adds the 8 simdgroups' sums in order.
 // The products are summed in another order than the spec's matmul and reductions,
 // so results match the spec to float32 noise, not bit for bit; each row is computed
 // alone, the same bits in any forward. Each thread keeps its features' values in registers
@@ -29,9 +32,10 @@ constexpr int M = (2 + HC) * HC;
 constexpr int HD = HC * D;
 constexpr int PER = (D + 32 * WARPS - 1) / (32 * WARPS);  // a thread's features: tid, tid + 256, ..
 constexpr bool EVEN = D % (32 * WARPS) == 0;  // then no feature needs a bounds check
-static_assert(M <= 32, "a lane for each mix");
+constexpr int CPW = (CH + WARPS - 1) / WARPS;  // the chunks a simdgroup adds
+static_assert(M < 32, "a lane for each mix and one for the squares");
 threadgroup float partial[WARPS];
-threadgroup float total[M + 1];
+threadgroup float chunk_sums[WARPS][M + 1];
 threadgroup float mix[M];
 
 const uint row = threadgroup_position_in_grid.x;
@@ -69,12 +73,17 @@ for (int k = 0; k < PER; k++) {
 for (ushort offset = 16; offset > 0; offset /= 2) {
   sq += simd_shuffle_xor(sq, offset);
 }
-if (tid <= M) {  // the mixes' totals over hc_mix's chunks, in order
-  float t = parts[row * CH * (M + 1) + tid];
-  for (int c = 1; c < CH; c++) {
-    t += parts[(row * CH + c) * (M + 1) + tid];
+if (lane <= uint(M)) {  // this simdgroup's chunks of the totals
+  float v[CPW];
+  for (int k = 0; k < CPW; k++) {
+    const uint c = warp + k * WARPS;
+    v[k] = c < uint(CH) ? parts[(row * CH + c) * (M + 1) + lane] : 0.0f;
   }
-  total[tid] = t;
+  float t = v[0];
+  for (int k = 1; k < CPW; k++) {
+    t += v[k];
+  }
+  chunk_sums[warp][lane] = t;
 }
 if (lane == 0) {
   partial[warp] = sq;
@@ -94,10 +103,17 @@ for (int k = 0; k < PER; k++) {  // D a multiple of 32: lanes hold a block's 32 
   }
 }
 
-if (warp == 0) {  // the split, a lane for each entry (hc_split_lanes.h)
-  const float rs = metal::rsqrt(total[M] / float(HD) + params[0]);
+if (warp == 0) {  // the totals over the simdgroups, in order, then the split, a lane for each entry (hc_split_lanes.h)
+  float t = 0.0f;
+  if (lane <= uint(M)) {
+    t = chunk_sums[0][lane];
+    for (int g = 1; g < WARPS; g++) {
+      t += chunk_sums[g][lane];
+    }
+  }
+  const float rs = metal::rsqrt(simd_shuffle(t, ushort(M)) / float(HD) + params[0]);
   if (lane < uint(M)) {
-    mix[lane] = total[lane] * rs;
+    mix[lane] = t * rs;
   }
   simdgroup_barrier(mem_flags::mem_threadgroup);
   hc_split_lanes<HC, ITERS>(mix, scale, base, params[1], pre + row * HC, post + row * HC, comb + row * HC * HC,

@@ -60,7 +60,7 @@ sub-layer's output (model.hc_post's spec): the stream within a bf16 step of hc_p
 (equal in 99%), the rest as hc_input's against the spec of the kernel's own stream.
 fp8_into_stream: wo_b and the shared expert's w2 (parts added) putting their output into
 the stream (fp8_mma_hc), rows 1..16 with a padding row: the stream the same bits as
-fp8_gemv then hc_post_input, within a bf16 step of hc_post of the spec's output; the next
+fp8_gemv then hc_post_input; the next
 sub-layer's input from the kernel's mix parts (hc_input_from_parts) as hc_input's
 against the spec of that stream; a row alone equals the row among others.
 rms_norm: RMSNorm at widths 128..5120, rows 1..300, bf16 and fp32, against the
@@ -748,19 +748,18 @@ def _check_sublayer_input(impl: str, seed: int, expanded: bool) -> list[str]:
     return problems
 
 
-
 def check_fp8_into_stream(impl: str, seed: int) -> list[str]:
     """kernels.fp8_into_stream (fp8_mma_hc) at the release's two shapes that take it, wo_b
     (8192 -> 5120, its input quantised in the kernel) and the shared expert's w2 (its inputs ->
     5120, the routed experts' parts added), rows 1..16 of a forward one row longer (the padding
     row's y zeros), against two launches of the other kernels on the same inputs: fp8_gemv's
     output y put into the stream by hc_post_input. The stream h the same bits (fp8_mma's y
-    and hc_post_mix's arithmetic, hc_expand); and h within a bf16 step of model.hc_post of
-    fp8_gemv_reference's y. Then hc_input_from_parts of the kernel's mix parts against
-    hc_input's spec of h, with check_hc_input's tolerances; a row alone equals the same row
-    among others."""
-    from dsv41_mlx.model import _hc_post
-
+    and hc_post_mix's arithmetic, hc_expand), so it meets the spec as those two do (checks
+    fp8_gemv and hc_post_input; against model.hc_post of fp8_gemv_reference's y directly, a
+    few values of h lie more than a bf16 step apart: where y's sum nearly cancels, the two
+    orders of its float32 sums differ by many ulps, within fp8_gemv's bound). Then
+    hc_input_from_parts of the kernel's mix parts against hc_input's spec of h, with
+    check_hc_input's tolerances; a row alone equals the same row among others."""
     rng = np.random.default_rng(seed)
     mx.random.seed(seed)
     problems = []
@@ -789,10 +788,6 @@ def check_fp8_into_stream(impl: str, seed: int) -> list[str]:
             differ = bits_differ(h, want_h)
             if differ:
                 problems.append(f"{label}: {differ} values of h differ from fp8_gemv then hc_post_input's")
-            spec_y = kernels.fp8_gemv_reference(x, w, s, quantize_input=ap == 0, real_rows=rows, parts=gemm["parts"])
-            problem = bf16_step_problem(h, _hc_post(spec_y, residual, post, comb))
-            if problem:
-                problems.append(f"{label} h against the spec's: {problem}")
             got = kernels.hc_input_from_parts(h, parts, pre_in, *hc_args, impl=impl)
             want = hc_input_spec(h, pre_in, fn, *hc_args)
             problem = bf16_step_problem(got[0], want[0])

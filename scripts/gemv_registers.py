@@ -2,7 +2,7 @@
 
     python scripts/gemv_registers.py [--arch sm_90]
 
-Compiles fp8_gemv, fp4_experts and fp8_mma (metal_kernels/*.cu, wrapped as MLX wraps them:
+Compiles fp8_gemv, fp4_experts, fp8_mma and fp8_mma_hc (metal_kernels/*.cu, wrapped as MLX wraps them:
 tests/cuda_check.py) for the layouts a forward picks (fp8_gemv: kernels.gemv_layout, RB 1
 with T 4, RB 2 and 8 with T 2; fp4_experts and fp8_mma: kernels.mma_column_groups, NH 1 and 2) with
 and without each epilogue (SW: the SwiGLU, AP: the added parts, QX: the input quantised in
@@ -22,13 +22,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests import cuda_check  # noqa: E402
-from tests.test_kernels import _experts_case, _gemv_case, _mma_case  # noqa: E402
+from tests.test_kernels import _experts_case, _gemv_case, _mma_case, _mma_hc_case  # noqa: E402
 
 LAYOUTS = ((1, 4, 32), (2, 2, 32), (8, 2, 64))  # (RB, T, C)
 EXPERTS_LAYOUTS = (1, 2)  # NH
 GEMV_VARIANTS = {"plain": {}, "SW": {"SW": 1}, "QX": {"QX": 1}, "AP 6": {"AP": 6}, "AP 6, QX": {"AP": 6, "QX": 1}}
 EXPERTS_VARIANTS = {"plain": {}, "SW (weighted)": {"SW": 2}, "QX": {"QX": 1}, "QX, one row": {"QX": 1, "ONE": 1}}
 MMA_VARIANTS = {**GEMV_VARIANTS, "QX, one row": {"QX": 1, "ONE": 1}}
+MMA_HC_VARIANTS = {"QX, one row": {"QX": 1, "ONE": 1}, "QX": {"QX": 1}, "AP 6": {"AP": 6}}  # wo_b's, the shared w2's
 
 
 def registers(case: tuple, arch: str) -> int:
@@ -49,6 +50,8 @@ def table(arch: str, layouts=LAYOUTS, experts_layouts=EXPERTS_LAYOUTS) -> list[d
     cases += [("fp4_experts", f"NH {nh}", EXPERTS_VARIANTS, lambda extra, nh=nh: _experts_case(NH=nh, **extra))
               for nh in experts_layouts]
     cases += [("fp8_mma", f"NH {nh}", MMA_VARIANTS, lambda extra, nh=nh: _mma_case(NH=nh, **extra))
+              for nh in experts_layouts]
+    cases += [("fp8_mma_hc", f"NH {nh}", MMA_HC_VARIANTS, lambda extra, nh=nh: _mma_hc_case(NH=nh, **extra))
               for nh in experts_layouts]
     rows = []
     for kernel, layout, variants, make in cases:

@@ -324,6 +324,45 @@ def test_fp8_mma_into_the_stream_runs_its_spec_on_the_host(language, rows, out_r
     size = np.concatenate([np.abs(flat) @ np.abs(f).T, (flat * flat).sum(axis=1, keepdims=True)], axis=1)
     assert np.all(np.abs(sums - exact) <= hc * n * 2.0 ** -24 * size)
 
+
+@pytest.mark.parametrize("language", ["metal", "cuda"])
+@pytest.mark.parametrize("chunks", [2, 16, 20])
+def test_hc_input_completes_its_parts_on_the_host(language, chunks, tmp_path):
+    """hc_input's second launch (kernels.hc_input_from_parts) from parts of any chunk count:
+    hc_mix's 16, fp8_mma_hc's one a tile (2 here), and a count that leaves some simdgroups
+    fewer chunks. x within a bfloat16 step of the collapse's RMSNorm, xq act_quant's bits of
+    x, and the mixes those hc_split makes of the parts' totals (float64 here), within 2e-5;
+    the padding of the last row (rows past `rows`) untouched."""
+    from dsv41_mlx.kernels import hc_split_reference, rms_norm_reference
+    from dsv41_mlx.model import hc_pre
+    from dsv41_mlx.quant import fp8_fake_quant_reference
+    from scripts.check_kernels import bf16_step_problem
+
+    rng = np.random.default_rng(chunks)
+    S, hc, d, iters = 3, 4, 64, 20
+    m = (2 + hc) * hc
+    h = mx.array(rng.standard_normal((S, hc, d)).astype(np.float32)).astype(mx.bfloat16)
+    parts = rng.normal(0, 1, (S, chunks, m + 1)).astype(np.float32)
+    parts[:, :, m] = rng.uniform(0, 40, (S, chunks))  # each chunk's sum of squares
+    pre_in = rng.uniform(0, 1, (S, hc)).astype(np.float32)
+    scale, base = np.array([0.5, 0.7, 0.9], np.float32), rng.normal(0, 0.5, m).astype(np.float32)
+    norm_w, params = rng.uniform(0.5, 1.5, d).astype(np.float32), np.array([1e-6, 1e-6, 1e-6], np.float32)
+    got = run(kernels.HC_INPUT, language, {
+        "h": ("bfloat16", _bf16_bits(h)), "pre_in": ("float32", pre_in), "parts": ("float32", parts),
+        "scale": ("float32", scale), "base": ("float32", base), "norm_w": ("float32", norm_w),
+        "params": ("float32", params), "rows": ("int32", np.array([S]))},
+        {"x": ("bfloat16", S * d), "xq": ("bfloat16", S * d), "pre": ("float32", S * hc),
+         "post": ("float32", S * hc), "comb": ("float32", S * hc * hc)},
+        {"D": d, "HC": hc, "ITERS": iters, "O": "bfloat16", "CH": chunks}, S, tmp_path)
+    x = mx.array(_floats(got["x"]).reshape(S, d)).astype(mx.bfloat16)
+    assert bf16_step_problem(x, rms_norm_reference(hc_pre(h, mx.array(pre_in)), mx.array(norm_w), 1e-6)) is None
+    assert np.array_equal(got["xq"], _bf16_bits(fp8_fake_quant_reference(x).astype(mx.bfloat16)))
+    totals = parts.astype(np.float64).sum(axis=1)
+    mixes = totals[:, :m] / np.sqrt(totals[:, m:] / (hc * d) + 1e-6)
+    want = hc_split_reference(mx.array(mixes.astype(np.float32)), mx.array(scale), mx.array(base), hc, iters, 1e-6)
+    for name, w in zip(("pre", "post", "comb"), want):
+        assert np.abs(got[name] - np.array(w).reshape(-1)).max() <= 2e-5, name
+
 def _head_on_the_host(language, x, w, rows, workdir):
     """head_logits run on the host: x [S, D] and w [V, D] bf16 -> fp32 logits [S, V]."""
     workdir.mkdir()

@@ -185,6 +185,8 @@ CASES = {
     "hc_input": (HC_INPUT, *HC_INPUT_IO, {"D": 5120, "HC": 4, "ITERS": 20, "O": "bfloat16", "CH": 16}),
     # the tiny checkpoint's width: a row's features and a chunk's values not a whole number of passes
     "hc_input_tiny": (HC_INPUT, *HC_INPUT_IO, {"D": 64, "HC": 4, "ITERS": 20, "O": "bfloat16", "CH": 16}),
+    # after fp8_mma_hc: the mixes' parts from its 160 tiles of 32 features
+    "hc_input_from_tiles": (HC_INPUT, *HC_INPUT_IO, {"D": 5120, "HC": 4, "ITERS": 20, "O": "bfloat16", "CH": 160}),
     "hc_post_mix_tiny": (HC_POST_MIX, *HC_POST_MIX_IO, {"D": 64, "HC": 4, "CH": 16}),
     # (the simdgroups: 16 on CUDA, 8 on Metal; both forms in both languages)
     "sparse_attention": (SPARSE_ATTENTION, *ATTENTION_IO,
@@ -283,7 +285,7 @@ def test_metal_source_type_checks(case, rows, tmp_path):
     ("hc_mix", ("acc[m] += v * fc[m * HD + j];", "acc[m] += v * fc;")),  # pointer into a float
     ("hc_post_mix", ("(acc, &partial[0][0], lane,", "(acc, partial, lane,")),  # 2-d array for a pointer
     ("hc_post_mix", ("h[row * HD + chunk * CHUNK + j] = hb[k];", "h[row * HD + chunk * CHUNK + j] = hv[k];")),  # misspelt
-    ("hc_input", ("t += parts[(row * CH + c) * (M + 1) + tid];", "t += part[(row * CH + c) * (M + 1) + tid];")),
+    ("hc_input", ("v[k] = c < uint(CH) ? parts[", "v[k] = c < uint(CH) ? part[")),  # misspelt
     ("fp4_quant_kv", ("simd_shuffle_xor(amax, offset)", "simd_shuffle_xor(amax)")),  # bad call
     ("rms_norm", ("w, D, eps[0], rope_cos", "w, D, eps, rope_cos")),  # a pointer for a float
     ("rms_norm_quantised", ("threadgroup float partial[8];", "threadgroup float partial[8]")),  # no semicolon
@@ -306,8 +308,8 @@ def test_metal_source_type_checks(case, rows, tmp_path):
     ("fp8_mma_parts_16_rows", ("mma_warps_total<COLS>(red, SW ? 2 * out + j : out, r)",
                                "mma_warps_total<COLS>(red, SW ? 2 * out + j : out)")),  # an argument short
     ("fp8_mma_hc", ("h[(ulong(r) * HC + c) * N + d] = b;", "h[(ulong(r) * HC + c) * N + d] = hv;")),  # array stored
-    ("fp8_mma_hc_parts_16_rows", ("acc[m] += simd_shuffle_xor(acc[m], offset);",
-                                  "acc[m] += simd_shuffle_xor(acc, offset);")),  # array for a float
+    ("fp8_mma_hc_parts_16_rows", ("acc[j] += simd_shuffle_xor(acc[j], offset);",
+                                  "acc[j] += simd_shuffle_xor(acc, offset);")),  # array for a float
 ])
 def test_a_broken_metal_source_fails_the_check(case, breakage, tmp_path):
     spec = CASES[case][0]
@@ -373,8 +375,8 @@ def test_cuda_source_compiles(case):
     ("fp8_gemv_parts", ("o / RB, NY, v);", "o / RB, v);")),  # an argument short
     ("fp8_mma_quantizing", ("mma_warps_total<NH>(red, n, r)", "mma_warps_total<NH>(red, n)")),  # an argument short
     ("fp8_mma_16_rows", ("mma_warp_sums_to<NH>(red, acc, lane);", "mma_warp_sums_to<NH>(red, acc[0], lane);")),  # wrong shape
-    ("fp8_mma_hc", ("acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], offset);",
-                    "acc[m] += __shfl_xor_sync(0xffffffffu, acc, offset);")),  # array for a float
+    ("fp8_mma_hc", ("acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], offset);",
+                    "acc[j] += __shfl_xor_sync(0xffffffffu, acc, offset);")),  # array for a float
     ("fp8_mma_hc_parts_16_rows", ("v = mma_warps_total<NH>(red, lane, r);", "v = mma_warps_total<NH>(red, r);")),
 ])
 def test_a_broken_cuda_source_fails_the_compile(case, breakage):
@@ -520,14 +522,18 @@ def test_included_texts_go_to_the_package_cache(tmp_path, monkeypatch):
 @on_linux
 def test_gemv_registers_reports_each_variant():
     """scripts/gemv_registers.py: NVRTC's register count for each GEMV kernel variant of a
-    layout, and the threadgroups of 256 threads a core then holds."""
+    layout, and the threadgroups of 256 threads a core then holds. fp8_mma_hc's end (the
+    stream and the mix parts) keeps fp8_mma's two threadgroups a core: its first form held
+    every mix's loads at once, 255 registers, one threadgroup a core, and ran slower than
+    the launches it replaced (docs/benchmarks.md, session 22)."""
     script = load_script("gemv_registers")
     rows = script.table("sm_90", layouts=((1, 4, 32),), experts_layouts=(1,))
     assert [(r["kernel"], r["variant"]) for r in rows] == (
         [("fp8_gemv", v) for v in script.GEMV_VARIANTS] + [("fp4_experts", v) for v in script.EXPERTS_VARIANTS]
-        + [("fp8_mma", v) for v in script.MMA_VARIANTS])
+        + [("fp8_mma", v) for v in script.MMA_VARIANTS] + [("fp8_mma_hc", v) for v in script.MMA_HC_VARIANTS])
     for r in rows:
         assert 16 <= r["registers"] <= 255 and r["threadgroups_per_core"] == 65536 // (256 * r["registers"])
+    assert all(r["threadgroups_per_core"] >= 2 for r in rows if r["kernel"].startswith("fp8_mma"))
 
 
 def act_quant_spec(x: mx.array, impl: str, dtype: mx.Dtype | None = None) -> mx.array:

@@ -2,8 +2,7 @@
 // Metal types and built-ins our kernels use, for a machine without Metal. A threadgroup is 256
 // std::threads (8 simdgroups of 32) and threadgroups run one after another, so threadgroup
 // memory is static storage; a simdgroup's reductions go through an exchange between two
-// barriers of its 32 lanes, and simdgroup_barrier waits for the whole threadgroup (our kernels
-// call it alike in every simdgroup); a simdgroup matrix is held whole by every lane, each lane computing the
+// barriers of its 32 lanes, and simdgroup_barrier waits for those 32 lanes; a simdgroup matrix is held whole by every lane, each lane computing the
 // product itself and lane 0 storing it. Sums inside a product run in k order in float: the
 // matrix unit's own order may differ, which is within the float32 summation bound the tests
 // allow. half and bfloat16_t convert in software (host_floats.h).
@@ -69,7 +68,7 @@ using metal::min;
 using metal::max;
 inline float fma(float a, float b, float c) { return std::fma(a, b, c); }
 inline void threadgroup_barrier(mem_flags) { tg_sync->arrive_and_wait(); }
-inline void simdgroup_barrier(mem_flags) { tg_sync->arrive_and_wait(); }  // every simdgroup calls it alike here
+inline void simdgroup_barrier(mem_flags) { sg_sync[sg_id]->arrive_and_wait(); }
 inline float simd_exchange(float v, uint src) {
   xch[sg_id][lane_id] = v;
   sg_sync[sg_id]->arrive_and_wait();
@@ -78,6 +77,7 @@ inline float simd_exchange(float v, uint src) {
   return got;
 }
 inline float simd_shuffle_xor(float v, ushort offset) { return simd_exchange(v, lane_id ^ offset); }
+inline float simd_shuffle(float v, ushort src) { return simd_exchange(v, src); }
 inline float simd_max(float v) {
   xch[sg_id][lane_id] = v;
   sg_sync[sg_id]->arrive_and_wait();
