@@ -18,6 +18,12 @@ const unsigned int warp = threadIdx.x / 32;
 if (row >= (unsigned int)rows[0]) {
   return;  // the whole threadgroup
 }
+float v[CPW];  // this warp's chunks of the mixes' totals (lane m mix m, lane M the squares), loaded first
+#pragma unroll
+for (int k = 0; k < CPW; k++) {
+  const unsigned int c = warp + k * WARPS;
+  v[k] = lane <= (unsigned int)M && c < (unsigned int)CH ? parts[(row * CH + c) * (M + 1) + lane] : 0.0f;
+}
 const __nv_bfloat16* hr = h + row * HD;
 float p[HC];
 for (int i = 0; i < HC; i++) {
@@ -48,13 +54,7 @@ for (int k = 0; k < PER; k++) {
 for (int offset = 16; offset > 0; offset /= 2) {
   sq += __shfl_xor_sync(0xffffffffu, sq, offset);
 }
-if (lane <= (unsigned int)M) {  // this warp's chunks of the totals
-  float v[CPW];
-#pragma unroll
-  for (int k = 0; k < CPW; k++) {
-    const unsigned int c = warp + k * WARPS;
-    v[k] = c < (unsigned int)CH ? parts[(row * CH + c) * (M + 1) + lane] : 0.0f;
-  }
+if (lane <= (unsigned int)M) {  // this warp's chunks of the totals (their loads issued above)
   float t = v[0];
 #pragma unroll
   for (int k = 1; k < CPW; k++) {

@@ -45,6 +45,11 @@ const uint warp = simdgroup_index_in_threadgroup;
 if (row >= uint(rows[0])) {
   return;  // the whole threadgroup
 }
+float v[CPW];  // this simdgroup's chunks of the mixes' totals (lane m mix m, lane M the squares), loaded first
+for (int k = 0; k < CPW; k++) {
+  const uint c = warp + k * WARPS;
+  v[k] = lane <= uint(M) && c < uint(CH) ? parts[(row * CH + c) * (M + 1) + lane] : 0.0f;
+}
 const device bfloat16_t* hr = h + row * HD;
 float p[HC];
 for (int i = 0; i < HC; i++) {
@@ -73,12 +78,7 @@ for (int k = 0; k < PER; k++) {
 for (ushort offset = 16; offset > 0; offset /= 2) {
   sq += simd_shuffle_xor(sq, offset);
 }
-if (lane <= uint(M)) {  // this simdgroup's chunks of the totals
-  float v[CPW];
-  for (int k = 0; k < CPW; k++) {
-    const uint c = warp + k * WARPS;
-    v[k] = c < uint(CH) ? parts[(row * CH + c) * (M + 1) + lane] : 0.0f;
-  }
+if (lane <= uint(M)) {  // this simdgroup's chunks of the totals (their loads issued above)
   float t = v[0];
   for (int k = 1; k < CPW; k++) {
     t += v[k];

@@ -285,7 +285,7 @@ def test_metal_source_type_checks(case, rows, tmp_path):
     ("hc_mix", ("acc[m] += v * fc[m * HD + j];", "acc[m] += v * fc;")),  # pointer into a float
     ("hc_post_mix", ("(acc, &partial[0][0], lane,", "(acc, partial, lane,")),  # 2-d array for a pointer
     ("hc_post_mix", ("h[row * HD + chunk * CHUNK + j] = hb[k];", "h[row * HD + chunk * CHUNK + j] = hv[k];")),  # misspelt
-    ("hc_input", ("v[k] = c < uint(CH) ? parts[", "v[k] = c < uint(CH) ? part[")),  # misspelt
+    ("hc_input", ("c < uint(CH) ? parts[", "c < uint(CH) ? part[")),  # misspelt
     ("fp4_quant_kv", ("simd_shuffle_xor(amax, offset)", "simd_shuffle_xor(amax)")),  # bad call
     ("rms_norm", ("w, D, eps[0], rope_cos", "w, D, eps, rope_cos")),  # a pointer for a float
     ("rms_norm_quantised", ("threadgroup float partial[8];", "threadgroup float partial[8]")),  # no semicolon
