@@ -733,18 +733,27 @@ def _check_sublayer_input(impl: str, seed: int, expanded: bool) -> list[str]:
             got = hc_input(h, pre_in, *args, impl=impl)
             want = hc_input_spec(h, pre_in, *args)
             alone = hc_input(h[-1:], pre_in[-1:], *args, impl=impl)
-        problem = bf16_step_problem(got[0], want[0])
-        if problem:
-            problems.append(f"{name} rows={rows} x: {problem}")
-        differ = bits_differ(got[1], fp8_fake_quant_reference(got[0]).astype(args[-1]))  # act_quant of its own x
-        if differ:
-            problems.append(f"{name} rows={rows} xq: {differ} values differ from act_quant of its x")
-        for part, a, b in zip(("pre", "post", "comb"), got[2:], want[2:]):
-            err = mx.abs(a - b).max().item()
-            if not err <= 2e-5:
-                problems.append(f"{name} rows={rows} {part} off by {err:.3g}")
+        problems += sublayer_input_problems(f"{name} rows={rows}", got, want)
         if not all(mx.array_equal(a, b[-1:]).item() for a, b in zip(alone, got)):
             problems.append(f"{name} rows={rows}: the last row alone differs from the same row among {rows}")
+    return problems
+
+
+def sublayer_input_problems(label: str, got: tuple, want: tuple) -> list[str]:
+    """A sub-layer input kernel's (x, xq, pre, post, comb) against hc_input_spec's: x within a
+    bf16 step (equal in 99% of values), xq act_quant's bits of the kernel's own x, the mixes
+    within 2e-5."""
+    problems = []
+    problem = bf16_step_problem(got[0], want[0])
+    if problem:
+        problems.append(f"{label} x: {problem}")
+    differ = bits_differ(got[1], fp8_fake_quant_reference(got[0]).astype(want[1].dtype))
+    if differ:
+        problems.append(f"{label} xq: {differ} values differ from act_quant of its x")
+    for part, a, b in zip(("pre", "post", "comb"), got[2:], want[2:]):
+        err = mx.abs(a - b).max().item()
+        if not err <= 2e-5:
+            problems.append(f"{label} {part} off by {err:.3g}")
     return problems
 
 
@@ -789,14 +798,7 @@ def check_fp8_into_stream(impl: str, seed: int) -> list[str]:
             if differ:
                 problems.append(f"{label}: {differ} values of h differ from fp8_gemv then hc_post_input's")
             got = kernels.hc_input_from_parts(h, parts, pre_in, *hc_args, impl=impl)
-            want = hc_input_spec(h, pre_in, fn, *hc_args)
-            problem = bf16_step_problem(got[0], want[0])
-            if problem:
-                problems.append(f"{label} x: {problem}")
-            for part, a, b in zip(("pre", "post", "comb"), got[2:], want[2:]):
-                err = mx.abs(a - b).max().item()
-                if not err <= 2e-5:
-                    problems.append(f"{label} {part} off by {err:.3g}")
+            problems += sublayer_input_problems(label, got, hc_input_spec(h, pre_in, fn, *hc_args))
             if rows > 1:
                 r = rows - 1  # the last real row alone
                 one = {**gemm, "real_rows": 1, "parts": None if ap == 0 else gemm["parts"][r:]}
