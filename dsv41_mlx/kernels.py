@@ -497,8 +497,9 @@ def hc_input_from_parts(h: mx.array, parts: mx.array, pre_in: mx.array, scale: m
                         quantize_to: mx.Dtype, impl: str | None = None) -> tuple[mx.array, ...]:
     """hc_input's second launch, after hc_mix, hc_post_mix or fp8_into_stream made the parts of
     the stream h [S, hc, dim]: parts [S, CH, (2 + hc) * hc + 1] float32, each chunk's share of
-    h's mix projection and of its sum of squares, which it adds up in chunk order. -> (x, xq,
-    pre, post, comb) as hc_input's."""
+    h's mix projection and of its sum of squares, which it adds up (each of its 8 simdgroups
+    every eighth chunk in order, then the 8 sums in order). -> (x, xq, pre, post, comb) as
+    hc_input's."""
     impl = _hc_input_impl(h, impl)
     S, hc, dim = h.shape
     if parts.shape[0] != S or parts.shape[2] != (2 + hc) * hc + 1:
@@ -1063,12 +1064,12 @@ def fp8_into_stream(x: mx.array, w: mx.array, scales: mx.array, onto: StreamOnto
         raise ValueError("fp8_into_stream computes at least one row")
     f32, M = mx.float32, (2 + hc) * hc
     added = _constant(mx.bfloat16, 0.0) if parts is None else parts.astype(mx.bfloat16)  # AP 0: never read
+    ap = 0 if parts is None else parts.shape[1]
     h, mix_parts = _compiled(FP8_MMA_HC, impl)(
         inputs=[x.astype(mx.bfloat16), w, scales, _int32s(rows, N, K, 1, S), added, residual, post.astype(f32),
                 comb.astype(f32), fn.astype(f32)],
-        template=[("NH", mma_column_groups(rows)), ("QX", int(quantize_input)), ("AP", 0 if parts is None else
-                                                                                 parts.shape[1]),
-                  ("ONE", int(rows == 1)), ("HC", hc)],
+        template=[("NH", mma_column_groups(rows)), ("QX", int(quantize_input)), ("AP", ap), ("ONE", int(rows == 1)),
+                  ("HC", hc)],
         grid=(N // 32 * 256, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[(S, hc, N), (S, N // 32, M + 1)], output_dtypes=[mx.bfloat16, f32])
     return h, mix_parts

@@ -355,7 +355,7 @@ class Folded(NamedTuple):
 
 
 def stream_value(h: mx.array | Expansion | Folded) -> mx.array:
-    """The stream [S, hc, dim], expanded where a block left it as an Expansion."""
+    """The stream [S, hc, dim], expanded where a block left it as an Expansion (a Folded holds it)."""
     return h.value() if isinstance(h, (Expansion, Folded)) else h
 
 
@@ -1083,8 +1083,9 @@ class Block(nn.Module):
         given the next block's attention mix projection next_fn (its hc_attn.fn) and where
         kernels.fp8_into_stream_fits, as a Folded: the MoE's last GEMM put its output into the
         stream and began the next block's mixes. The attention's output goes into the stream
-        the same way where it fits (else the MoE's input kernel expands it): on a GPU, no
-        sub-layer output is expanded by a launch of its own."""
+        the same way where it fits (else the MoE's input kernel expands it): on a GPU a
+        sub-layer output is expanded by no launch of its own, but where a block's output meets
+        an engram layer or ends the forward."""
         if isinstance(h, Folded):
             h, (x, xq, *attn_mix) = h.h, self.folded_attn_input(h.h, h.parts, pre)
         elif isinstance(h, Expansion):

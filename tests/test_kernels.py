@@ -941,6 +941,31 @@ def test_fp8_into_stream_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypa
         monkeypatch.setattr(kernels, "fp8_into_stream", lambda *a, b=broken, **kw: into_stream(*a, **b, **kw))
         assert any(message in p for p in check.check_fp8_into_stream("mlx", seed=3)), message
 
+
+def test_fp8_into_stream_runs_only_where_it_fits():
+    """The GEMM that puts its output into the stream takes a GPU, a stream hc_input fits (bf16,
+    at most 16 rows) as wide as the GEMM's outputs, and a matrix on the matrix unit (4096
+    outputs or more); elsewhere it says what it got. hc_input's second launch names parts of
+    the wrong shape."""
+    from dsv41_mlx.kernels import StreamOnto, fp8_into_stream, fp8_into_stream_fits, hc_input_from_parts
+
+    w = mx.zeros((5120, 2048), dtype=mx.uint32)  # wo_b: 8192 inputs, 5120 outputs
+    stream = mx.zeros((1, 4, 5120), dtype=mx.bfloat16)
+    assert fp8_into_stream_fits(w, stream, impl="cuda") and fp8_into_stream_fits(w, stream, impl="metal")
+    assert not fp8_into_stream_fits(w, stream, impl="mlx")
+    assert not fp8_into_stream_fits(w, mx.zeros((17, 4, 5120), dtype=mx.bfloat16), impl="cuda")  # prefill's rows
+    assert not fp8_into_stream_fits(w, stream.astype(mx.float32), impl="cuda")
+    assert not fp8_into_stream_fits(mx.zeros((1024, 2048), dtype=mx.uint32), mx.zeros((1, 4, 1024), dtype=mx.bfloat16),
+                                    impl="cuda")  # off the matrix unit
+    assert not fp8_into_stream_fits(w, mx.zeros((1, 4, 4096), dtype=mx.bfloat16), impl="cuda")  # another width
+    onto = StreamOnto(stream, mx.zeros((1, 4)), mx.zeros((1, 4, 4)), mx.zeros((24, 4 * 5120)))
+    with pytest.raises(ValueError, match="fp8_into_stream takes"):
+        fp8_into_stream(mx.zeros((1, 8192), dtype=mx.bfloat16), w, mx.zeros((5120, 256), dtype=mx.uint8), onto,
+                        impl="mlx")
+    with pytest.raises(ValueError, match="parts are"):
+        hc_input_from_parts(stream, mx.zeros((1, 160, 24)), mx.zeros((1, 4)), mx.zeros(3), mx.zeros(24),
+                            mx.zeros(5120), 20, 1e-6, 1e-6, 1e-6, mx.bfloat16, impl="cuda")
+
 def test_attention_kernel_runs_only_where_it_fits():
     """The attention kernel takes a GPU, bfloat16 queries, at most 16 rows, heads in groups of
     two, a width of 16-byte chunks that divide 256 and its threadgroup memory; elsewhere the
