@@ -891,13 +891,10 @@ def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None
         S, N = x.size // (G * K), w.shape[-2]
     rows = computed_rows(real_rows, S)
     sw, limit, _ = _swiglu_arguments(swiglu)
-    if parts is not None and (w.ndim != 2 or x.ndim != 2 or swiglu is not None or parts.ndim != 3
-                              or parts.shape[0] != rows or parts.shape[2] != N or not 0 < parts.shape[1] <= 16):
-        raise ValueError(f"fp8_gemv adds parts [computed rows, 1..16, N] to a dense GEMM's x [S, K] without a "
-                         f"SwiGLU: got parts {None if parts is None else parts.shape} for x {x.shape}, w {w.shape}, "
-                         f"{rows} computed rows")
-    added = _constant(mx.bfloat16, 0.0) if parts is None else parts.astype(mx.bfloat16)  # AP 0: never read
-    ap = 0 if parts is None else parts.shape[1]
+    if parts is not None and (w.ndim != 2 or x.ndim != 2 or swiglu is not None):
+        raise ValueError(f"fp8_gemv adds parts to a dense GEMM's x [S, K] without a SwiGLU: got parts {parts.shape} "
+                         f"for x {x.shape}, w {w.shape}{' with a SwiGLU' if swiglu is not None else ''}")
+    added, ap = _added_parts("fp8_gemv", parts, rows, N)
     if threads is None and rows > 0 and fp8_gemv_on_matrix_unit(N, G):
         (y,) = _compiled(FP8_MMA, impl)(
             inputs=[x.astype(mx.bfloat16), w, scales, _int32s(rows, N, K, G, S), limit, added],
@@ -910,6 +907,18 @@ def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None
                         rows, G, N, x.shape[:-1], init_value, quantize_input,
                         threads or gemv_threads_per_output(K, N * G), sw, [("AP", ap), ("SPLIT", 0)],
                         (S, G * N) if groups else None)
+
+
+def _added_parts(kernel: str, parts: mx.array | None, rows: int, n: int) -> tuple[mx.array, int]:
+    """A dense FP8 GEMM kernel's parts input and its AP: parts [rows, P, n] as bf16 and P
+    (1..16), added to the output as it is written (parts_added); without parts, a constant
+    the kernel never reads and AP 0."""
+    if parts is None:
+        return _constant(mx.bfloat16, 0.0), 0
+    if parts.ndim != 3 or parts.shape[0] != rows or parts.shape[2] != n or not 0 < parts.shape[1] <= 16:
+        raise ValueError(f"{kernel} adds parts [computed rows, 1..16, N]: got {parts.shape} for {rows} computed rows "
+                         f"and N {n}")
+    return parts.astype(mx.bfloat16), parts.shape[1]
 
 
 def fp8_gemv_pair_fits(x: mx.array, w: mx.array, split: int, impl: str | None = None) -> bool:
@@ -1056,15 +1065,10 @@ def fp8_into_stream(x: mx.array, w: mx.array, scales: mx.array, onto: StreamOnto
     _bf16_to_quantize(x, quantize_input)
     K = x.shape[1]
     rows = computed_rows(real_rows, S)
-    if parts is not None and (parts.ndim != 3 or parts.shape[0] != rows or parts.shape[2] != N
-                              or not 0 < parts.shape[1] <= 16):
-        raise ValueError(f"fp8_into_stream adds parts [computed rows, 1..16, N]: got {parts.shape} for {rows} "
-                         f"computed rows and N {N}")
+    added, ap = _added_parts("fp8_into_stream", parts, rows, N)
     if rows == 0:
         raise ValueError("fp8_into_stream computes at least one row")
     f32, M = mx.float32, (2 + hc) * hc
-    added = _constant(mx.bfloat16, 0.0) if parts is None else parts.astype(mx.bfloat16)  # AP 0: never read
-    ap = 0 if parts is None else parts.shape[1]
     h, mix_parts = _compiled(FP8_MMA_HC, impl)(
         inputs=[x.astype(mx.bfloat16), w, scales, _int32s(rows, N, K, 1, S), added, residual, post.astype(f32),
                 comb.astype(f32), fn.astype(f32)],

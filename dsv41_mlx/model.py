@@ -1087,7 +1087,8 @@ class Block(nn.Module):
         sub-layer output is expanded by no launch of its own, but where a block's output meets
         an engram layer or ends the forward."""
         if isinstance(h, Folded):
-            h, (x, xq, *attn_mix) = h.h, self.folded_attn_input(h.h, h.parts, pre)
+            x, xq, *attn_mix = self.folded_attn_input(*h, pre)
+            h = h.h
         elif isinstance(h, Expansion):
             h, x, xq, *attn_mix = self.expanded_attn_input(*h, pre)
         else:

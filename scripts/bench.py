@@ -749,8 +749,8 @@ def decode_by_layer(model, token: int, cache, on_layer) -> mx.array:
     for i, layer in enumerate(model.layers):
         def run(i=i, layer=layer, h=h, pre=pre):  # h: an array, or the previous block's Expansion or Folded
             # (Model.__call__ also taps the DSpark features: not the step's graph)
-            rows = layer.engram.gather(hashes[:, model.hasher.layer_index(i)]) if hasattr(layer, "engram") else None
-            return model.block_forward(i, h, pre, positions, cache, shared, rows, 1)
+            table = layer.engram.gather(hashes[:, model.hasher.layer_index(i)]) if hasattr(layer, "engram") else None
+            return model.block_forward(i, h, pre, positions, cache, shared, table, 1)
         h, pre = on_layer(i, run)
     logits = model.head(model.norm(hc_pre(h, pre)))
     cache.trim(rows - 1)

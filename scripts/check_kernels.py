@@ -683,6 +683,17 @@ def hc_input_spec(h, pre_in, fn, scale, base, norm_w, iters, hc_norm_eps, eps, n
     return (x, fp8_fake_quant_reference(x).astype(quantize_to), *mixes)
 
 
+def hc_parameters(rng, hc: int, dim: int) -> tuple[mx.array, ...]:
+    """A sub-layer's random hyper-connection parameters for the checks: its mix projection fn
+    [(2 + hc) * hc, hc * dim], scale [3], base and the RMSNorm weight [dim], float32."""
+    M = (2 + hc) * hc
+    fn = mx.array(rng.normal(0, 1 / np.sqrt(hc * dim), (M, hc * dim)).astype(np.float32))
+    scale = mx.array(rng.normal(0, 1, 3).astype(np.float32))
+    base = mx.array(rng.normal(0, 1, M).astype(np.float32))
+    norm_w = mx.array(rng.normal(1, 0.2, dim).astype(np.float32))
+    return fn, scale, base, norm_w
+
+
 def check_hc_input(impl: str, seed: int) -> list[str]:
     """The sub-layer input kernel against its spec at the release's shape (hc 4, dim 5120,
     20 Sinkhorn passes), rows 1..16. Its sums run in another order, so: x (bf16) within one
@@ -708,12 +719,8 @@ def _check_sublayer_input(impl: str, seed: int, expanded: bool) -> list[str]:
     rng = np.random.default_rng(seed)
     problems = []
     hc, dim, iters = 4, 5120, 20
-    M = (2 + hc) * hc
     name = "hc_post_input" if expanded else "hc_input"
-    fn = mx.array(rng.normal(0, 1 / np.sqrt(hc * dim), (M, hc * dim)).astype(np.float32))
-    scale = mx.array(rng.normal(0, 1, 3).astype(np.float32))
-    base = mx.array(rng.normal(0, 1, M).astype(np.float32))
-    norm_w = mx.array(rng.normal(1, 0.2, dim).astype(np.float32))
+    fn, scale, base, norm_w = hc_parameters(rng, hc, dim)
     for rows in CHECK_ROWS:
         h = mx.array(rng.normal(0, 1, (rows, hc, dim)).astype(np.float32)).astype(mx.bfloat16)
         pre_in = mx.array(rng.uniform(0, 1, (rows, hc)).astype(np.float32))
@@ -773,11 +780,8 @@ def check_fp8_into_stream(impl: str, seed: int) -> list[str]:
     mx.random.seed(seed)
     problems = []
     args, hc, iters = flash_args(), 4, 20
-    dim, M = args.hidden_size, (2 + hc) * hc
-    fn = mx.array(rng.normal(0, 1 / np.sqrt(hc * dim), (M, hc * dim)).astype(np.float32))
-    scale = mx.array(rng.normal(0, 1, 3).astype(np.float32))
-    base = mx.array(rng.normal(0, 1, M).astype(np.float32))
-    norm_w = mx.array(rng.normal(1, 0.2, dim).astype(np.float32))
+    dim = args.hidden_size
+    fn, scale, base, norm_w = hc_parameters(rng, hc, dim)
     for name, k, ap in (("wo_b", args.o_groups * args.o_lora_rank, 0), ("shared w2", args.moe_intermediate_size, 6)):
         w, s = random_words((dim, k // 4)), random_scales((dim, k // 32))
         for rows in CHECK_ROWS:

@@ -411,30 +411,14 @@ def test_blocks_hand_on_their_output_unexpanded_to_the_next_blocks_input_kernel(
     stream whole first, and the last block expands its own. Here the kernels are their specs
     on the CPU: the forward's logits, features and cache are the plain path's bits, and the
     expanding kernel runs where it should."""
-    from dsv41_mlx import kernels, load
-    from dsv41_mlx.model import _hc_post, _hc_project, hc_pre
-    from dsv41_mlx.quant import fp8_fake_quant
+    from dsv41_mlx import load
 
     from .conftest import FIXTURE
 
     ids = _ids(golden)[:12]
     want = _run(load(FIXTURE)[0], ids, 4)
     calls = []
-
-    def hc_input(h, pre_in, fn, scale, base, norm_w, iters, hc_norm_eps, eps, norm_eps, quantize_to, impl=None):
-        calls.append("hc_input")
-        x = kernels.rms_norm(hc_pre(h, pre_in), norm_w, norm_eps)
-        mixes = kernels.hc_split(_hc_project(h, fn, hc_norm_eps), scale, base, h.shape[1], iters, eps)
-        return (x, fp8_fake_quant(x, dtype=quantize_to), *mixes)
-
-    def hc_post_input(y, residual, post, comb, pre_in, *args, impl=None):
-        calls.append("hc_post_input")
-        h = _hc_post(y, residual, post, comb)
-        return (h, *hc_input(h, pre_in, *args))
-
-    monkeypatch.setattr(kernels, "hc_input_fits", lambda h, impl=None: h.dtype == mx.bfloat16 and h.shape[0] <= 16)
-    monkeypatch.setattr(kernels, "hc_input", hc_input)
-    monkeypatch.setattr(kernels, "hc_post_input", hc_post_input)
+    _sublayer_input_specs(monkeypatch, calls)
     model = load(FIXTURE)[0]  # a fresh model: its compiled methods trace the patched path
     got = _run(model, ids, 4)
     assert mx.array_equal(got[0], want[0]).item() and mx.array_equal(got[1], want[1]).item()
@@ -447,28 +431,15 @@ def test_blocks_hand_on_their_output_unexpanded_to_the_next_blocks_input_kernel(
     assert len(calls) == 2 * layers + per_forward  # every sub-layer input: hc_input, after its expansion or not
 
 
-
-def test_sub_layers_put_their_output_into_the_stream_through_their_last_gemm(monkeypatch, golden):
-    """On a GPU the attention's wo_b and the MoE's shared w2 write their output into the stream
-    themselves, with the next sub-layer's mix parts (kernels.fp8_into_stream), and the next
-    sub-layer's input kernel completes those (kernels.hc_input_from_parts): every attention,
-    and every MoE but the last block's and those before an engram layer, which adds to the
-    stream first. Here the two kernels are specs that carry the whole projection as one part
-    (and every other kernel its spec, on the CPU): the forward's logits, features and cache
-    are the plain path's bits, each GEMM put its output into the stream it ran on, with the
-    mix projection of the sub-layer after it, and no launch of its own expands a stream."""
-    from dsv41_mlx import kernels, load, quant
+def _sublayer_input_specs(monkeypatch, calls: list):
+    """kernels.hc_input and kernels.hc_post_input as their specs on the CPU, each call
+    recorded in `calls` (hc_post_input's hc_input too), hc_input fitting a decode or verify
+    step's bf16 stream: the GPU path's sub-layer inputs. Returns hc_input's spec, unrecorded."""
+    from dsv41_mlx import kernels
     from dsv41_mlx.model import _hc_post, _hc_project, hc_pre
     from dsv41_mlx.quant import fp8_fake_quant
 
-    from .conftest import FIXTURE
-
-    ids = _ids(golden)[:12]
-    want = _run(load(FIXTURE)[0], ids, 4)
-    model = load(FIXTURE)[0]  # a fresh model: its compiled methods trace the patched path
-    calls, onto_fns = [], []
-
-    def spec(h, pre_in, fn, scale, base, norm_w, iters, hc_norm_eps, eps, norm_eps, quantize_to):  # hc_input's
+    def spec(h, pre_in, fn, scale, base, norm_w, iters, hc_norm_eps, eps, norm_eps, quantize_to):
         x = kernels.rms_norm(hc_pre(h, pre_in), norm_w, norm_eps)
         mixes = kernels.hc_split(_hc_project(h, fn, hc_norm_eps), scale, base, h.shape[1], iters, eps)
         return (x, fp8_fake_quant(x, dtype=quantize_to), *mixes)
@@ -481,6 +452,32 @@ def test_sub_layers_put_their_output_into_the_stream_through_their_last_gemm(mon
         calls.append("hc_post_input")
         h = _hc_post(y, residual, post, comb)
         return (h, *hc_input(h, pre_in, *args))
+
+    monkeypatch.setattr(kernels, "hc_input_fits", lambda h, impl=None: h.dtype == mx.bfloat16 and h.shape[0] <= 16)
+    monkeypatch.setattr(kernels, "hc_input", hc_input)
+    monkeypatch.setattr(kernels, "hc_post_input", hc_post_input)
+    return spec
+
+
+def test_sub_layers_put_their_output_into_the_stream_through_their_last_gemm(monkeypatch, golden):
+    """On a GPU the attention's wo_b and the MoE's shared w2 write their output into the stream
+    themselves, with the next sub-layer's mix parts (kernels.fp8_into_stream), and the next
+    sub-layer's input kernel completes those (kernels.hc_input_from_parts): every attention,
+    and every MoE but the last block's and those before an engram layer, which adds to the
+    stream first. Here the two kernels are specs that carry the whole projection as one part
+    (and every other kernel its spec, on the CPU): the forward's logits, features and cache
+    are the plain path's bits, each GEMM put its output into the stream it ran on, with the
+    mix projection of the sub-layer after it, and no launch of its own expands a stream."""
+    from dsv41_mlx import kernels, load, quant
+    from dsv41_mlx.model import _hc_post
+
+    from .conftest import FIXTURE
+
+    ids = _ids(golden)[:12]
+    want = _run(load(FIXTURE)[0], ids, 4)
+    model = load(FIXTURE)[0]  # a fresh model: its compiled methods trace the patched path
+    calls, onto_fns = [], []
+    spec = _sublayer_input_specs(monkeypatch, calls)
 
     def into_stream(x, w, s, onto, impl=None, quantize_input=False, real_rows=None, parts=None):
         calls.append("into_stream")
@@ -497,12 +494,11 @@ def test_sub_layers_put_their_output_into_the_stream_through_their_last_gemm(mon
         onto_fns.append(fn)
         return onto_type(residual, post, comb, fn)
 
-    monkeypatch.setattr(kernels, "hc_input_fits", lambda h, impl=None: h.dtype == mx.bfloat16 and h.shape[0] <= 16)
     monkeypatch.setattr(kernels, "fp8_into_stream_fits", lambda w, residual, impl=None: residual.shape[0] <= 16
                         and w.shape[0] == model.args.hidden_size)
     onto_type = kernels.StreamOnto
-    for name, fake in (("hc_input", hc_input), ("hc_post_input", hc_post_input), ("fp8_into_stream", into_stream),
-                       ("hc_input_from_parts", from_parts), ("StreamOnto", stream_onto)):
+    for name, fake in (("fp8_into_stream", into_stream), ("hc_input_from_parts", from_parts),
+                       ("StreamOnto", stream_onto)):
         monkeypatch.setattr(kernels, name, fake)
     got = _run(model, ids, 4)
     assert mx.array_equal(got[0], want[0]).item() and mx.array_equal(got[1], want[1]).item()
@@ -518,6 +514,7 @@ def test_sub_layers_put_their_output_into_the_stream_through_their_last_gemm(mon
                 [blocks[i].hc_ffn.fn] + ([blocks[i + 1].hc_attn.fn] if i in folded_moes else [])]
     assert len(onto_fns) == 3 * len(want_fns)  # 3 forwards
     assert all(mx.array_equal(f, w).item() for f, w in zip(onto_fns, 3 * want_fns))
+
 
 def test_padded_forwards_compute_their_real_rows_alone(padded_model, golden, monkeypatch):
     """A padded decode or verify forward on a GPU computes its real rows alone where a kernel
