@@ -66,9 +66,15 @@ def backend() -> str:
     """'metal', 'cuda' or 'mlx' (pure MLX): what the kernels run on for the default device.
     DSV41_MLX_KERNELS=0 in the environment runs the pure-MLX specs on a GPU too (to compare
     or time the two: scripts/bench.py profile, once with it and once without)."""
-    if os.environ.get("DSV41_MLX_KERNELS", "1") == "0":
-        return "mlx"
-    return device_backend()
+    return "mlx" if kernels_switched_off() else device_backend()
+
+
+@lru_cache(maxsize=None)
+def kernels_switched_off() -> bool:
+    """DSV41_MLX_KERNELS=0, read once a process: a decode step asks backend ~230 times, and
+    reading the environment took ~2 us each time (a twelfth of a step's Python on the lent
+    H200's host, session 23)."""
+    return os.environ.get("DSV41_MLX_KERNELS", "1") == "0"
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ post and Sinkhorn-normalised comb mixes of its own.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from .config import ModelArgs
 from . import kernels
 from .kernels import rms_norm
 from .engram import Engram, NgramHasher
+from .evaluator import BlockEvaluator
 from .quant import Fp8Linear, fp4_fake_quant, fp8_fake_quant, fp8_input, gemm_input_dtype
 
 F32, BF16 = mx.float32, mx.bfloat16
@@ -1192,6 +1194,22 @@ class Model(nn.Module):
         # that Python builds block i+1 while the device runs block i, instead of building
         # the whole forward first with the device idle. The same graph, the same bits.
         self.overlap_build = on_gpu
+        self._evaluator: BlockEvaluator | None = None
+
+    @property
+    def evaluate_on_thread(self) -> bool:
+        """Whether overlap_build's mx.async_eval of each block runs on a thread of its own
+        (evaluator.BlockEvaluator: MLX encodes block i while Python builds block i + 1), the
+        forward's graph then built on that thread's stream. The same graph, the same bits."""
+        return self._evaluator is not None
+
+    @evaluate_on_thread.setter
+    def evaluate_on_thread(self, on: bool) -> None:
+        if on and self._evaluator is None:
+            self._evaluator = BlockEvaluator()
+        elif not on and self._evaluator is not None:
+            self._evaluator.close()
+            self._evaluator = None
 
     @property
     def decode_rows(self) -> int | None:
@@ -1242,6 +1260,13 @@ class Model(nn.Module):
     def _whole_stream_layers(self) -> frozenset[int]:
         return frozenset(self.args.engram_layer_ids) | frozenset(self.args.dspark_target_layer_ids)
 
+    @functools.cached_property
+    def _folds_into_next(self) -> tuple[bool, ...]:
+        """Whether block i may put its output into the next block's stream (block_forward's
+        next_fn): there is a next block and it has no engram (which adds to the stream first)."""
+        return tuple(i + 1 < len(self.layers) and not hasattr(self.layers[i + 1], "engram")
+                     for i in range(len(self.layers)))
+
     def block_forward(self, i: int, h: mx.array | Expansion | Folded, pre: mx.array, positions: mx.array,
                       cache: ModelCache, shared: SharedAttention, engram_rows: mx.array | None = None,
                       real_rows: int | None = None,
@@ -1253,15 +1278,16 @@ class Model(nn.Module):
         block hands the next its output unexpanded (Expansion) or put into the stream with the
         next block's mixes begun (Folded; not into an engram layer, which adds to the stream
         first); the last expands it."""
-        layer, last = self.layers[i], len(self.layers) - 1
+        layers = self.layers
+        layer = layers[i]
         if self.takes_whole_stream(i) and isinstance(h, Expansion):
             h = h.value()  # (a Folded holds its stream whole, and the next block's mixes begun)
         if engram_rows is not None:
             h = layer.engram(stream_value(h), engram_rows, real_rows)
         if features is not None and i in self.args.dspark_target_layer_ids:
             features.append(copies_mean(stream_value(h)))
-        next_fn = self.layers[i + 1].hc_attn.fn if i < last and not hasattr(self.layers[i + 1], "engram") else None
-        return layer(h, pre, positions, cache.layers[i], cache.layers, shared, rows=real_rows, expand=i == last,
+        next_fn = layers[i + 1].hc_attn.fn if self._folds_into_next[i] else None
+        return layer(h, pre, positions, cache.layers[i], cache.layers, shared, rows=real_rows, expand=i == len(layers) - 1,
                      next_fn=next_fn)
 
     def make_cache(self) -> ModelCache:
@@ -1287,12 +1313,29 @@ class Model(nn.Module):
                        for i, layer in enumerate(self.layers) if hasattr(layer, "engram")}
         cache.tokens.extend(tokens)
 
+        evaluator = self._evaluator if self.overlap_build else None
+        with mx.stream(evaluator.stream) if evaluator is not None else contextlib.nullcontext():
+            try:
+                logits, feats = self._blocks_and_head(ids, positions, cache, engram_rows, last_logits_only,
+                                                      real_rows, evaluator)
+            finally:
+                if evaluator is not None:
+                    evaluator.drain()  # before the caller evaluates anything itself
+        return logits, feats
+
+    def _blocks_and_head(self, ids: mx.array, positions: mx.array, cache: ModelCache, engram_rows: dict,
+                         last_logits_only: bool, real_rows: int | None,
+                         evaluator: BlockEvaluator | None) -> tuple[mx.array, mx.array]:
+        """__call__'s graph, each block started as it is built where overlap_build."""
+        S = ids.shape[1]
         h, pre = hc_expand(self.embed(ids[0]), self.args.hc_mult)  # [S, hc, dim], [S, hc]
         shared = SharedAttention(real_rows)
         features = []
         for i in range(len(self.layers)):
             h, pre = self.block_forward(i, h, pre, positions, cache, shared, engram_rows.get(i), real_rows, features)
-            if self.overlap_build:
+            if evaluator is not None:
+                evaluator.submit(h, pre)
+            elif self.overlap_build:
                 mx.async_eval(h, pre)
         x = self.norm(hc_pre(h, pre))
         if last_logits_only:
@@ -1300,4 +1343,6 @@ class Model(nn.Module):
             x, real_rows = x[last - 1: last], None
         logits = self.head(x, real_rows)[None]
         feats = mx.concatenate(features, axis=-1)[None] if features else mx.zeros((1, S, 0), dtype=BF16)
+        if evaluator is not None:
+            evaluator.submit(logits, feats)
         return logits, feats

@@ -1087,10 +1087,16 @@ def test_custom_kernels_can_be_switched_off_on_a_gpu(monkeypatch):
 
     monkeypatch.setattr(kernels, "device_backend", lambda: "cuda")
     monkeypatch.delenv("DSV41_MLX_KERNELS", raising=False)
+    kernels.kernels_switched_off.cache_clear()  # (read once a process: as a new process reads it)
     assert kernels.backend() == "cuda"
     monkeypatch.setenv("DSV41_MLX_KERNELS", "0")
-    assert kernels.backend() == "mlx"
-    assert quant.gemm_input_dtype() == mx.bfloat16
+    assert kernels.backend() == "cuda"  # the process read it already
+    kernels.kernels_switched_off.cache_clear()
+    try:
+        assert kernels.backend() == "mlx"
+        assert quant.gemm_input_dtype() == mx.bfloat16
+    finally:
+        kernels.kernels_switched_off.cache_clear()  # the next reader reads the restored environment
 
 
 def test_fp4_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatch):

@@ -229,6 +229,53 @@ def test_overlapped_build_changes_no_bit(fixture_model, golden):
     _assert_same_state(overlapped[2], whole[2])
 
 
+def test_blocks_evaluated_on_a_thread_change_no_bit(fixture_model, golden):
+    """Each block started by the evaluator's thread while the next is built (its stream, its
+    thread) gives the same logits, features and cache as building the whole forward first,
+    in chunks of five rows and one row, and closing it restores the GIL's switch interval."""
+    import sys
+
+    ids = _ids(golden)
+    interval = sys.getswitchinterval()
+    fixture_model.overlap_build = fixture_model.evaluate_on_thread = True
+    try:
+        assert sys.getswitchinterval() < interval
+        threaded = _run(fixture_model, ids, 5), _run(fixture_model, ids[:6], 1)
+    finally:
+        fixture_model.overlap_build = fixture_model.evaluate_on_thread = False
+    assert sys.getswitchinterval() == interval
+    for got, chunk, n in zip(threaded, (5, 1), (len(ids), 6)):
+        whole = _run(fixture_model, ids[:n], chunk)
+        assert mx.array_equal(got[0], whole[0]).item() and mx.array_equal(got[1], whole[1]).item()
+        _assert_same_state(got[2], whole[2])
+
+
+def test_block_evaluator_hands_its_threads_error_to_the_caller(monkeypatch):
+    """What the thread's mx.async_eval raises comes out of the next drain, on the caller's
+    thread; the evaluator then runs again."""
+    from dsv41_mlx import evaluator as ev
+
+    evaluator = ev.BlockEvaluator()
+    try:
+        def broken(*arrays):
+            raise RuntimeError("no memory left")
+
+        monkeypatch.setattr(ev.mx, "async_eval", broken)
+        evaluator.submit(mx.ones(3))
+        with pytest.raises(RuntimeError, match="no memory left"):
+            evaluator.drain()
+        monkeypatch.undo()
+        with mx.stream(evaluator.stream):
+            y = mx.ones(3) * 2
+        evaluator.submit(y)
+        evaluator.drain()
+        assert y.tolist() == [2.0, 2.0, 2.0]
+    finally:
+        evaluator.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        evaluator.submit(mx.ones(3))
+
+
 def test_routed_experts_take_the_fp4_kernel_for_a_decode_steps_pairs_on_a_gpu(monkeypatch):
     """On a GPU, a decode or verify step's (row, expert) pairs run kernels.fp4_experts, handed
     x, the ids and the pairs' weights of every row as they are with the real rows as its R (no

@@ -1,0 +1,95 @@
+"""A thread that starts each block's evaluation while the caller builds the next block.
+
+A decode step on a GPU is paced by the host: on the lent H200 (docs/benchmarks.md, session
+23) a one-row step spent about half of its host time building the blocks' graphs (Python
+and the compiled methods' replays) and half inside `mx.async_eval` (MLX encoding each
+kernel and committing the work), one after the other on one thread, while the GPU sat
+idle for ~40% of the step. `mx.async_eval` releases the GIL while MLX encodes, so a
+second thread can encode block i while the first builds block i + 1.
+
+MLX lets a stream be used from one thread only, except streams made by
+`mx.new_thread_unsafe_stream`, which any thread may evaluate as long as two threads never
+evaluate at once. So the forward builds its graph on the evaluator's stream, the thread
+evaluates the blocks in the order they were handed over, and the caller `drain`s the
+thread (waits until it has started everything handed over) before it evaluates anything
+itself. The graph, its kernels and their order are the same as with `mx.async_eval` on the
+caller's thread: the same bits (tests/test_model.py).
+
+A thread waiting for the GIL gets it only when the holder yields it, which a busy Python
+thread does every `sys.getswitchinterval()` (5 ms by default): longer than a block takes
+to build. The evaluator therefore asks for a short interval while it runs forwards
+(SWITCH_INTERVAL), restored when the last evaluator is closed.
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+
+import mlx.core as mx
+
+SWITCH_INTERVAL = 50e-6  # seconds: how soon a waiting thread gets the GIL from a busy one
+
+
+class BlockEvaluator:
+    """Evaluates (mx.async_eval) what `submit` hands it, in order, on a thread of its own.
+
+    Build the graph under `with mx.stream(evaluator.stream)`; `drain` before evaluating
+    anything on the caller's thread; `close` when done (the thread holds the evaluator: an
+    evaluator left open lasts as long as the process, its thread asleep)."""
+
+    _open = 0  # evaluators running: the GIL's switch interval is ours while any is
+    _saved_interval: float | None = None
+
+    def __init__(self, device: mx.Device | mx.DeviceType | None = None):
+        self.stream = mx.new_thread_unsafe_stream(device if device is not None else mx.default_device())
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._closed = False
+        if BlockEvaluator._open == 0:
+            BlockEvaluator._saved_interval = sys.getswitchinterval()
+            sys.setswitchinterval(SWITCH_INTERVAL)
+        BlockEvaluator._open += 1
+        self._thread = threading.Thread(target=self._run, name="dsv41-block-evaluator", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            if isinstance(job, threading.Event):
+                job.set()
+            elif self._error is None:  # after a failure, nothing more until the caller has seen it
+                try:
+                    mx.async_eval(*job)
+                except BaseException as e:  # handed to the caller's thread by drain
+                    self._error = e
+
+    def submit(self, *arrays: mx.array) -> None:
+        """Start evaluating arrays (after everything submitted before them)."""
+        if self._closed:
+            raise RuntimeError("this BlockEvaluator is closed")
+        self._jobs.put(arrays)
+
+    def drain(self) -> None:
+        """Wait until everything submitted has been started; raise what the thread raised."""
+        if self._closed:
+            raise RuntimeError("this BlockEvaluator is closed")
+        done = threading.Event()
+        self._jobs.put(done)
+        done.wait()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.put(None)
+        self._thread.join()
+        BlockEvaluator._open -= 1
+        if BlockEvaluator._open == 0 and BlockEvaluator._saved_interval is not None:
+            sys.setswitchinterval(BlockEvaluator._saved_interval)
