@@ -1194,7 +1194,9 @@ class Model(nn.Module):
         # that Python builds block i+1 while the device runs block i, instead of building
         # the whole forward first with the device idle. The same graph, the same bits.
         self.overlap_build = on_gpu
-        self._evaluator: BlockEvaluator | None = None
+        # ... and on a thread of its own, so that MLX encodes block i while Python builds
+        # block i + 1 (evaluate_on_thread; measured on CUDA, session 23: 1.4x a decode step)
+        self._evaluator: BlockEvaluator | None = BlockEvaluator() if on_gpu else None
 
     @property
     def evaluate_on_thread(self) -> bool:

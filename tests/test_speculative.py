@@ -80,6 +80,21 @@ def test_drafted_reply_equals_undrafted_in_the_row_invariant_mode(padded_model, 
             assert _reply(padded_model, PROMPTS[i], params, decoder, max_tokens=24) == expected[:24]
 
 
+def test_drafted_reply_equals_undrafted_with_blocks_evaluated_on_a_thread(padded_model, plain_replies):
+    """The GPU's decode path in full on the CPU: every forward padded to 8 rows and each of
+    its blocks started by the evaluator's thread while the next is built (Model's defaults on a
+    GPU): plain and drafted replies unchanged."""
+    padded_model.overlap_build = padded_model.evaluate_on_thread = True
+    try:
+        for i in (2, 3):
+            for params, expected in ((GREEDY, plain_replies[0][i]), (COUPLED[i], plain_replies[1][i])):
+                assert list(generate_step(padded_model, PROMPTS[i], params, 24)) == expected[:24]
+                decoder = SpeculativeDecoder(padded_model, padded_model.drafter, params, confidence="off")
+                assert _reply(padded_model, PROMPTS[i], params, decoder, max_tokens=24) == expected[:24]
+    finally:
+        padded_model.overlap_build = padded_model.evaluate_on_thread = False
+
+
 class OracleDrafter:
     """Proposes the known continuation (a wrong token every `wrong_every` positions) with high confidence."""
 
