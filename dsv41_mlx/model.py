@@ -279,8 +279,12 @@ def hc_expand(x: mx.array, hc: int) -> tuple[mx.array, mx.array]:
 @functools.lru_cache(maxsize=64)
 def identity_pre_mix(rows: int, hc: int) -> mx.array:
     """The one-hot pre-mix [rows, hc] (1 on the first copy), kept per shape: the same for
-    every forward of that many rows, so no launches of its own after the first."""
-    return mx.zeros((rows, hc), dtype=F32).at[:, 0].add(1.0)
+    every forward of that many rows, so no launches of its own after the first. From numpy:
+    an array kept across forwards is no operation of any stream, which a forward's blocks
+    may be evaluated on another thread's (evaluator.BlockEvaluator)."""
+    pre = np.zeros((rows, hc), dtype=np.float32)
+    pre[:, 0] = 1.0
+    return mx.array(pre)
 
 
 def copies(x: mx.array, axis: int) -> list[mx.array]:
@@ -482,7 +486,7 @@ def weighted_relu(dots: mx.array, w: mx.array) -> mx.array:
     return (mx.maximum(dots, 0) * w[:, :, None]).astype(F32)
 
 
-_ids = mx.arange(1024)
+_ids = mx.array(np.arange(1024, dtype=np.int32))
 
 
 def positions_of(start: int, n: int) -> mx.array:
@@ -493,10 +497,11 @@ def positions_of(start: int, n: int) -> mx.array:
 
 def key_ids(n: int) -> mx.array:
     """mx.arange(n) as a slice (a view) of one array kept across forwards, which doubles as
-    sequences grow: no launch per index layer for ids that are the same every time."""
+    sequences grow: no launch per index layer for ids that are the same every time. From
+    numpy, as identity_pre_mix."""
     global _ids
     while _ids.shape[0] < n:
-        _ids = mx.arange(2 * _ids.shape[0])
+        _ids = mx.array(np.arange(2 * _ids.shape[0], dtype=np.int32))
     return _ids[:n]
 
 

@@ -1,6 +1,6 @@
 """A decode step's host time, step by step, beside how fast the host's CPU runs meanwhile.
 
-    python scripts/host_speed.py [--model DIR] [--steps 120] [--profile 40]
+    python scripts/host_speed.py [--model DIR] [--steps 120] [--profile 40] [--thread on|off]
 
 Runs plain 1-row decode steps (as `bench.py e2e`'s bare step: the forward, then the greedy
 token read back) after a 261-token prompt, the warm-up first. For each step it records the
@@ -11,6 +11,10 @@ the fastest quarter's slowest are counted as slow; the two groups' means show wh
 slow step is more work or the same work on a slower CPU (then the probe slows alike).
 Session 10 found the lent H200's host (a virtual machine) 1.25-1.45x slower in episodes of
 tens of steps this way (docs/benchmarks.md).
+
+--thread on|off evaluates the blocks on the evaluator's thread or on the caller's
+(`Model.evaluate_on_thread`; on by default on a GPU): threaded, the async_eval time is the
+evaluator's, overlapping the build, so the table has no Python column.
 
 --profile N runs the steps under cProfile as well and prints the N functions with the most
 time of their own (cProfile roughly doubles Python's time; read its shares, not its times):
@@ -54,12 +58,16 @@ def timed_async_eval(total: list[float]):
         mx.async_eval = real
 
 
-def measure(model_path: str | None, steps: int, profiler: cProfile.Profile | None = None) -> list[dict]:
+def measure(model_path: str | None, steps: int, profiler: cProfile.Profile | None = None,
+            thread: bool | None = None) -> list[dict]:
     import dsv41_mlx
     from bench import host_probe_ms
     from dsv41_mlx.generate import prefill, warm_up
 
     model, _ = dsv41_mlx.load(model_path)
+    if thread is not None:  # (on: each block started as it is built, on the CPU too)
+        model.evaluate_on_thread = thread
+        model.overlap_build = model.overlap_build or thread
     warm_up(model)
     cache = model.make_cache()
     logits, _ = prefill(model, [((i * 7919) % 50000 + 100) % model.args.vocab_size for i in range(261)], cache)
@@ -72,7 +80,8 @@ def measure(model_path: str | None, steps: int, profiler: cProfile.Profile | Non
             built = time.perf_counter()
             token = int(mx.argmax(out[0, -1]).item())
             rows.append({"step_ms": (time.perf_counter() - tic) * 1e3, "build_ms": (built - tic) * 1e3,
-                         "async_eval_ms": inside[0] * 1e3, "probe_ms": probe})
+                         "async_eval_ms": inside[0] * 1e3, "probe_ms": probe,
+                         "threaded": model.overlap_build and model.evaluate_on_thread})
     return rows[2:]  # the first steps after the prompt settle the allocator's cache
 
 
@@ -88,18 +97,25 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also run the steps under cProfile and print its N top functions by own time")
+    parser.add_argument("--thread", choices=("on", "off"), default=None,
+                        help="each block's mx.async_eval on the evaluator's thread or on the caller's "
+                             "(Model.evaluate_on_thread; default: the model's own, on where there is a GPU)")
     args = parser.parse_args()
     profiler = cProfile.Profile() if args.profile else None
-    rows = measure(args.model, args.steps, profiler)
+    rows = measure(args.model, args.steps, profiler, None if args.thread is None else args.thread == "on")
+    threaded = rows[0]["threaded"]
+    if threaded:  # async_eval runs on the evaluator's thread, while this one builds: no difference to take
+        print("(blocks evaluated on the evaluator's thread: its async_eval overlaps the build, and the Python "
+              "column is not their difference)")
     print("| steps | count | step ms | build ms | in async_eval ms | Python ms | host probe ms |")
     print("|---|---|---|---|---|---|---|")
     for name, group in split(rows).items():
         if group:
             def mean(key):
                 return statistics.mean(r[key] for r in group)
+            python = "-" if threaded else f"{mean('build_ms') - mean('async_eval_ms'):.1f}"
             print(f"| {name} | {len(group)} | {mean('step_ms'):.1f} | {mean('build_ms'):.1f} | "
-                  f"{mean('async_eval_ms'):.1f} | {mean('build_ms') - mean('async_eval_ms'):.1f} | "
-                  f"{mean('probe_ms'):.2f} |")
+                  f"{mean('async_eval_ms'):.1f} | {python} | {mean('probe_ms'):.2f} |")
     print("\nsteps in order, ms: " + " ".join(f"{r['step_ms']:.0f}" for r in rows))
     if profiler is not None:
         print(f"\ncProfile over all {args.steps} steps (the whole loop), by own time:")
