@@ -1,11 +1,12 @@
 """A thread that starts each block's evaluation while the caller builds the next block.
 
-A decode step on a GPU is paced by the host: on the lent H200 (docs/benchmarks.md, session
-23) a one-row step spent about half of its host time building the blocks' graphs (Python
-and the compiled methods' replays) and half inside `mx.async_eval` (MLX encoding each
-kernel and committing the work), one after the other on one thread, while the GPU sat
-idle for ~40% of the step. `mx.async_eval` releases the GIL while MLX encodes, so a
-second thread can encode block i while the first builds block i + 1.
+On the lent H200 (docs/benchmarks.md, session 23) a one-row decode step spent about half of
+its host time building the blocks' graphs (Python and the compiled methods' replays) and
+half inside `mx.async_eval` (MLX encoding each kernel and committing the work), one after
+the other on one thread, and on a slow host the GPU waited for them. `mx.async_eval`
+releases the GIL while MLX encodes, so a second thread can encode block i while the first
+builds block i + 1: 1.44x a step on a slow host, no change on a fast one (where the GPU
+already set the pace).
 
 MLX lets a stream be used from one thread only, except streams made by
 `mx.new_thread_unsafe_stream`, which any thread may evaluate as long as two threads never
@@ -60,24 +61,19 @@ class BlockEvaluator:
 
     def _run(self) -> None:
         while True:
-            job = self._jobs.get()
-            batch = []  # the blocks handed over meanwhile, started by one mx.async_eval: one commit
-            while isinstance(job, tuple):
-                batch.extend(job)
+            jobs = [self._jobs.get()]
+            while isinstance(jobs[-1], tuple) and not self._jobs.empty():  # (the one reader: get won't wait)
+                jobs.append(self._jobs.get())
+            arrays = [a for job in jobs if isinstance(job, tuple) for a in job]  # in order, one commit
+            if arrays and self._error is None:  # after a failure, nothing more until the caller has seen it
                 try:
-                    job = self._jobs.get_nowait()
-                except queue.Empty:
-                    job = ()
-                    break
-            if batch and self._error is None:  # after a failure, nothing more until the caller has seen it
-                try:
-                    mx.async_eval(*batch)
+                    mx.async_eval(*arrays)
                 except BaseException as e:  # handed to the caller's thread by drain
                     self._error = e
-            if job is None:
+            if jobs[-1] is None:  # close
                 return
-            if isinstance(job, threading.Event):
-                job.set()
+            if isinstance(jobs[-1], threading.Event):  # drain
+                jobs[-1].set()
 
     def submit(self, *arrays: mx.array) -> None:
         """Start evaluating arrays (after everything submitted before them)."""
