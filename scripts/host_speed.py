@@ -59,7 +59,7 @@ def timed_async_eval(total: list[float]):
 
 
 def measure(model_path: str | None, steps: int, profiler: cProfile.Profile | None = None,
-            thread: bool | None = None) -> list[dict]:
+            thread: bool | None = None, warm: bool = True) -> list[dict]:
     import dsv41_mlx
     from bench import host_probe_ms
     from dsv41_mlx.generate import prefill, warm_up
@@ -68,7 +68,8 @@ def measure(model_path: str | None, steps: int, profiler: cProfile.Profile | Non
     if thread is not None:  # (on: each block started as it is built, on the CPU too)
         model.evaluate_on_thread = thread
         model.overlap_build = model.overlap_build or thread
-    warm_up(model)
+    if warm:
+        warm_up(model)
     cache = model.make_cache()
     logits, _ = prefill(model, [((i * 7919) % 50000 + 100) % model.args.vocab_size for i in range(261)], cache)
     token, rows, inside = int(mx.argmax(logits).item()), [], [0.0]
@@ -100,9 +101,13 @@ def main() -> int:
     parser.add_argument("--thread", choices=("on", "off"), default=None,
                         help="each block's mx.async_eval on the evaluator's thread or on the caller's "
                              "(Model.evaluate_on_thread; default: the model's own, on where there is a GPU)")
+    parser.add_argument("--no-warm-up", action="store_true",
+                        help="skip generate.warm_up (a quick smoke run: the first steps then also trace "
+                             "the compiled pieces and, on a GPU, build kernels)")
     args = parser.parse_args()
     profiler = cProfile.Profile() if args.profile else None
-    rows = measure(args.model, args.steps, profiler, None if args.thread is None else args.thread == "on")
+    rows = measure(args.model, args.steps, profiler, None if args.thread is None else args.thread == "on",
+                   warm=not args.no_warm_up)
     threaded = rows[0]["threaded"]
     if threaded:  # async_eval runs on the evaluator's thread, while this one builds: no difference to take
         print("(blocks evaluated on the evaluator's thread: its async_eval overlaps the build, and the Python "

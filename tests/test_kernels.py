@@ -1038,6 +1038,7 @@ def test_attention_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatch):
 
     monkeypatch.setattr(check, "sparse_attention_rows", lambda *a, impl=None: spec(*a))
     assert check.check_sparse_attention("mlx", seed=4) == []
+    monkeypatch.setattr(check, "CHECK_ROWS", (8,))  # a padded forward's rows: every fault shows there
     for broken, message in ((no_sink, "off by"), (shifted_slot, "off by"), (no_rope, "off by"),
                             (no_inverse_rope, "off by"), (coupled_rows, "alone differs"),
                             (padding_computed, "zeros after them"), (flat_q_misread, "q as [S, H * D]"),
