@@ -490,9 +490,14 @@ _ids = mx.array(np.arange(1024, dtype=np.int32))
 
 
 def positions_of(start: int, n: int) -> mx.array:
-    """Positions start .. start + n - 1 [n] int32, made on the host: an array that holds its
-    values (no launch), from which SharedAttention derives what each row sees on the host too."""
-    return mx.array(np.arange(start, start + n, dtype=np.int32))
+    """Positions start .. start + n - 1 [n] int32: a view of key_ids' array, so no launch and
+    no memory of its own. An array made on the host each forward would cost more on CUDA: MLX
+    keeps it in managed memory, which the first kernel to read it pulls to the GPU page by page
+    (on the H200 the Rope tables' cast of such positions took ~130 us against ~2), and its
+    buffer may come from MLX's cache of device buffers and be moved to managed memory first,
+    with a copy that waits for the device. SharedAttention reads a forward's positions on the
+    host from a numpy copy of its own (reading these back would move their memory again)."""
+    return key_ids(start + n)[start:]
 
 
 def key_ids(n: int) -> mx.array:
@@ -637,8 +642,11 @@ class SharedAttention:
     `shared_attn`, made explicit): the index sources' top-k and the candidate mask, and how
     many rows are real."""
 
-    def __init__(self, real_rows: int | None = None):
+    def __init__(self, real_rows: int | None = None, positions: np.ndarray | None = None):
         self.real_rows = real_rows  # rows before a padded forward's padding (None: all are real)
+        # the forward's positions on the host (Model.__call__'s), read instead of the positions
+        # window and visible are given (positions_of says why); None: those, read back
+        self.positions = positions
         self.topk: tuple[mx.array, mx.array] | None = None  # ids [S, k], valid [S, k]
         self.candidates: mx.array | None = None  # [S, T] bool
         self._window: tuple | None = None
@@ -649,9 +657,9 @@ class SharedAttention:
     def visible(self, positions: mx.array, ratio: int) -> mx.array:
         """How many compressed groups of `ratio` positions each row may see [S] int32 (the
         groups finished at or before its position): the same for every index layer of that
-        ratio in a forward, so computed once, on the host (positions_of)."""
+        ratio in a forward, so computed once, on the host (from self.positions where given)."""
         if ratio not in self._visible:
-            self._visible[ratio] = mx.array((np.asarray(positions) + 1) // ratio, dtype=mx.int32)
+            self._visible[ratio] = mx.array((self._on_host(positions) + 1) // ratio, dtype=mx.int32)
         return self._visible[ratio]
 
     def every_pick(self, n: int, pick_ids: mx.array, visible: mx.array) -> tuple[mx.array, mx.array]:
@@ -676,6 +684,9 @@ class SharedAttention:
             self._groups[key] = ids if ratio == 1 else ids * ratio
         return self._groups[key]
 
+    def _on_host(self, positions: mx.array) -> np.ndarray:
+        return np.asarray(positions if self.positions is None else self.positions)
+
     def window(self, positions: mx.array, first: int, n_keys: int, window: int,
                row_invariant: bool, row0: int = 0) -> tuple[mx.array | None, mx.array]:
         """Which window keys each row sees, the same for every layer of a forward (their
@@ -685,7 +696,7 @@ class SharedAttention:
         oldest key, where the keys are read from their whole buffer: WindowCache.buffer)."""
         key = (first, n_keys, window, row_invariant, row0)
         if self._window is None or self._window[0] != key:
-            pos = np.asarray(positions).astype(np.int64)  # on the host (positions_of): no launches
+            pos = self._on_host(positions).astype(np.int64)  # on the host: no launches
             if row_invariant:
                 key_pos = pos[:, None] - window + 1 + np.arange(window)[None, :]  # [S, W]
                 # buffer rows row0 .. row0 + n_keys - 1 hold positions first .. first + n_keys - 1
@@ -1310,10 +1321,11 @@ class Model(nn.Module):
         if ids.ndim != 2 or ids.shape[0] != 1:
             raise ValueError(f"ids must have shape [1, n]; got {ids.shape}")
         cache = cache if cache is not None else self.make_cache()
-        tokens = ids[0].tolist()
+        # ids' values on the host: where ids was made from them, no GPU work (ids[0].tolist() would
+        # gather on the GPU and wait for it)
+        tokens = np.asarray(ids)[0].tolist()
         start = cache.offset
         S = len(tokens)
-        positions = positions_of(start, S)
         hashes = self.hasher(cache.tokens, tokens) if self.hasher is not None else None
         # every engram layer's table rows, read on the host before any of this forward's GPU
         # work is queued (EngramTable.gather says why)
@@ -1324,20 +1336,22 @@ class Model(nn.Module):
         evaluator = self._evaluator if self.overlap_build else None
         with mx.stream(evaluator.stream) if evaluator is not None else contextlib.nullcontext():
             try:
-                logits, feats = self._blocks_and_head(ids, positions, cache, engram_rows, last_logits_only,
-                                                      real_rows, evaluator)
+                logits, feats = self._blocks_and_head(ids, start, cache, engram_rows, last_logits_only, real_rows,
+                                                      evaluator)
             finally:
                 if evaluator is not None:
                     evaluator.drain()  # before the caller evaluates anything itself
         return logits, feats
 
-    def _blocks_and_head(self, ids: mx.array, positions: mx.array, cache: ModelCache, engram_rows: dict,
+    def _blocks_and_head(self, ids: mx.array, start: int, cache: ModelCache, engram_rows: dict,
                          last_logits_only: bool, real_rows: int | None,
                          evaluator: BlockEvaluator | None) -> tuple[mx.array, mx.array]:
-        """__call__'s graph, each block started as it is built where overlap_build."""
+        """__call__'s graph of positions start.., each block started as it is built where
+        overlap_build. (Everything lazy is made here, on the stream __call__ builds on.)"""
         S = ids.shape[1]
-        h, pre = hc_expand(self.embed(ids[0]), self.args.hc_mult)  # [S, hc, dim], [S, hc]
-        shared = SharedAttention(real_rows)
+        positions = positions_of(start, S)
+        h, pre = hc_expand(self.embed(ids.reshape(-1)), self.args.hc_mult)  # [S, hc, dim], [S, hc]; a view: no gather
+        shared = SharedAttention(real_rows, np.arange(start, start + S))
         features = []
         for i in range(len(self.layers)):
             h, pre = self.block_forward(i, h, pre, positions, cache, shared, engram_rows.get(i), real_rows, features)

@@ -736,16 +736,19 @@ def layer_kind(layer) -> str:
 def decode_by_layer(model, token: int, cache, on_layer) -> mx.array:
     """One decode step (padded as Model.decode pads it), calling on_layer(i, run) for each block,
     where run() builds that block's outputs; returns the logits. Mirrors Model.__call__."""
+    import numpy as np
+
     from dsv41_mlx.model import SharedAttention, hc_expand, hc_pre, positions_of
 
     args = model.args
     rows = model.decode_rows or 1
     tokens = [token] * rows
-    positions = positions_of(cache.offset, rows)
+    start = cache.offset
+    positions = positions_of(start, rows)
     hashes = model.hasher(cache.tokens, tokens) if model.hasher is not None else None
     cache.tokens.extend(tokens)
     h, pre = hc_expand(model.embed(mx.array(tokens, dtype=mx.int32)), args.hc_mult)
-    shared = SharedAttention(real_rows=1)
+    shared = SharedAttention(real_rows=1, positions=np.arange(start, start + rows))
     for i, layer in enumerate(model.layers):
         def run(i=i, layer=layer, h=h, pre=pre):  # h: an array, or the previous block's Expansion or Folded
             # (Model.__call__ also taps the DSpark features: not the step's graph)

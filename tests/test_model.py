@@ -681,7 +681,7 @@ def test_indexer_skips_its_scores_while_it_picks_every_position(fixture_model, g
 
 
 def test_shared_attention_derives_windows_and_visible_groups_from_host_positions():
-    """SharedAttention.window and .visible from positions_of (made on the host): each row's
+    """SharedAttention.window and .visible from positions_of (a view of key_ids'), read back: each row's
     window slots (the buffer rows of its positions, clipped to the rows held), which are
     masked (before the oldest key held, or outside a row's window when rows share the keys),
     and how many compressed groups each row sees; the same for a lazy mx.arange."""
@@ -705,3 +705,8 @@ def test_shared_attention_derives_windows_and_visible_groups_from_host_positions
                                  [False, False, True, True, True]]
         assert shared.visible(positions, 2).tolist() == [5, 6, 6]
         assert shared.visible(positions, 1).dtype == mx.int32
+    # given the positions on the host (Model.__call__), it reads those, not the arrays it is handed
+    shared = SharedAttention(positions=np.arange(10, 13))
+    index, mask = shared.window(mx.arange(3), 5, 8, 4, True, 2)
+    assert index.tolist() == [[4, 5, 6, 7], [5, 6, 7, 8], [6, 7, 8, 9]] and mask.tolist() == [[True] * 4] * 3
+    assert shared.visible(mx.arange(3), 2).tolist() == [5, 6, 6]
