@@ -142,13 +142,37 @@ class EngramTable:
     def rows(self) -> int:
         return self.codes.shape[0]
 
+    def read(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The stored rows for ids [...] on the host: (codes [..., dim], scales [..., dim/32]) uint8."""
+        return np.asarray(self.codes[ids]), np.asarray(self.scales[ids])
+
     def gather(self, ids: np.ndarray) -> tuple[mx.array, mx.array]:
-        """The stored rows for ids [...]: (codes [..., dim], scales [..., dim/32]) uint8, read
-        on the host. A forward gathers every engram layer's rows before it queues any GPU work
-        (Model.__call__): on CUDA, an array made on the host may take a buffer that MLX's cache
-        holds on the device, and moving that buffer waits for the device to finish everything
-        queued, which in the middle of a forward stalls the host's build of the layers after it."""
-        return mx.array(np.asarray(self.codes[ids])), mx.array(np.asarray(self.scales[ids]))
+        """read's rows as MLX arrays (a forward packs every engram layer's into one: rows_on_device)."""
+        return tuple(mx.array(a) for a in self.read(ids))
+
+
+def pack_rows(rows: list[tuple[np.ndarray, np.ndarray]]) -> tuple[mx.array, list]:
+    """Several layers' EngramTable.read rows as one MLX array (uint8) and where each part lies.
+
+    A forward makes them on the host, where MLX on CUDA keeps such an array in managed memory:
+    the first kernel to read one pulls its pages to the GPU (on the H200 ~70-170 us a host-made
+    array, a kernel in the middle of a step included), and its buffer may first be moved out
+    of MLX's cache of device buffers with a copy that waits for the device. One array a forward
+    pays that once; Model.__call__ makes it before any of the forward's GPU work is queued, and
+    unpack_rows' values are dequantised at the start of the forward."""
+    parts = [a for pair in rows for a in pair]
+    layout, offset = [], 0
+    for a in parts:
+        layout.append((offset, a.shape))
+        offset += a.size
+    flat = np.concatenate([a.reshape(-1) for a in parts]) if parts else np.zeros(0, np.uint8)
+    return mx.array(flat), layout
+
+
+def unpack_rows(packed: mx.array, layout: list) -> list[mx.array]:
+    """pack_rows' layers' rows dequantised (dequantize_rows), each [..., dim] bf16, in order."""
+    views = [packed[o: o + int(np.prod(shape))].reshape(shape) for o, shape in layout]
+    return [dequantize_rows(views[k], views[k + 1]) for k in range(0, len(views), 2)]
 
 
 @mx.compile
@@ -174,15 +198,16 @@ class Engram(nn.Module):
         self.eps = args.rms_norm_eps
         self.table: EngramTable | None = None  # attached by the checkpoint loader
 
-    def gather(self, row_ids: np.ndarray) -> tuple[mx.array, mx.array]:
-        """This layer's table rows for row_ids [S, n_cols] (EngramTable.gather), for __call__."""
-        return self.table.gather(row_ids)
+    def gather(self, row_ids: np.ndarray) -> mx.array:
+        """This layer's table rows for row_ids [S, n_cols], dequantised [S, n_cols, dim] bf16, for
+        __call__ (Model.__call__ reads every layer's at once: pack_rows)."""
+        return dequantize_rows(*self.table.gather(row_ids))
 
-    def __call__(self, h: mx.array, rows: tuple[mx.array, mx.array], real: int | None = None) -> mx.array:
+    def __call__(self, h: mx.array, rows: mx.array, real: int | None = None) -> mx.array:
         """h [S, hc, dim] bf16 and this layer's rows (gather) -> h with the gated value added
         (bf16). real: the rows that matter, the first `real` (a padded forward's); on a GPU
         the others' projection comes out zeros, which leaves their h as it was."""
-        kv = self.wkv(dequantize_rows(*rows).reshape(h.shape[0], -1), real)  # [S, (hc+1)*dim]
+        kv = self.wkv(rows.reshape(h.shape[0], -1), real)  # [S, (hc+1)*dim]
         return gated_add(h, kv, self.q_weight, self.k_weight, self.eps)
 
 

@@ -26,7 +26,7 @@ from .cache import LayerCache, ModelCache
 from .config import ModelArgs
 from . import kernels
 from .kernels import rms_norm
-from .engram import Engram, NgramHasher
+from .engram import Engram, NgramHasher, pack_rows, unpack_rows
 from .evaluator import BlockEvaluator
 from .quant import Fp8Linear, fp4_fake_quant, fp8_fake_quant, fp8_input, gemm_input_dtype
 
@@ -1292,7 +1292,7 @@ class Model(nn.Module):
                       features: list[mx.array] | None = None) -> tuple[mx.array | Expansion | Folded, mx.array]:
         """Block i of a forward (__call__'s loop; bench.py's per-layer runs): the stream taken
         whole first where the block needs it so (takes_whole_stream), the engram's table rows
-        added (engram_rows: EngramTable.gather's, for an engram layer), the DSpark features
+        added (engram_rows: Engram.gather's, for an engram layer), the DSpark features
         tapped (appended to `features`, where given), then the block. Each
         block hands the next its output unexpanded (Expansion) or put into the stream with the
         next block's mixes begun (Folded; not into an engram layer, which adds to the stream
@@ -1327,10 +1327,7 @@ class Model(nn.Module):
         start = cache.offset
         S = len(tokens)
         hashes = self.hasher(cache.tokens, tokens) if self.hasher is not None else None
-        # every engram layer's table rows, read on the host before any of this forward's GPU
-        # work is queued (EngramTable.gather says why)
-        engram_rows = {i: layer.engram.gather(hashes[:, self.hasher.layer_index(i)])
-                       for i, layer in enumerate(self.layers) if hasattr(layer, "engram")}
+        engram_rows = self._read_engram_rows(hashes)
         cache.tokens.extend(tokens)
 
         evaluator = self._evaluator if self.overlap_build else None
@@ -1343,7 +1340,17 @@ class Model(nn.Module):
                     evaluator.drain()  # before the caller evaluates anything itself
         return logits, feats
 
-    def _blocks_and_head(self, ids: mx.array, start: int, cache: ModelCache, engram_rows: dict,
+    def _read_engram_rows(self, hashes: np.ndarray | None) -> tuple[list[int], mx.array | None, list]:
+        """Every engram layer's table rows for a forward's hashes, read on the host into one
+        array before any of the forward's GPU work is queued (engram.pack_rows says why): the
+        layers, the array, its layout."""
+        layers = [i for i, layer in enumerate(self.layers) if hasattr(layer, "engram")]
+        if not layers:
+            return [], None, []
+        return layers, *pack_rows([self.layers[i].engram.table.read(hashes[:, self.hasher.layer_index(i)])
+                                   for i in layers])
+
+    def _blocks_and_head(self, ids: mx.array, start: int, cache: ModelCache, engram_rows: tuple,
                          last_logits_only: bool, real_rows: int | None,
                          evaluator: BlockEvaluator | None) -> tuple[mx.array, mx.array]:
         """__call__'s graph of positions start.., each block started as it is built where
@@ -1352,6 +1359,12 @@ class Model(nn.Module):
         positions = positions_of(start, S)
         h, pre = hc_expand(self.embed(ids.reshape(-1)), self.args.hc_mult)  # [S, hc, dim], [S, hc]; a view: no gather
         shared = SharedAttention(real_rows, np.arange(start, start + S))
+        engram_layers, packed, layout = engram_rows
+        engram_rows = dict(zip(engram_layers, unpack_rows(packed, layout)))
+        if evaluator is not None and engram_rows:  # first: they read host memory, while the GPU waits anyway
+            evaluator.submit(*engram_rows.values())
+        elif self.overlap_build and engram_rows:
+            mx.async_eval(*engram_rows.values())
         features = []
         for i in range(len(self.layers)):
             h, pre = self.block_forward(i, h, pre, positions, cache, shared, engram_rows.get(i), real_rows, features)

@@ -250,6 +250,22 @@ def test_engram_tables_stay_memory_mapped(loaded):
         assert Path(table.codes.filename).resolve() == (FIXTURE / SHARD1).resolve()
 
 
+def test_packed_engram_rows_dequantise_as_each_layers_own(loaded):
+    """A forward's engram rows of every layer in one array (engram.pack_rows), dequantised from
+    it (unpack_rows): the bits of each layer's rows gathered and dequantised on their own."""
+    from dsv41_mlx.engram import pack_rows, unpack_rows
+
+    model, _ = loaded
+    rng = np.random.default_rng(0)
+    ids = {1: rng.integers(0, 630, (3, 16)), 4: rng.integers(0, 834, (3, 16))}
+    packed, layout = pack_rows([model.layers[i].engram.table.read(ids[i]) for i in (1, 4)])
+    assert packed.dtype == mx.uint8 and packed.ndim == 1
+    for i, values in zip((1, 4), unpack_rows(packed, layout)):
+        want = model.layers[i].engram.gather(ids[i])
+        assert values.shape == want.shape == (3, 16, 32) and values.dtype == mx.bfloat16
+        assert mx.array_equal(values, want).item() and mx.abs(want).max().item() > 0
+
+
 def test_load_of_a_copied_checkpoint_matches(tmp_path, loaded):
     model, _ = load(copy_checkpoint(tmp_path))
     ref = dict(tree_flatten(loaded[0].parameters()))
