@@ -16,9 +16,12 @@ thread (waits until it has started everything handed over) before it evaluates a
 itself. The graph, its kernels and their order are the same as with `mx.async_eval` on the
 caller's thread: the same bits (tests/test_model.py).
 
-Where the thread falls behind, it starts the blocks handed over meanwhile together: MLX
-commits (on CUDA, updates and launches a graph of) the work of each `mx.async_eval` call, a
-tenth of a step's host time when each block was one.
+Where the thread falls behind, it starts the blocks handed over meanwhile together (at most
+`batch` of them): MLX commits (on CUDA, updates and launches a graph of) the work of each
+`mx.async_eval` call, a tenth of a step's host time when each block was one. But MLX first
+walks the whole graph it is handed before it starts any of it: on the H200 (session 24), with
+the caller building faster than the thread encoded, the thread took up to ~20 blocks at once
+and the GPU waited ~1.4 ms for that batch's first kernels.
 
 A thread waiting for the GIL gets it only when the holder yields it, which a busy Python
 thread does every `sys.getswitchinterval()` (5 ms by default): longer than a block takes
@@ -47,7 +50,9 @@ class BlockEvaluator:
     _open = 0  # evaluators running: the GIL's switch interval is ours while any is
     _saved_interval: float | None = None
 
-    def __init__(self, device: mx.Device | mx.DeviceType | None = None):
+    def __init__(self, device: mx.Device | mx.DeviceType | None = None, batch: int | None = None):
+        # at most this many of the blocks handed over meanwhile go into one mx.async_eval (None: all)
+        self.batch = batch
         self.stream = mx.new_thread_unsafe_stream(device if device is not None else mx.default_device())
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._error: BaseException | None = None
@@ -62,7 +67,8 @@ class BlockEvaluator:
     def _run(self) -> None:
         while True:
             jobs = [self._jobs.get()]
-            while isinstance(jobs[-1], tuple) and not self._jobs.empty():  # (the one reader: get won't wait)
+            while (isinstance(jobs[-1], tuple) and not self._jobs.empty()  # (the one reader: get won't wait)
+                   and (self.batch is None or len(jobs) < self.batch)):
                 jobs.append(self._jobs.get())
             arrays = [a for job in jobs if isinstance(job, tuple) for a in job]  # in order, one commit
             if arrays and self._error is None:  # after a failure, nothing more until the caller has seen it

@@ -276,6 +276,36 @@ def test_block_evaluator_hands_its_threads_error_to_the_caller(monkeypatch):
         evaluator.submit(mx.ones(3))
 
 
+@pytest.mark.parametrize("batch, calls", [(None, [1, 10]), (2, [1, 4, 4, 2])])
+def test_block_evaluator_starts_at_most_batch_blocks_handed_over_together(monkeypatch, batch, calls):
+    """Blocks handed over while the thread is busy start together, in one mx.async_eval: all of
+    them, or at most `batch`, in the order they came."""
+    import threading
+
+    from dsv41_mlx import evaluator as ev
+
+    gate, seen = threading.Event(), []
+
+    def recording(*arrays):
+        seen.append(len(arrays))
+        gate.wait()
+
+    monkeypatch.setattr(ev.mx, "async_eval", recording)
+    evaluator = ev.BlockEvaluator(batch=batch)
+    try:
+        a = mx.ones(2)
+        evaluator.submit(a)  # the thread takes it and waits inside "async_eval"
+        while not seen:
+            gate.wait(0.001)
+        for _ in range(5):
+            evaluator.submit(a, a)
+        gate.set()
+        evaluator.drain()
+    finally:
+        evaluator.close()
+    assert seen == calls
+
+
 def test_routed_experts_take_the_fp4_kernel_for_a_decode_steps_pairs_on_a_gpu(monkeypatch):
     """On a GPU, a decode or verify step's (row, expert) pairs run kernels.fp4_experts, handed
     x, the ids and the pairs' weights of every row as they are with the real rows as its R (no
