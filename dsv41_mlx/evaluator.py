@@ -18,10 +18,10 @@ caller's thread: the same bits (tests/test_model.py).
 
 Where the thread falls behind, it starts the blocks handed over meanwhile together (at most
 `batch` of them): MLX commits (on CUDA, updates and launches a graph of) the work of each
-`mx.async_eval` call, a tenth of a step's host time when each block was one. But MLX first
-walks the whole graph it is handed before it starts any of it: on the H200 (session 24), with
-the caller building faster than the thread encoded, the thread took up to ~20 blocks at once
-and the GPU waited ~1.4 ms for that batch's first kernels.
+`mx.async_eval` call, a tenth of a step's host time when each block was one. A large batch
+starts late, though: on the H200 (session 24), with the caller building faster than the
+thread encoded, the thread took up to ~20 blocks at once and the GPU sat idle for up to
+~1.5 ms before that batch's first graph launch.
 
 A thread waiting for the GIL gets it only when the holder yields it, which a busy Python
 thread does every `sys.getswitchinterval()` (5 ms by default): longer than a block takes
