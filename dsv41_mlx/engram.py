@@ -147,7 +147,7 @@ class EngramTable:
         return np.asarray(self.codes[ids]), np.asarray(self.scales[ids])
 
     def gather(self, ids: np.ndarray) -> tuple[mx.array, mx.array]:
-        """read's rows as MLX arrays (a forward packs every engram layer's into one: rows_on_device)."""
+        """read's rows as MLX arrays (a forward packs every engram layer's into one: pack_rows)."""
         return tuple(mx.array(a) for a in self.read(ids))
 
 
