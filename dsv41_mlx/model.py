@@ -1359,19 +1359,21 @@ class Model(nn.Module):
         positions = positions_of(start, S)
         h, pre = hc_expand(self.embed(ids.reshape(-1)), self.args.hc_mult)  # [S, hc, dim], [S, hc]; a view: no gather
         shared = SharedAttention(real_rows, np.arange(start, start + S))
+
+        def begin(*arrays: mx.array) -> None:  # start them on the device now, where overlap_build
+            if evaluator is not None:
+                evaluator.submit(*arrays)
+            elif self.overlap_build:
+                mx.async_eval(*arrays)
+
         engram_layers, packed, layout = engram_rows
-        engram_rows = dict(zip(engram_layers, unpack_rows(packed, layout)))
-        if evaluator is not None and engram_rows:  # first: they read host memory, while the GPU waits anyway
-            evaluator.submit(*engram_rows.values())
-        elif self.overlap_build and engram_rows:
-            mx.async_eval(*engram_rows.values())
+        engram_values = dict(zip(engram_layers, unpack_rows(packed, layout)))
+        if engram_values:  # first: they read host memory, while the GPU waits anyway
+            begin(*engram_values.values())
         features = []
         for i in range(len(self.layers)):
-            h, pre = self.block_forward(i, h, pre, positions, cache, shared, engram_rows.get(i), real_rows, features)
-            if evaluator is not None:
-                evaluator.submit(h, pre)
-            elif self.overlap_build:
-                mx.async_eval(h, pre)
+            h, pre = self.block_forward(i, h, pre, positions, cache, shared, engram_values.get(i), real_rows, features)
+            begin(h, pre)
         x = self.norm(hc_pre(h, pre))
         if last_logits_only:
             last = S if real_rows is None else real_rows
