@@ -21,7 +21,9 @@ Where the thread falls behind, it starts the blocks handed over meanwhile togeth
 `mx.async_eval` call, a tenth of a step's host time when each block was one. A large batch
 starts late, though: on the H200 (session 24), with the caller building faster than the
 thread encoded, the thread took up to ~20 blocks at once and the GPU sat idle for up to
-~1.5 ms before that batch's first graph launch.
+~1.5 ms before that batch's first graph launch. Hence at most BATCH: on an H100 (session 25,
+one-row steps, caps interleaved) 2 gave a median step of 18.5 ms, 3 18.8, 1 19.2, 5 19.3 and
+no cap 21.6.
 
 A thread waiting for the GIL gets it only when the holder yields it, which a busy Python
 thread does every `sys.getswitchinterval()` (5 ms by default): longer than a block takes
@@ -38,6 +40,7 @@ import threading
 import mlx.core as mx
 
 SWITCH_INTERVAL = 50e-6  # seconds: how soon a waiting thread gets the GIL from a busy one
+BATCH = 2  # the most blocks one mx.async_eval starts by default
 
 
 class BlockEvaluator:
@@ -50,7 +53,7 @@ class BlockEvaluator:
     _open = 0  # evaluators running: the GIL's switch interval is ours while any is
     _saved_interval: float | None = None
 
-    def __init__(self, device: mx.Device | mx.DeviceType | None = None, batch: int | None = None):
+    def __init__(self, device: mx.Device | mx.DeviceType | None = None, batch: int | None = BATCH):
         # at most this many of the blocks handed over meanwhile go into one mx.async_eval (None: all)
         self.batch = batch
         self.stream = mx.new_thread_unsafe_stream(device if device is not None else mx.default_device())

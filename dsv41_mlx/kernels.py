@@ -529,7 +529,19 @@ ATTENTION_HEADS_PER_GROUP = 2  # heads of one row per threadgroup: each key row 
 # 16 faster than 8 (docs/benchmarks.md, session 21); Metal keeps the 8 written for it, unmeasured
 # (a pipeline's thread limit there depends on its registers)
 ATTENTION_WARPS = {"cuda": 16, "metal": 8}
+# (heads, simdgroups) a threadgroup of a one-row launch (a decode step), where the backend has
+# its own: on CUDA one head and 32 warps (H100, session 25: 28.5 us against 39.0 at two heads
+# and 16 warps; two heads at 32 warps do not launch). Neither count changes a bit: each head's
+# scores, softmax and weighted sum run alike whatever shares its threadgroup.
+ATTENTION_ONE_ROW = {"cuda": (1, 32)}
 ATTENTION_THREADGROUP_BYTES = 32 * 1024  # Apple GPUs' threadgroup memory
+
+
+def attention_layout(impl: str, rows: int) -> tuple[int, int]:
+    """(heads, simdgroups) of each threadgroup of the attention kernel for `rows` rows on impl."""
+    if rows == 1 and impl in ATTENTION_ONE_ROW:
+        return ATTENTION_ONE_ROW[impl]
+    return ATTENTION_HEADS_PER_GROUP, ATTENTION_WARPS[impl]
 
 
 def attention_threadgroup_bytes(heads: int, dim: int, keys: int) -> int:
@@ -549,7 +561,7 @@ def attention_fits(q_shape: tuple[int, ...], q_dtype: mx.Dtype, n_window: int, n
     impl = impl or backend()
     if impl == "mlx" or len(q_shape) != 3 or q_dtype != mx.bfloat16 or q_shape[0] > DECODE_MAX_ROWS:
         return False
-    G, D = ATTENTION_HEADS_PER_GROUP, q_shape[2]
+    G, D = attention_layout(impl, q_shape[0])[0], q_shape[2]
     return (q_shape[1] % G == 0 and D % 8 == 0 and 256 % (D // 8) == 0
             and attention_threadgroup_bytes(G, D, n_window + n_picked) <= ATTENTION_THREADGROUP_BYTES)
 
@@ -584,7 +596,7 @@ def sparse_attention_rows(q: mx.array, ring: mx.array, index: mx.array, window_m
     if K == 0:  # placeholders the kernel does not read
         kv, ids, picked_mask = _constant(mx.bfloat16, 0.0), _constant(mx.uint32, 0), _constant(mx.bool_, False)
     kernel = _compiled(SPARSE_ATTENTION, impl)
-    G, warps = ATTENTION_HEADS_PER_GROUP, ATTENTION_WARPS[impl]
+    G, warps = attention_layout(impl, S)
     (out,) = kernel(inputs=[q, ring.astype(mx.bfloat16), index.astype(mx.int32), window_mask.astype(mx.bool_),
                             kv.astype(mx.bfloat16), ids.astype(mx.uint32), picked_mask.astype(mx.bool_),
                             sink.astype(mx.float32), cos.astype(mx.float32), sin.astype(mx.float32),
@@ -905,7 +917,7 @@ def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None
         (y,) = _compiled(FP8_MMA, impl)(
             inputs=[x.astype(mx.bfloat16), w, scales, _int32s(rows, N, K, G, S), limit, added],
             template=[("NH", mma_column_groups(rows)), ("QX", int(quantize_input)), ("SW", sw), ("AP", ap),
-                      ("ONE", int(rows == 1))],
+                      ("ONE", int(rows == 1)), ("U", mma_loads_ahead(K, rows))],
             grid=(G * (N // 32) * 256, 1, 1), threadgroup=(256, 1, 1),
             output_shapes=[(*x.shape[:-1], N // 2 if sw else N)], output_dtypes=[mx.bfloat16], init_value=init_value)
         return y
@@ -1079,7 +1091,7 @@ def fp8_into_stream(x: mx.array, w: mx.array, scales: mx.array, onto: StreamOnto
         inputs=[x.astype(mx.bfloat16), w, scales, _int32s(rows, N, K, 1, S), added, residual, post.astype(f32),
                 comb.astype(f32), fn.astype(f32)],
         template=[("NH", mma_column_groups(rows)), ("QX", int(quantize_input)), ("AP", ap), ("ONE", int(rows == 1)),
-                  ("HC", hc)],
+                  ("HC", hc), ("U", mma_loads_ahead(K, rows))],
         grid=(N // 32 * 256, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[(S, hc, N), (S, N // 32, M + 1)], output_dtypes=[mx.bfloat16, f32])
     return h, mix_parts
@@ -1210,6 +1222,16 @@ def fp4_experts(x: mx.array, w: mx.array, scales: mx.array, ids: mx.array, impl:
 # against 48 / 38 (there x is FP8-quantised in the kernel, work repeated by each tile of 32
 # outputs); in two e2e runs of that session, a six-row verify forward took 29.3 ms with it and
 # 38.1 ms with the scalar kernel.
+def mma_loads_ahead(k: int, rows: int) -> int:
+    """U of fp8_mma (and fp8_mma_hc) on CUDA: the 32-column blocks whose weight loads a warp
+    issues before it uses the first (the Metal twin stages its tiles otherwise and ignores it).
+    No bit depends on it: each block's sums are added in the same order. 6 (the fastest at six
+    rows on long shapes, session 18), but 2 for one row of a short K (< 2048: wq_b's 1280, five
+    blocks a warp), where fewer registers a thread let more threadgroups run at once (H100,
+    session 25: 14.8 against 21.6 us; at K 2304..8192 6 stayed the fastest)."""
+    return 2 if rows == 1 and k < 2048 else 6
+
+
 def mma_column_groups(rows: int) -> int:
     """NH of the matrix-unit kernels (fp4_experts, fp8_mma): their products' column groups
     of 8 (fp4_experts' pairs a pass, fp8_mma's rows): 1 up to 8 rows (an expert is picked at

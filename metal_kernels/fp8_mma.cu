@@ -7,7 +7,7 @@
 //   k-step 1: (2t, 2t+1) <- (8t+4, 8t+6), (2t+8, 2t+9) <- (8t+5, 8t+7)
 // so each fp16 pair is E4M3_EVEN or E4M3_ODD of one of the two words, and x the same.
 
-constexpr int U = 6;  // blocks whose loads a warp issues before it uses the first (2 / 4 / 6 at six rows: 6 the fastest at three of five long shapes, session 18)
+// U (a template constant, kernels.mma_loads_ahead): the blocks whose loads a warp issues before it uses the first
 constexpr int COLS = 8 * NH;  // the matrix products' columns: the computed rows, padded
 __shared__ float red[MMA_WARPS * 32 * COLS];  // each warp's sums [warp][output][row]
 const int rows = sizes[0];

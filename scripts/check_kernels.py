@@ -849,13 +849,15 @@ def attention_rows(args: tuple, rows: slice) -> tuple:
 
 @contextlib.contextmanager
 def attention_warps(impl: str, warps: int):
-    """Inside: the attention kernel runs `warps` simdgroups a threadgroup on impl."""
-    saved = kernels.ATTENTION_WARPS
+    """Inside: the attention kernel runs `warps` simdgroups a threadgroup on impl, and
+    kernels.ATTENTION_HEADS_PER_GROUP heads, at every row count (no one-row layout)."""
+    saved, one_row = kernels.ATTENTION_WARPS, kernels.ATTENTION_ONE_ROW
     kernels.ATTENTION_WARPS = {**saved, impl: warps}
+    kernels.ATTENTION_ONE_ROW = {k: v for k, v in one_row.items() if k != impl}
     try:
         yield
     finally:
-        kernels.ATTENTION_WARPS = saved
+        kernels.ATTENTION_WARPS, kernels.ATTENTION_ONE_ROW = saved, one_row
 
 
 def check_sparse_attention(impl: str, seed: int) -> list[str]:

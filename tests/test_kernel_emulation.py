@@ -271,8 +271,8 @@ def test_fp8_gemv_pair_writes_each_matrix_apart_on_the_host(language, rows, out_
 def test_fp8_mma_runs_its_spec_on_the_host(language, rows, out_rows, qx, sw, ap, tmp_path):
     """fp8_gemv's large matrices on the matrix unit (fp8_mma), the one-row path included."""
     _fp8_gemm_on_the_host(kernels.FP8_MMA, language, rows, out_rows, qx, sw, ap,
-                          {"NH": kernels.mma_column_groups(rows), "QX": qx, "SW": sw, "AP": ap, "ONE": int(rows == 1)},
-                          64 // 32, tmp_path)
+                          {"NH": kernels.mma_column_groups(rows), "QX": qx, "SW": sw, "AP": ap, "ONE": int(rows == 1),
+                           "U": kernels.mma_loads_ahead(512, rows)}, 64 // 32, tmp_path)
 
 
 
@@ -305,7 +305,8 @@ def test_fp8_mma_into_the_stream_runs_its_spec_on_the_host(language, rows, out_r
     common = {"x": ("bfloat16", _bf16_bits(x)), "w": ("uint32", np.array(w)), "scales": ("uint8", np.array(s)),
               "sizes": ("int32", np.array([rows, n, k, 1, out_rows])),
               "parts": ("bfloat16", _bf16_bits(parts) if ap else np.zeros(1, np.uint16))}
-    template = {"NH": kernels.mma_column_groups(rows), "QX": qx, "AP": ap, "ONE": int(rows == 1)}
+    template = {"NH": kernels.mma_column_groups(rows), "QX": qx, "AP": ap, "ONE": int(rows == 1),
+                "U": kernels.mma_loads_ahead(k, rows)}
     (tmp_path / "y").mkdir()
     y = run(kernels.FP8_MMA, language, {**common, "swiglu": ("float32", np.array([0.0]))},
             {"y": ("bfloat16", out_rows * n)}, {**template, "SW": 0}, n // 32, tmp_path / "y")["y"]

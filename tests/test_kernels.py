@@ -155,17 +155,17 @@ def _experts_case(NH, QX=0, SW=0, ONE=0):  # noqa: N803
     return FP4_EXPERTS, inputs, {"y": "bfloat16"}, {"NH": NH, "QX": QX, "SW": SW, "ONE": ONE}
 
 
-def _mma_case(NH, QX=0, SW=0, AP=0, ONE=0):  # noqa: N803
+def _mma_case(NH, QX=0, SW=0, AP=0, ONE=0, U=6):  # noqa: N803
     inputs = {"x": "bfloat16", "w": "uint32", "scales": "uint8", "sizes": "int32", "swiglu": "float32",
               "parts": "bfloat16"}
-    return FP8_MMA, inputs, {"y": "bfloat16"}, {"NH": NH, "QX": QX, "SW": SW, "AP": AP, "ONE": ONE}
+    return FP8_MMA, inputs, {"y": "bfloat16"}, {"NH": NH, "QX": QX, "SW": SW, "AP": AP, "ONE": ONE, "U": U}
 
 
-def _mma_hc_case(NH, QX=0, AP=0, ONE=0):  # noqa: N803
+def _mma_hc_case(NH, QX=0, AP=0, ONE=0, U=6):  # noqa: N803
     inputs = {"x": "bfloat16", "w": "uint32", "scales": "uint8", "sizes": "int32", "parts": "bfloat16",
               "residual": "bfloat16", "post": "float32", "comb": "float32", "fn": "float32"}
     return FP8_MMA_HC, inputs, {"h": "bfloat16", "mix_parts": "float32"}, {"NH": NH, "QX": QX, "AP": AP, "ONE": ONE,
-                                                                           "HC": 4}
+                                                                           "HC": 4, "U": U}
 
 
 CASES = {
@@ -191,6 +191,9 @@ CASES = {
     # (the simdgroups: 16 on CUDA, 8 on Metal; both forms in both languages)
     "sparse_attention": (SPARSE_ATTENTION, *ATTENTION_IO,
                          {"D": 512, "H": 64, "G": 2, "W": 128, "K": 512, "RD": 64, "WARPS": 16}),
+    # CUDA's one-row layout (kernels.ATTENTION_ONE_ROW): one head, 32 warps a threadgroup
+    "sparse_attention_one_row": (SPARSE_ATTENTION, *ATTENTION_IO,
+                                 {"D": 512, "H": 64, "G": 1, "W": 128, "K": 512, "RD": 64, "WARPS": 32}),
     "sparse_attention_window_only": (SPARSE_ATTENTION, *ATTENTION_IO,
                                      {"D": 512, "H": 64, "G": 2, "W": 128, "K": 0, "RD": 64, "WARPS": 8}),
     # the tiny checkpoint's attention: 8 chunks a key row (most lanes idle in the scores), 32 key subsets
@@ -233,6 +236,7 @@ CASES = {
     "fp8_mma": _mma_case(NH=1),
     "fp8_mma_16_rows": _mma_case(NH=2),
     "fp8_mma_quantizing": _mma_case(NH=1, QX=1, ONE=1),
+    "fp8_mma_one_row_short": _mma_case(NH=1, QX=1, ONE=1, U=2),  # wq_b's (kernels.mma_loads_ahead)
     "fp8_mma_swiglu": _mma_case(NH=1, QX=1, SW=1),
     "fp8_mma_parts_16_rows": _mma_case(NH=2, AP=6),
     # wo_b of a decode step and the shared expert's w2 of a verify step, their output put into the stream
