@@ -529,7 +529,7 @@ ATTENTION_HEADS_PER_GROUP = 2  # heads of one row per threadgroup: each key row 
 # 16 faster than 8 (docs/benchmarks.md, session 21); Metal keeps the 8 written for it, unmeasured
 # (a pipeline's thread limit there depends on its registers)
 ATTENTION_WARPS = {"cuda": 16, "metal": 8}
-# (heads, simdgroups) a threadgroup of a one-row launch (a decode step), where the backend has
+# (heads, simdgroups) a threadgroup where one row is computed (a decode step), where the backend has
 # its own: on CUDA one head and 32 warps (H100, session 25: 28.5 us against 39.0 at two heads
 # and 16 warps; two heads at 32 warps do not launch). Neither count changes a bit: each head's
 # scores, softmax and weighted sum run alike whatever shares its threadgroup.
@@ -538,7 +538,8 @@ ATTENTION_THREADGROUP_BYTES = 32 * 1024  # Apple GPUs' threadgroup memory
 
 
 def attention_layout(impl: str, rows: int) -> tuple[int, int]:
-    """(heads, simdgroups) of each threadgroup of the attention kernel for `rows` rows on impl."""
+    """(heads, simdgroups) of each threadgroup of the attention kernel on impl where it
+    computes `rows` rows (a padded forward's real ones)."""
     if rows == 1 and impl in ATTENTION_ONE_ROW:
         return ATTENTION_ONE_ROW[impl]
     return ATTENTION_HEADS_PER_GROUP, ATTENTION_WARPS[impl]
@@ -561,7 +562,8 @@ def attention_fits(q_shape: tuple[int, ...], q_dtype: mx.Dtype, n_window: int, n
     impl = impl or backend()
     if impl == "mlx" or len(q_shape) != 3 or q_dtype != mx.bfloat16 or q_shape[0] > DECODE_MAX_ROWS:
         return False
-    G, D = attention_layout(impl, q_shape[0])[0], q_shape[2]
+    G = max(attention_layout(impl, rows)[0] for rows in (1, q_shape[0]))  # (any real rows may be computed)
+    D = q_shape[2]
     return (q_shape[1] % G == 0 and D % 8 == 0 and 256 % (D // 8) == 0
             and attention_threadgroup_bytes(G, D, n_window + n_picked) <= ATTENTION_THREADGROUP_BYTES)
 
@@ -596,11 +598,12 @@ def sparse_attention_rows(q: mx.array, ring: mx.array, index: mx.array, window_m
     if K == 0:  # placeholders the kernel does not read
         kv, ids, picked_mask = _constant(mx.bfloat16, 0.0), _constant(mx.uint32, 0), _constant(mx.bool_, False)
     kernel = _compiled(SPARSE_ATTENTION, impl)
-    G, warps = attention_layout(impl, S)
+    rows = computed_rows(real_rows, S)
+    G, warps = attention_layout(impl, rows)
     (out,) = kernel(inputs=[q, ring.astype(mx.bfloat16), index.astype(mx.int32), window_mask.astype(mx.bool_),
                             kv.astype(mx.bfloat16), ids.astype(mx.uint32), picked_mask.astype(mx.bool_),
                             sink.astype(mx.float32), cos.astype(mx.float32), sin.astype(mx.float32),
-                            _float32s(scale), _int32s(computed_rows(real_rows, S))],
+                            _float32s(scale), _int32s(rows)],
                     template=[("D", D), ("H", H), ("G", G), ("W", W), ("K", K), ("RD", rope_dims),
                               ("WARPS", warps)],
                     grid=(S * (H // G) * 32 * warps, 1, 1), threadgroup=(32 * warps, 1, 1),
