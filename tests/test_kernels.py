@@ -1245,6 +1245,46 @@ def test_gemv_layout_bounds_the_computed_rows_by_a_power_of_two(monkeypatch):
                     ("fp4_experts", 2, 9 * 2 * 64 // 32 * 256, (9, 2, 64))]
 
 
+def test_one_computed_row_takes_its_own_layouts(monkeypatch):
+    """Where a launch computes one row (a decode step: a padded forward of one real row), CUDA
+    runs its own layouts, which change no bit (scripts/check_kernels.py compares them): the
+    attention at one head and 32 warps a threadgroup (kernels.ATTENTION_ONE_ROW), fp8_mma with
+    2 blocks loaded ahead for a short K (kernels.mma_loads_ahead); more computed rows, a long K
+    and Metal keep the general ones. Keyed on the computed rows, not the padded forward's."""
+    from dsv41_mlx import kernels
+
+    seen = []
+
+    def compiled(spec, language):
+        def run(inputs, template, grid, output_shapes, output_dtypes, **_):
+            t = dict(template)
+            seen.append((spec.name, t.get("G"), t.get("WARPS"), t.get("U"), grid[0]))
+            return [mx.zeros(shape, dtype=dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
+        return run
+
+    monkeypatch.setattr(kernels, "_compiled", compiled)
+    S, H, D, W, K = 8, 4, 64, 8, 4
+    q, ring = mx.zeros((S, H, D), dtype=mx.bfloat16), mx.zeros((16, D), dtype=mx.bfloat16)
+    index, wmask = mx.zeros((S, W), dtype=mx.int32), mx.ones((S, W), dtype=mx.bool_)
+    kv, ids, pmask = mx.zeros((16, D), dtype=mx.bfloat16), mx.zeros((S, K), dtype=mx.uint32), mx.ones((S, K), dtype=mx.bool_)
+    rope = (mx.zeros((S, D // 2, 2)), mx.zeros((S, D // 2, 2)))
+    for impl, real in (("cuda", 1), ("cuda", 6), ("metal", 1)):
+        kernels.sparse_attention_rows(q, ring, index, wmask, kv, ids, pmask, mx.zeros((H,)), 0.125, rope, 16,
+                                      real_rows=real, impl=impl)
+    assert seen == [("sparse_attention", 1, 32, None, S * H * 32 * 32),
+                    ("sparse_attention", 2, 16, None, S * H // 2 * 16 * 32),
+                    ("sparse_attention", 2, 8, None, S * H // 2 * 8 * 32)]
+    seen.clear()
+    x = mx.zeros((S, 1280), dtype=mx.bfloat16)
+    w, s = mx.zeros((4096, 1280 // 4), dtype=mx.uint32), mx.zeros((4096, 1280 // 32), dtype=mx.uint8)
+    for real in (1, 6):
+        kernels.fp8_gemv(x, w, s, impl="cuda", real_rows=real)
+    x = mx.zeros((S, 2304), dtype=mx.bfloat16)
+    w, s = mx.zeros((4096, 2304 // 4), dtype=mx.uint32), mx.zeros((4096, 2304 // 32), dtype=mx.uint8)
+    kernels.fp8_gemv(x, w, s, impl="cuda", real_rows=1)
+    assert [(name, u) for name, _, _, u, _ in seen] == [("fp8_mma", 2), ("fp8_mma", 6), ("fp8_mma", 6)]
+
+
 def test_wq_a_and_wkv_run_as_one_launch_that_writes_them_apart(monkeypatch):
     """fp8_gemv_pair fits the release's stacked wq_a + wkv (5120 -> 1280 + 512) on a GPU: one
     fp8_gemv launch with SPLIT at wq_a's rows, each part a [rows, outputs] view of its output,
