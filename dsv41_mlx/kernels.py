@@ -1211,7 +1211,8 @@ def fp4_experts(x: mx.array, w: mx.array, scales: mx.array, ids: mx.array, impl:
     slots = x.shape[1] if x.ndim == 3 else 1
     (y,) = _compiled(FP4_EXPERTS, impl)(
         inputs=[x.astype(mx.bfloat16), w, scales, ids.astype(mx.uint32), _int32s(R, k, N, K, slots), limit, weights],
-        template=[("NH", mma_column_groups(R)), ("QX", int(quantize_input)), ("SW", sw), ("ONE", int(R == 1))],
+        template=[("NH", mma_column_groups(R)), ("QX", int(quantize_input)), ("SW", sw), ("ONE", int(R == 1)),
+                  ("U", experts_loads_ahead(R))],
         grid=(R * k * (N // 32) * 256, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[(R, k, N // 2 if sw else N)], output_dtypes=[mx.bfloat16], init_value=init_value)
     return y
@@ -1225,13 +1226,21 @@ def fp4_experts(x: mx.array, w: mx.array, scales: mx.array, ids: mx.array, impl:
 # against 48 / 38 (there x is FP8-quantised in the kernel, work repeated by each tile of 32
 # outputs); in two e2e runs of that session, a six-row verify forward took 29.3 ms with it and
 # 38.1 ms with the scalar kernel.
+def experts_loads_ahead(rows: int) -> int:
+    """U of fp4_experts on CUDA: the blocks whose weight loads a warp issues before it uses
+    the first (the Metal twin stages its tiles otherwise and ignores it). No bit depends on
+    it. 2 (the fastest of 1..3 at six rows, session 17), 1 for one row (H100, session 25: w13
+    with its SwiGLU 50.8 against 59.1 us, w2 24.6 against 27.1; `bench.py layouts`)."""
+    return 1 if rows == 1 else 2
+
+
 def mma_loads_ahead(k: int, rows: int) -> int:
     """U of fp8_mma (and fp8_mma_hc) on CUDA: the 32-column blocks whose weight loads a warp
     issues before it uses the first (the Metal twin stages its tiles otherwise and ignores it).
     No bit depends on it: each block's sums are added in the same order. 6 (the fastest at six
     rows on long shapes, session 18), but 2 for one row of a short K (< 2048: wq_b's 1280, five
     blocks a warp), where fewer registers a thread let more threadgroups run at once (H100,
-    session 25: 14.8 against 21.6 us; at K 2304..8192 6 stayed the fastest)."""
+    session 25: 14.8 against 21.6 us; at K 2304..8192 6 stayed the fastest; `bench.py layouts`)."""
     return 2 if rows == 1 and k < 2048 else 6
 
 

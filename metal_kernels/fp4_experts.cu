@@ -8,9 +8,7 @@
 //   k-step 1: (2t, 2t+1) <- (8t+2, 8t+6), (2t+8, 2t+9) <- (8t+3, 8t+7)
 // so each fp16 pair is codes i and i + 4 of the word (E2M1_HALF_PAIR), and x the same.
 
-// blocks whose loads a warp issues before it uses the first: 2 the fastest of 1..3 at six rows
-// (session 17), 1 at one row (H100, session 25: w13 50.8 against 59.1 us, w2 24.6 against 27.1)
-constexpr int U = ONE ? 1 : 2;
+// U (a template constant, kernels.experts_loads_ahead): the blocks whose loads a warp issues before it uses the first
 constexpr int COLS = 8 * NH;  // pass columns
 __shared__ int picks[16];  // the pairs (r * KS + j, in order) that picked this expert: at most one a row
 __shared__ int n_picks;

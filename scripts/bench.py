@@ -9,6 +9,8 @@
     python scripts/bench.py pieces [--model M]  # one block's pieces (attention, MoE, experts' GEMM...), ms each
     python scripts/bench.py gemms [--real 1] [--threads 32 64 128 256]
                                                 # the decode step's quantised GEMMs: MLX's and fp8_gemv
+    python scripts/bench.py layouts [--rows 1 2 3 6]
+                                                # the kernels' launch layouts that change no bit, timed
 
 Speed is measured here and nowhere else: ratios against baselines measured in
 the same run, and fractions of the memory-bandwidth floor (bytes that must
@@ -19,6 +21,7 @@ Runs unchanged on Metal, CUDA and the CPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -78,12 +81,12 @@ def chained(gemm, x0: mx.array, links: int = 40, reps: int = 3) -> float:
     """Median seconds per GEMM when each waits for the one before, as a forward's GEMMs do
     (`timed`'s calls are independent, and a GPU may overlap them). Link i takes x, runs
     y = gemm(x, i) and feeds x0 + 0 * (a value of y) to link i + 1; the same chain with y = x
-    is timed too and its cost per link (two element-wise operations) subtracted."""
+    is timed too and its cost per link (two element-wise operations) subtracted. y may have
+    any shape (a kernel may return only a padded forward's real rows)."""
     def chain(step):
         x = x0
         for i in range(links):
-            y = step(x, i)
-            y = y.reshape(x0.shape[0], -1, y.shape[-1])[:, : x0.shape[1], :1]
+            y = step(x, i).reshape(-1)[:1]  # (views: no launch)
             x = x0 + (y * 0).astype(x0.dtype)
         return x
 
@@ -997,6 +1000,140 @@ def bench_gemms(rows: int = 8, experts: int = 24, dim: int = 5120, inter: int = 
     return out
 
 
+# ------------------------------------------------------------------- layouts
+
+LAYOUT_ROWS = (1, 2, 3, 6)  # rows computed: a decode step's, verify forwards'
+ATTENTION_CANDIDATES = ((2, 8), (2, 16), (1, 8), (1, 16), (1, 32))  # (heads, simdgroups) a threadgroup
+
+
+@contextlib.contextmanager
+def kernels_choice(name: str, fn):
+    """Inside: dsv41_mlx.kernels' layout choice `name` (a function) is fn; restored on the way out."""
+    from dsv41_mlx import kernels
+
+    saved = getattr(kernels, name)
+    setattr(kernels, name, fn)
+    try:
+        yield
+    finally:
+        setattr(kernels, name, saved)
+
+
+def bench_layouts(rows_list: tuple[int, ...] = LAYOUT_ROWS, forward_rows: int = 8, experts: int = 24) -> dict:
+    """The kernels' launch layouts that change no bit, at the release's one-layer shapes:
+    every candidate timed chained (us a call, cold weights) in a padded forward of
+    forward_rows rows that computes `rows` of them, its output compared bit for bit with
+    the layout kernels picks (kernels.experts_loads_ahead and mma_loads_ahead: the blocks a
+    warp of fp4_experts / fp8_mma loads ahead, U, which only CUDA's twins read;
+    kernels.attention_layout: the attention's heads and simdgroups a threadgroup). A
+    candidate that does not launch is reported with its error. Nothing to time on the CPU."""
+    from dsv41_mlx import kernels
+    from dsv41_mlx.quant import fp8_fake_quant_reference
+    from scripts.check_kernels import random_scales, random_words, release_ropes
+
+    impl = kernels.backend()
+    out = {"impl": impl, "forward_rows": forward_rows, "cases": []}
+    if impl == "mlx":
+        return out
+
+    def measure(kernel, shape, rows, run, x0, name, candidates, default):
+        base = mx.array(run(x0, 0))  # kernels' own layout
+        for value, fn in candidates:
+            row = {"kernel": kernel, "shape": shape, "rows": rows, "layout": value, "default": value == default}
+            with kernels_choice(name, fn):
+                try:
+                    row["us"] = chained(run, x0) * 1e6
+                    row["same_bits"] = bool(mx.array_equal(run(x0, 0), base).item())
+                except (RuntimeError, ValueError) as e:  # a layout past the device's limits: reported
+                    row["error"] = str(e).splitlines()[0][:80]
+            out["cases"].append(row)
+
+    def fp8_input(shape):
+        return fp8_fake_quant_reference(mx.random.normal(shape).astype(mx.bfloat16)).astype(mx.bfloat16)
+
+    mx.random.seed(0)
+    copies, top, dim, inter = 4, 6, 5120, 2304  # four copies of each stack: cold weights at every call
+    w13 = [(random_words((experts, 2 * inter, dim // 8), fp4=True), random_scales((experts, 2 * inter, dim // 32)))
+           for _ in range(copies)]
+    w2 = [(random_words((experts, dim, inter // 8), fp4=True), random_scales((experts, dim, inter // 32)))
+          for _ in range(copies)]
+    ids = [mx.argsort(mx.random.uniform(shape=(forward_rows, experts)), axis=-1)[:, :top].astype(mx.uint32)
+           for _ in range(copies)]
+    weights, x, h = mx.random.uniform(shape=(forward_rows, top)), fp8_input((forward_rows, 1, dim)), \
+        mx.random.normal((forward_rows, top, inter)).astype(mx.bfloat16)
+    mx.eval(w13, w2, ids, weights, x, h)
+    u_experts = [(u, lambda rows, u=u: u) for u in (1, 2, 3, 4)]
+    for rows in rows_list:
+        act = kernels.SwiGLU(7.0, weights)
+        measure("fp4_experts", f"{dim} -> 2 x {inter} + SwiGLU", rows,
+                lambda v, i, r=rows: kernels.fp4_experts(v, *w13[i % copies], ids[i % copies], swiglu=act, rows=r),
+                x, "experts_loads_ahead", u_experts, kernels.experts_loads_ahead(rows))
+        measure("fp4_experts", f"{inter} -> {dim}, x quantised in the kernel", rows,
+                lambda v, i, r=rows: kernels.fp4_experts(v, *w2[i % copies], ids[i % copies], quantize_input=True,
+                                                         rows=r),
+                h, "experts_loads_ahead", u_experts, kernels.experts_loads_ahead(rows))
+    del w13, w2
+
+    u_mma = [(u, lambda k, rows, u=u: u) for u in (2, 4, 6, 8)]
+    for k, n, swiglu in ((1280, 32768, None), (8192, 5120, None), (5120, 4608, kernels.SwiGLU(7.0)),
+                         (2304, 5120, None)):
+        nbytes = n * k * (1 + 1 / 32)
+        count = max(2, -(-(256 << 20) // int(nbytes)))  # copies that overflow any cache
+        ws = [(random_words((n, k // 4)), random_scales((n, k // 32))) for _ in range(count)]
+        xq = fp8_input((forward_rows, 1, k))  # (bench.chained feeds x [S, 1, K] back)
+        mx.eval(ws, xq)
+        for rows in rows_list:
+            measure("fp8_mma", f"{k} -> {n}" + (" + SwiGLU" if swiglu else ""), rows,
+                    lambda v, i, r=rows, ws=ws, c=count, sw=swiglu: kernels.fp8_gemv(v, *ws[i % c], swiglu=sw,
+                                                                                     real_rows=r),
+                    xq, "mma_loads_ahead", u_mma, kernels.mma_loads_ahead(k, rows))
+        del ws
+
+    heads, head_dim, window, picks, ring_rows, kv_rows = 64, 512, 128, 512, 160, 700
+    rope = release_ropes()[0]
+    ring = mx.random.normal((ring_rows, head_dim)).astype(mx.bfloat16)
+    kv = mx.random.normal((kv_rows, head_dim)).astype(mx.bfloat16)
+    sink = mx.random.normal((heads,))
+    q = mx.random.normal((forward_rows, 1, heads * head_dim)).astype(mx.bfloat16)
+    index = mx.random.randint(0, ring_rows, (forward_rows, window)).astype(mx.int32)
+    picked = mx.random.randint(0, kv_rows, (forward_rows, picks)).astype(mx.uint32)
+    wmask = mx.random.uniform(shape=(forward_rows, window)) < 0.9
+    pmask = mx.random.uniform(shape=(forward_rows, picks)) < 0.7
+    tables = rope.tables(mx.arange(300, 300 + forward_rows, dtype=mx.int32), head_dim)
+    mx.eval(ring, kv, sink, q, index, picked, wmask, pmask, tables)
+    layouts = [(c, lambda impl, rows, c=c: c) for c in ATTENTION_CANDIDATES]
+    for rows in rows_list:
+        measure("sparse_attention", f"{heads} heads x {head_dim}, {window} + {picks} keys", rows,
+                lambda v, i, r=rows: kernels.sparse_attention_rows(
+                    v.reshape(forward_rows, heads, head_dim), ring, index, wmask, kv, picked, pmask, sink,
+                    head_dim ** -0.5, tables, rope.dims, real_rows=r).reshape(forward_rows, 1, -1),
+                q, "attention_layout", layouts, kernels.attention_layout(impl, rows))
+    return out
+
+
+def print_layouts(env: dict, res: dict) -> None:
+    print(f"### Kernel launch layouts ({env['date']}, {env['device']}, {env['backend']}, MLX {env['mlx']}, "
+          f"commit {env['commit']})\n")
+    if not res["cases"]:
+        print("no GPU kernels here (Metal or CUDA): nothing to time\n")
+        return
+    print(f"us a call, chained, cold weights; rows computed of a {res['forward_rows']}-row padded forward; "
+          "* the layout kernels picks; same bits: the output equals that layout's\n")
+    print("| kernel | shape | rows | layout | us a call | x the default's | same bits |")
+    print("|---|---|---|---|---|---|---|")
+    default = {(c["kernel"], c["shape"], c["rows"]): c.get("us") for c in res["cases"] if c["default"]}
+    for c in res["cases"]:
+        layout = str(c["layout"]) + ("*" if c["default"] else "")
+        if "error" in c:
+            print(f"| {c['kernel']} | {c['shape']} | {c['rows']} | {layout} | fails: {c['error']} | | |")
+            continue
+        base = default.get((c["kernel"], c["shape"], c["rows"]))
+        ratio = f"{c['us'] / base:.2f}" if base else "-"
+        print(f"| {c['kernel']} | {c['shape']} | {c['rows']} | {layout} | {c['us']:.1f} | {ratio} | "
+              f"{'yes' if c['same_bits'] else 'NO'} |")
+    print()
+
+
 def print_gemms(env: dict, res: dict) -> None:
     print(f"### Quantised GEMMs of a decode step ({env['date']}, {env['device']}, {env['backend']}, MLX {env['mlx']}, "
           f"commit {env['commit']})\n")
@@ -1125,6 +1262,10 @@ def main() -> int:
     p.add_argument("--threads", type=int, nargs="*", default=[], choices=[32, 64, 128, 256],
                    help="also time fp8_gemv chained with each of these threads per output")
     p.add_argument("--json")
+    p = sub.add_parser("layouts")
+    p.add_argument("--rows", type=int, nargs="+", default=list(LAYOUT_ROWS),
+                   help="rows computed, of a padded forward of 8 (1: a decode step; 2..7: verify forwards)")
+    p.add_argument("--json")
     p = sub.add_parser("propose")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--json")
@@ -1156,6 +1297,9 @@ def main() -> int:
     elif args.what == "gemms":
         res = bench_gemms(rows=args.rows, real=args.real, threads=tuple(args.threads))
         print_gemms(env, res)
+    elif args.what == "layouts":
+        res = bench_layouts(tuple(args.rows))
+        print_layouts(env, res)
     elif args.what == "propose":
         res = bench_propose(args.rounds)
         print_propose(env, res)

@@ -291,3 +291,34 @@ def test_the_long_context_prompt_makes_every_index_layer_score(bench, monkeypatc
     model.decode([5], short)
     assert answers and all(answers)
 
+
+
+def test_layouts_compare_each_candidate_with_the_default_and_restore_the_choice(bench, capsys):
+    """`bench.py layouts`: on the CPU nothing to time, said so; a candidate layout is put in
+    kernels' place only while it is measured (restored after a failure too); the table gives
+    each candidate's time against the default layout's, marks the default, and shows a layout
+    that fails to launch or changes bits."""
+    from dsv41_mlx import kernels
+
+    env = bench.environment()
+    res = bench.bench_layouts((1,))
+    assert res["cases"] == []
+    bench.print_layouts(env, res)
+    assert "nothing to time" in capsys.readouterr().out
+    original = kernels.attention_layout
+    with pytest.raises(RuntimeError):
+        with bench.kernels_choice("attention_layout", lambda impl, rows: (1, 32)):
+            assert kernels.attention_layout("cuda", 6) == (1, 32)
+            raise RuntimeError("a launch failed")
+    assert kernels.attention_layout is original
+    case = {"kernel": "fp8_mma", "shape": "1280 -> 32768", "rows": 1}
+    res = {"impl": "cuda", "forward_rows": 8, "cases": [
+        {**case, "layout": 6, "default": True, "us": 20.0, "same_bits": True},
+        {**case, "layout": 2, "default": False, "us": 15.0, "same_bits": True},
+        {**case, "layout": 4, "default": False, "us": 30.0, "same_bits": False},
+        {**case, "layout": 8, "default": False, "error": "too many resources requested for launch"}]}
+    bench.print_layouts(env, res)
+    out = capsys.readouterr().out
+    assert "| fp8_mma | 1280 -> 32768 | 1 | 6* | 20.0 | 1.00 | yes |" in out
+    assert "| 2 | 15.0 | 0.75 | yes |" in out and "| 4 | 30.0 | 1.50 | NO |" in out
+    assert "| 8 | fails: too many resources requested for launch |" in out

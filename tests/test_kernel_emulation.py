@@ -87,8 +87,8 @@ def test_fp4_experts_runs_its_spec_on_the_host(language, rows, per_slot, qx, sw,
     want = kernels.fp4_experts_reference(x, mx.array(codes), mx.array(scales), mx.array(ids),
                                          quantize_input=bool(qx), swiglu=act)
     got = _fp4_experts_on_the_host(kernels.FP4_EXPERTS, language, x, codes, scales, ids, weights,
-                                   {"NH": kernels.mma_column_groups(rows), "QX": qx, "SW": sw, "ONE": int(rows == 1)},
-                                   N // 2 if sw else N, tmp_path)
+                                   {"NH": kernels.mma_column_groups(rows), "QX": qx, "SW": sw, "ONE": int(rows == 1),
+                                    "U": kernels.experts_loads_ahead(rows)}, N // 2 if sw else N, tmp_path)
     _assert_within_rounding(got, want)
 
 
@@ -104,7 +104,8 @@ def test_fp4_experts_computes_the_first_rows_of_longer_inputs(language, per_slot
     want = kernels.fp4_experts_reference(x[:real], mx.array(codes), mx.array(scales), mx.array(ids[:real]),
                                          swiglu=act)
     got = _fp4_experts_on_the_host(kernels.FP4_EXPERTS, language, x, codes, scales, ids, weights,
-                                   {"NH": 1, "QX": 0, "SW": sw, "ONE": 0}, N // 2 if sw else N, tmp_path, rows=real)
+                                   {"NH": 1, "QX": 0, "SW": sw, "ONE": 0, "U": 2}, N // 2 if sw else N, tmp_path,
+                                   rows=real)
     assert got.size == real * KS * (N // 2 if sw else N)
     _assert_within_rounding(got, want)
 
@@ -133,7 +134,7 @@ def test_the_host_run_catches_a_wrong_layout(language, right, wrong, tmp_path):
     want = np.array(kernels.fp4_experts_reference(x, mx.array(codes), mx.array(scales), mx.array(ids))
                     .astype(mx.float32)).reshape(-1)
     got = _floats(_fp4_experts_on_the_host(broken, language, x, codes, scales, ids, weights,
-                                           {"NH": 1, "QX": 0, "SW": 0, "ONE": 0}, N, tmp_path))
+                                           {"NH": 1, "QX": 0, "SW": 0, "ONE": 0, "U": 2}, N, tmp_path))
     assert np.abs(got - want).max() > 2.0 ** -6 * np.abs(want).max()
 
 

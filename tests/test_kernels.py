@@ -149,10 +149,12 @@ def _gemv_case(RB, T, C, QX=0, SW=0, AP=0, SPLIT=0):  # noqa: N803 (the kernel's
                                                  "SPLIT": SPLIT}
 
 
-def _experts_case(NH, QX=0, SW=0, ONE=0):  # noqa: N803
+def _experts_case(NH, QX=0, SW=0, ONE=0, U=None):  # noqa: N803
     inputs = {"x": "bfloat16", "w": "uint32", "scales": "uint8", "ids": "uint32", "sizes": "int32",
               "swiglu": "float32", "weights": "float32"}
-    return FP4_EXPERTS, inputs, {"y": "bfloat16"}, {"NH": NH, "QX": QX, "SW": SW, "ONE": ONE}
+    if U is None:  # kernels.experts_loads_ahead's
+        U = 1 if ONE else 2
+    return FP4_EXPERTS, inputs, {"y": "bfloat16"}, {"NH": NH, "QX": QX, "SW": SW, "ONE": ONE, "U": U}
 
 
 def _mma_case(NH, QX=0, SW=0, AP=0, ONE=0, U=6):  # noqa: N803
