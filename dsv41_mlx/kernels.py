@@ -1218,14 +1218,6 @@ def fp4_experts(x: mx.array, w: mx.array, scales: mx.array, ids: mx.array, impl:
     return y
 
 
-# fp4_experts runs on the matrix unit (mma.sync on CUDA, simdgroup matrices on Metal): a
-# pass's pairs are a product's columns, so an expert's codes are decoded once for up to 8 (NH
-# 1) or 16 pairs, where the scalar kernel before it (session 15) decoded them again for each
-# pair. On the H200 (session 17, docs/benchmarks.md; 24 experts, top 6, cold stacks, chained)
-# w13 with its SwiGLU / w2 took 139 / 86 us at six rows against 250 / 147, 63 / 34 at one row
-# against 48 / 38 (there x is FP8-quantised in the kernel, work repeated by each tile of 32
-# outputs); in two e2e runs of that session, a six-row verify forward took 29.3 ms with it and
-# 38.1 ms with the scalar kernel.
 def experts_loads_ahead(rows: int) -> int:
     """U of fp4_experts on CUDA: the blocks whose weight loads a warp issues before it uses
     the first (the Metal twin stages its tiles otherwise and ignores it). No bit depends on
@@ -1244,6 +1236,14 @@ def mma_loads_ahead(k: int, rows: int) -> int:
     return 2 if rows == 1 and k < 2048 else 6
 
 
+# fp4_experts runs on the matrix unit (mma.sync on CUDA, simdgroup matrices on Metal): a
+# pass's pairs are a product's columns, so an expert's codes are decoded once for up to 8 (NH
+# 1) or 16 pairs, where the scalar kernel before it (session 15) decoded them again for each
+# pair. On the H200 (session 17, docs/benchmarks.md; 24 experts, top 6, cold stacks, chained)
+# w13 with its SwiGLU / w2 took 139 / 86 us at six rows against 250 / 147, 63 / 34 at one row
+# against 48 / 38 (there x is FP8-quantised in the kernel, work repeated by each tile of 32
+# outputs); in two e2e runs of that session, a six-row verify forward took 29.3 ms with it and
+# 38.1 ms with the scalar kernel.
 def mma_column_groups(rows: int) -> int:
     """NH of the matrix-unit kernels (fp4_experts, fp8_mma): their products' column groups
     of 8 (fp4_experts' pairs a pass, fp8_mma's rows): 1 up to 8 rows (an expert is picked at
