@@ -143,12 +143,9 @@ class EngramTable:
         return self.codes.shape[0]
 
     def read(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The stored rows for ids [...] on the host: (codes [..., dim], scales [..., dim/32]) uint8."""
+        """The stored rows for ids [...] on the host: (codes [..., dim], scales [..., dim/32])
+        uint8 (a forward packs every engram layer's into one MLX array: pack_rows)."""
         return np.asarray(self.codes[ids]), np.asarray(self.scales[ids])
-
-    def gather(self, ids: np.ndarray) -> tuple[mx.array, mx.array]:
-        """read's rows as MLX arrays (a forward packs every engram layer's into one: pack_rows)."""
-        return tuple(mx.array(a) for a in self.read(ids))
 
 
 def pack_rows(rows: list[tuple[np.ndarray, np.ndarray]]) -> tuple[mx.array, list]:
@@ -177,7 +174,7 @@ def unpack_rows(packed: mx.array, layout: list) -> list[mx.array]:
 
 @mx.compile
 def dequantize_rows(codes: mx.array, scales: mx.array) -> mx.array:
-    """EngramTable.gather's (codes, scales) -> the rows' values, bf16 [..., dim]: each E4M3
+    """EngramTable.read's (codes, scales) as MLX arrays -> the rows' values, bf16 [..., dim]: each E4M3
     code times 2^(its block's E8M0 scale - 127)."""
     values = mx.from_fp8(codes, dtype=F32).reshape(*scales.shape, -1)
     exps = scales.astype(mx.int32) - 127
@@ -198,15 +195,12 @@ class Engram(nn.Module):
         self.eps = args.rms_norm_eps
         self.table: EngramTable | None = None  # attached by the checkpoint loader
 
-    def gather(self, row_ids: np.ndarray) -> mx.array:
-        """This layer's table rows for row_ids [S, n_cols], dequantised [S, n_cols, dim] bf16, for
-        __call__ (Model.__call__ reads every layer's at once: pack_rows)."""
-        return dequantize_rows(*self.table.gather(row_ids))
-
     def __call__(self, h: mx.array, rows: mx.array, real: int | None = None) -> mx.array:
-        """h [S, hc, dim] bf16 and this layer's rows (gather) -> h with the gated value added
-        (bf16). real: the rows that matter, the first `real` (a padded forward's); on a GPU
-        the others' projection comes out zeros, which leaves their h as it was."""
+        """h [S, hc, dim] bf16 and this layer's table rows for the forward's hashes, dequantised
+        [S, n_cols, dim] bf16 (Model.__call__ reads every layer's at once: pack_rows, unpack_rows)
+        -> h with the gated value added (bf16). real: the rows that matter, the first `real` (a
+        padded forward's); on a GPU the others' projection comes out zeros, which leaves their h
+        as it was."""
         kv = self.wkv(rows.reshape(h.shape[0], -1), real)  # [S, (hc+1)*dim]
         return gated_add(h, kv, self.q_weight, self.k_weight, self.eps)
 

@@ -1292,7 +1292,7 @@ class Model(nn.Module):
                       features: list[mx.array] | None = None) -> tuple[mx.array | Expansion | Folded, mx.array]:
         """Block i of a forward (__call__'s loop; bench.py's per-layer runs): the stream taken
         whole first where the block needs it so (takes_whole_stream), the engram's table rows
-        added (engram_rows: Engram.gather's, for an engram layer), the DSpark features
+        added (engram_rows: its unpack_rows values, for an engram layer), the DSpark features
         tapped (appended to `features`, where given), then the block. Each
         block hands the next its output unexpanded (Expansion) or put into the stream with the
         next block's mixes begun (Folded; not into an engram layer, which adds to the stream

@@ -741,6 +741,7 @@ def decode_by_layer(model, token: int, cache, on_layer) -> mx.array:
     where run() builds that block's outputs; returns the logits. Mirrors Model.__call__."""
     import numpy as np
 
+    from dsv41_mlx.engram import unpack_rows
     from dsv41_mlx.model import SharedAttention, hc_expand, hc_pre, positions_of
 
     args = model.args
@@ -749,14 +750,17 @@ def decode_by_layer(model, token: int, cache, on_layer) -> mx.array:
     start = cache.offset
     positions = positions_of(start, rows)
     hashes = model.hasher(cache.tokens, tokens) if model.hasher is not None else None
+    # the engram rows read and unpacked as Model.__call__ does; it starts their dequantisation
+    # before the first block, here each engram layer's run holds its own
+    engram_layers, packed, layout = model._read_engram_rows(hashes)
+    engram_values = dict(zip(engram_layers, unpack_rows(packed, layout)))
     cache.tokens.extend(tokens)
     h, pre = hc_expand(model.embed(mx.array(tokens, dtype=mx.int32)), args.hc_mult)
     shared = SharedAttention(real_rows=1, positions=np.arange(start, start + rows))
     for i, layer in enumerate(model.layers):
         def run(i=i, layer=layer, h=h, pre=pre):  # h: an array, or the previous block's Expansion or Folded
             # (Model.__call__ also taps the DSpark features: not the step's graph)
-            table = layer.engram.gather(hashes[:, model.hasher.layer_index(i)]) if hasattr(layer, "engram") else None
-            return model.block_forward(i, h, pre, positions, cache, shared, table, 1)
+            return model.block_forward(i, h, pre, positions, cache, shared, engram_values.get(i), 1)
         h, pre = on_layer(i, run)
     logits = model.head(model.norm(hc_pre(h, pre)))
     cache.trim(rows - 1)
