@@ -102,21 +102,37 @@ class ConfidencePolicy:
         return len(lengths)
 
 
+def verify_cost_tokens(rows: int, vocab: int) -> list[int]:
+    """`rows` distinct token ids spread over the vocabulary (a fixed stride prime to any
+    vocabulary size of the model's), for measure_verify_costs."""
+    stride = 7919  # a prime: distinct ids for any vocab of at least `rows` that it does not divide
+    if vocab % stride == 0:
+        stride = 1
+    return [(1 + stride * j) % vocab for j in range(rows)]
+
+
 def measure_verify_costs(model, rows: int, repeats: int = 3) -> list[float]:
     """Seconds for a target forward of 1..rows rows on a cache holding one window of
     positions: T_verify(n) = costs[n-1]. Measured on a scratch cache, the least of
     `repeats` rounds that each time every row count once: a stretch of slow host (the lent
     H200's host slows for seconds at a time) then slows every row count alike, where
-    repeats of one count after another let it skew one count against the others."""
+    repeats of one count after another let it skew one count against the others.
+
+    The rows are distinct tokens, as a round's drafts are: rows of one repeated token route
+    to nearly the same experts, and each expert's weights are read once for all the rows
+    that picked it, so they cost less (H200, session 26: six rows 27.4 against 33.0 ms for
+    a real continuation) and made the schedule verify too many drafts."""
     cache = model.make_cache()
-    warm = mx.arange(model.args.sliding_window, dtype=mx.int32)[None] % model.args.vocab_size
+    vocab = model.args.vocab_size
+    warm = mx.arange(model.args.sliding_window, dtype=mx.int32)[None] % vocab
     logits, _ = model(warm, cache, last_logits_only=True)
     mx.eval(logits, cache.state())
+    tokens = verify_cost_tokens(rows, vocab)
     costs = [float("inf")] * rows
     for _ in range(repeats):
         for n in range(1, rows + 1):
             tic = time.perf_counter()
-            logits, feats = model.decode([0] * n, cache)
+            logits, feats = model.decode(tokens[:n], cache)
             mx.eval(logits, feats, cache.state())
             costs[n - 1] = min(costs[n - 1], time.perf_counter() - tic)
             cache.trim(n)

@@ -51,6 +51,8 @@ def test_e2e_drafted_replies_equal_undrafted_and_mlxlm_runs_beside(bench, capsys
     paired_oracle = res["paired_oracle"]  # 2 prompts x 2 rounds, each plainly and through the oracle
     assert paired_oracle["pairs"] == 4 and paired_oracle["ratio"] == statistics.median(paired_oracle["ratios"])
     assert paired_oracle["tok_s"] > 0 and paired_oracle["plain_tok_s"] > 0 and paired_oracle["host_probe_ms"] > 0
+    scheduled = res["paired_oracle_schedule"]  # the same, the schedule policy picking each round's verify
+    assert scheduled["pairs"] == 4 and scheduled["tok_s"] > 0 and scheduled["plain_tok_s"] > 0
     long = res["long_context"]
     assert long["tok_s"] > 0 and long["host_probe_ms"] > 0
     bench.print_e2e(bench.environment(), res, "tiny")
@@ -60,6 +62,9 @@ def test_e2e_drafted_replies_equal_undrafted_and_mlxlm_runs_beside(bench, capsys
     assert (f"oracle 0.56 greedy and plain greedy interleaved prompt by prompt (median of 4 pairs' ratios; "
             f"host probe {paired_oracle['host_probe_ms']:.2f} ms): {paired_oracle['tok_s']:.2f} against "
             f"{paired_oracle['plain_tok_s']:.2f} tok/s, **{paired_oracle['ratio']:.2f}x**") in printed
+    assert (f"oracle 0.56 greedy, schedule and plain greedy interleaved prompt by prompt (median of 4 pairs' "
+            f"ratios; host probe {scheduled['host_probe_ms']:.2f} ms): {scheduled['tok_s']:.2f} against "
+            f"{scheduled['plain_tok_s']:.2f} tok/s, **{scheduled['ratio']:.2f}x**") in printed
     assert f"| host probe ms (median around the run) | {runs['plain greedy']['host_probe_ms']:.2f} | " in printed
     assert f"pairs' ratios; host probe {paired['host_probe_ms']:.2f} ms) | {paired['tok_s']:.2f} | " in printed
     assert f"| plain greedy | {runs['plain greedy']['tok_s']:.2f} |" in printed

@@ -19,7 +19,7 @@ from dsv41_mlx.dspark import Drafter, Proposal
 from dsv41_mlx.generate import generate_step, make_decoder, prefill
 from dsv41_mlx.sampling import DRAFT, SamplingParams, accept_or_resample, filtered_log_probs, gumbel_noise
 from dsv41_mlx.speculative import (ConfidencePolicy, DraftStats, SpeculativeDecoder, measure_verify_costs,
-                                   resolve_verify)
+                                   resolve_verify, verify_cost_tokens)
 
 from .test_model import _assert_same_state
 
@@ -330,7 +330,8 @@ def test_schedule_rounds_record_their_time_beyond_the_forward(fixture_model):
 def test_verify_costs_are_measured_in_rounds_over_every_row_count():
     """measure_verify_costs times each round's row counts one after another (a slow stretch of
     host then slows all of them alike) and keeps each count's least time; every forward's
-    rows are trimmed off again."""
+    rows are trimmed off again, and they are distinct tokens (as a round's drafts are: one
+    repeated token routes its rows to the same experts, a cheaper forward)."""
     class Cache:
         trimmed = []
 
@@ -351,12 +352,21 @@ def test_verify_costs_are_measured_in_rounds_over_every_row_count():
             return mx.zeros((1,)), None
 
         def decode(self, ids, cache):
-            self.forwards.append(len(ids))
+            self.forwards.append(list(ids))
             return mx.zeros((1,)), mx.zeros((1,))
 
     costs = measure_verify_costs(Model(), 3, repeats=2)
-    assert Model.forwards == [1, 2, 3, 1, 2, 3] and Cache.trimmed == [1, 2, 3, 1, 2, 3]
+    assert [len(ids) for ids in Model.forwards] == [1, 2, 3, 1, 2, 3] and Cache.trimmed == [1, 2, 3, 1, 2, 3]
+    three = Model.forwards[2]
+    assert len(set(three)) == 3 and all(0 <= t < 10 for t in three)
+    assert all(ids == three[: len(ids)] for ids in Model.forwards)
     assert len(costs) == 3 and all(0 <= c < 1 for c in costs)
+
+
+@pytest.mark.parametrize("vocab", [8, 129280, 7919, 2 * 7919])
+def test_verify_cost_tokens_are_distinct(vocab):
+    tokens = verify_cost_tokens(8, vocab)
+    assert len(set(tokens)) == 8 and all(0 <= t < vocab for t in tokens)
 
 
 @pytest.mark.parametrize("spec", ["sometimes", "threshold:", "threshold:1.5", "threshold:x", ""])
