@@ -1037,7 +1037,10 @@ def bench_layouts(rows_list: tuple[int, ...] = LAYOUT_ROWS, forward_rows: int = 
     the layout kernels picks (kernels.experts_loads_ahead and mma_loads_ahead: the blocks a
     warp of fp4_experts / fp8_mma loads ahead, U, which only CUDA's twins read;
     kernels.attention_layout: the attention's heads and simdgroups a threadgroup). A
-    candidate that does not launch is reported with its error. Nothing to time on the CPU."""
+    candidate that does not launch is reported with its error. Each case carries its floor,
+    the bytes it must read over the copy bandwidth: a chain whose host encodes a link slower
+    than the GPU runs it times the host, and a time under the floor shows it. Nothing to
+    time on the CPU."""
     from dsv41_mlx import kernels
     from dsv41_mlx.quant import fp8_fake_quant_reference
     from scripts.check_kernels import random_scales, random_words, release_ropes
@@ -1046,11 +1049,14 @@ def bench_layouts(rows_list: tuple[int, ...] = LAYOUT_ROWS, forward_rows: int = 
     out = {"impl": impl, "forward_rows": forward_rows, "cases": []}
     if impl == "mlx":
         return out
+    out["copy_GBps"] = copy_bandwidth() / 1e9
 
-    def measure(kernel, shape, rows, run, x0, name, candidates, default):
+    def measure(kernel, shape, rows, run, x0, name, candidates, default, nbytes):
         base = mx.array(run(x0, 0))  # kernels' own layout
+        floor = nbytes / out["copy_GBps"] / 1e3  # us
         for value, fn in candidates:
-            row = {"kernel": kernel, "shape": shape, "rows": rows, "layout": value, "default": value == default}
+            row = {"kernel": kernel, "shape": shape, "rows": rows, "layout": value, "default": value == default,
+                   "floor_us": floor}
             with kernels_choice(name, fn):
                 try:
                     row["us"] = chained(run, x0) * 1e6
@@ -1074,15 +1080,20 @@ def bench_layouts(rows_list: tuple[int, ...] = LAYOUT_ROWS, forward_rows: int = 
         mx.random.normal((forward_rows, top, inter)).astype(mx.bfloat16)
     mx.eval(w13, w2, ids, weights, x, h)
     u_experts = [(u, lambda rows, u=u: u) for u in (1, 2, 3, 4)]
+
+    def expert_bytes(stacks, rows):  # the experts the computed rows pick, read once each (mean over copies)
+        per_expert = (stacks[0][0].nbytes + stacks[0][1].nbytes) / experts
+        return per_expert * statistics.mean(len(set(c[:rows].flatten().tolist())) for c in ids)
+
     for rows in rows_list:
         act = kernels.SwiGLU(7.0, weights)
         measure("fp4_experts", f"{dim} -> 2 x {inter} + SwiGLU", rows,
                 lambda v, i, r=rows: kernels.fp4_experts(v, *w13[i % copies], ids[i % copies], swiglu=act, rows=r),
-                x, "experts_loads_ahead", u_experts, kernels.experts_loads_ahead(rows))
+                x, "experts_loads_ahead", u_experts, kernels.experts_loads_ahead(rows), expert_bytes(w13, rows))
         measure("fp4_experts", f"{inter} -> {dim}, x quantised in the kernel", rows,
                 lambda v, i, r=rows: kernels.fp4_experts(v, *w2[i % copies], ids[i % copies], quantize_input=True,
                                                          rows=r),
-                h, "experts_loads_ahead", u_experts, kernels.experts_loads_ahead(rows))
+                h, "experts_loads_ahead", u_experts, kernels.experts_loads_ahead(rows), expert_bytes(w2, rows))
     del w13, w2
 
     u_mma = [(u, lambda k, rows, u=u: u) for u in (2, 4, 6, 8)]
@@ -1097,7 +1108,7 @@ def bench_layouts(rows_list: tuple[int, ...] = LAYOUT_ROWS, forward_rows: int = 
             measure("fp8_mma", f"{k} -> {n}" + (" + SwiGLU" if swiglu else ""), rows,
                     lambda v, i, r=rows, ws=ws, c=count, sw=swiglu: kernels.fp8_gemv(v, *ws[i % c], swiglu=sw,
                                                                                      real_rows=r),
-                    xq, "mma_loads_ahead", u_mma, kernels.mma_loads_ahead(k, rows))
+                    xq, "mma_loads_ahead", u_mma, kernels.mma_loads_ahead(k, rows), nbytes)
         del ws
 
     heads, head_dim, window, picks, ring_rows, kv_rows = 64, 512, 128, 512, 160, 700
@@ -1118,7 +1129,8 @@ def bench_layouts(rows_list: tuple[int, ...] = LAYOUT_ROWS, forward_rows: int = 
                 lambda v, i, r=rows: kernels.sparse_attention_rows(
                     v.reshape(forward_rows, heads, head_dim), ring, index, wmask, kv, picked, pmask, sink,
                     head_dim ** -0.5, tables, rope.dims, real_rows=r).reshape(forward_rows, 1, -1),
-                q, "attention_layout", layouts, kernels.attention_layout(impl, rows))
+                q, "attention_layout", layouts, kernels.attention_layout(impl, rows),
+                ring.nbytes + kv.nbytes)  # at least the keys, once
     return out
 
 
@@ -1129,19 +1141,22 @@ def print_layouts(env: dict, res: dict) -> None:
         print("no GPU kernels here (Metal or CUDA): nothing to time\n")
         return
     print(f"us a call, chained, cold weights; rows computed of a {res['forward_rows']}-row padded forward; "
-          "* the layout kernels picks; same bits: the output equals that layout's\n")
-    print("| kernel | shape | rows | layout | us a call | x the default's | same bits |")
-    print("|---|---|---|---|---|---|---|")
+          "* the layout kernels picks; same bits: the output equals that layout's; floor: the bytes the call "
+          f"must read over the copy bandwidth ({res['copy_GBps']:.0f} GB/s); a time under it (!) cannot be the "
+          "GPU's: there the chain timed the host's encoding of its launches\n")
+    print("| kernel | shape | rows | layout | us a call | floor us | x the default's | same bits |")
+    print("|---|---|---|---|---|---|---|---|")
     default = {(c["kernel"], c["shape"], c["rows"]): c.get("us") for c in res["cases"] if c["default"]}
     for c in res["cases"]:
         layout = str(c["layout"]) + ("*" if c["default"] else "")
         if "error" in c:
-            print(f"| {c['kernel']} | {c['shape']} | {c['rows']} | {layout} | fails: {c['error']} | | |")
+            print(f"| {c['kernel']} | {c['shape']} | {c['rows']} | {layout} | fails: {c['error']} | | | |")
             continue
         base = default.get((c["kernel"], c["shape"], c["rows"]))
         ratio = f"{c['us'] / base:.2f}" if base else "-"
-        print(f"| {c['kernel']} | {c['shape']} | {c['rows']} | {layout} | {c['us']:.1f} | {ratio} | "
-              f"{'yes' if c['same_bits'] else 'NO'} |")
+        below = " !" if c["us"] < c["floor_us"] else ""
+        print(f"| {c['kernel']} | {c['shape']} | {c['rows']} | {layout} | {c['us']:.1f}{below} | "
+              f"{c['floor_us']:.1f} | {ratio} | {'yes' if c['same_bits'] else 'NO'} |")
     print()
 
 

@@ -301,8 +301,9 @@ def test_the_long_context_prompt_makes_every_index_layer_score(bench, monkeypatc
 def test_layouts_compare_each_candidate_with_the_default_and_restore_the_choice(bench, capsys):
     """`bench.py layouts`: on the CPU nothing to time, said so; a candidate layout is put in
     kernels' place only while it is measured (restored after a failure too); the table gives
-    each candidate's time against the default layout's, marks the default, and shows a layout
-    that fails to launch or changes bits."""
+    each candidate's time against the default layout's and its floor, marks the default and a
+    time under the floor (the host's launches timed, not the GPU), and shows a layout that
+    fails to launch or changes bits."""
     from dsv41_mlx import kernels
 
     env = bench.environment()
@@ -317,13 +318,14 @@ def test_layouts_compare_each_candidate_with_the_default_and_restore_the_choice(
             raise RuntimeError("a launch failed")
     assert kernels.attention_layout is original
     case = {"kernel": "fp8_mma", "shape": "1280 -> 32768", "rows": 1}
-    res = {"impl": "cuda", "forward_rows": 8, "cases": [
+    case = {**case, "floor_us": 16.5}
+    res = {"impl": "cuda", "forward_rows": 8, "copy_GBps": 4000.0, "cases": [
         {**case, "layout": 6, "default": True, "us": 20.0, "same_bits": True},
         {**case, "layout": 2, "default": False, "us": 15.0, "same_bits": True},
         {**case, "layout": 4, "default": False, "us": 30.0, "same_bits": False},
         {**case, "layout": 8, "default": False, "error": "too many resources requested for launch"}]}
     bench.print_layouts(env, res)
     out = capsys.readouterr().out
-    assert "| fp8_mma | 1280 -> 32768 | 1 | 6* | 20.0 | 1.00 | yes |" in out
-    assert "| 2 | 15.0 | 0.75 | yes |" in out and "| 4 | 30.0 | 1.50 | NO |" in out
-    assert "| 8 | fails: too many resources requested for launch |" in out
+    assert "| fp8_mma | 1280 -> 32768 | 1 | 6* | 20.0 | 16.5 | 1.00 | yes |" in out
+    assert "| 2 | 15.0 ! | 16.5 | 0.75 | yes |" in out and "| 4 | 30.0 | 16.5 | 1.50 | NO |" in out
+    assert "| 8 | fails: too many resources requested for launch |" in out and "(4000 GB/s)" in out
