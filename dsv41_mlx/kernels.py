@@ -141,8 +141,10 @@ FP8_MMA_HC = KernelSpec("fp8_mma_hc", ("x", "w", "scales", "sizes", "parts", "re
                         twin_headers=("fp8_lane", "bf16_lane", "gemv_lane", "mma_x", "hc_expand"), end="fp8_mma_hc")
 HEAD_LOGITS = KernelSpec("head_logits", ("x", "w", "sizes"), ("y",), "head_logits.metal", "head_logits.cu",
                          header_files=(), twin_headers=("bf16_lane",))
-FP4_EXPERTS = KernelSpec("fp4_experts", ("x", "w", "scales", "ids", "sizes", "swiglu", "weights"), ("y",),
+FP4_EXPERTS = KernelSpec("fp4_experts", ("x", "xs", "w", "scales", "ids", "sizes", "swiglu", "weights"), ("y",),
                          "fp4_experts.metal", "fp4_experts.cu", twin_headers=("fp8_lane", "bf16_lane", "gemv_lane", "mma_x"))
+MMA_X_PREP = KernelSpec("mma_x_prep", ("x", "sizes"), ("xh", "xs"), "mma_x_prep.metal", "mma_x_prep.cu",
+                        twin_headers=("fp8_lane", "bf16_lane", "gemv_lane", "mma_x"))
 
 
 # MLX 0.32's CUDA backend hashes a custom kernel's whole text (its header and body, 2-12 KB
@@ -1209,13 +1211,41 @@ def fp4_experts(x: mx.array, w: mx.array, scales: mx.array, ids: mx.array, impl:
     N, K = w.shape[1], x.shape[-1]
     sw, limit, weights = _swiglu_arguments(swiglu, ids.shape)
     slots = x.shape[1] if x.ndim == 3 else 1
+    prepared = experts_prepare_x(R)
+    if prepared:
+        x, xs = mma_x_prepared(x, R * slots, quantize_input, impl)
+    else:
+        x, xs = x.astype(mx.bfloat16), _float32s(0.0)  # (xs unread)
     (y,) = _compiled(FP4_EXPERTS, impl)(
-        inputs=[x.astype(mx.bfloat16), w, scales, ids.astype(mx.uint32), _int32s(R, k, N, K, slots), limit, weights],
+        inputs=[x, xs, w, scales, ids.astype(mx.uint32), _int32s(R, k, N, K, slots), limit, weights],
         template=[("NH", mma_column_groups(R)), ("QX", int(quantize_input)), ("SW", sw), ("ONE", int(R == 1)),
-                  ("U", experts_loads_ahead(R))],
+                  ("U", experts_loads_ahead(R)), ("PX", int(prepared))],
         grid=(R * k * (N // 32) * 256, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[(R, k, N // 2 if sw else N)], output_dtypes=[mx.bfloat16], init_value=init_value)
     return y
+
+
+def experts_prepare_x(rows: int) -> bool:
+    """Whether fp4_experts takes its x prepared by mma_x_prep (x / s and s a block, the values
+    its threadgroups would compute): for more than one row. Each threadgroup (an expert's tile
+    of 32 outputs: 144 of them an expert for w13) otherwise computes them again for its block
+    range; at six rows of a verify forward on the H200 (session 26, with that work left out as
+    an upper bound) w13 took 128 against 153 us, w2 80 against 108, the forward 23.1 against
+    28.2 ms. A one-row launch gained nothing there and would pay a launch more. No bit
+    depends on it (tests/test_kernel_emulation.py; check_kernels: a row alone against the
+    same row among 8)."""
+    return rows > 1
+
+
+def mma_x_prepared(x: mx.array, n: int, quantize_input: bool, impl: str) -> tuple[mx.array, mx.array]:
+    """x [.., K] bf16 (its first n rows of K) -> (x / s as fp16 bits, uint16 [n, K]; s, float32
+    [n, K / 32]): mma_x_prep, the B side of the matrix-unit kernels' products a block at a
+    time, x FP8 fake-quantised first where quantize_input."""
+    K = x.shape[-1]
+    return _compiled(MMA_X_PREP, impl)(
+        inputs=[x.astype(mx.bfloat16), _int32s(n, K)], template=[("QX", int(quantize_input))],
+        grid=(n * K, 1, 1), threadgroup=(256, 1, 1), output_shapes=[(n, K), (n, K // 32)],
+        output_dtypes=[mx.uint16, mx.float32])
 
 
 def experts_loads_ahead(rows: int) -> int:

@@ -9,6 +9,7 @@
 // so each fp16 pair is codes i and i + 4 of the word (E2M1_HALF_PAIR), and x the same.
 
 // U (a template constant, kernels.experts_loads_ahead): the blocks whose loads a warp issues before it uses the first
+// PX: x and xs are mma_x_prep's (see fp4_experts.metal)
 constexpr int COLS = 8 * NH;  // pass columns
 __shared__ int picks[16];  // the pairs (r * KS + j, in order) that picked this expert: at most one a row
 __shared__ int n_picks;
@@ -49,13 +50,16 @@ const unsigned int NY = SW ? (unsigned int)N / 2 : (unsigned int)N;  // outputs 
 
 for (int p0 = 0; p0 < m; p0 += COLS) {  // a pass: picks p0 .. p0 + COLS - 1
   const __nv_bfloat16* xrow[NH];  // B column 8h + g's x row (past the last pick: the pass's first, its sums unread)
+  const float* xsrow[NH];         // PX: its scales, a block each
 #pragma unroll
   for (int h = 0; h < NH; h++) {
     const int p = p0 + 8 * h + (int)g < m ? picks[p0 + 8 * h + g] : picks[p0];
-    xrow[h] = x + (size_t)(X > 1 ? p : p / KS) * K;
+    const size_t r = (size_t)(X > 1 ? p : p / KS);
+    xrow[h] = reinterpret_cast<const __nv_bfloat16*>(x) + r * K;  // (PX: fp16 bits, read as such)
+    xsrow[h] = xs + r * nb;
   }
   float acc[2][NH][4] = {};  // [m group][column group][C fragment]
-  mma_warp_sums<E2m1Codes, U, NH, QX, ONE>(w, scales, row0, words, nb, xrow, b0, per_warp, lane, acc);
+  mma_warp_sums<E2m1Codes, U, NH, QX, ONE, PX>(w, scales, row0, words, nb, xrow, b0, per_warp, lane, acc, xsrow);
   mma_warp_sums_to<NH>(red, acc, lane);
   __syncthreads();
   for (unsigned int o = threadIdx.x; o < (SW ? 16u : 32u) * COLS; o += MMA_WARPS * 32) {

@@ -42,9 +42,12 @@
 // in bf16, as fp8_gemv's SW; SW = 2: that times the pair's routing weight, float32, before
 // the rounding (the MoE's weighted SwiGLU: kernels.swiglu_pairs of the SW = 0 output, bit for
 // bit). swiglu: float32 [limit]; weights: float32 [rows * KS], each pair's (read with SW = 2).
+// PX = 1: x is mma_x_prep's output for these rows (x / s as fp16 bits, uint16) and xs [.., K /
+// 32] its scales s: the x / s and s this kernel would compute, read instead (a verify forward's
+// threadgroups each computed them again, 144 tiles an expert); xs is unread with PX = 0.
 // Template constants: NH (the matrix unit's column groups of 8 a pass: 1 or 2,
-// kernels.fp4_experts_column_groups), QX (0 or 1), SW (0, 1 or 2); a pair's bits do not depend
-// on NH.
+// kernels.fp4_experts_column_groups), QX (0 or 1), SW (0, 1 or 2), PX (0 or 1); a pair's bits
+// depend on neither NH nor PX.
 // CUDA twin: fp4_experts.cu (mma.sync m16n8k16, the fragments in registers: each lane decodes
 // its own weight words and x there, where here they go through threadgroup memory).
 
@@ -132,7 +135,12 @@ for (int p0 = 0; p0 < m; p0 += COLS) {  // a pass: picks p0 .. p0 + COLS - 1
     for (int j = 0; j < COLS; j++) {
       if (p0 + j < m) {  // (every lane alike) the block's 32 values, one a lane (mma_x.h)
         float s;
-        xbuf[j * 32 + lane] = half(mma_x_column<QX>(float(x[ulong(xr[j]) * K + 32 * b + lane]), &s));  // exact in fp16
+        if (PX) {  // x / s and s, as mma_x_prep made them
+          xbuf[j * 32 + lane] = as_type<half>(x[ulong(xr[j]) * K + 32 * b + lane]);
+          s = xs[ulong(xr[j]) * nb + b];
+        } else {
+          xbuf[j * 32 + lane] = half(mma_x_column<QX>(float(x[ulong(xr[j]) * K + 32 * b + lane]), &s));  // exact in fp16
+        }
         if (uint(j % 8) / 2 == t) {
           sx[j / 8][j % 2] = s;
         }

@@ -41,6 +41,13 @@ __device__ __forceinline__ float mma_x_column(const float v, float* s_out) {
 // 8t + pair_first(c) and 8t + pair_first(c) + PAIR_GAP, the A registers likewise.
 constexpr int MMA_WARPS = 8;  // the warps of a threadgroup, splitting K
 
+// fp16 values i and j of 8 (a uint4, value 0 in the low half of .x) as a B register: i low, j high
+__device__ __forceinline__ unsigned int fp16_pair(const uint4 v, int i, int j) {
+  const unsigned int a = i < 2 ? v.x : i < 4 ? v.y : i < 6 ? v.z : v.w;
+  const unsigned int b = j < 2 ? v.x : j < 4 ? v.y : j < 6 ? v.z : v.w;
+  return ((i & 1) ? a >> 16 : a & 0xffffu) | ((j & 1) ? b & 0xffff0000u : b << 16);
+}
+
 struct E2m1Codes {  // fp4_experts: one 32-bit word (8 codes) of a weight row a lane and block
   using Word = unsigned int;
   static constexpr unsigned int PAIR_GAP = 4;  // codes i and i + 4 of the word (E2M1_HALF_PAIR)
@@ -74,17 +81,21 @@ struct E4m3Codes {  // fp8_mma: two 32-bit words (8 codes) of a weight row a lan
 // registers of the kernels before this helper: 64 for fp4_experts at NH 1). U blocks' loads
 // are issued before the first is used. ONE: column 0 alone (a one-row
 // launch), its x read a value a lane (mma_x_column), the other columns zeros, their sums unread.
-template <class Codes, int U, int NH, int QX, bool ONE, class W, class S>
+// PX: x is already x / s, as fp16 bits (mma_x_prep), and xsrow[h] column 8h + g's scales s a
+// block: the same B fragments and scales, read instead of computed by every threadgroup.
+template <class Codes, int U, int NH, int QX, bool ONE, int PX = 0, class W, class S>
 __device__ __forceinline__ void mma_warp_sums(const W* w, const S* scales, size_t row0, unsigned int words,
                                               unsigned int nb, const __nv_bfloat16* const* xrow, unsigned int b0,
-                                              unsigned int per_warp, unsigned int lane, float (&acc)[2][NH][4]) {
+                                              unsigned int per_warp, unsigned int lane, float (&acc)[2][NH][4],
+                                              const float* const* xsrow = nullptr) {
   const unsigned int g = lane / 4;
   const unsigned int t = lane % 4;
   for (unsigned int i0 = 0; i0 < per_warp; i0 += U) {
     typename Codes::Word wq[U][2][2];  // [block][m group][row g, g + 8]: this lane's codes of each row
     unsigned int ws[U][2][2];          // their scale bytes
-    uint4 xv[U][NH];                   // x at the block's columns 8t .. 8t + 7 of column 8h + g
+    uint4 xv[U][NH];                   // x (PX: x / s) at the block's columns 8t .. 8t + 7 of column 8h + g
     float x1[U];                       // ONE: column 0's x at the block's column `lane`
+    float xs[U][NH];                   // PX: column 8h + g's s of the block
 #pragma unroll
     for (int u = 0; u < U; u++) {
       const unsigned int b = b0 + min(i0 + u, per_warp - 1);  // past the warp's blocks: its last again, unused
@@ -101,7 +112,15 @@ __device__ __forceinline__ void mma_warp_sums(const W* w, const S* scales, size_
 #pragma unroll
     for (int u = 0; u < U; u++) {  // (every lane alike) x's loads after all the weights'
       const unsigned int b = b0 + min(i0 + u, per_warp - 1);
-      if (ONE) {
+      if (PX) {  // ONE: column 0's, in lanes 4 * 0 + t (the other lanes' B registers are zeros)
+#pragma unroll
+        for (int h = 0; h < (ONE ? 1 : NH); h++) {
+          if (!ONE || g == 0) {
+            xv[u][h] = __ldg(reinterpret_cast<const uint4*>(xrow[h] + 32 * b + 8 * t));
+          }
+          xs[u][h] = xsrow[h][b];
+        }
+      } else if (ONE) {
         x1[u] = __bfloat162float(xrow[0][32 * b + lane]);
       } else {
 #pragma unroll
@@ -117,7 +136,18 @@ __device__ __forceinline__ void mma_warp_sums(const W* w, const S* scales, size_
       }
       unsigned int bx[NH][4];  // B pairs c = 0..3 of x / s (see pair_first)
       float sx[NH][2];         // s of C columns 2t and 2t + 1
-      if (ONE) {  // column 0's x a value a lane, moved to lanes 4 * 0 + t
+      if (PX) {
+#pragma unroll
+        for (int h = 0; h < NH; h++) {
+#pragma unroll
+          for (int c = 0; c < 4; c++) {
+            bx[h][c] = (ONE && (h > 0 || g != 0)) ? 0u
+                       : fp16_pair(xv[u][h], Codes::pair_first(c), Codes::pair_first(c) + Codes::PAIR_GAP);
+          }
+          sx[h][0] = ONE ? xs[u][0] : __shfl_sync(0xffffffffu, xs[u][h], 8 * t);  // column 2t's x is lane 4 (2t)'s
+          sx[h][1] = ONE ? xs[u][0] : __shfl_sync(0xffffffffu, xs[u][h], 8 * t + 4);
+        }
+      } else if (ONE) {  // column 0's x a value a lane, moved to lanes 4 * 0 + t
         float s;
         const float q = mma_x_column<QX>(x1[u], &s);
 #pragma unroll

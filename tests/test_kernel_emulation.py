@@ -63,10 +63,18 @@ def _assert_within_rounding(got_bits: np.ndarray, want: mx.array) -> np.ndarray:
 def _fp4_experts_on_the_host(spec, language, x, codes, scales, ids, weights, template, n_out, tmp_path,
                              rows: int | None = None):
     """spec's body (fp4_experts' inputs) run on the host over the (row, expert) pairs of the
-    first `rows` rows (default all) -> y's bits."""
+    first `rows` rows (default all) -> y's bits. With template PX = 1, x is first run through
+    mma_x_prep on the host (its first rows x slots rows), and fp4_experts reads that."""
     rows = ids.shape[0] if rows is None else rows
+    x_in, xs = ("bfloat16", _bf16_bits(x)), ("float32", np.zeros(1, dtype=np.float32))
+    if template.get("PX"):
+        n = rows * x.shape[1]
+        prep = run(kernels.MMA_X_PREP, language, {"x": x_in, "sizes": ("int32", np.array([n, K]))},
+                   {"xh": ("uint16", n * K), "xs": ("float32", n * K // 32)}, {"QX": template["QX"]},
+                   n * K // 256, tmp_path)
+        x_in, xs = ("uint16", prep["xh"]), ("float32", prep["xs"])
     return run(spec, language, {
-        "x": ("bfloat16", _bf16_bits(x)), "w": ("uint32", codes), "scales": ("uint8", scales),
+        "x": x_in, "xs": xs, "w": ("uint32", codes), "scales": ("uint8", scales),
         "ids": ("uint32", ids), "sizes": ("int32", np.array([rows, KS, N, K, x.shape[1]])),
         "swiglu": ("float32", np.array([7.0])), "weights": ("float32", weights)},
         {"y": ("bfloat16", rows * KS * n_out)}, template, rows * KS * (N // 32), tmp_path)["y"]
@@ -88,8 +96,30 @@ def test_fp4_experts_runs_its_spec_on_the_host(language, rows, per_slot, qx, sw,
                                          quantize_input=bool(qx), swiglu=act)
     got = _fp4_experts_on_the_host(kernels.FP4_EXPERTS, language, x, codes, scales, ids, weights,
                                    {"NH": kernels.mma_column_groups(rows), "QX": qx, "SW": sw, "ONE": int(rows == 1),
-                                    "U": kernels.experts_loads_ahead(rows)}, N // 2 if sw else N, tmp_path)
+                                    "U": kernels.experts_loads_ahead(rows), "PX": 0}, N // 2 if sw else N, tmp_path)
     _assert_within_rounding(got, want)
+
+
+@pytest.mark.parametrize("language", ["metal", "cuda"])
+@pytest.mark.parametrize("rows, per_slot, qx, sw", [
+    (1, False, 1, 2),   # one row (the package keeps x as it is there; the path exists all the same)
+    (5, False, 0, 2),   # a verify forward's gate and up projection
+    (6, True, 1, 0),    # its down projection, x quantised by mma_x_prep
+    (9, False, 1, 1),   # two column groups (NH 2)
+])
+def test_fp4_experts_on_prepared_x_gives_the_same_bits(language, rows, per_slot, qx, sw, tmp_path):
+    """x through mma_x_prep first (PX = 1: x / s and s a block, made once) gives fp4_experts the
+    very bits it computes from x itself (PX = 0), so kernels.experts_prepare_x may choose either."""
+    codes, scales, ids, x, weights = _inputs(rows, per_slot, quantise_first=not qx, seed=rows + 20)
+    template = {"NH": kernels.mma_column_groups(rows), "QX": qx, "SW": sw, "ONE": int(rows == 1),
+                "U": kernels.experts_loads_ahead(rows)}
+    n_out = N // 2 if sw else N
+    plain = _fp4_experts_on_the_host(kernels.FP4_EXPERTS, language, x, codes, scales, ids, weights,
+                                     {**template, "PX": 0}, n_out, tmp_path)
+    prepared = _fp4_experts_on_the_host(kernels.FP4_EXPERTS, language, x, codes, scales, ids, weights,
+                                        {**template, "PX": 1}, n_out, tmp_path)
+    assert np.array_equal(plain, prepared)
+    assert np.any(plain != 0)
 
 
 @pytest.mark.parametrize("language", ["metal", "cuda"])
@@ -104,8 +134,8 @@ def test_fp4_experts_computes_the_first_rows_of_longer_inputs(language, per_slot
     want = kernels.fp4_experts_reference(x[:real], mx.array(codes), mx.array(scales), mx.array(ids[:real]),
                                          swiglu=act)
     got = _fp4_experts_on_the_host(kernels.FP4_EXPERTS, language, x, codes, scales, ids, weights,
-                                   {"NH": 1, "QX": 0, "SW": sw, "ONE": 0, "U": 2}, N // 2 if sw else N, tmp_path,
-                                   rows=real)
+                                   {"NH": 1, "QX": 0, "SW": sw, "ONE": 0, "U": 2, "PX": 1}, N // 2 if sw else N,
+                                   tmp_path, rows=real)
     assert got.size == real * KS * (N // 2 if sw else N)
     _assert_within_rounding(got, want)
 
@@ -134,7 +164,7 @@ def test_the_host_run_catches_a_wrong_layout(language, right, wrong, tmp_path):
     want = np.array(kernels.fp4_experts_reference(x, mx.array(codes), mx.array(scales), mx.array(ids))
                     .astype(mx.float32)).reshape(-1)
     got = _floats(_fp4_experts_on_the_host(broken, language, x, codes, scales, ids, weights,
-                                           {"NH": 1, "QX": 0, "SW": 0, "ONE": 0, "U": 2}, N, tmp_path))
+                                           {"NH": 1, "QX": 0, "SW": 0, "ONE": 0, "U": 2, "PX": 0}, N, tmp_path))
     assert np.abs(got - want).max() > 2.0 ** -6 * np.abs(want).max()
 
 

@@ -19,7 +19,7 @@ import pytest
 from dsv41_mlx import kernels
 from dsv41_mlx.cache import DraftCache
 from dsv41_mlx.kernels import (ACT_QUANT, FP4_EXPERTS, FP4_QUANT, FP8_GEMV, FP8_MMA, FP8_MMA_HC, FP8_ROWS, HC_INPUT, HC_MIX,
-                               HEAD_LOGITS,
+                               HEAD_LOGITS, MMA_X_PREP,
                                HC_POST_MIX, HC_SPLIT, MOE_GATE_SCORES, MOE_GATE_TOPK, RING_WRITE, RMS_NORM, RMS_NORM_PAIR,
                                SPARSE_ATTENTION, TOP_K,
                                fp8_rows_top64, moe_gate, moe_gate_reference, ring_write, ring_write_reference)
@@ -149,12 +149,16 @@ def _gemv_case(RB, T, C, QX=0, SW=0, AP=0, SPLIT=0):  # noqa: N803 (the kernel's
                                                  "SPLIT": SPLIT}
 
 
-def _experts_case(NH, QX=0, SW=0, ONE=0, U=None):  # noqa: N803
-    inputs = {"x": "bfloat16", "w": "uint32", "scales": "uint8", "ids": "uint32", "sizes": "int32",
-              "swiglu": "float32", "weights": "float32"}
+def _experts_case(NH, QX=0, SW=0, ONE=0, U=None, PX=0):  # noqa: N803
+    inputs = {"x": "uint16" if PX else "bfloat16", "xs": "float32", "w": "uint32", "scales": "uint8", "ids": "uint32",
+              "sizes": "int32", "swiglu": "float32", "weights": "float32"}
     if U is None:  # kernels.experts_loads_ahead's
         U = 1 if ONE else 2
-    return FP4_EXPERTS, inputs, {"y": "bfloat16"}, {"NH": NH, "QX": QX, "SW": SW, "ONE": ONE, "U": U}
+    return FP4_EXPERTS, inputs, {"y": "bfloat16"}, {"NH": NH, "QX": QX, "SW": SW, "ONE": ONE, "U": U, "PX": PX}
+
+
+def _x_prep_case(QX):  # noqa: N803
+    return MMA_X_PREP, {"x": "bfloat16", "sizes": "int32"}, {"xh": "uint16", "xs": "float32"}, {"QX": QX}
 
 
 def _mma_case(NH, QX=0, SW=0, AP=0, ONE=0, U=6):  # noqa: N803
@@ -235,6 +239,11 @@ CASES = {
     "fp4_experts_quantizing": _experts_case(NH=1, QX=1, ONE=1),
     "fp4_experts_swiglu": _experts_case(NH=1, SW=2),
     "fp4_experts_swiglu_16_rows": _experts_case(NH=2, QX=1, SW=1),
+    "fp4_experts_prepared": _experts_case(NH=1, SW=2, PX=1),
+    "fp4_experts_prepared_16_rows": _experts_case(NH=2, QX=1, PX=1),
+    "fp4_experts_prepared_one_row": _experts_case(NH=1, QX=1, ONE=1, PX=1),
+    "mma_x_prep": _x_prep_case(QX=0),
+    "mma_x_prep_quantizing": _x_prep_case(QX=1),
     "fp8_mma": _mma_case(NH=1),
     "fp8_mma_16_rows": _mma_case(NH=2),
     "fp8_mma_quantizing": _mma_case(NH=1, QX=1, ONE=1),
@@ -373,7 +382,7 @@ def test_cuda_source_compiles(case):
     ("fp8_gemv", ("gemv_lane_accumulate<T, RB>(p, &wf[0][0], &acc[0][0], r);",
                   "gemv_lane_accumulate<T, RB>(p, &wf[0][0], &acc[0][0]);")),
     ("fp4_experts", ("if (ids[q] == expert) {", "if (id[q] == expert) {")),  # misspelt variable
-    ("fp4_experts", ("nb, xrow, b0, per_warp, lane, acc);", "nb, xrow[0], b0, per_warp, lane, acc);")),  # a row for rows
+    ("fp4_experts", ("nb, xrow, b0, per_warp, lane, acc, xsrow);", "nb, xrow[0], b0, per_warp, lane, acc, xsrow);")),  # a row for rows
     ("fp4_experts_quantizing", ("mma_warp_sums<E2m1Codes,", "mma_warp_sums<E2m1Code,")),  # misspelt code format
     ("fp8_gemv_quantizing", ("p = gemv_fake_quant8(p, xs[r]);", "p = gemv_fake_quant8(p, xs);")),  # array for float
     ("fp8_gemv_swiglu", ("o / RB * RB + RB), swiglu[0]);", "o / RB * RB + RB), swiglu);")),
@@ -1218,7 +1227,8 @@ def test_gemv_layout_bounds_the_computed_rows_by_a_power_of_two(monkeypatch):
     """The GEMV kernels' row bound RB is the least power of two holding the rows they compute
     (a padded forward's real rows: a 1-row decode runs RB = 1), T outputs per thread group 4
     at RB 1 and 2 above; the grid follows T. fp4_experts runs 8 pairs a pass on the matrix
-    unit up to 8 rows (NH 1) and 16 above, a threadgroup per (pair, 32 outputs)."""
+    unit up to 8 rows (NH 1) and 16 above, a threadgroup per (pair, 32 outputs), its x prepared
+    by mma_x_prep (a warp per row and block of 32 columns) where it computes more than one row."""
     from dsv41_mlx import kernels
 
     assert [kernels.gemv_layout(r) for r in (1, 2, 3, 5, 8, 9, 16)] == [
@@ -1229,7 +1239,8 @@ def test_gemv_layout_bounds_the_computed_rows_by_a_power_of_two(monkeypatch):
     def compiled(spec, language):
         def run(inputs, template, grid, output_shapes, output_dtypes, **_):
             t = dict(template)
-            seen.append((spec.name, *((t["RB"], t["T"]) if "RB" in t else (t["NH"],)), grid[0], output_shapes[0]))
+            layout = (t["RB"], t["T"]) if "RB" in t else (t["NH"], t["PX"]) if "NH" in t else ()
+            seen.append((spec.name, *layout, grid[0], output_shapes[0]))
             return [mx.zeros(shape, dtype=dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
         return run
 
@@ -1240,11 +1251,20 @@ def test_gemv_layout_bounds_the_computed_rows_by_a_power_of_two(monkeypatch):
     we, se = mx.zeros((4, 64, 64), dtype=mx.uint32), mx.zeros((4, 64, 16))
     kernels.fp4_experts(mx.zeros((3, 1, 512), dtype=mx.bfloat16), we, se, mx.zeros((3, 2), dtype=mx.uint32), impl="cuda")
     kernels.fp4_experts(mx.zeros((9, 1, 512), dtype=mx.bfloat16), we, se, mx.zeros((9, 2), dtype=mx.uint32), impl="cuda")
+    kernels.fp4_experts(mx.zeros((8, 2, 512), dtype=mx.bfloat16), we, se, mx.zeros((8, 2), dtype=mx.uint32), impl="cuda",
+                        rows=1)
+    kernels.fp4_experts(mx.zeros((8, 2, 512), dtype=mx.bfloat16), we, se, mx.zeros((8, 2), dtype=mx.uint32), impl="cuda",
+                        rows=3)
     per_tg = 256 // kernels.gemv_threads_per_output(4096, 2048)  # thread groups a threadgroup
     assert seen == [("fp8_gemv", 1, 4, 2048 // (per_tg * 4) * 256, (8, 2048)),  # all 8 rows out, padding zeros
                     ("fp8_gemv", 8, 2, 2048 // (per_tg * 2) * 256, (8, 2048)),
-                    ("fp4_experts", 1, 3 * 2 * 64 // 32 * 256, (3, 2, 64)),
-                    ("fp4_experts", 2, 9 * 2 * 64 // 32 * 256, (9, 2, 64))]
+                    ("mma_x_prep", 3 * 512, (3, 512)),  # x [3, 1, K]: its 3 rows
+                    ("fp4_experts", 1, 1, 3 * 2 * 64 // 32 * 256, (3, 2, 64)),
+                    ("mma_x_prep", 9 * 512, (9, 512)),
+                    ("fp4_experts", 2, 1, 9 * 2 * 64 // 32 * 256, (9, 2, 64)),
+                    ("fp4_experts", 1, 0, 1 * 2 * 64 // 32 * 256, (1, 2, 64)),  # one row: x as it is
+                    ("mma_x_prep", 3 * 2 * 512, (6, 512)),  # x [8, 2, K], 3 rows computed: its first 3 x 2
+                    ("fp4_experts", 1, 1, 3 * 2 * 64 // 32 * 256, (3, 2, 64))]
 
 
 def test_one_computed_row_takes_its_own_layouts(monkeypatch):
