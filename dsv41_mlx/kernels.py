@@ -1232,8 +1232,9 @@ def experts_prepare_x(rows: int) -> bool:
     range; at six rows of a verify forward on the H200 (session 26, with that work left out as
     an upper bound) w13 took 128 against 153 us, w2 80 against 108, the forward 23.1 against
     28.2 ms. A one-row launch gained nothing there and would pay a launch more. No bit
-    depends on it (tests/test_kernel_emulation.py; check_kernels: a row alone against the
-    same row among 8)."""
+    depends on it (both twins emulated, tests/test_kernel_emulation.py; on a GPU
+    scripts/check_kernels.py fp4_experts compares a row alone, not prepared, with the same
+    row among 8, prepared)."""
     return rows > 1
 
 
