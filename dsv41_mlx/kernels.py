@@ -918,7 +918,7 @@ def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None
         raise ValueError(f"fp8_gemv adds parts to a dense GEMM's x [S, K] without a SwiGLU: got parts {parts.shape} "
                          f"for x {x.shape}, w {w.shape}{' with a SwiGLU' if swiglu is not None else ''}")
     added, ap = _added_parts("fp8_gemv", parts, rows, N)
-    if threads is None and rows > 0 and fp8_gemv_on_matrix_unit(N, G):
+    if threads is None and rows > 0 and fp8_gemv_on_matrix_unit(N, K, G):
         (y,) = _compiled(FP8_MMA, impl)(
             inputs=[x.astype(mx.bfloat16), w, scales, _int32s(rows, N, K, G, S), limit, added],
             template=[("NH", mma_column_groups(rows)), ("QX", int(quantize_input)), ("SW", sw), ("AP", ap),
@@ -955,7 +955,7 @@ def fp8_gemv_pair_fits(x: mx.array, w: mx.array, split: int, impl: str | None = 
     N, K = w.shape[0], x.shape[-1]
     c = gemv_threads_per_output(K, N)
     tile = 256 // c * 4  # a threadgroup's outputs at T = 4 (gemv_layout's most)
-    return all(_gemv_fits(x.shape[0], n, K, impl) and not fp8_gemv_on_matrix_unit(n)
+    return all(_gemv_fits(x.shape[0], n, K, impl) and not fp8_gemv_on_matrix_unit(n, K)
                and gemv_threads_per_output(K, n) == c and n % tile == 0 for n in (split, N - split))
 
 
@@ -1038,11 +1038,16 @@ def head_logits(x: mx.array, w: mx.array, impl: str | None = None, real_rows: in
 # the shared expert's w13's 5120) take 1.05-1.2x fp8_gemv's time, which a decode step bound by
 # its host side hides.
 FP8_MMA_MIN_OUTPUTS = 4096
+# The matrix-unit kernels (fp8_mma, fp4_experts) stage a tile's weight scales, K bytes, in a
+# fixed threadgroup buffer (mma_x.cuh's mma_stage_scales): K at most this (the release's
+# largest is wo_b's 8192)
+MMA_MAX_K = 8192
 
 
-def fp8_gemv_on_matrix_unit(n: int, groups: int = 1) -> bool:
-    """Whether fp8_gemv runs a GEMM of `groups` matrices of n outputs on the matrix unit."""
-    return groups == 1 and n >= FP8_MMA_MIN_OUTPUTS
+def fp8_gemv_on_matrix_unit(n: int, k: int, groups: int = 1) -> bool:
+    """Whether fp8_gemv runs a GEMM of `groups` matrices of n outputs and k inputs on the
+    matrix unit."""
+    return groups == 1 and n >= FP8_MMA_MIN_OUTPUTS and k <= MMA_MAX_K
 
 
 class StreamOnto(NamedTuple):
@@ -1061,7 +1066,8 @@ def fp8_into_stream_fits(w: mx.array, residual: mx.array, impl: str | None = Non
     [S, hc, N]: hc_input fits the stream (a GPU, a decode or verify step's rows), and fp8_gemv
     runs the GEMM on the matrix unit (fp8_mma)."""
     return (w.ndim == 2 and residual.ndim == 3 and residual.shape[2] == w.shape[0] and hc_input_fits(residual, impl)
-            and _gemv_fits(residual.shape[0], w.shape[0], 4 * w.shape[1], impl) and fp8_gemv_on_matrix_unit(w.shape[0]))
+            and _gemv_fits(residual.shape[0], w.shape[0], 4 * w.shape[1], impl)
+            and fp8_gemv_on_matrix_unit(w.shape[0], 4 * w.shape[1]))
 
 
 def fp8_into_stream(x: mx.array, w: mx.array, scales: mx.array, onto: StreamOnto, impl: str | None = None,
@@ -1177,12 +1183,13 @@ def fp4_experts_reference(x: mx.array, w: mx.array, scales: mx.array, ids: mx.ar
 def fp4_experts_fits(x: mx.array, w: mx.array, ids: mx.array, impl: str | None = None,
                      rows: int | None = None) -> bool:
     """Whether fp4_experts runs: a GPU, x [R, 1 or k, K] (or [R, K], as [R, 1, K]) with R <=
-    DECODE_MAX_ROWS, ids [R, k], w [E, N, K/8] with N a multiple of 32 and K of 256. rows: R,
+    DECODE_MAX_ROWS, ids [R, k], w [E, N, K/8] with N a multiple of 32 and K of 256, at most
+    MMA_MAX_K. rows: R,
     where x and ids hold more rows than are computed (their first R; default all)."""
     R = ids.shape[0] if rows is None else rows
     slots = x.shape[1] if x.ndim == 3 else 1
     return (x.ndim in (2, 3) and w.ndim == 3 and ids.ndim == 2 and 0 < R <= min(ids.shape[0], x.shape[0])
-            and slots in (1, ids.shape[1]) and x.shape[-1] == 8 * w.shape[2]
+            and slots in (1, ids.shape[1]) and x.shape[-1] == 8 * w.shape[2] and x.shape[-1] <= MMA_MAX_K
             and _gemv_fits(R, w.shape[1], x.shape[-1], impl))
 
 

@@ -231,7 +231,7 @@ def fp8_linear(x: mx.array, weight: mx.array, scales: mx.array, real: int | None
     fp8_input then fp8_matmul, in one launch instead of two (kernels.quantizes_in_kernel)."""
     rows = kernels.computed_rows(real, x.size // x.shape[-1])
     if _gemv_takes(x, weight, rows, parts) and kernels.quantizes_in_kernel(
-            x, rows, kernels.fp8_gemv_on_matrix_unit(weight.shape[0])):
+            x, rows, kernels.fp8_gemv_on_matrix_unit(weight.shape[0], x.shape[-1])):
         return kernels.fp8_gemv(x, weight, scales, quantize_input=True, real_rows=real, parts=parts)
     return fp8_matmul(fp8_input(x), weight, scales, real, parts=parts)
 

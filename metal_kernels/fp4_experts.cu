@@ -14,6 +14,7 @@ constexpr int COLS = 8 * NH;  // pass columns
 __shared__ int picks[16];  // the pairs (r * KS + j, in order) that picked this expert: at most one a row
 __shared__ int n_picks;
 __shared__ float red[MMA_WARPS * 32 * COLS];  // each warp's sums [warp][row][column]
+__shared__ uint4 staged[MMA_MAX_K / 16];  // the tile's weight scales (mma_tile_scales)
 const int rows = sizes[0];
 const int KS = sizes[1];  // experts per row (top-k)
 const int N = sizes[2];
@@ -40,12 +41,13 @@ if (threadIdx.x == 0) {
   n_picks = m;
 }
 __syncthreads();
-const int m = n_picks;
 const unsigned int nb = (unsigned int)K / 32;  // blocks of 32 columns, each with its own scale per row
 const unsigned int per_warp = nb / MMA_WARPS;  // K a multiple of 256: the same count for every warp
 const unsigned int b0 = threadIdx.x / 32 * per_warp;  // the warp's first block
 const unsigned int words = (unsigned int)K / 8;
 const size_t row0 = (size_t)expert * N + n0;   // the tile's first weight row
+const unsigned char* tile_scales = mma_tile_scales<!ONE>(scales, row0, nb, staged);
+const int m = n_picks;
 const unsigned int NY = SW ? (unsigned int)N / 2 : (unsigned int)N;  // outputs a pair has in y
 
 for (int p0 = 0; p0 < m; p0 += COLS) {  // a pass: picks p0 .. p0 + COLS - 1
@@ -59,7 +61,7 @@ for (int p0 = 0; p0 < m; p0 += COLS) {  // a pass: picks p0 .. p0 + COLS - 1
     xsrow[h] = xs + r * nb;
   }
   float acc[2][NH][4] = {};  // [m group][column group][C fragment]
-  mma_warp_sums<E2m1Codes, U, NH, QX, ONE, PX>(w, scales, row0, words, nb, xrow, b0, per_warp, lane, acc, xsrow);
+  mma_warp_sums<E2m1Codes, U, NH, QX, ONE, PX>(w, tile_scales, row0, words, nb, xrow, b0, per_warp, lane, acc, xsrow);
   mma_warp_sums_to<NH>(red, acc, lane);
   __syncthreads();
   for (unsigned int o = threadIdx.x; o < (SW ? 16u : 32u) * COLS; o += MMA_WARPS * 32) {

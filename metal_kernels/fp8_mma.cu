@@ -10,6 +10,7 @@
 // U (a template constant, kernels.mma_loads_ahead): the blocks whose loads a warp issues before it uses the first
 constexpr int COLS = 8 * NH;  // the matrix products' columns: the computed rows, padded
 __shared__ float red[MMA_WARPS * 32 * COLS];  // each warp's sums [warp][output][row]
+__shared__ uint4 staged[MMA_MAX_K / 16];  // the tile's weight scales (mma_tile_scales)
 const int rows = sizes[0];
 const int N = sizes[1];
 const int K = sizes[2];
@@ -32,7 +33,8 @@ for (int h = 0; h < NH; h++) {
   const int r = min(8 * h + (int)g, rows - 1);
   xrow[h] = x + ((size_t)r * G + grp) * K;
 }
+const unsigned char* tile_scales = mma_tile_scales<!ONE>(scales, row0, nb, staged);
 float acc[2][NH][4] = {};  // [m group][column group][C fragment]
-mma_warp_sums<E4m3Codes, U, NH, QX, ONE>(w, scales, row0, words, nb, xrow, b0, per_warp, lane, acc);
+mma_warp_sums<E4m3Codes, U, NH, QX, ONE>(w, tile_scales, row0, words, nb, xrow, b0, per_warp, lane, acc);
 mma_warp_sums_to<NH>(red, acc, lane);
 __syncthreads();

@@ -73,8 +73,40 @@ struct E4m3Codes {  // fp8_mma: two 32-bit words (8 codes) of a weight row a lan
   }
 };
 
+// A tile's weight scales: rows row0 .. row0 + 31 of the scales [rows, nb] bytes, 32 nb = K
+// contiguous bytes, as the walk (mma_warp_sums) reads them, [32][nb] from the pointer returned.
+// STAGE (a launch that computes more than one row): the threadgroup first reads them into
+// shared memory `tile` at once, 16 bytes a read where they are 16-byte aligned, then waits
+// (__syncthreads), and the walk reads them there; otherwise straight from memory, a byte from
+// each of 8 rows a load, every lane, every block. On the H200 (session 27) the walk's own
+// scale loads had cost fp4_experts ~15% of its time at six rows; at one row, where a
+// threadgroup's walk is short, the wait before its first weight loads cost fp8_mma more than
+// it saved. K at most MMA_MAX_K (kernels.MMA_MAX_K; K a multiple of 256).
+constexpr unsigned int MMA_MAX_K = 8192;
+template <bool STAGE, class S>
+__device__ __forceinline__ const unsigned char* mma_tile_scales(const S* scales, size_t row0, unsigned int nb,
+                                                                uint4* tile) {
+  const unsigned char* from = reinterpret_cast<const unsigned char*>(scales) + row0 * nb;
+  if (!STAGE) {
+    return from;
+  }
+  const unsigned int n = 32 * nb;
+  if (reinterpret_cast<size_t>(from) % 16 == 0) {
+    for (unsigned int i = threadIdx.x; i < n / 16; i += MMA_WARPS * 32) {
+      tile[i] = __ldg(reinterpret_cast<const uint4*>(from) + i);
+    }
+  } else {
+    unsigned char* to = reinterpret_cast<unsigned char*>(tile);
+    for (unsigned int i = threadIdx.x; i < n; i += MMA_WARPS * 32) {
+      to[i] = from[i];
+    }
+  }
+  __syncthreads();
+  return reinterpret_cast<const unsigned char*>(tile);
+}
+
 // One warp's share of a tile of 32 weight rows (row0 .. row0 + 31 of w, `words` 32-bit words
-// a row; their scales `nb` bytes a row) in the 32-column blocks b0 .. b0 + per_warp - 1, times
+// a row; their scales `nb` bytes a row, from mma_tile_scales) in the 32-column blocks b0 .. b0 + per_warp - 1, times
 // B columns 8h + g (xrow[h]: bf16 x of the whole K): each block's products summed by the
 // matrix unit in fp32, then times both scales into acc [m group][column group][C fragment].
 // `lane`: threadIdx.x % 32, computed by the kernel up front (so ptxas keeps the
@@ -83,8 +115,8 @@ struct E4m3Codes {  // fp8_mma: two 32-bit words (8 codes) of a weight row a lan
 // launch), its x read a value a lane (mma_x_column), the other columns zeros, their sums unread.
 // PX: x is already x / s, as fp16 bits (mma_x_prep), and xsrow[h] column 8h + g's scales s a
 // block: the same B fragments and scales, read instead of computed by every threadgroup.
-template <class Codes, int U, int NH, int QX, bool ONE, int PX = 0, class W, class S>
-__device__ __forceinline__ void mma_warp_sums(const W* w, const S* scales, size_t row0, unsigned int words,
+template <class Codes, int U, int NH, int QX, bool ONE, int PX = 0, class W>
+__device__ __forceinline__ void mma_warp_sums(const W* w, const unsigned char* scales, size_t row0, unsigned int words,
                                               unsigned int nb, const __nv_bfloat16* const* xrow, unsigned int b0,
                                               unsigned int per_warp, unsigned int lane, float (&acc)[2][NH][4],
                                               const float* const* xsrow = nullptr) {
@@ -103,8 +135,8 @@ __device__ __forceinline__ void mma_warp_sums(const W* w, const S* scales, size_
       for (int mg = 0; mg < 2; mg++) {
 #pragma unroll
         for (int e = 0; e < 2; e++) {
-          const size_t r = row0 + 16 * mg + g + 8 * e;
-          wq[u][mg][e] = Codes::load(w, r * words, b, t);
+          const unsigned int r = 16 * mg + g + 8 * e;  // the tile's row
+          wq[u][mg][e] = Codes::load(w, (row0 + r) * words, b, t);
           ws[u][mg][e] = scales[r * nb + b];
         }
       }
