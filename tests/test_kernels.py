@@ -981,6 +981,23 @@ def test_fp8_into_stream_runs_only_where_it_fits():
         hc_input_from_parts(stream, mx.zeros((1, 160, 24)), mx.zeros((1, 4)), mx.zeros(3), mx.zeros(24),
                             mx.zeros(5120), 20, 1e-6, 1e-6, 1e-6, mx.bfloat16, impl="cuda")
 
+def test_matrix_unit_kernels_take_k_up_to_their_scale_buffer():
+    """fp8_mma and fp4_experts stage a tile's weight scales (K bytes) in a fixed buffer of
+    MMA_MAX_K: a wider K stays off the matrix unit (fp8_gemv's other kernel, or the spec), the
+    release's widest, wo_b's 8192, on it."""
+    from dsv41_mlx.kernels import MMA_MAX_K, fp4_experts_fits, fp8_gemv_on_matrix_unit, fp8_into_stream_fits
+
+    assert MMA_MAX_K == 8192
+    assert fp8_gemv_on_matrix_unit(5120, 8192) and not fp8_gemv_on_matrix_unit(5120, 8192 + 256)
+    stream = mx.zeros((1, 4, 5120), dtype=mx.bfloat16)
+    assert fp8_into_stream_fits(mx.zeros((5120, 8192 // 4), dtype=mx.uint32), stream, impl="cuda")
+    assert not fp8_into_stream_fits(mx.zeros((5120, (8192 + 256) // 4), dtype=mx.uint32), stream, impl="cuda")
+    ids = mx.zeros((1, 6), dtype=mx.uint32)
+    for k, fits in ((8192, True), (8192 + 256, False)):
+        x, w = mx.zeros((1, 1, k), dtype=mx.bfloat16), mx.zeros((24, 4608, k // 8), dtype=mx.uint32)
+        assert fp4_experts_fits(x, w, ids, impl="cuda") is fits
+
+
 def test_attention_kernel_runs_only_where_it_fits():
     """The attention kernel takes a GPU, bfloat16 queries, at most 16 rows, heads in groups of
     two, a width of 16-byte chunks that divide 256 and its threadgroup memory; elsewhere the
