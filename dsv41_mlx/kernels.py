@@ -1039,8 +1039,8 @@ def head_logits(x: mx.array, w: mx.array, impl: str | None = None, real_rows: in
 # its host side hides.
 FP8_MMA_MIN_OUTPUTS = 4096
 # The matrix-unit kernels (fp8_mma, fp4_experts) stage a tile's weight scales, K bytes, in a
-# fixed threadgroup buffer (mma_x.cuh's mma_stage_scales): K at most this (the release's
-# largest is wo_b's 8192)
+# fixed threadgroup buffer (mma_x.cuh's mma_tile_scales, which holds the same MMA_MAX_K): K at
+# most this (the release's largest is wo_b's 8192)
 MMA_MAX_K = 8192
 
 

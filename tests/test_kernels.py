@@ -981,12 +981,15 @@ def test_fp8_into_stream_runs_only_where_it_fits():
         hc_input_from_parts(stream, mx.zeros((1, 160, 24)), mx.zeros((1, 4)), mx.zeros(3), mx.zeros(24),
                             mx.zeros(5120), 20, 1e-6, 1e-6, 1e-6, mx.bfloat16, impl="cuda")
 
+
 def test_matrix_unit_kernels_take_k_up_to_their_scale_buffer():
     """fp8_mma and fp4_experts stage a tile's weight scales (K bytes) in a fixed buffer of
-    MMA_MAX_K: a wider K stays off the matrix unit (fp8_gemv's other kernel, or the spec), the
-    release's widest, wo_b's 8192, on it."""
-    from dsv41_mlx.kernels import MMA_MAX_K, fp4_experts_fits, fp8_gemv_on_matrix_unit, fp8_into_stream_fits
+    MMA_MAX_K, the same bound in the CUDA text as in kernels: a wider K stays off the matrix unit
+    (fp8_gemv's other kernel, or the spec), the release's widest, wo_b's 8192, on it."""
+    from dsv41_mlx.kernels import (MMA_MAX_K, fp4_experts_fits, fp8_gemv_on_matrix_unit, fp8_into_stream_fits,
+                                   kernel_text)
 
+    assert f"constexpr unsigned int MMA_MAX_K = {MMA_MAX_K};" in kernel_text("mma_x.cuh")
     assert MMA_MAX_K == 8192
     assert fp8_gemv_on_matrix_unit(5120, 8192) and not fp8_gemv_on_matrix_unit(5120, 8192 + 256)
     stream = mx.zeros((1, 4, 5120), dtype=mx.bfloat16)
