@@ -91,7 +91,7 @@ class KernelSpec:
     end: str = ""  # a body's end shared by kernels with one start: `{end}.metal` / `{end}.cu` appended
 
     def header(self, language: str) -> str:
-        files = list(self.header_files) + (["fp16_bits.cuh", "async_copy.cuh", "mma_c.cuh"] if language == "cuda" else [])
+        files = list(self.header_files) + (["fp16_bits.cuh", "mma_c.cuh"] if language == "cuda" else [])
         files += [f"{name}.cuh" if language == "cuda" else f"{name}.h" for name in self.twin_headers]
         return "\n".join(kernel_text(f) for f in files)
 
@@ -922,8 +922,7 @@ def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None
         (y,) = _compiled(FP8_MMA, impl)(
             inputs=[x.astype(mx.bfloat16), w, scales, _int32s(rows, N, K, G, S), limit, added],
             template=[("NH", mma_column_groups(rows)), ("QX", int(quantize_input)), ("SW", sw), ("AP", ap),
-                      ("ONE", int(rows == 1)), ("U", mma_loads_ahead(K, rows)),
-                      ("S", mma_ring_stages(K, rows))],
+                      ("ONE", int(rows == 1)), ("U", mma_loads_ahead(K, rows))],
             grid=(G * (N // 32) * 256, 1, 1), threadgroup=(256, 1, 1),
             output_shapes=[(*x.shape[:-1], N // 2 if sw else N)], output_dtypes=[mx.bfloat16], init_value=init_value)
         return y
@@ -1103,7 +1102,7 @@ def fp8_into_stream(x: mx.array, w: mx.array, scales: mx.array, onto: StreamOnto
         inputs=[x.astype(mx.bfloat16), w, scales, _int32s(rows, N, K, 1, S), added, residual, post.astype(f32),
                 comb.astype(f32), fn.astype(f32)],
         template=[("NH", mma_column_groups(rows)), ("QX", int(quantize_input)), ("AP", ap), ("ONE", int(rows == 1)),
-                  ("HC", hc), ("U", mma_loads_ahead(K, rows)), ("S", mma_ring_stages(K, rows))],
+                  ("HC", hc), ("U", mma_loads_ahead(K, rows))],
         grid=(N // 32 * 256, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[(S, hc, N), (S, N // 32, M + 1)], output_dtypes=[mx.bfloat16, f32])
     return h, mix_parts
@@ -1227,7 +1226,7 @@ def fp4_experts(x: mx.array, w: mx.array, scales: mx.array, ids: mx.array, impl:
     (y,) = _compiled(FP4_EXPERTS, impl)(
         inputs=[x, xs, w, scales, ids.astype(mx.uint32), _int32s(R, k, N, K, slots), limit, weights],
         template=[("NH", mma_column_groups(R)), ("QX", int(quantize_input)), ("SW", sw), ("ONE", int(R == 1)),
-                  ("U", experts_loads_ahead(R)), ("PX", int(prepared)), ("S", experts_ring_stages(R))],
+                  ("U", experts_loads_ahead(R)), ("PX", int(prepared))],
         grid=(R * k * (N // 32) * 256, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[(R, k, N // 2 if sw else N)], output_dtypes=[mx.bfloat16], init_value=init_value)
     return y
@@ -1264,18 +1263,6 @@ def experts_loads_ahead(rows: int) -> int:
     it. 2 (the fastest of 1..3 at six rows, session 17), 1 for one row (H100, session 25: w13
     with its SwiGLU 50.8 against 59.1 us, w2 24.6 against 27.1; `bench.py layouts`)."""
     return 1 if rows == 1 else 2
-
-
-def experts_ring_stages(rows: int) -> int:
-    """S of fp4_experts on CUDA: 0, a warp's walk loads its blocks into registers
-    (experts_loads_ahead of them ahead); else the copy engine loads them into a ring of S
-    stages a warp in shared memory (mma_warp_sums_ring). No bit depends on it."""
-    return 0
-
-
-def mma_ring_stages(k: int, rows: int) -> int:
-    """S of fp8_mma (and fp8_mma_hc) on CUDA, as experts_ring_stages. No bit depends on it."""
-    return 0
 
 
 def mma_loads_ahead(k: int, rows: int) -> int:

@@ -10,16 +10,10 @@
 
 // U (a template constant, kernels.experts_loads_ahead): the blocks whose loads a warp issues before it uses the first
 // PX: x and xs are mma_x_prep's (see fp4_experts.metal)
-// S (kernels.experts_ring_stages): 0, the walk's loads into registers (mma_warp_sums); else the copy engine's into a
-// ring of S stages a warp (mma_warp_sums_ring), which shares its memory with red
 constexpr int COLS = 8 * NH;  // pass columns
-constexpr unsigned int STAGE = mma_ring_stage<E2m1Codes, NH, ONE, PX>();
-constexpr unsigned int RED = MMA_WARPS * 32 * COLS * 4;  // red's bytes
-constexpr unsigned int RING = MMA_WARPS * S * STAGE;     // the rings' bytes
 __shared__ int picks[16];  // the pairs (r * KS + j, in order) that picked this expert: at most one a row
 __shared__ int n_picks;
-__shared__ uint4 work[(RING > RED ? RING : RED) / 16];
-float* red = reinterpret_cast<float*>(work);  // each warp's sums [warp][row][column]
+__shared__ float red[MMA_WARPS * 32 * COLS];  // each warp's sums [warp][row][column]
 __shared__ uint4 staged[MMA_MAX_K / 16];  // the tile's weight scales (mma_tile_scales)
 const int rows = sizes[0];
 const int KS = sizes[1];  // experts per row (top-k)
@@ -52,7 +46,7 @@ const unsigned int per_warp = nb / MMA_WARPS;  // K a multiple of 256: the same 
 const unsigned int b0 = threadIdx.x / 32 * per_warp;  // the warp's first block
 const unsigned int words = (unsigned int)K / 8;
 const size_t row0 = (size_t)expert * N + n0;   // the tile's first weight row
-const unsigned char* tile_scales = mma_tile_scales<!ONE && !S>(scales, row0, nb, staged);
+const unsigned char* tile_scales = mma_tile_scales<!ONE>(scales, row0, nb, staged);
 const int m = n_picks;
 const unsigned int NY = SW ? (unsigned int)N / 2 : (unsigned int)N;  // outputs a pair has in y
 
@@ -67,14 +61,7 @@ for (int p0 = 0; p0 < m; p0 += COLS) {  // a pass: picks p0 .. p0 + COLS - 1
     xsrow[h] = xs + r * nb;
   }
   float acc[2][NH][4] = {};  // [m group][column group][C fragment]
-  if (S && reinterpret_cast<size_t>(w) % 16 == 0) {  // (the copies are 16-byte ones)
-    unsigned char* ring = reinterpret_cast<unsigned char*>(work) + threadIdx.x / 32 * S * STAGE;
-    mma_warp_sums_ring<E2m1Codes, S ? S : 2, NH, QX, ONE, PX>(w, scales, staged, ring, row0, words, nb, xrow, b0,
-                                                              per_warp, lane, acc, xsrow);
-    __syncthreads();  // every warp's ring read: red may take its memory
-  } else {
-    mma_warp_sums<E2m1Codes, U, NH, QX, ONE, PX>(w, tile_scales, row0, words, nb, xrow, b0, per_warp, lane, acc, xsrow);
-  }
+  mma_warp_sums<E2m1Codes, U, NH, QX, ONE, PX>(w, tile_scales, row0, words, nb, xrow, b0, per_warp, lane, acc, xsrow);
   mma_warp_sums_to<NH>(red, acc, lane);
   __syncthreads();
   for (unsigned int o = threadIdx.x; o < (SW ? 16u : 32u) * COLS; o += MMA_WARPS * 32) {

@@ -8,14 +8,8 @@
 // so each fp16 pair is E4M3_EVEN or E4M3_ODD of one of the two words, and x the same.
 
 // U (a template constant, kernels.mma_loads_ahead): the blocks whose loads a warp issues before it uses the first
-// S (kernels.mma_ring_stages): 0, the walk's loads into registers (mma_warp_sums); else the copy engine's into a
-// ring of S stages a warp (mma_warp_sums_ring), which shares its memory with red
 constexpr int COLS = 8 * NH;  // the matrix products' columns: the computed rows, padded
-constexpr unsigned int STAGE = mma_ring_stage<E4m3Codes, NH, ONE, 0>();
-constexpr unsigned int RED = MMA_WARPS * 32 * COLS * 4;  // red's bytes
-constexpr unsigned int RING = MMA_WARPS * S * STAGE;     // the rings' bytes
-__shared__ uint4 work[(RING > RED ? RING : RED) / 16];
-float* red = reinterpret_cast<float*>(work);  // each warp's sums [warp][output][row]
+__shared__ float red[MMA_WARPS * 32 * COLS];  // each warp's sums [warp][output][row]
 __shared__ uint4 staged[MMA_MAX_K / 16];  // the tile's weight scales (mma_tile_scales)
 const int rows = sizes[0];
 const int N = sizes[1];
@@ -39,15 +33,8 @@ for (int h = 0; h < NH; h++) {
   const int r = min(8 * h + (int)g, rows - 1);
   xrow[h] = x + ((size_t)r * G + grp) * K;
 }
+const unsigned char* tile_scales = mma_tile_scales<!ONE>(scales, row0, nb, staged);
 float acc[2][NH][4] = {};  // [m group][column group][C fragment]
-if (S && reinterpret_cast<size_t>(w) % 16 == 0) {  // (the copies are 16-byte ones)
-  unsigned char* ring = reinterpret_cast<unsigned char*>(work) + threadIdx.x / 32 * S * STAGE;
-  mma_warp_sums_ring<E4m3Codes, S ? S : 2, NH, QX, ONE>(w, scales, staged, ring, row0, words, nb, xrow, b0, per_warp,
-                                                          lane, acc);
-  __syncthreads();  // every warp's ring read: red may take its memory
-} else {
-  const unsigned char* tile_scales = mma_tile_scales<!ONE>(scales, row0, nb, staged);
-  mma_warp_sums<E4m3Codes, U, NH, QX, ONE>(w, tile_scales, row0, words, nb, xrow, b0, per_warp, lane, acc);
-}
+mma_warp_sums<E4m3Codes, U, NH, QX, ONE>(w, tile_scales, row0, words, nb, xrow, b0, per_warp, lane, acc);
 mma_warp_sums_to<NH>(red, acc, lane);
 __syncthreads();

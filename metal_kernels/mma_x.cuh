@@ -53,12 +53,8 @@ struct E2m1Codes {  // fp4_experts: one 32-bit word (8 codes) of a weight row a 
   static constexpr unsigned int PAIR_GAP = 4;  // codes i and i + 4 of the word (E2M1_HALF_PAIR)
   static constexpr unsigned int SCALE_BIAS = 14u;  // the decoding's 2^-14, folded into the scale
   __device__ static unsigned int pair_first(int c) { return (unsigned int)c; }
-  static constexpr unsigned int ROW_BYTES = 16;  // a weight row's bytes a block
   __device__ static Word load(const unsigned int* w, size_t row, unsigned int b, unsigned int t) {
     return __ldg(w + row + 4 * b + t);
-  }
-  __device__ static Word shared(const unsigned char* rows, unsigned int r, unsigned int t) {  // a ring stage's row r
-    return reinterpret_cast<const unsigned int*>(rows)[4 * r + t];
   }
   __device__ static unsigned int a(Word w, int ks, int half) { return E2M1_HALF_PAIR(w, 2 * ks + half); }
 };
@@ -68,12 +64,8 @@ struct E4m3Codes {  // fp8_mma: two 32-bit words (8 codes) of a weight row a lan
   static constexpr unsigned int PAIR_GAP = 2;  // bytes 0 and 2 or 1 and 3 of a word (E4M3_EVEN / ODD)
   static constexpr unsigned int SCALE_BIAS = 8u;  // the decoding's 2^-8, folded into the scale
   __device__ static unsigned int pair_first(int c) { return (unsigned int)(c + (c & 2)); }  // 0, 1, 4, 5
-  static constexpr unsigned int ROW_BYTES = 32;
   __device__ static Word load(const unsigned int* w, size_t row, unsigned int b, unsigned int t) {
     return __ldg(reinterpret_cast<const uint2*>(w + row + 8 * b + 2 * t));
-  }
-  __device__ static Word shared(const unsigned char* rows, unsigned int r, unsigned int t) {
-    return reinterpret_cast<const uint2*>(rows)[4 * r + t];
   }
   __device__ static unsigned int a(Word w, int ks, int half) {
     const unsigned int v = ks ? w.y : w.x;
@@ -111,79 +103,6 @@ __device__ __forceinline__ const unsigned char* mma_tile_scales(const S* scales,
   }
   __syncthreads();
   return reinterpret_cast<const unsigned char*>(tile);
-}
-
-// One 32-column block of a warp's walk: the weight codes wq and scale bytes ws of this lane's rows
-// (g, g + 8 of each m group), x at the block (xv: 8 values of column 8h + g, or PX its x / s with
-// xs its s; ONE and not PX: x1, column 0's value at column `lane`), their products on the
-// matrix unit, times both scales, into acc (mma_warp_sums).
-template <class Codes, int NH, int QX, bool ONE, int PX>
-__device__ __forceinline__ void mma_block(const typename Codes::Word (&wq)[2][2], const unsigned int (&ws)[2][2],
-                                          const uint4 (&xv)[NH], const float& x1, const float (&xs)[NH], unsigned int lane,
-                                          float (&acc)[2][NH][4]) {
-  const unsigned int g = lane / 4;
-  const unsigned int t = lane % 4;
-  unsigned int bx[NH][4];  // B pairs c = 0..3 of x / s (see pair_first)
-  float sx[NH][2];         // s of C columns 2t and 2t + 1
-  if (PX) {
-#pragma unroll
-    for (int h = 0; h < NH; h++) {
-#pragma unroll
-      for (int c = 0; c < 4; c++) {
-        bx[h][c] = (ONE && (h > 0 || g != 0)) ? 0u
-                   : fp16_pair(xv[h], Codes::pair_first(c), Codes::pair_first(c) + Codes::PAIR_GAP);
-      }
-      sx[h][0] = ONE ? xs[0] : __shfl_sync(0xffffffffu, xs[h], 8 * t);  // column 2t's x is lane 4 (2t)'s
-      sx[h][1] = ONE ? xs[0] : __shfl_sync(0xffffffffu, xs[h], 8 * t + 4);
-    }
-  } else if (ONE) {  // column 0's x a value a lane, moved to lanes 4 * 0 + t
-    float s;
-    const float q = mma_x_column<QX>(x1, &s);
-#pragma unroll
-    for (int c = 0; c < 4; c++) {
-      const unsigned int pair = float_pair_to_fp16_bits(
-          __shfl_sync(0xffffffffu, q, 8 * t + Codes::pair_first(c)),
-          __shfl_sync(0xffffffffu, q, 8 * t + Codes::pair_first(c) + Codes::PAIR_GAP));
-      bx[0][c] = g == 0 ? pair : 0u;
-    }
-    sx[0][0] = sx[0][1] = s;  // column 0's (lanes t = 0); the rest unread
-#pragma unroll
-    for (int h = 1; h < NH; h++) {
-      bx[h][0] = bx[h][1] = bx[h][2] = bx[h][3] = 0u;
-      sx[h][0] = sx[h][1] = s;
-    }
-  } else {
-#pragma unroll
-    for (int h = 0; h < NH; h++) {
-      float v[8];
-      const float s = mma_x_lanes<QX>(xv[h], v);
-#pragma unroll
-      for (int c = 0; c < 4; c++) {
-        bx[h][c] = float_pair_to_fp16_bits(v[Codes::pair_first(c)], v[Codes::pair_first(c) + Codes::PAIR_GAP]);
-      }
-      sx[h][0] = __shfl_sync(0xffffffffu, s, 8 * t);  // column 2t's x is lane 4 (2t)'s
-      sx[h][1] = __shfl_sync(0xffffffffu, s, 8 * t + 4);
-    }
-  }
-#pragma unroll
-  for (int mg = 0; mg < 2; mg++) {
-    const float f0 = __uint_as_float((ws[mg][0] + Codes::SCALE_BIAS) << 23);  // 2^(e-127) times the bias, row g
-    const float f1 = __uint_as_float((ws[mg][1] + Codes::SCALE_BIAS) << 23);  // row g + 8
-#pragma unroll
-    for (int h = 0; h < NH; h++) {
-      float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // the block's sums alone
-#pragma unroll
-      for (int ks = 0; ks < 2; ks++) {
-        mma_m16n8k16(d, Codes::a(wq[mg][0], ks, 0), Codes::a(wq[mg][1], ks, 0),
-                     Codes::a(wq[mg][0], ks, 1), Codes::a(wq[mg][1], ks, 1),
-                     bx[h][2 * ks], bx[h][2 * ks + 1]);
-      }
-      acc[mg][h][0] = fmaf(d[0], f0 * sx[h][0], acc[mg][h][0]);
-      acc[mg][h][1] = fmaf(d[1], f0 * sx[h][1], acc[mg][h][1]);
-      acc[mg][h][2] = fmaf(d[2], f1 * sx[h][0], acc[mg][h][2]);
-      acc[mg][h][3] = fmaf(d[3], f1 * sx[h][1], acc[mg][h][3]);
-    }
-  }
 }
 
 // One warp's share of a tile of 32 weight rows (row0 .. row0 + 31 of w, `words` 32-bit words
@@ -247,7 +166,67 @@ __device__ __forceinline__ void mma_warp_sums(const W* w, const unsigned char* s
       if (i0 + u >= per_warp) {
         break;  // (every lane alike)
       }
-      mma_block<Codes, NH, QX, ONE, PX>(wq[u], ws[u], xv[u], x1[u], xs[u], lane, acc);
+      unsigned int bx[NH][4];  // B pairs c = 0..3 of x / s (see pair_first)
+      float sx[NH][2];         // s of C columns 2t and 2t + 1
+      if (PX) {
+#pragma unroll
+        for (int h = 0; h < NH; h++) {
+#pragma unroll
+          for (int c = 0; c < 4; c++) {
+            bx[h][c] = (ONE && (h > 0 || g != 0)) ? 0u
+                       : fp16_pair(xv[u][h], Codes::pair_first(c), Codes::pair_first(c) + Codes::PAIR_GAP);
+          }
+          sx[h][0] = ONE ? xs[u][0] : __shfl_sync(0xffffffffu, xs[u][h], 8 * t);  // column 2t's x is lane 4 (2t)'s
+          sx[h][1] = ONE ? xs[u][0] : __shfl_sync(0xffffffffu, xs[u][h], 8 * t + 4);
+        }
+      } else if (ONE) {  // column 0's x a value a lane, moved to lanes 4 * 0 + t
+        float s;
+        const float q = mma_x_column<QX>(x1[u], &s);
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+          const unsigned int pair = float_pair_to_fp16_bits(
+              __shfl_sync(0xffffffffu, q, 8 * t + Codes::pair_first(c)),
+              __shfl_sync(0xffffffffu, q, 8 * t + Codes::pair_first(c) + Codes::PAIR_GAP));
+          bx[0][c] = g == 0 ? pair : 0u;
+        }
+        sx[0][0] = sx[0][1] = s;  // column 0's (lanes t = 0); the rest unread
+#pragma unroll
+        for (int h = 1; h < NH; h++) {
+          bx[h][0] = bx[h][1] = bx[h][2] = bx[h][3] = 0u;
+          sx[h][0] = sx[h][1] = s;
+        }
+      } else {
+#pragma unroll
+        for (int h = 0; h < NH; h++) {
+          float v[8];
+          const float s = mma_x_lanes<QX>(xv[u][h], v);
+#pragma unroll
+          for (int c = 0; c < 4; c++) {
+            bx[h][c] = float_pair_to_fp16_bits(v[Codes::pair_first(c)], v[Codes::pair_first(c) + Codes::PAIR_GAP]);
+          }
+          sx[h][0] = __shfl_sync(0xffffffffu, s, 8 * t);  // column 2t's x is lane 4 (2t)'s
+          sx[h][1] = __shfl_sync(0xffffffffu, s, 8 * t + 4);
+        }
+      }
+#pragma unroll
+      for (int mg = 0; mg < 2; mg++) {
+        const float f0 = __uint_as_float((ws[u][mg][0] + Codes::SCALE_BIAS) << 23);  // 2^(e-127) times the bias, row g
+        const float f1 = __uint_as_float((ws[u][mg][1] + Codes::SCALE_BIAS) << 23);  // row g + 8
+#pragma unroll
+        for (int h = 0; h < NH; h++) {
+          float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // the block's sums alone
+#pragma unroll
+          for (int ks = 0; ks < 2; ks++) {
+            mma_m16n8k16(d, Codes::a(wq[u][mg][0], ks, 0), Codes::a(wq[u][mg][1], ks, 0),
+                         Codes::a(wq[u][mg][0], ks, 1), Codes::a(wq[u][mg][1], ks, 1),
+                         bx[h][2 * ks], bx[h][2 * ks + 1]);
+          }
+          acc[mg][h][0] = fmaf(d[0], f0 * sx[h][0], acc[mg][h][0]);
+          acc[mg][h][1] = fmaf(d[1], f0 * sx[h][1], acc[mg][h][1]);
+          acc[mg][h][2] = fmaf(d[2], f1 * sx[h][0], acc[mg][h][2]);
+          acc[mg][h][3] = fmaf(d[3], f1 * sx[h][1], acc[mg][h][3]);
+        }
+      }
     }
   }
 }
@@ -268,111 +247,3 @@ __device__ __forceinline__ float mma_warps_total(const float* red, unsigned int 
   }
   return sum;
 }
-
-// A warp's walk as mma_warp_sums, its loads made by the copy engine (cp.async, async_copy.cuh)
-// into a ring of S stages in shared memory (`ring`, S * mma_ring_stage<..>() bytes of the
-// warp's own): S - 1 blocks are in flight while the warp multiplies one, and they hold no
-// registers. A stage is the block's 32 weight rows (Codes::ROW_BYTES each) and its x: PX x / s
-// (fp16 bits) and s, else bf16 x, of the B columns (column 0 alone where ONE). The tile's
-// scales are copied into `staged` first (the threadgroup waits for them once). The same
-// values in the same order as mma_warp_sums: the same bits. Every thread of the threadgroup
-// calls it (it waits for them all once); a wait for all of them after it before `ring` is
-// used for anything else.
-template <class Codes, int NH, bool ONE, int PX>
-__device__ constexpr unsigned int mma_ring_stage() {
-  return (32 * Codes::ROW_BYTES + (ONE ? 1 : 8 * NH) * (64 + (PX ? 4 : 0)) + 15) / 16 * 16;
-}
-
-template <class Codes, int S, int NH, int QX, bool ONE, int PX = 0, class W, class SC>
-__device__ __forceinline__ void mma_warp_sums_ring(const W* w, const SC* scales, uint4* staged, unsigned char* ring,
-                                                   size_t row0, unsigned int words, unsigned int nb,
-                                                   const __nv_bfloat16* const* xrow, unsigned int b0,
-                                                   unsigned int per_warp, unsigned int lane, float (&acc)[2][NH][4],
-                                                   const float* const* xsrow = nullptr) {
-  constexpr unsigned int RB = Codes::ROW_BYTES;
-  constexpr unsigned int XC = ONE ? 1 : 8 * NH;  // x columns a stage holds
-  constexpr unsigned int X0 = 32 * RB;           // x's offset in a stage, then (PX) the scales s at X0 + 64 XC
-  constexpr unsigned int STAGE = mma_ring_stage<Codes, NH, ONE, PX>();
-  const unsigned int g = lane / 4;
-  const unsigned int t = lane % 4;
-  const unsigned char* tile = reinterpret_cast<const unsigned char*>(w) + row0 * words * 4;  // the tile's row 0
-  const size_t row_bytes = (size_t)words * 4;
-  auto issue = [&](unsigned int i) {  // block b0 + i into stage i % S
-    unsigned char* stage = ring + (i % S) * STAGE;
-    const unsigned int b = b0 + i;
-#pragma unroll
-    for (unsigned int c = lane; c < 2 * RB; c += 32) {  // 16-byte pieces: row c / (RB / 16), piece c % (RB / 16)
-      const unsigned int r = c / (RB / 16), piece = c % (RB / 16);
-      cp_async16(stage + r * RB + 16 * piece, tile + r * row_bytes + b * RB + 16 * piece);
-    }
-#pragma unroll
-    for (int h = 0; h < NH; h++) {
-      if (ONE ? h == 0 && g == 0 : true) {  // lane 4g + t: column 8h + g's 8 values from 8t
-        cp_async16(stage + X0 + (8 * h + g) * 64 + 16 * t, xrow[h] + 32 * b + 8 * t);
-        if (PX && t == 0) {
-          cp_async4(stage + X0 + 64 * XC + 4 * (8 * h + g), xsrow[h] + b);
-        }
-      }
-    }
-  };
-  const unsigned char* from = reinterpret_cast<const unsigned char*>(scales) + row0 * nb;
-  if (reinterpret_cast<size_t>(from) % 16 == 0) {  // (the same for every thread)
-    for (unsigned int i = threadIdx.x; i < 2 * nb; i += MMA_WARPS * 32) {  // 32 nb bytes
-      cp_async16(staged + i, from + 16 * i);
-    }
-  } else {
-    for (unsigned int i = threadIdx.x; i < 32 * nb; i += MMA_WARPS * 32) {
-      reinterpret_cast<unsigned char*>(staged)[i] = from[i];
-    }
-  }
-#pragma unroll
-  for (unsigned int i = 0; i < S - 1; i++) {
-    if (i < per_warp) {
-      issue(i);
-    }
-    cp_async_commit();  // group i (group 0 with the scales)
-  }
-  cp_async_wait<S - 2>();  // group 0
-  __syncthreads();         // every thread's share of the scales
-  const unsigned char* tile_scales = reinterpret_cast<const unsigned char*>(staged);
-  for (unsigned int i = 0; i < per_warp; i++) {
-    if (i + S - 1 < per_warp) {
-      issue(i + S - 1);  // into the stage block i - 1 left
-    }
-    cp_async_commit();
-    cp_async_wait<S - 1>();  // block i's group
-    __syncwarp();            // and every lane's share of it
-    const unsigned char* stage = ring + (i % S) * STAGE;
-    const unsigned int b = b0 + i;
-    typename Codes::Word wq[2][2];
-    unsigned int ws[2][2];
-    uint4 xv[NH];
-    float x1 = 0.0f;
-    float xs[NH];
-#pragma unroll
-    for (int mg = 0; mg < 2; mg++) {
-#pragma unroll
-      for (int e = 0; e < 2; e++) {
-        const unsigned int r = 16 * mg + g + 8 * e;
-        wq[mg][e] = Codes::shared(stage, r, t);
-        ws[mg][e] = tile_scales[r * nb + b];
-      }
-    }
-    if (!PX && ONE) {
-      x1 = __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(stage + X0)[lane]);
-    } else {
-#pragma unroll
-      for (int h = 0; h < NH; h++) {
-        if (!ONE || (h == 0 && g == 0)) {
-          xv[h] = reinterpret_cast<const uint4*>(stage + X0 + (8 * h + g) * 64)[t];
-        }
-        if (PX) {
-          xs[h] = reinterpret_cast<const float*>(stage + X0 + 64 * XC)[ONE ? 0 : 8 * h + g];
-        }
-      }
-    }
-    __syncwarp();  // the stage is read: the next block's copies may land there
-    mma_block<Codes, NH, QX, ONE, PX>(wq, ws, xv, x1, xs, lane, acc);
-  }
-}
-

@@ -149,31 +149,29 @@ def _gemv_case(RB, T, C, QX=0, SW=0, AP=0, SPLIT=0):  # noqa: N803 (the kernel's
                                                  "SPLIT": SPLIT}
 
 
-def _experts_case(NH, QX=0, SW=0, ONE=0, U=None, PX=0, S=0):  # noqa: N803
+def _experts_case(NH, QX=0, SW=0, ONE=0, U=None, PX=0):  # noqa: N803
     inputs = {"x": "uint16" if PX else "bfloat16", "xs": "float32", "w": "uint32", "scales": "uint8", "ids": "uint32",
               "sizes": "int32", "swiglu": "float32", "weights": "float32"}
     if U is None:  # kernels.experts_loads_ahead's
         U = 1 if ONE else 2
-    return FP4_EXPERTS, inputs, {"y": "bfloat16"}, {"NH": NH, "QX": QX, "SW": SW, "ONE": ONE, "U": U, "PX": PX,
-                                                    "S": S}
+    return FP4_EXPERTS, inputs, {"y": "bfloat16"}, {"NH": NH, "QX": QX, "SW": SW, "ONE": ONE, "U": U, "PX": PX}
 
 
 def _x_prep_case(QX):  # noqa: N803
     return MMA_X_PREP, {"x": "bfloat16", "sizes": "int32"}, {"xh": "uint16", "xs": "float32"}, {"QX": QX}
 
 
-def _mma_case(NH, QX=0, SW=0, AP=0, ONE=0, U=6, S=0):  # noqa: N803
+def _mma_case(NH, QX=0, SW=0, AP=0, ONE=0, U=6):  # noqa: N803
     inputs = {"x": "bfloat16", "w": "uint32", "scales": "uint8", "sizes": "int32", "swiglu": "float32",
               "parts": "bfloat16"}
-    return FP8_MMA, inputs, {"y": "bfloat16"}, {"NH": NH, "QX": QX, "SW": SW, "AP": AP, "ONE": ONE, "U": U,
-                                                 "S": S}
+    return FP8_MMA, inputs, {"y": "bfloat16"}, {"NH": NH, "QX": QX, "SW": SW, "AP": AP, "ONE": ONE, "U": U}
 
 
-def _mma_hc_case(NH, QX=0, AP=0, ONE=0, U=6, S=0):  # noqa: N803
+def _mma_hc_case(NH, QX=0, AP=0, ONE=0, U=6):  # noqa: N803
     inputs = {"x": "bfloat16", "w": "uint32", "scales": "uint8", "sizes": "int32", "parts": "bfloat16",
               "residual": "bfloat16", "post": "float32", "comb": "float32", "fn": "float32"}
     return FP8_MMA_HC, inputs, {"h": "bfloat16", "mix_parts": "float32"}, {"NH": NH, "QX": QX, "AP": AP, "ONE": ONE,
-                                                                           "HC": 4, "U": U, "S": S}
+                                                                           "HC": 4, "U": U}
 
 
 CASES = {
@@ -244,11 +242,6 @@ CASES = {
     "fp4_experts_prepared": _experts_case(NH=1, SW=2, PX=1),
     "fp4_experts_prepared_16_rows": _experts_case(NH=2, QX=1, PX=1),
     "fp4_experts_prepared_one_row": _experts_case(NH=1, QX=1, ONE=1, PX=1),
-    # the walk through a ring of shared memory (kernels.experts_ring_stages), each x form
-    "fp4_experts_ring_one_row": _experts_case(NH=1, QX=1, SW=2, ONE=1, S=8),
-    "fp4_experts_ring_prepared": _experts_case(NH=1, SW=2, PX=1, S=4),
-    "fp4_experts_ring_16_rows": _experts_case(NH=2, QX=1, S=3),
-    "fp4_experts_ring_prepared_16_rows": _experts_case(NH=2, PX=1, S=3),
     "mma_x_prep": _x_prep_case(QX=0),
     "mma_x_prep_quantizing": _x_prep_case(QX=1),
     "fp8_mma": _mma_case(NH=1),
@@ -259,11 +252,6 @@ CASES = {
     "fp8_mma_parts_16_rows": _mma_case(NH=2, AP=6),
     # wo_b of a decode step and the shared expert's w2 of a verify step, their output put into the stream
     "fp8_mma_hc": _mma_hc_case(NH=1, QX=1, ONE=1),
-    # the walk through a ring of shared memory (kernels.mma_ring_stages)
-    "fp8_mma_ring_one_row": _mma_case(NH=1, QX=1, ONE=1, S=4),
-    "fp8_mma_ring": _mma_case(NH=1, QX=1, SW=1, S=3),
-    "fp8_mma_ring_16_rows": _mma_case(NH=2, AP=6, S=2),
-    "fp8_mma_hc_ring_one_row": _mma_hc_case(NH=1, QX=1, ONE=1, S=4),
     "fp8_mma_hc_parts_16_rows": _mma_hc_case(NH=2, AP=6),
     "head_logits": (HEAD_LOGITS, {"x": "bfloat16", "w": "bfloat16", "sizes": "int32"}, {"y": "float32"}, {"R": 8}),
     "moe_gate_topk": (MOE_GATE_TOPK, {"scores": "float32", "bias": "float32", "params": "float32", "rows": "int32"},

@@ -48,11 +48,6 @@ struct uint2 { unsigned int x, y; };
 struct uint4 { unsigned int x, y, z, w; };
 inline uint4 make_uint4(unsigned int a, unsigned int b, unsigned int c, unsigned int d) { return {a, b, c, d}; }
 template <typename T> inline T __ldg(const T* p) { return *p; }
-// async_copy.cuh's copies, made at once (a thread's own copies are all it reads before a barrier)
-inline void cp_async16(void* to, const void* from) { std::memcpy(to, from, 16); }
-inline void cp_async4(void* to, const void* from) { std::memcpy(to, from, 4); }
-inline void cp_async_commit() {}
-template <int N> inline void cp_async_wait() {}
 inline unsigned int __byte_perm(unsigned int x, unsigned int y, unsigned int s) {  // bytes of {y, x} by selector nibbles
   const uint64_t both = ((uint64_t)y << 32) | x;
   unsigned int r = 0;
