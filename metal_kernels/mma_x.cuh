@@ -107,8 +107,9 @@ __device__ __forceinline__ const unsigned char* mma_tile_scales(const S* scales,
 
 // One warp's share of a tile of 32 weight rows (row0 .. row0 + 31 of w, `words` 32-bit words
 // a row; their scales `nb` bytes a row, from mma_tile_scales) in the 32-column blocks b0 ..
-// b0 + per_warp - 1, times B columns 8h + g (xrow[h]: bf16 x of the whole K): each block's products summed by the
-// matrix unit in fp32, then times both scales into acc [m group][column group][C fragment].
+// b0 + per_warp - 1, times B columns 8h + g (xrow[h]: bf16 x of the whole K): each block's
+// products summed by the matrix unit in fp32, then times both scales into acc [m group][column
+// group][C fragment].
 // `lane`: threadIdx.x % 32, computed by the kernel up front (so ptxas keeps the
 // registers of the kernels before this helper: 64 for fp4_experts at NH 1). U blocks' loads
 // are issued before the first is used. ONE: column 0 alone (a one-row
