@@ -61,7 +61,7 @@ def _assert_within_rounding(got_bits: np.ndarray, want: mx.array) -> np.ndarray:
 
 
 def _fp4_experts_on_the_host(spec, language, x, codes, scales, ids, weights, template, n_out, tmp_path,
-                             rows: int | None = None):
+                             rows: int | None = None, k: int = K):
     """spec's body (fp4_experts' inputs) run on the host over the (row, expert) pairs of the
     first `rows` rows (default all) -> y's bits. With template PX = 1, x is first run through
     mma_x_prep on the host (its first rows x slots rows), and fp4_experts reads that."""
@@ -69,13 +69,13 @@ def _fp4_experts_on_the_host(spec, language, x, codes, scales, ids, weights, tem
     x_in, xs = ("bfloat16", _bf16_bits(x)), ("float32", np.zeros(1, dtype=np.float32))
     if template.get("PX"):
         n = rows * x.shape[1]
-        prep = run(kernels.MMA_X_PREP, language, {"x": x_in, "sizes": ("int32", np.array([n, K]))},
-                   {"xh": ("uint16", n * K), "xs": ("float32", n * K // 32)}, {"QX": template["QX"]},
-                   n * K // 256, tmp_path)
+        prep = run(kernels.MMA_X_PREP, language, {"x": x_in, "sizes": ("int32", np.array([n, k]))},
+                   {"xh": ("uint16", n * k), "xs": ("float32", n * k // 32)}, {"QX": template["QX"]},
+                   n * k // 256, tmp_path)
         x_in, xs = ("uint16", prep["xh"]), ("float32", prep["xs"])
     return run(spec, language, {
         "x": x_in, "xs": xs, "w": ("uint32", codes), "scales": ("uint8", scales),
-        "ids": ("uint32", ids), "sizes": ("int32", np.array([rows, KS, N, K, x.shape[1]])),
+        "ids": ("uint32", ids), "sizes": ("int32", np.array([rows, KS, N, k, x.shape[1]])),
         "swiglu": ("float32", np.array([7.0])), "weights": ("float32", weights)},
         {"y": ("bfloat16", rows * KS * n_out)}, template, rows * KS * (N // 32), tmp_path)["y"]
 
@@ -120,6 +120,31 @@ def test_fp4_experts_on_prepared_x_gives_the_same_bits(language, rows, per_slot,
                                         {**template, "PX": 1}, n_out, tmp_path)
     assert np.array_equal(plain, prepared)
     assert np.any(plain != 0)
+
+
+@pytest.mark.parametrize("rows, per_slot, qx, sw, px", [
+    (1, False, 1, 2, 0),  # a decode step's gate and up projection (a warp of 9 blocks: K 2304)
+    (6, True, 1, 0, 1),   # a verify forward's down projection
+    (9, False, 0, 1, 0),  # two column groups
+])
+def test_fp4_experts_gives_the_same_bits_whatever_its_loads_ahead(rows, per_slot, qx, sw, px, tmp_path):
+    """The CUDA walk's U (the blocks whose loads a warp issues before it uses the first:
+    kernels.experts_loads_ahead, 1 for one row and 2 for more) moves no bit: each block's sums
+    are added in the same order. A decode step's row and the same row in a verify forward
+    launch with different U, and drafts on must give the bits of drafts off."""
+    codes, scales, ids, x, weights = _inputs(rows, per_slot, quantise_first=not qx, seed=rows + 40)
+    k = 2304  # w2's K: 9 blocks a warp, not a multiple of U
+    codes = np.ascontiguousarray(np.concatenate([codes] * 5, axis=2)[:, :, :k // 8])
+    scales = np.ascontiguousarray(np.concatenate([scales] * 5, axis=2)[:, :, :k // 32])
+    x = mx.concatenate([x] * 5, axis=-1)[..., :k]
+    template = {"NH": kernels.mma_column_groups(rows), "QX": qx, "SW": sw, "ONE": int(rows == 1), "PX": px}
+    n_out = N // 2 if sw else N
+    bits = [_fp4_experts_on_the_host(kernels.FP4_EXPERTS, "cuda", x, codes, scales, ids, weights,
+                                     {**template, "U": u}, n_out, tmp_path, k=k)
+            for u in (1, 2, 4)]
+    assert np.any(bits[0] != 0)
+    for other in bits[1:]:
+        assert np.array_equal(bits[0], other)
 
 
 @pytest.mark.parametrize("language", ["metal", "cuda"])
