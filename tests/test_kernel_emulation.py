@@ -29,12 +29,12 @@ def _clang_present():
 E, KS, N, K = 5, 3, 64, 512
 
 
-def _inputs(rows: int, per_slot: bool, quantise_first: bool, seed: int):
+def _inputs(rows: int, per_slot: bool, quantise_first: bool, seed: int, k: int = K):
     rng = np.random.default_rng(seed)
-    codes = rng.integers(0, 1 << 32, (E, N, K // 8), dtype=np.uint64).astype(np.uint32)
-    scales = rng.integers(118, 124, (E, N, K // 32)).astype(np.uint8)
+    codes = rng.integers(0, 1 << 32, (E, N, k // 8), dtype=np.uint64).astype(np.uint32)
+    scales = rng.integers(118, 124, (E, N, k // 32)).astype(np.uint8)
     ids = np.sort(np.stack([rng.choice(E, KS, replace=False) for _ in range(rows)]), axis=1).astype(np.uint32)
-    x = mx.array(rng.standard_normal((rows, KS if per_slot else 1, K)).astype(np.float32)).astype(mx.bfloat16)
+    x = mx.array(rng.standard_normal((rows, KS if per_slot else 1, k)).astype(np.float32)).astype(mx.bfloat16)
     if quantise_first:  # as the model feeds it: FP8 fake-quantised over blocks of 32
         from dsv41_mlx.quant import fp8_fake_quant_reference
         x = fp8_fake_quant_reference(x).astype(mx.bfloat16)
@@ -61,11 +61,12 @@ def _assert_within_rounding(got_bits: np.ndarray, want: mx.array) -> np.ndarray:
 
 
 def _fp4_experts_on_the_host(spec, language, x, codes, scales, ids, weights, template, n_out, tmp_path,
-                             rows: int | None = None, k: int = K):
+                             rows: int | None = None):
     """spec's body (fp4_experts' inputs) run on the host over the (row, expert) pairs of the
     first `rows` rows (default all) -> y's bits. With template PX = 1, x is first run through
     mma_x_prep on the host (its first rows x slots rows), and fp4_experts reads that."""
     rows = ids.shape[0] if rows is None else rows
+    k = x.shape[-1]
     x_in, xs = ("bfloat16", _bf16_bits(x)), ("float32", np.zeros(1, dtype=np.float32))
     if template.get("PX"):
         n = rows * x.shape[1]
@@ -132,15 +133,12 @@ def test_fp4_experts_gives_the_same_bits_whatever_its_loads_ahead(rows, per_slot
     kernels.experts_loads_ahead, 1 for one row and 2 for more) moves no bit: each block's sums
     are added in the same order. A decode step's row and the same row in a verify forward
     launch with different U, and drafts on must give the bits of drafts off."""
-    codes, scales, ids, x, weights = _inputs(rows, per_slot, quantise_first=not qx, seed=rows + 40)
-    k = 2304  # w2's K: 9 blocks a warp, not a multiple of U
-    codes = np.ascontiguousarray(np.concatenate([codes] * 5, axis=2)[:, :, :k // 8])
-    scales = np.ascontiguousarray(np.concatenate([scales] * 5, axis=2)[:, :, :k // 32])
-    x = mx.concatenate([x] * 5, axis=-1)[..., :k]
+    # K 2304 (w2's): 9 blocks a warp, not a multiple of U
+    codes, scales, ids, x, weights = _inputs(rows, per_slot, quantise_first=not qx, seed=rows + 40, k=2304)
     template = {"NH": kernels.mma_column_groups(rows), "QX": qx, "SW": sw, "ONE": int(rows == 1), "PX": px}
     n_out = N // 2 if sw else N
     bits = [_fp4_experts_on_the_host(kernels.FP4_EXPERTS, "cuda", x, codes, scales, ids, weights,
-                                     {**template, "U": u}, n_out, tmp_path, k=k)
+                                     {**template, "U": u}, n_out, tmp_path)
             for u in (1, 2, 4)]
     assert np.any(bits[0] != 0)
     for other in bits[1:]:
