@@ -13,6 +13,19 @@ help). `bench.py profile` times layers from the host; this is the device's view.
 Needs PyTorch with CUDA in the same environment (not a dependency of the
 package: `pip install torch`). On Metal, Xcode's Metal System Trace gives the
 same view; there is nothing to run here.
+
+Nsight Compute instead of PyTorch (each kernel timed alone, one after another, so
+kernels that overlap in a real step are not slowed by each other, and CUPTI's
+cost on graph launches is gone; no idle gaps to read):
+
+    ncu --profile-from-start off --clock-control none --cache-control none \
+        --metrics gpu__time_duration.sum --csv --log-file times.csv \
+        python scripts/gpu_timeline.py --model DIR --rows 1 --under-ncu
+    python scripts/gpu_timeline.py --ncu-csv times.csv
+
+--under-ncu runs the forwards untimed, then one more between the driver's
+profiler start and stop (what `--profile-from-start off` waits for); --ncu-csv
+reads ncu's table into the same kernel table, on any machine.
 """
 
 from __future__ import annotations
@@ -88,13 +101,35 @@ def first_step(kernels: list[tuple[float, float, str]], steps: int) -> list[tupl
     return [(end - start, short_name(name)) for start, end, name in ordered[: len(ordered) // steps]]
 
 
-def record(model_path: str, rows: int, steps: int, prompt_tokens: int = 261) -> tuple[list[tuple[float, float, str]],
-                                                                                     float]:
-    """The GPU kernels of `steps` decode steps of `rows` tokens after a prompt of prompt_tokens
-    tokens, and the wall seconds per step under the profiler."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
+def ncu_kernels(text: str) -> list[tuple[float, float, str]]:
+    """ncu's --csv table of gpu__time_duration.sum -> (start us, end us, name) of its kernels,
+    laid end to end in the order ncu profiled them (it runs them one at a time)."""
+    import csv
 
+    kernels, at, header = [], 0.0, None
+    scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "s": 1e6,
+             "second": 1e6}
+    for row in csv.reader(line for line in text.splitlines() if not line.startswith("==")):
+        if header is None:
+            if "Kernel Name" in row and "Metric Value" in row:
+                header = {name: i for i, name in enumerate(row)}
+            continue
+        if len(row) < len(header) or row[header["Metric Name"]] != "gpu__time_duration.sum":
+            continue
+        unit = row[header["Metric Unit"]]
+        if unit not in scale:
+            raise ValueError(f"ncu's table gives a duration in {unit!r}; expected one of {sorted(scale)}")
+        us = float(row[header["Metric Value"]].replace(",", "")) * scale[unit]
+        kernels.append((at, at + us, row[header["Kernel Name"]]))
+        at += us
+    if header is None:
+        raise ValueError("no ncu table here (run ncu with --csv and --metrics gpu__time_duration.sum)")
+    return kernels
+
+
+def load_warm(model_path: str, rows: int, prompt_tokens: int):
+    """The model after a prompt of prompt_tokens tokens and 4 untimed forwards of `rows` tokens
+    (kernels built and loaded, compiled pieces traced), with a function running one more."""
     import dsv41_mlx
     from dsv41_mlx.generate import prefill
 
@@ -110,8 +145,32 @@ def record(model_path: str, rows: int, steps: int, prompt_tokens: int = 261) -> 
         if rows > 1:  # a verify-sized forward keeps one position, as a plain step does
             cache.trim(rows - 1)
 
-    for _ in range(4):  # kernels built and loaded, compiled pieces traced
+    for _ in range(4):
         step()
+    return step
+
+
+def under_ncu(model_path: str, rows: int, prompt_tokens: int) -> None:
+    """One forward between the CUDA driver's profiler start and stop (for ncu, see the top)."""
+    import ctypes
+
+    step = load_warm(model_path, rows, prompt_tokens)
+    driver = ctypes.CDLL("libcuda.so.1")  # MLX links the runtime statically: the driver's calls
+    mx.synchronize()
+    driver.cuProfilerStart()
+    step()
+    mx.synchronize()
+    driver.cuProfilerStop()
+
+
+def record(model_path: str, rows: int, steps: int, prompt_tokens: int = 261) -> tuple[list[tuple[float, float, str]],
+                                                                                     float]:
+    """The GPU kernels of `steps` decode steps of `rows` tokens after a prompt of prompt_tokens
+    tokens, and the wall seconds per step under the profiler."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    step = load_warm(model_path, rows, prompt_tokens)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         tic = time.perf_counter()
         for _ in range(steps):
@@ -121,9 +180,18 @@ def record(model_path: str, rows: int, steps: int, prompt_tokens: int = 261) -> 
     return [(e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type == cuda], wall
 
 
+def print_table(res: dict, top: int, title: str = "") -> None:
+    if title:
+        print(f"{title}kernel time summed {res['kernel_sum_ms']:.2f} ms, {res['kernels_per_step']:.0f} kernels\n")
+    print("| kernel | calls / step | us / call | ms / step |\n|---|---|---|---|")
+    for row in res["table"][:top]:
+        name = row["kernel"] if len(row["kernel"]) <= 60 else row["kernel"][:57] + "..."  # MLX's fused kernels
+        print(f"| {name} | {row['calls_per_step']:.1f} | {row['us_per_call']:.1f} | {row['ms_per_step']:.3f} |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="checkpoint directory (scripts/make_flash_shaped.py)")
+    parser.add_argument("--model", help="checkpoint directory (scripts/make_flash_shaped.py)")
     parser.add_argument("--rows", type=int, default=1, help="tokens per forward (1: a decode step; up to 6: verify)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--prompt-tokens", type=int, default=261,
@@ -132,10 +200,26 @@ def main() -> int:
     parser.add_argument("--top", type=int, default=30, help="kernels to list")
     parser.add_argument("--json", default=None)
     parser.add_argument("--sequence", default=None, help="write the first step's kernels, in order, to this file")
+    parser.add_argument("--under-ncu", action="store_true",
+                        help="one forward for ncu --profile-from-start off to time (see the top)")
+    parser.add_argument("--ncu-csv", default=None, help="print the kernel table of ncu's --csv output in this file")
     args = parser.parse_args()
+    if args.ncu_csv:
+        try:
+            kernels = ncu_kernels(Path(args.ncu_csv).read_text())
+        except (OSError, ValueError) as e:
+            print(f"gpu_timeline: {args.ncu_csv}: {e}", file=sys.stderr)
+            return 2
+        print_table(summarize(kernels, 1), args.top, "(ncu: each kernel timed alone) ")
+        return 0
+    if not args.model:
+        parser.error("--model is required (except with --ncu-csv)")
     if not (mx.default_device() == mx.gpu and mx.cuda.is_available()):
         print("gpu_timeline needs MLX on CUDA (on a Mac, Xcode's Metal System Trace shows the same)", file=sys.stderr)
         return 2
+    if args.under_ncu:
+        under_ncu(args.model, args.rows, args.prompt_tokens)
+        return 0
     try:
         import torch
         if not torch.cuda.is_available():
@@ -149,9 +233,7 @@ def main() -> int:
           f"profiler; GPU span "
           f"{res['span_ms']:.1f} ms, busy {res['busy_ms']:.1f} ms, kernel time summed {res['kernel_sum_ms']:.1f} ms, "
           f"idle gaps over 50 us {res['long_gaps_ms']:.1f} ms; {res['kernels_per_step']:.0f} kernels a step\n")
-    print("| kernel | calls / step | us / call | ms / step |\n|---|---|---|---|")
-    for row in res["table"][: args.top]:
-        print(f"| {row['kernel']} | {row['calls_per_step']:.1f} | {row['us_per_call']:.1f} | {row['ms_per_step']:.3f} |")
+    print_table(res, args.top)
     if args.sequence:
         Path(args.sequence).write_text("".join(f"{us:8.1f} {name}\n" for us, name in first_step(kernels, args.steps)))
     if args.json:

@@ -61,3 +61,43 @@ def test_first_step_lists_its_kernels_in_order(timeline):
                (12, 20, "gather"), (100, 110, "custom_kernel_hc_mix_1(float*)"), (112, 120, "gather"),
                (130, 135, "void mlx::core::cu::copy_v<float>(float*)")]
     assert timeline.first_step(kernels, 2) == [(10, "hc_mix_1"), (8, "gather"), (5, "copy_v")]
+
+
+NCU_CSV = '''==PROF== Connected to process 571 (/usr/bin/python3.12)
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
+"0","571","python3.12","127.0.0.1","mlx::core::cu::custom_kernel_hc_mix_1(float const*)","1","7","(256, 1, 1)","(8, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","ns","11,200"
+"1","571","python3.12","127.0.0.1","void mlx::core::cu::copy_v<float, float, unsigned int, 4>(float const*, float*)","1","7","(256, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","us","2.5"
+"1","571","python3.12","127.0.0.1","void mlx::core::cu::copy_v<float, float, unsigned int, 4>(float const*, float*)","1","7","(256, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","4,096"
+"2","571","python3.12","127.0.0.1","mlx::core::cu::custom_kernel_hc_mix_1(float const*)","1","7","(256, 1, 1)","(8, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","ms","0.0088"
+==PROF== Disconnected from process 571
+'''
+
+
+def test_ncu_table_read_in_its_units(timeline):
+    kernels = timeline.ncu_kernels(NCU_CSV)
+    assert [timeline.short_name(name) for _, _, name in kernels] == ["hc_mix_1", "copy_v", "hc_mix_1"]
+    assert [round(end - start, 6) for start, end, _ in kernels] == [11.2, 2.5, 8.8]  # us; the bytes row left out
+    assert kernels[1][0] == pytest.approx(11.2) and kernels[2][0] == pytest.approx(13.7)  # end to end
+    res = timeline.summarize(kernels, 1)
+    assert res["busy_ms"] == pytest.approx(22.5 / 1e3) and res["long_gaps_ms"] == 0
+    assert (res["table"][0]["kernel"], res["table"][0]["calls_per_step"], res["table"][0]["us_per_call"]) == \
+        ("hc_mix_1", 2, pytest.approx(10.0))
+
+
+def test_ncu_table_errors_name_the_problem(timeline):
+    with pytest.raises(ValueError, match="no ncu table"):
+        timeline.ncu_kernels("==PROF== nothing profiled\n")
+    with pytest.raises(ValueError, match="'cycle'"):
+        timeline.ncu_kernels(NCU_CSV.replace('"ns","11,200"', '"cycle","11,200"'))
+
+
+def test_ncu_csv_from_the_command_line(tmp_path):
+    path = tmp_path / "times.csv"
+    path.write_text(NCU_CSV)
+    out = subprocess.run([sys.executable, str(SCRIPT), "--ncu-csv", str(path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "kernel time summed 0.02 ms, 3 kernels" in out.stdout
+    assert "| hc_mix_1 | 2.0 | 10.0 | 0.020 |" in out.stdout
+    out = subprocess.run([sys.executable, str(SCRIPT), "--ncu-csv", str(tmp_path / "missing.csv")],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "missing.csv" in out.stderr and "Traceback" not in out.stderr
