@@ -180,9 +180,8 @@ def record(model_path: str, rows: int, steps: int, prompt_tokens: int = 261) -> 
     return [(e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type == cuda], wall
 
 
-def print_table(res: dict, top: int, title: str = "") -> None:
-    if title:
-        print(f"{title}kernel time summed {res['kernel_sum_ms']:.2f} ms, {res['kernels_per_step']:.0f} kernels\n")
+def print_table(res: dict, top: int) -> None:
+    """summarize's kernel table, its `top` rows, as markdown."""
     print("| kernel | calls / step | us / call | ms / step |\n|---|---|---|---|")
     for row in res["table"][:top]:
         name = row["kernel"] if len(row["kernel"]) <= 60 else row["kernel"][:57] + "..."  # MLX's fused kernels
@@ -210,7 +209,10 @@ def main() -> int:
         except (OSError, ValueError) as e:
             print(f"gpu_timeline: {args.ncu_csv}: {e}", file=sys.stderr)
             return 2
-        print_table(summarize(kernels, 1), args.top, "(ncu: each kernel timed alone) ")
+        res = summarize(kernels, 1)
+        print(f"(ncu: each kernel timed alone) kernel time summed {res['kernel_sum_ms']:.2f} ms, "
+              f"{res['kernels_per_step']:.0f} kernels\n")
+        print_table(res, args.top)
         return 0
     if not args.model:
         parser.error("--model is required (except with --ncu-csv)")
