@@ -24,30 +24,39 @@ const unsigned int tiles = (unsigned int)N / 32;
 const int pair = (int)(blockIdx.x / tiles);
 const unsigned int n0 = (blockIdx.x % tiles) * 32;  // the tile's first output
 const unsigned int expert = ids[pair];
-for (int q = 0; q < pair; q++) {
-  if (ids[q] == expert) {
-    return;  // the whole block: the expert's first pair does all of its pairs
+// a one-row launch: the row's experts are distinct, so `pair` is its expert's one pick, found without
+// reading ids again (each read before the walk, and the barrier behind them, delays every warp's first loads)
+const bool alone = rows == 1;
+if (!alone) {
+  for (int q = 0; q < pair; q++) {
+    if (ids[q] == expert) {
+      return;  // the whole block: the expert's first pair does all of its pairs
+    }
   }
 }
 const unsigned int lane = threadIdx.x % 32;
 const unsigned int g = lane / 4;  // lane 4g + t
-if (threadIdx.x == 0) {
-  int m = 0;
-  for (int p = pair; p < rows * KS; p++) {  // the pairs before `pair` did not pick it
-    if (ids[p] == expert) {
-      picks[m++] = p;
+if (!alone) {
+  if (threadIdx.x == 0) {
+    int m = 0;
+    for (int p = pair; p < rows * KS; p++) {  // the pairs before `pair` did not pick it
+      if (ids[p] == expert) {
+        picks[m++] = p;
+      }
     }
+    n_picks = m;
   }
-  n_picks = m;
+  __syncthreads();
 }
-__syncthreads();
+const float limit = SW ? swiglu[0] : 0.0f;                 // read now, used after the walk
+const float own_weight = SW == 2 && alone ? weights[pair] : 0.0f;  // likewise, a one-row launch's weight
 const unsigned int nb = (unsigned int)K / 32;  // blocks of 32 columns, each with its own scale per row
 const unsigned int per_warp = nb / MMA_WARPS;  // K a multiple of 256: the same count for every warp
 const unsigned int b0 = threadIdx.x / 32 * per_warp;  // the warp's first block
 const unsigned int words = (unsigned int)K / 8;
 const size_t row0 = (size_t)expert * N + n0;   // the tile's first weight row
 const unsigned char* tile_scales = mma_tile_scales<!ONE>(scales, row0, nb, staged);
-const int m = n_picks;
+const int m = alone ? 1 : n_picks;
 const unsigned int NY = SW ? (unsigned int)N / 2 : (unsigned int)N;  // outputs a pair has in y
 
 for (int p0 = 0; p0 < m; p0 += COLS) {  // a pass: picks p0 .. p0 + COLS - 1
@@ -55,7 +64,7 @@ for (int p0 = 0; p0 < m; p0 += COLS) {  // a pass: picks p0 .. p0 + COLS - 1
   const float* xsrow[NH];         // PX: its scales, a block each
 #pragma unroll
   for (int h = 0; h < NH; h++) {
-    const int p = p0 + 8 * h + (int)g < m ? picks[p0 + 8 * h + g] : picks[p0];
+    const int p = alone ? pair : p0 + 8 * h + (int)g < m ? picks[p0 + 8 * h + g] : picks[p0];
     const size_t r = (size_t)(X > 1 ? p : p / KS);
     xrow[h] = reinterpret_cast<const __nv_bfloat16*>(x) + r * K;  // (PX: fp16 bits, read as such)
     xsrow[h] = xs + r * nb;
@@ -74,13 +83,15 @@ for (int p0 = 0; p0 < m; p0 += COLS) {  // a pass: picks p0 .. p0 + COLS - 1
         const unsigned int row = SW ? 2 * out + j : out;
         sum[j] = mma_warps_total<NH>(red, row, col);
       }
-      const int pr = picks[p0 + col];
-      float v = SW ? gemv_swiglu(sum[0], sum[1], swiglu[0]) : sum[0];
+      const int pr = alone ? pair : picks[p0 + col];
+      float v = SW ? gemv_swiglu(sum[0], sum[1], limit) : sum[0];
       if (SW == 2) {
-        v = v * weights[pr];  // the pair's routing weight
+        v = v * (alone ? own_weight : weights[pr]);  // the pair's routing weight
       }
       y[(size_t)pr * NY + (SW ? n0 / 2 : n0) + out] = __float2bfloat16(v);
     }
   }
-  __syncthreads();  // the next pass writes red again
+  if (p0 + COLS < m) {
+    __syncthreads();  // the next pass writes red again
+  }
 }

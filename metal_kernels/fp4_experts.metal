@@ -25,7 +25,8 @@
 // The work: a threadgroup of 8 simdgroups per (pair, tile of 32 outputs). A pair whose expert an
 // earlier pair (in row-major order) also picked leaves at once; the first pair of each expert
 // runs all the pairs that picked it (at most one per row, found by a scan of the pairs after
-// it), COLS = 8 NH at a time: a pass, its pairs the columns of the matrix products (past the
+// it; in a one-row launch, whose experts are distinct, each pair is its expert's only one and
+// nothing is scanned), COLS = 8 NH at a time: a pass, its pairs the columns of the matrix products (past the
 // last pick, columns repeat the pass's first pick's x and their sums are never read; a later
 // pass reads the tile's weights again, from cache: with a verify forward's few rows an expert is
 // picked by one or two). The 8 simdgroups split K: simdgroup w takes the blocks w * nb / 8 ..
@@ -74,9 +75,14 @@ const uint tiles = uint(N) / 32;
 const int pair = int(threadgroup_position_in_grid.x / tiles);
 const uint n0 = (threadgroup_position_in_grid.x % tiles) * 32;  // the tile's first output
 const uint expert = ids[pair];
-for (int q = 0; q < pair; q++) {
-  if (ids[q] == expert) {
-    return;  // the whole threadgroup: the expert's first pair does all of its pairs
+// a one-row launch: the row's experts are distinct, so `pair` is its expert's one pick, found without
+// reading ids again (each read before the walk, and the barrier behind them, delays every simdgroup's first loads)
+const bool alone = rows == 1;
+if (!alone) {
+  for (int q = 0; q < pair; q++) {
+    if (ids[q] == expert) {
+      return;  // the whole threadgroup: the expert's first pair does all of its pairs
+    }
   }
 }
 const uint tid = thread_position_in_threadgroup.x;
@@ -84,17 +90,21 @@ const uint lane = thread_index_in_simdgroup;
 const uint warp = simdgroup_index_in_threadgroup;
 const uint g = lane / 4;
 const uint t = lane % 4;
-if (tid == 0) {
-  int m = 0;
-  for (int p = pair; p < rows * KS; p++) {  // the pairs before `pair` did not pick it
-    if (ids[p] == expert) {
-      picks[m++] = p;
+if (!alone) {
+  if (tid == 0) {
+    int m = 0;
+    for (int p = pair; p < rows * KS; p++) {  // the pairs before `pair` did not pick it
+      if (ids[p] == expert) {
+        picks[m++] = p;
+      }
     }
+    n_picks = m;
   }
-  n_picks = m;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
 }
-threadgroup_barrier(mem_flags::mem_threadgroup);
-const int m = n_picks;
+const int m = alone ? 1 : n_picks;
+const float limit = SW ? swiglu[0] : 0.0f;                         // read now, used after the walk
+const float own_weight = SW == 2 && alone ? weights[pair] : 0.0f;  // likewise, a one-row launch's weight
 const uint nb = uint(K) / 32;            // blocks of 32 columns, each with its own scale per row
 const uint per_warp = nb / WARPS;        // K a multiple of 256: the same count for every simdgroup
 const uint b0 = warp * per_warp;         // the simdgroup's first block
@@ -109,7 +119,7 @@ threadgroup float* red = tg_mem;  // [WARPS][32 rows][COLS], in the staging buff
 for (int p0 = 0; p0 < m; p0 += COLS) {  // a pass: picks p0 .. p0 + COLS - 1
   uint xr[COLS];  // column j's x row (past the last pick: the pass's first pick's, its sums unread)
   for (int j = 0; j < COLS; j++) {
-    const int p = p0 + j < m ? picks[p0 + j] : picks[p0];
+    const int p = alone ? pair : p0 + j < m ? picks[p0 + j] : picks[p0];
     xr[j] = uint(X > 1 ? p : p / KS);
   }
   float acc[4][NH][2] = {};  // [row group mg][column group h][c]: row 8 mg + g, column 8 h + 2 t + c
@@ -208,13 +218,15 @@ for (int p0 = 0; p0 < m; p0 += COLS) {  // a pass: picks p0 .. p0 + COLS - 1
           sum[j] += red[(v * 32 + row) * COLS + col];
         }
       }
-      const int pr = picks[p0 + col];
-      float v = SW ? gemv_swiglu(sum[0], sum[1], swiglu[0]) : sum[0];
+      const int pr = alone ? pair : picks[p0 + col];
+      float v = SW ? gemv_swiglu(sum[0], sum[1], limit) : sum[0];
       if (SW == 2) {
-        v = v * weights[pr];  // the pair's routing weight
+        v = v * (alone ? own_weight : weights[pr]);  // the pair's routing weight
       }
       y[ulong(pr) * NY + (SW ? n0 / 2 : n0) + out] = bfloat16_t(v);
     }
   }
-  threadgroup_barrier(mem_flags::mem_threadgroup);  // the next pass's staging writes red's place again
+  if (p0 + COLS < m) {
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // the next pass's staging writes red's place again
+  }
 }

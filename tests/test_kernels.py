@@ -314,7 +314,7 @@ def test_metal_source_type_checks(case, rows, tmp_path):
     ("fp8_gemv", ("q[i] = *((const device uint4*)", "q[i] = *((const device uint2*)")),  # type error
     ("fp4_experts_quantizing", ("mma_x_column<QX>(float(", "mma_x_columns<QX>(float(")),  # misspelt
     ("fp8_gemv_swiglu", ("o / RB * RB + RB), swiglu[0]);", "o / RB * RB + RB), swiglu);")),
-    ("fp4_experts_swiglu", ("v = v * weights[pr];", "v = v * weight[pr];")),  # misspelt
+    ("fp4_experts_swiglu", ("own_weight : weights[pr]);", "own_weight : weight[pr]);")),  # misspelt
     ("fp8_gemv_parts", ("o / RB, NY, v);", "o / RB, v);")),  # an argument short
     ("sparse_attention", ("ulong(key_row[j]) * D;", "ulong(key_rows[j]) * D;")),  # misspelt variable
     ("sparse_attention", ("qs[i / D][d ^ 1] * -rope_sin[s * D + d]", "qs[i / D][d ^ 1] * -rope_sine[s * D + d]")),
@@ -386,7 +386,7 @@ def test_cuda_source_compiles(case):
     ("fp4_experts_quantizing", ("mma_warp_sums<E2m1Codes,", "mma_warp_sums<E2m1Code,")),  # misspelt code format
     ("fp8_gemv_quantizing", ("p = gemv_fake_quant8(p, xs[r]);", "p = gemv_fake_quant8(p, xs);")),  # array for float
     ("fp8_gemv_swiglu", ("o / RB * RB + RB), swiglu[0]);", "o / RB * RB + RB), swiglu);")),
-    ("fp4_experts_swiglu", ("v = v * weights[pr];", "v = v * weight[pr];")),  # misspelt
+    ("fp4_experts_swiglu", ("own_weight : weights[pr]);", "own_weight : weight[pr]);")),  # misspelt
     ("fp8_gemv_parts", ("o / RB, NY, v);", "o / RB, v);")),  # an argument short
     ("fp8_mma_quantizing", ("mma_warps_total<NH>(red, n, r)", "mma_warps_total<NH>(red, n)")),  # an argument short
     ("fp8_mma_16_rows", ("mma_warp_sums_to<NH>(red, acc, lane);", "mma_warp_sums_to<NH>(red, acc[0], lane);")),  # wrong shape
