@@ -136,12 +136,23 @@ def generate_step(model, prompt: list[int], params: SamplingParams, max_tokens: 
         if max_tokens > 0:
             yield from speculative_decode(decoder, cache, logits, features, max_tokens)
         return
-    for _ in range(max_tokens):
-        position = cache.offset  # the new token's absolute position
-        token = sample(logits[None], mx.array([position]), params).item()
-        yield token
-        out, _ = model.decode([token], cache)
-        logits = out[0, -1]
+    # Each step begins the next forward before reading its token back (Model.decode_ahead):
+    # the device runs the forward's first block straight after sampling the token.
+    ahead = None
+    try:
+        for n in range(max_tokens):
+            position = cache.offset  # the new token's absolute position
+            token = sample(logits[None], mx.array([position]), params)
+            ahead = model.decode_ahead(token, cache) if n + 1 < max_tokens else None
+            token = token.item()
+            yield token
+            if ahead is not None:
+                out, _ = ahead.finish(token)
+                ahead = None
+                logits = out[0, -1]
+    finally:
+        if ahead is not None:  # the caller stopped early (or a step failed): the begun forward abandoned
+            ahead.cancel()
 
 
 def make_decoder(model, params: SamplingParams, draft: bool | None = None, verify: str | None = None,

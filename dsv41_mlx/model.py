@@ -1329,63 +1329,131 @@ class Model(nn.Module):
         cache = cache if cache is not None else self.make_cache()
         # ids' values on the host: where ids was made from them, no GPU work (ids[0].tolist() would
         # gather on the GPU and wait for it)
-        tokens = np.asarray(ids)[0].tolist()
-        start = cache.offset
-        S = len(tokens)
-        hashes = self.hasher(cache.tokens, tokens) if self.hasher is not None else None
-        engram_rows = self._read_engram_rows(hashes)
-        cache.tokens.extend(tokens)
+        forward = self._forward(ids, cache, np.asarray(ids)[0].tolist(), last_logits_only, real_rows)
+        try:
+            next(forward)
+        except StopIteration as done:  # (given its tokens, a forward never waits for them)
+            return done.value
+        raise AssertionError("a forward given its tokens waited for them")
 
+    def decode_ahead(self, token: mx.array, cache: ModelCache) -> DecodeAhead:
+        """decode([t], cache) begun while the token t (token: int [1], as sampling.sample makes it)
+        is still being computed: the forward's first block, which reads no engram, is built and
+        started on the device at once, and the rest waits for t on the host (DecodeAhead.finish).
+        So the device runs block 0 straight after the work that makes t, where decode would
+        leave it idle while the host reads t back and builds block 0 (docs/benchmarks.md,
+        session 30: the device's first work ~1.2 ms into an 18 ms step). The same graph, the
+        same bits as decode."""
+        rows = self._decode_rows or 1
+        mx.async_eval(token)  # t's work started from this thread, before the evaluator's may read it
+        forward = self._forward(token, cache, None, False, 1, rows)
+        next(forward)  # up to where it waits for the token
+        return DecodeAhead(forward, cache, rows, self._blocks_before_tokens)
+
+    @functools.cached_property
+    def _blocks_before_tokens(self) -> int:
+        """The blocks a forward builds before it needs its tokens on the host (decode_ahead):
+        block 0, unless it has an engram (whose table rows the tokens pick)."""
+        return 0 if 0 in self._engram_layers else 1
+
+    def _forward(self, ids: mx.array, cache: ModelCache, tokens: list[int] | None, last_logits_only: bool,
+                 real_rows: int | None, rows: int = 1):
+        """A forward of positions cache.offset.., as a generator that returns (logits, features).
+        tokens: ids' values on the host; or None, where ids is a token [1] still being computed on
+        the device (decode_ahead; a forward of `rows` rows, the token on each): then it builds its
+        first _blocks_before_tokens blocks from ids alone and waits for the tokens (`tokens =
+        yield`) before the rest. Each block is started as it is built where overlap_build (on
+        the evaluator's thread, with the graph built on its stream); the evaluator is drained on
+        the way out, also where the generator is closed at its wait."""
+        start = cache.offset
         evaluator = self._evaluator if self.overlap_build else None
         with mx.stream(evaluator.stream) if evaluator is not None else contextlib.nullcontext():
             try:
-                logits, feats = self._blocks_and_head(ids, start, cache, engram_rows, last_logits_only, real_rows,
-                                                      evaluator)
+                if tokens is None:  # the token on each row: a view, made on the stream the forward is built on
+                    ids = mx.broadcast_to(ids.astype(mx.int32).reshape(1, 1), (1, rows))
+                S = ids.shape[1]
+                positions = positions_of(start, S)
+                h, pre = hc_expand(self.embed(ids.reshape(-1)), self.args.hc_mult)  # [S, hc, dim], [S, hc]
+                shared = SharedAttention(real_rows, np.arange(start, start + S))
+
+                def begin(*arrays: mx.array) -> None:  # start them on the device now, where overlap_build
+                    if evaluator is not None:
+                        evaluator.submit(*arrays)
+                    elif self.overlap_build:
+                        mx.async_eval(*arrays)
+
+                ahead = self._blocks_before_tokens if tokens is None else 0
+                engram_values = {} if tokens is None else self._engram_values(cache, tokens, begin)
+                features = []
+                for i in range(len(self.layers)):
+                    if i == ahead and tokens is None:
+                        tokens = yield
+                        engram_values = self._engram_values(cache, tokens, begin)
+                    h, pre = self.block_forward(i, h, pre, positions, cache, shared, engram_values.get(i), real_rows,
+                                                features)
+                    begin(h, pre)
+                x = self.norm(hc_pre(h, pre))
+                if last_logits_only:
+                    last = S if real_rows is None else real_rows
+                    x, real_rows = x[last - 1: last], None
+                logits = self.head(x, real_rows)[None]
+                feats = mx.concatenate(features, axis=-1)[None] if features else mx.zeros((1, S, 0), dtype=BF16)
+                if evaluator is not None:
+                    evaluator.submit(logits, feats)
             finally:
                 if evaluator is not None:
                     evaluator.drain()  # before the caller evaluates anything itself
         return logits, feats
 
+    def _engram_values(self, cache: ModelCache, tokens: list[int], begin) -> dict[int, mx.array]:
+        """A forward's tokens taken in: every engram layer's table rows for their n-grams, read on
+        the host and started on the device (`begin`: they read host memory, so as early as the
+        tokens are known, while the device waits anyway), and the tokens appended to the cache.
+        -> {engram layer: its rows' values}."""
+        hashes = self.hasher(cache.tokens, tokens) if self.hasher is not None else None
+        layers, packed, layout = self._read_engram_rows(hashes)
+        cache.tokens.extend(tokens)
+        values = dict(zip(layers, unpack_rows(packed, layout)))
+        if values:
+            begin(*values.values())
+        return values
+
     def _read_engram_rows(self, hashes: np.ndarray | None) -> tuple[list[int], mx.array | None, list]:
         """Every engram layer's table rows for a forward's hashes, read on the host into one
-        array before any of the forward's GPU work is queued (engram.pack_rows says why): the
-        layers, the array, its layout."""
+        array, before any of the forward's GPU work is queued but a decode_ahead's first block
+        (engram.pack_rows says why): the layers, the array, its layout."""
         layers = list(self._engram_layers)
         if not layers:
             return [], None, []
         return layers, *pack_rows([self.layers[i].engram.table.read(hashes[:, self.hasher.layer_index(i)])
                                    for i in layers])
 
-    def _blocks_and_head(self, ids: mx.array, start: int, cache: ModelCache, engram_rows: tuple,
-                         last_logits_only: bool, real_rows: int | None,
-                         evaluator: BlockEvaluator | None) -> tuple[mx.array, mx.array]:
-        """__call__'s graph of positions start.., each block started as it is built where
-        overlap_build. (Everything lazy is made here, on the stream __call__ builds on.)"""
-        S = ids.shape[1]
-        positions = positions_of(start, S)
-        h, pre = hc_expand(self.embed(ids.reshape(-1)), self.args.hc_mult)  # [S, hc, dim], [S, hc]; a view: no gather
-        shared = SharedAttention(real_rows, np.arange(start, start + S))
 
-        def begin(*arrays: mx.array) -> None:  # start them on the device now, where overlap_build
-            if evaluator is not None:
-                evaluator.submit(*arrays)
-            elif self.overlap_build:
-                mx.async_eval(*arrays)
+class DecodeAhead:
+    """A one-token decode forward begun before its token is on the host (Model.decode_ahead):
+    its first blocks built and started, the rest waiting for the token. `finish(t)` builds the
+    rest with the token's value t and returns decode's (logits [1, 1, V], features [1, 1, F]);
+    `cancel()` abandons it (a caller that stops before the next token) and leaves the cache as
+    it was before."""
 
-        engram_layers, packed, layout = engram_rows
-        engram_values = dict(zip(engram_layers, unpack_rows(packed, layout)))
-        if engram_values:  # first: they read host memory, while the GPU waits anyway
-            begin(*engram_values.values())
-        features = []
-        for i in range(len(self.layers)):
-            h, pre = self.block_forward(i, h, pre, positions, cache, shared, engram_values.get(i), real_rows, features)
-            begin(h, pre)
-        x = self.norm(hc_pre(h, pre))
-        if last_logits_only:
-            last = S if real_rows is None else real_rows
-            x, real_rows = x[last - 1: last], None
-        logits = self.head(x, real_rows)[None]
-        feats = mx.concatenate(features, axis=-1)[None] if features else mx.zeros((1, S, 0), dtype=BF16)
-        if evaluator is not None:
-            evaluator.submit(logits, feats)
-        return logits, feats
+    def __init__(self, forward, cache: ModelCache, rows: int, blocks_built: int):
+        self._forward, self._cache, self._rows, self._built = forward, cache, rows, blocks_built
+
+    def finish(self, token: int) -> tuple[mx.array, mx.array]:
+        forward, self._forward = self._forward, None  # (nothing left to cancel, even if this fails)
+        try:
+            forward.send([token] * self._rows)  # the padding rows repeat it, as Model.padded's
+        except StopIteration as done:
+            logits, features = done.value
+        else:
+            raise AssertionError("a forward waited twice for its tokens")
+        self._cache.trim(self._rows - 1)
+        return logits[:, :1], features[:, :1]
+
+    def cancel(self) -> None:
+        if self._forward is None:  # finished (or failed finishing)
+            return
+        self._forward.close()  # the evaluator drained (_forward's finally)
+        self._forward = None
+        for layer in self._cache.layers[:self._built]:  # the blocks built wrote their layers' caches
+            layer.trim(self._rows)

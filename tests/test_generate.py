@@ -235,3 +235,24 @@ def test_prefill_pads_its_last_chunk_without_changing_a_bit(fixture_model):
     assert padded.offset == len(prompt) and padded.tokens == plain.tokens
     for a, b in zip(plain.snapshot(), padded.snapshot()):
         assert mx.array_equal(a, b).item()
+
+
+def test_a_reply_stopped_early_abandons_its_begun_forward(default_model):
+    """Plain decoding begins each next forward before it hands the caller the token
+    (Model.decode_ahead): a caller that stops after three tokens leaves nothing running, and
+    the model then replies as before, with the blocks on the evaluator's thread or not."""
+    from dsv41_mlx.generate import generate_step
+    from dsv41_mlx.sampling import SamplingParams
+
+    model, tokenizer = default_model
+    prompt = tokenizer.encode("The quick brown fox")
+    whole = list(generate_step(model, prompt, SamplingParams(), 6))
+    model.overlap_build = model.evaluate_on_thread = True
+    try:
+        steps = generate_step(model, prompt, SamplingParams(), 6)
+        first = [next(steps) for _ in range(3)]
+        steps.close()
+        again = list(generate_step(model, prompt, SamplingParams(), 6))
+    finally:
+        model.overlap_build = model.evaluate_on_thread = False
+    assert first == whole[:3] and again == whole

@@ -250,6 +250,41 @@ def test_blocks_evaluated_on_a_thread_change_no_bit(fixture_model, golden):
         _assert_same_state(got[2], whole[2])
 
 
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("threaded", [False, True])
+def test_a_decode_begun_before_its_token_is_read_changes_no_bit(fixture_model, golden, padded, threaded):
+    """Model.decode_ahead with the token still lazy (each one the previous step's greedy pick):
+    its first block built before the token is read, the rest after. Every step gives decode's
+    logits, features and cache, padded to 8 rows or not, with the blocks started on the
+    evaluator's thread or not; a cancelled one leaves the cache as it was (engram layers 1 and 4:
+    block 0 alone is built ahead)."""
+    model = fixture_model
+    assert model._blocks_before_tokens == 1
+    ids = _ids(golden)
+    model.decode_rows = 8 if padded else None
+    model.overlap_build = model.evaluate_on_thread = threaded
+    try:
+        plain, ahead = model.make_cache(), model.make_cache()
+        for c in (plain, ahead):
+            logits, _ = model(mx.array([ids[:41]], dtype=mx.int32), c)
+        for _ in range(4):
+            token = mx.argmax(logits[0, -1:], axis=-1)  # [1], not yet computed
+            begun = model.decode_ahead(token, ahead)
+            t = token.item()
+            want, want_f = model.decode([t], plain)
+            logits, features = begun.finish(t)
+            assert mx.array_equal(want, logits).item() and mx.array_equal(want_f, features).item()
+            _assert_same_state(plain, ahead)
+        model.decode_ahead(mx.argmax(logits[0, -1:], axis=-1), ahead).cancel()
+        _assert_same_state(plain, ahead)
+        want, _ = model.decode([ids[0]], plain)
+        got, _ = model.decode([ids[0]], ahead)
+        assert mx.array_equal(want, got).item()
+    finally:
+        model.decode_rows = None
+        model.overlap_build = model.evaluate_on_thread = False
+
+
 def test_block_evaluator_hands_its_threads_error_to_the_caller(monkeypatch):
     """What the thread's mx.async_eval raises comes out of the next drain, on the caller's
     thread; the evaluator then runs again."""
