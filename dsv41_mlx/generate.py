@@ -142,9 +142,9 @@ def generate_step(model, prompt: list[int], params: SamplingParams, max_tokens: 
     try:
         for n in range(max_tokens):
             position = cache.offset  # the new token's absolute position
-            token = sample(logits[None], mx.array([position]), params)
-            ahead = model.decode_ahead(token, cache) if n + 1 < max_tokens else None
-            token = token.item()
+            drawn = sample(logits[None], mx.array([position]), params)  # [1], on the device
+            ahead = model.decode_ahead(drawn, cache) if n + 1 < max_tokens else None
+            token = drawn.item()
             yield token
             if ahead is not None:
                 out, _ = ahead.finish(token)
