@@ -1226,7 +1226,7 @@ def fp4_experts(x: mx.array, w: mx.array, scales: mx.array, ids: mx.array, impl:
     (y,) = _compiled(FP4_EXPERTS, impl)(
         inputs=[x, xs, w, scales, ids.astype(mx.uint32), _int32s(R, k, N, K, slots), limit, weights],
         template=[("NH", mma_column_groups(R)), ("QX", int(quantize_input)), ("SW", sw), ("ONE", int(R == 1)),
-                  ("U", experts_loads_ahead(R)), ("PX", int(prepared))],
+                  ("U", experts_loads_ahead(R, K)), ("PX", int(prepared))],
         grid=(R * k * (N // 32) * 256, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[(R, k, N // 2 if sw else N)], output_dtypes=[mx.bfloat16], init_value=init_value)
     return y
@@ -1257,12 +1257,16 @@ def mma_x_prepared(x: mx.array, n: int, quantize_input: bool, impl: str) -> tupl
         output_dtypes=[mx.uint16, mx.float32])
 
 
-def experts_loads_ahead(rows: int) -> int:
-    """U of fp4_experts on CUDA: the blocks whose weight loads a warp issues before it uses
-    the first (the Metal twin stages its tiles otherwise and ignores it). No bit depends on
-    it. 2 (the fastest of 1..3 at six rows, session 17), 1 for one row (H100, session 25: w13
-    with its SwiGLU 50.8 against 59.1 us, w2 24.6 against 27.1; `bench.py layouts`)."""
-    return 1 if rows == 1 else 2
+def experts_loads_ahead(rows: int, k: int) -> int:
+    """U of fp4_experts on CUDA for `rows` computed rows of K = k: the blocks whose weight loads a
+    warp issues before it uses the first (the Metal twin stages its tiles otherwise and ignores
+    it). No bit depends on it. 2 (the fastest of 1..3 at six rows, session 17), but 1 for one
+    row of a short K (w2's 2304: nine blocks a warp). On the H200 (session 31, chained over 40
+    layers' stacks, after one-row launches stopped scanning their picks) w13 with its SwiGLU
+    (K 5120) at one row took 57.3 / 54.2 us at U 2 against 62.4 / 62.7 at U 1 (interleaved in
+    one process; 62.6 against 84-92 in another), w2 25.6 / 24.5 against 25.0 / 23.7 (session
+    25's H100 had preferred U 1 for both, before that change: w13 50.8 against 59.1 us)."""
+    return 1 if rows == 1 and k < 4096 else 2
 
 
 def mma_loads_ahead(k: int, rows: int) -> int:

@@ -1079,7 +1079,7 @@ def bench_layouts(rows_list: tuple[int, ...] = LAYOUT_ROWS, forward_rows: int = 
     weights, x, h = mx.random.uniform(shape=(forward_rows, top)), fp8_input((forward_rows, 1, dim)), \
         mx.random.normal((forward_rows, top, inter)).astype(mx.bfloat16)
     mx.eval(w13, w2, ids, weights, x, h)
-    u_experts = [(u, lambda rows, u=u: u) for u in (1, 2, 3, 4)]
+    u_experts = [(u, lambda rows, k, u=u: u) for u in (1, 2, 3, 4)]
 
     def expert_bytes(stacks, rows):  # the experts the computed rows pick, read once each (mean over copies)
         per_expert = (stacks[0][0].nbytes + stacks[0][1].nbytes) / experts
@@ -1089,11 +1089,11 @@ def bench_layouts(rows_list: tuple[int, ...] = LAYOUT_ROWS, forward_rows: int = 
         act = kernels.SwiGLU(7.0, weights)
         measure("fp4_experts", f"{dim} -> 2 x {inter} + SwiGLU", rows,
                 lambda v, i, r=rows: kernels.fp4_experts(v, *w13[i % copies], ids[i % copies], swiglu=act, rows=r),
-                x, "experts_loads_ahead", u_experts, kernels.experts_loads_ahead(rows), expert_bytes(w13, rows))
+                x, "experts_loads_ahead", u_experts, kernels.experts_loads_ahead(rows, dim), expert_bytes(w13, rows))
         measure("fp4_experts", f"{inter} -> {dim}, x quantised in the kernel", rows,
                 lambda v, i, r=rows: kernels.fp4_experts(v, *w2[i % copies], ids[i % copies], quantize_input=True,
                                                          rows=r),
-                h, "experts_loads_ahead", u_experts, kernels.experts_loads_ahead(rows), expert_bytes(w2, rows))
+                h, "experts_loads_ahead", u_experts, kernels.experts_loads_ahead(rows, inter), expert_bytes(w2, rows))
     del w13, w2
 
     u_mma = [(u, lambda k, rows, u=u: u) for u in (2, 4, 6, 8)]

@@ -97,7 +97,7 @@ def test_fp4_experts_runs_its_spec_on_the_host(language, rows, per_slot, qx, sw,
                                          quantize_input=bool(qx), swiglu=act)
     got = _fp4_experts_on_the_host(kernels.FP4_EXPERTS, language, x, codes, scales, ids, weights,
                                    {"NH": kernels.mma_column_groups(rows), "QX": qx, "SW": sw, "ONE": int(rows == 1),
-                                    "U": kernels.experts_loads_ahead(rows), "PX": 0}, N // 2 if sw else N, tmp_path)
+                                    "U": kernels.experts_loads_ahead(rows, K), "PX": 0}, N // 2 if sw else N, tmp_path)
     _assert_within_rounding(got, want)
 
 
@@ -113,7 +113,7 @@ def test_fp4_experts_on_prepared_x_gives_the_same_bits(language, rows, per_slot,
     very bits it computes from x itself (PX = 0), so kernels.experts_prepare_x may choose either."""
     codes, scales, ids, x, weights = _inputs(rows, per_slot, quantise_first=not qx, seed=rows + 20)
     template = {"NH": kernels.mma_column_groups(rows), "QX": qx, "SW": sw, "ONE": int(rows == 1),
-                "U": kernels.experts_loads_ahead(rows)}
+                "U": kernels.experts_loads_ahead(rows, K)}
     n_out = N // 2 if sw else N
     plain = _fp4_experts_on_the_host(kernels.FP4_EXPERTS, language, x, codes, scales, ids, weights,
                                      {**template, "PX": 0}, n_out, tmp_path)
@@ -130,7 +130,7 @@ def test_fp4_experts_on_prepared_x_gives_the_same_bits(language, rows, per_slot,
 ])
 def test_fp4_experts_gives_the_same_bits_whatever_its_loads_ahead(rows, per_slot, qx, sw, px, tmp_path):
     """The CUDA walk's U (the blocks whose loads a warp issues before it uses the first:
-    kernels.experts_loads_ahead, 1 for one row and 2 for more) moves no bit: each block's sums
+    kernels.experts_loads_ahead: 1 for one row of a short K, else 2) moves no bit: each block's sums
     are added in the same order. A decode step's row and the same row in a verify forward
     launch with different U, and drafts on must give the bits of drafts off."""
     # K 2304 (w2's): 9 blocks a warp, not a multiple of U

@@ -152,7 +152,7 @@ def _gemv_case(RB, T, C, QX=0, SW=0, AP=0, SPLIT=0):  # noqa: N803 (the kernel's
 def _experts_case(NH, QX=0, SW=0, ONE=0, U=None, PX=0):  # noqa: N803
     inputs = {"x": "uint16" if PX else "bfloat16", "xs": "float32", "w": "uint32", "scales": "uint8", "ids": "uint32",
               "sizes": "int32", "swiglu": "float32", "weights": "float32"}
-    if U is None:  # kernels.experts_loads_ahead's
+    if U is None:  # kernels.experts_loads_ahead's at a short K
         U = 1 if ONE else 2
     return FP4_EXPERTS, inputs, {"y": "bfloat16"}, {"NH": NH, "QX": QX, "SW": SW, "ONE": ONE, "U": U, "PX": PX}
 
@@ -237,6 +237,7 @@ CASES = {
     "fp4_experts": _experts_case(NH=1),
     "fp4_experts_16_rows": _experts_case(NH=2),
     "fp4_experts_quantizing": _experts_case(NH=1, QX=1, ONE=1),
+    "fp4_experts_one_row_two_ahead": _experts_case(NH=1, QX=1, SW=2, ONE=1, U=2),  # w13's (kernels.experts_loads_ahead)
     "fp4_experts_swiglu": _experts_case(NH=1, SW=2),
     "fp4_experts_swiglu_16_rows": _experts_case(NH=2, QX=1, SW=1),
     "fp4_experts_prepared": _experts_case(NH=1, SW=2, PX=1),
