@@ -1363,35 +1363,46 @@ class Model(nn.Module):
         the device (decode_ahead; a forward of `rows` rows, the token on each): then it builds its
         first _blocks_before_tokens blocks from ids alone and waits for the tokens (`tokens =
         yield`) before the rest. Each block is started as it is built where overlap_build (on
-        the evaluator's thread, with the graph built on its stream); the evaluator is drained on
-        the way out, also where the generator is closed at its wait."""
+        the evaluator's thread, with the graph built on its stream: only while building, so that
+        the caller's own work while the forward waits stays on the caller's stream); the
+        evaluator is drained on the way out, also where the generator is closed at its wait."""
         start = cache.offset
         evaluator = self._evaluator if self.overlap_build else None
-        with mx.stream(evaluator.stream) if evaluator is not None else contextlib.nullcontext():
-            try:
+
+        def building():  # the stream the forward's graph is built on
+            return mx.stream(evaluator.stream) if evaluator is not None else contextlib.nullcontext()
+
+        def begin(*arrays: mx.array) -> None:  # start them on the device now, where overlap_build
+            if evaluator is not None:
+                evaluator.submit(*arrays)
+            elif self.overlap_build:
+                mx.async_eval(*arrays)
+
+        def blocks(first: int, last: int, engram_values: dict[int, mx.array]) -> None:
+            nonlocal h, pre
+            for i in range(first, last):
+                h, pre = self.block_forward(i, h, pre, positions, cache, shared, engram_values.get(i), real_rows,
+                                            features)
+                begin(h, pre)
+
+        n_layers = len(self.layers)
+        try:
+            with building():
                 if tokens is None:  # the token on each row: a view, made on the stream the forward is built on
                     ids = mx.broadcast_to(ids.astype(mx.int32).reshape(1, 1), (1, rows))
                 S = ids.shape[1]
                 positions = positions_of(start, S)
                 h, pre = hc_expand(self.embed(ids.reshape(-1)), self.args.hc_mult)  # [S, hc, dim], [S, hc]
                 shared = SharedAttention(real_rows, np.arange(start, start + S))
-
-                def begin(*arrays: mx.array) -> None:  # start them on the device now, where overlap_build
-                    if evaluator is not None:
-                        evaluator.submit(*arrays)
-                    elif self.overlap_build:
-                        mx.async_eval(*arrays)
-
-                ahead = self._blocks_before_tokens if tokens is None else 0
-                engram_values = {} if tokens is None else self._engram_values(cache, tokens, begin)
                 features = []
-                for i in range(len(self.layers)):
-                    if i == ahead and tokens is None:
-                        tokens = yield
-                        engram_values = self._engram_values(cache, tokens, begin)
-                    h, pre = self.block_forward(i, h, pre, positions, cache, shared, engram_values.get(i), real_rows,
-                                                features)
-                    begin(h, pre)
+                ahead = 0
+                if tokens is None:
+                    ahead = self._blocks_before_tokens
+                    blocks(0, ahead, {})
+            if tokens is None:
+                tokens = yield
+            with building():
+                blocks(ahead, n_layers, self._engram_values(cache, tokens, begin))
                 x = self.norm(hc_pre(h, pre))
                 if last_logits_only:
                     last = S if real_rows is None else real_rows
@@ -1400,9 +1411,9 @@ class Model(nn.Module):
                 feats = mx.concatenate(features, axis=-1)[None] if features else mx.zeros((1, S, 0), dtype=BF16)
                 if evaluator is not None:
                     evaluator.submit(logits, feats)
-            finally:
-                if evaluator is not None:
-                    evaluator.drain()  # before the caller evaluates anything itself
+        finally:
+            if evaluator is not None:
+                evaluator.drain()  # before the caller evaluates anything itself
         return logits, feats
 
     def _engram_values(self, cache: ModelCache, tokens: list[int], begin) -> dict[int, mx.array]:

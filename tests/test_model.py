@@ -256,8 +256,8 @@ def test_a_decode_begun_before_its_token_is_read_changes_no_bit(fixture_model, g
     """Model.decode_ahead with the token still lazy (each one the previous step's greedy pick):
     its first block built before the token is read, the rest after. Every step gives decode's
     logits, features and cache, padded to 8 rows or not, with the blocks started on the
-    evaluator's thread or not; a cancelled one leaves the cache as it was (engram layers 1 and 4:
-    block 0 alone is built ahead)."""
+    evaluator's thread or not (the caller's stream its own while the forward waits); a cancelled
+    one leaves the cache as it was (engram layers 1 and 4: block 0 alone is built ahead)."""
     model = fixture_model
     assert model._blocks_before_tokens == 1
     ids = _ids(golden)
@@ -267,9 +267,11 @@ def test_a_decode_begun_before_its_token_is_read_changes_no_bit(fixture_model, g
         plain, ahead = model.make_cache(), model.make_cache()
         for c in (plain, ahead):
             logits, _ = model(mx.array([ids[:41]], dtype=mx.int32), c)
+        callers = mx.default_stream(mx.default_device())
         for _ in range(4):
             token = mx.argmax(logits[0, -1:], axis=-1)  # [1], not yet computed
             begun = model.decode_ahead(token, ahead)
+            assert mx.default_stream(mx.default_device()) == callers  # (not the evaluator's, while it waits)
             t = token.item()
             want, want_f = model.decode([t], plain)
             logits, features = begun.finish(t)
