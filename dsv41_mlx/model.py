@@ -1329,12 +1329,7 @@ class Model(nn.Module):
         cache = cache if cache is not None else self.make_cache()
         # ids' values on the host: where ids was made from them, no GPU work (ids[0].tolist() would
         # gather on the GPU and wait for it)
-        forward = self._forward(ids, cache, np.asarray(ids)[0].tolist(), last_logits_only, real_rows)
-        try:
-            next(forward)
-        except StopIteration as done:  # (given its tokens, a forward never waits for them)
-            return done.value
-        raise AssertionError("a forward given its tokens waited for them")
+        return _result(self._forward(ids, cache, np.asarray(ids)[0].tolist(), last_logits_only, real_rows))
 
     def decode_ahead(self, token: mx.array, cache: ModelCache) -> DecodeAhead:
         """decode([t], cache) begun while the token t (token: int [1], as sampling.sample makes it)
@@ -1385,7 +1380,6 @@ class Model(nn.Module):
                                             features)
                 begin(h, pre)
 
-        n_layers = len(self.layers)
         try:
             with building():
                 if tokens is None:  # the token on each row: a view, made on the stream the forward is built on
@@ -1395,14 +1389,12 @@ class Model(nn.Module):
                 h, pre = hc_expand(self.embed(ids.reshape(-1)), self.args.hc_mult)  # [S, hc, dim], [S, hc]
                 shared = SharedAttention(real_rows, np.arange(start, start + S))
                 features = []
-                ahead = 0
-                if tokens is None:
-                    ahead = self._blocks_before_tokens
-                    blocks(0, ahead, {})
+                ahead = self._blocks_before_tokens if tokens is None else 0
+                blocks(0, ahead, {})
             if tokens is None:
                 tokens = yield
             with building():
-                blocks(ahead, n_layers, self._engram_values(cache, tokens, begin))
+                blocks(ahead, len(self.layers), self._engram_values(cache, tokens, begin))
                 x = self.norm(hc_pre(h, pre))
                 if last_logits_only:
                     last = S if real_rows is None else real_rows
@@ -1440,6 +1432,16 @@ class Model(nn.Module):
                                    for i in layers])
 
 
+def _result(forward, tokens: list[int] | None = None) -> tuple[mx.array, mx.array]:
+    """A Model._forward generator run on to its (logits, features): started, or sent the tokens it
+    waits for. It has its tokens then, so it must not wait again."""
+    try:
+        forward.send(tokens)
+    except StopIteration as done:
+        return done.value
+    raise AssertionError("a forward waited for tokens it had been given")
+
+
 class DecodeAhead:
     """A one-token decode forward begun before its token is on the host (Model.decode_ahead):
     its first blocks built and started, the rest waiting for the token. `finish(t)` builds the
@@ -1452,12 +1454,7 @@ class DecodeAhead:
 
     def finish(self, token: int) -> tuple[mx.array, mx.array]:
         forward, self._forward = self._forward, None  # (nothing left to cancel, even if this fails)
-        try:
-            forward.send([token] * self._rows)  # the padding rows repeat it, as Model.padded's
-        except StopIteration as done:
-            logits, features = done.value
-        else:
-            raise AssertionError("a forward waited twice for its tokens")
+        logits, features = _result(forward, [token] * self._rows)  # the padding rows repeat it, as Model.padded's
         self._cache.trim(self._rows - 1)
         return logits[:, :1], features[:, :1]
 
