@@ -1226,7 +1226,7 @@ def fp4_experts(x: mx.array, w: mx.array, scales: mx.array, ids: mx.array, impl:
     (y,) = _compiled(FP4_EXPERTS, impl)(
         inputs=[x, xs, w, scales, ids.astype(mx.uint32), _int32s(R, k, N, K, slots), limit, weights],
         template=[("NH", mma_column_groups(R)), ("QX", int(quantize_input)), ("SW", sw), ("ONE", int(R == 1)),
-                  ("U", experts_loads_ahead(R, K)), ("PX", int(prepared))],
+                  ("U", experts_loads_ahead(R, K)), ("PX", int(prepared)), ("PF", experts_prefetch(R, K))],
         grid=(R * k * (N // 32) * 256, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[(R, k, N // 2 if sw else N)], output_dtypes=[mx.bfloat16], init_value=init_value)
     return y
@@ -1267,6 +1267,14 @@ def experts_loads_ahead(rows: int, k: int) -> int:
     one process; 62.6 against 84-92 in another), w2 25.6 / 24.5 against 25.0 / 23.7 (session
     25's H100 had preferred U 1 for both, before that change: w13 50.8 against 59.1 us)."""
     return 1 if rows == 1 and k < 4096 else 2
+
+
+def experts_prefetch(rows: int, k: int) -> int:
+    """PF of fp4_experts on CUDA for `rows` computed rows of K = k: 1 where a warp issues the
+    loads of its next U blocks before it sums the U before them (two groups' registers a
+    lane), 0 where each group's loads wait for the group before it to be summed. The Metal
+    twin stages its tiles and ignores it. No bit depends on it."""
+    return 0
 
 
 def mma_loads_ahead(k: int, rows: int) -> int:

@@ -9,6 +9,7 @@
 // so each fp16 pair is codes i and i + 4 of the word (E2M1_HALF_PAIR), and x the same.
 
 // U (a template constant, kernels.experts_loads_ahead): the blocks whose loads a warp issues before it uses the first
+// PF (kernels.experts_prefetch): a group of U blocks' loads issued before the group before it is summed
 // PX: x and xs are mma_x_prep's (see fp4_experts.metal)
 constexpr int COLS = 8 * NH;  // pass columns
 __shared__ int picks[16];  // the pairs (r * KS + j, in order) that picked this expert: at most one a row
@@ -70,7 +71,7 @@ for (int p0 = 0; p0 < m; p0 += COLS) {  // a pass: picks p0 .. p0 + COLS - 1
     xsrow[h] = xs + r * nb;
   }
   float acc[2][NH][4] = {};  // [m group][column group][C fragment]
-  mma_warp_sums<E2m1Codes, U, NH, QX, ONE, PX>(w, tile_scales, row0, words, nb, xrow, b0, per_warp, lane, acc, xsrow);
+  mma_warp_sums<E2m1Codes, U, NH, QX, ONE, PX, PF>(w, tile_scales, row0, words, nb, xrow, b0, per_warp, lane, acc, xsrow);
   mma_warp_sums_to<NH>(red, acc, lane);
   __syncthreads();
   for (unsigned int o = threadIdx.x; o < (SW ? 16u : 32u) * COLS; o += MMA_WARPS * 32) {

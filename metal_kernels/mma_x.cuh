@@ -105,6 +105,16 @@ __device__ __forceinline__ const unsigned char* mma_tile_scales(const S* scales,
   return reinterpret_cast<const unsigned char*>(tile);
 }
 
+// One group of U blocks' loads in a warp's walk (mma_warp_sums): a lane's registers.
+template <class Codes, int U, int NH>
+struct MmaBlocks {
+  typename Codes::Word wq[U][2][2];  // [block][m group][row g, g + 8]: this lane's codes of each row
+  unsigned int ws[U][2][2];          // their scale bytes
+  uint4 xv[U][NH];                   // x (PX: x / s) at the block's columns 8t .. 8t + 7 of column 8h + g
+  float x1[U];                       // ONE: column 0's x at the block's column `lane`
+  float xs[U][NH];                   // PX: column 8h + g's s of the block
+};
+
 // One warp's share of a tile of 32 weight rows (row0 .. row0 + 31 of w, `words` 32-bit words
 // a row; their scales `nb` bytes a row, from mma_tile_scales) in the 32-column blocks b0 ..
 // b0 + per_warp - 1, times B columns 8h + g (xrow[h]: bf16 x of the whole K): each block's
@@ -112,33 +122,33 @@ __device__ __forceinline__ const unsigned char* mma_tile_scales(const S* scales,
 // group][C fragment].
 // `lane`: threadIdx.x % 32, computed by the kernel up front (so ptxas keeps the
 // registers of the kernels before this helper: 64 for fp4_experts at NH 1). U blocks' loads
-// are issued before the first is used. ONE: column 0 alone (a one-row
+// are issued before the first is used. PF: a group of U blocks' loads is issued before the
+// group before it is used (two groups' registers: the loads of one are in flight while the
+// other is summed); otherwise a group's loads wait for the group before it. ONE: column 0 alone (a one-row
 // launch), its x read a value a lane (mma_x_column), the other columns zeros, their sums unread.
 // PX: x is already x / s, as fp16 bits (mma_x_prep), and xsrow[h] column 8h + g's scales s a
 // block: the same B fragments and scales, read instead of computed by every threadgroup.
-template <class Codes, int U, int NH, int QX, bool ONE, int PX = 0, class W>
+// Neither U nor PF moves a bit: the blocks are summed in the same order.
+template <class Codes, int U, int NH, int QX, bool ONE, int PX = 0, int PF = 0, class W>
 __device__ __forceinline__ void mma_warp_sums(const W* w, const unsigned char* scales, size_t row0, unsigned int words,
                                               unsigned int nb, const __nv_bfloat16* const* xrow, unsigned int b0,
                                               unsigned int per_warp, unsigned int lane, float (&acc)[2][NH][4],
                                               const float* const* xsrow = nullptr) {
   const unsigned int g = lane / 4;
   const unsigned int t = lane % 4;
-  for (unsigned int i0 = 0; i0 < per_warp; i0 += U) {
-    typename Codes::Word wq[U][2][2];  // [block][m group][row g, g + 8]: this lane's codes of each row
-    unsigned int ws[U][2][2];          // their scale bytes
-    uint4 xv[U][NH];                   // x (PX: x / s) at the block's columns 8t .. 8t + 7 of column 8h + g
-    float x1[U];                       // ONE: column 0's x at the block's column `lane`
-    float xs[U][NH];                   // PX: column 8h + g's s of the block
+  using Blocks = MmaBlocks<Codes, U, NH>;
+  // the loads of blocks i0 .. i0 + U - 1 of the warp's (past its last: the last again, unused)
+  auto load = [&](unsigned int i0, Blocks& q) {
 #pragma unroll
     for (int u = 0; u < U; u++) {
-      const unsigned int b = b0 + min(i0 + u, per_warp - 1);  // past the warp's blocks: its last again, unused
+      const unsigned int b = b0 + min(i0 + u, per_warp - 1);
 #pragma unroll
       for (int mg = 0; mg < 2; mg++) {
 #pragma unroll
         for (int e = 0; e < 2; e++) {
           const unsigned int r = 16 * mg + g + 8 * e;  // the tile's row
-          wq[u][mg][e] = Codes::load(w, (row0 + r) * words, b, t);
-          ws[u][mg][e] = scales[r * nb + b];
+          q.wq[u][mg][e] = Codes::load(w, (row0 + r) * words, b, t);
+          q.ws[u][mg][e] = scales[r * nb + b];
         }
       }
     }
@@ -149,19 +159,22 @@ __device__ __forceinline__ void mma_warp_sums(const W* w, const unsigned char* s
 #pragma unroll
         for (int h = 0; h < (ONE ? 1 : NH); h++) {
           if (!ONE || g == 0) {
-            xv[u][h] = __ldg(reinterpret_cast<const uint4*>(xrow[h] + 32 * b + 8 * t));
+            q.xv[u][h] = __ldg(reinterpret_cast<const uint4*>(xrow[h] + 32 * b + 8 * t));
           }
-          xs[u][h] = xsrow[h][b];
+          q.xs[u][h] = xsrow[h][b];
         }
       } else if (ONE) {
-        x1[u] = __bfloat162float(xrow[0][32 * b + lane]);
+        q.x1[u] = __bfloat162float(xrow[0][32 * b + lane]);
       } else {
 #pragma unroll
         for (int h = 0; h < NH; h++) {
-          xv[u][h] = __ldg(reinterpret_cast<const uint4*>(xrow[h] + 32 * b + 8 * t));
+          q.xv[u][h] = __ldg(reinterpret_cast<const uint4*>(xrow[h] + 32 * b + 8 * t));
         }
       }
     }
+  };
+  // blocks i0 .. i0 + U - 1 summed into acc, from their loads
+  auto sum = [&](unsigned int i0, Blocks& q) {
 #pragma unroll
     for (int u = 0; u < U; u++) {
       if (i0 + u >= per_warp) {
@@ -175,19 +188,19 @@ __device__ __forceinline__ void mma_warp_sums(const W* w, const unsigned char* s
 #pragma unroll
           for (int c = 0; c < 4; c++) {
             bx[h][c] = (ONE && (h > 0 || g != 0)) ? 0u
-                       : fp16_pair(xv[u][h], Codes::pair_first(c), Codes::pair_first(c) + Codes::PAIR_GAP);
+                       : fp16_pair(q.xv[u][h], Codes::pair_first(c), Codes::pair_first(c) + Codes::PAIR_GAP);
           }
-          sx[h][0] = ONE ? xs[u][0] : __shfl_sync(0xffffffffu, xs[u][h], 8 * t);  // column 2t's x is lane 4 (2t)'s
-          sx[h][1] = ONE ? xs[u][0] : __shfl_sync(0xffffffffu, xs[u][h], 8 * t + 4);
+          sx[h][0] = ONE ? q.xs[u][0] : __shfl_sync(0xffffffffu, q.xs[u][h], 8 * t);  // column 2t's x is lane 4 (2t)'s
+          sx[h][1] = ONE ? q.xs[u][0] : __shfl_sync(0xffffffffu, q.xs[u][h], 8 * t + 4);
         }
       } else if (ONE) {  // column 0's x a value a lane, moved to lanes 4 * 0 + t
         float s;
-        const float q = mma_x_column<QX>(x1[u], &s);
+        const float xq = mma_x_column<QX>(q.x1[u], &s);
 #pragma unroll
         for (int c = 0; c < 4; c++) {
           const unsigned int pair = float_pair_to_fp16_bits(
-              __shfl_sync(0xffffffffu, q, 8 * t + Codes::pair_first(c)),
-              __shfl_sync(0xffffffffu, q, 8 * t + Codes::pair_first(c) + Codes::PAIR_GAP));
+              __shfl_sync(0xffffffffu, xq, 8 * t + Codes::pair_first(c)),
+              __shfl_sync(0xffffffffu, xq, 8 * t + Codes::pair_first(c) + Codes::PAIR_GAP));
           bx[0][c] = g == 0 ? pair : 0u;
         }
         sx[0][0] = sx[0][1] = s;  // column 0's (lanes t = 0); the rest unread
@@ -200,7 +213,7 @@ __device__ __forceinline__ void mma_warp_sums(const W* w, const unsigned char* s
 #pragma unroll
         for (int h = 0; h < NH; h++) {
           float v[8];
-          const float s = mma_x_lanes<QX>(xv[u][h], v);
+          const float s = mma_x_lanes<QX>(q.xv[u][h], v);
 #pragma unroll
           for (int c = 0; c < 4; c++) {
             bx[h][c] = float_pair_to_fp16_bits(v[Codes::pair_first(c)], v[Codes::pair_first(c) + Codes::PAIR_GAP]);
@@ -211,15 +224,15 @@ __device__ __forceinline__ void mma_warp_sums(const W* w, const unsigned char* s
       }
 #pragma unroll
       for (int mg = 0; mg < 2; mg++) {
-        const float f0 = __uint_as_float((ws[u][mg][0] + Codes::SCALE_BIAS) << 23);  // 2^(e-127) times the bias, row g
-        const float f1 = __uint_as_float((ws[u][mg][1] + Codes::SCALE_BIAS) << 23);  // row g + 8
+        const float f0 = __uint_as_float((q.ws[u][mg][0] + Codes::SCALE_BIAS) << 23);  // 2^(e-127) times the bias, row g
+        const float f1 = __uint_as_float((q.ws[u][mg][1] + Codes::SCALE_BIAS) << 23);  // row g + 8
 #pragma unroll
         for (int h = 0; h < NH; h++) {
           float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // the block's sums alone
 #pragma unroll
           for (int ks = 0; ks < 2; ks++) {
-            mma_m16n8k16(d, Codes::a(wq[u][mg][0], ks, 0), Codes::a(wq[u][mg][1], ks, 0),
-                         Codes::a(wq[u][mg][0], ks, 1), Codes::a(wq[u][mg][1], ks, 1),
+            mma_m16n8k16(d, Codes::a(q.wq[u][mg][0], ks, 0), Codes::a(q.wq[u][mg][1], ks, 0),
+                         Codes::a(q.wq[u][mg][0], ks, 1), Codes::a(q.wq[u][mg][1], ks, 1),
                          bx[h][2 * ks], bx[h][2 * ks + 1]);
           }
           acc[mg][h][0] = fmaf(d[0], f0 * sx[h][0], acc[mg][h][0]);
@@ -228,6 +241,25 @@ __device__ __forceinline__ void mma_warp_sums(const W* w, const unsigned char* s
           acc[mg][h][3] = fmaf(d[3], f1 * sx[h][1], acc[mg][h][3]);
         }
       }
+    }
+  };
+  if (PF) {  // groups A and B in turn, each group's loads issued before the other is summed
+    Blocks a, b;
+    load(0, a);
+    for (unsigned int i0 = 0; i0 < per_warp; i0 += 2 * U) {
+      load(i0 + U, b);
+      sum(i0, a);
+      if (i0 + U >= per_warp) {
+        break;  // (every lane alike)
+      }
+      load(i0 + 2 * U, a);
+      sum(i0 + U, b);
+    }
+  } else {
+    for (unsigned int i0 = 0; i0 < per_warp; i0 += U) {
+      Blocks a;
+      load(i0, a);
+      sum(i0, a);
     }
   }
 }

@@ -9,8 +9,10 @@
     python scripts/bench.py pieces [--model M]  # one block's pieces (attention, MoE, experts' GEMM...), ms each
     python scripts/bench.py gemms [--real 1] [--threads 32 64 128 256]
                                                 # the decode step's quantised GEMMs: MLX's and fp8_gemv
-    python scripts/bench.py layouts [--rows 1 2 3 6]
+    python scripts/bench.py layouts [--rows 1 2 3 6] [--kernels fp4_experts ...]
                                                 # the kernels' launch layouts that change no bit, timed
+    python scripts/bench.py steps --model DIR [--variant pf=experts_prefetch:1 ...] [--verify-rows 6]
+                                                # layout choices A/B'd a decode step at a time, one process
 
 Speed is measured here and nowhere else: ratios against baselines measured in
 the same run, and fractions of the memory-bandwidth floor (bytes that must
@@ -626,6 +628,127 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float, 
 PAIRED_LATER = "measured after this table, printed below it"
 
 
+def parse_variant(text: str) -> tuple[str, dict[str, int]]:
+    """`NAME=CHOICE:VALUE[,CHOICE:VALUE...]` (bench.py steps --variant) -> (NAME, {CHOICE: VALUE}):
+    dsv41_mlx.kernels' layout choices (functions, e.g. experts_prefetch) each made to return
+    VALUE, an int."""
+    from dsv41_mlx import kernels
+
+    name, _, spec = text.partition("=")
+    choices = {}
+    for item in filter(None, spec.split(",")):
+        choice, _, value = item.partition(":")
+        if not callable(getattr(kernels, choice, None)) or not value.lstrip("-").isdigit():
+            raise SystemExit(f"--variant {text!r}: {item!r} is not CHOICE:VALUE with CHOICE a function of "
+                             "dsv41_mlx.kernels and VALUE an int")
+        choices[choice] = int(value)
+    if not name or not choices:
+        raise SystemExit(f"--variant {text!r}: expected NAME=CHOICE:VALUE[,CHOICE:VALUE...]")
+    return name, choices
+
+
+def bench_steps(model_path: str, variants: dict[str, dict[str, int]], tokens: int = 48, rounds: int = 3,
+                n_prompts: int = 1, verify_rows: int = 0, warm: bool = True) -> dict:
+    """Variants of the kernels' layout choices A/B'd in one process, a step at a time: plain
+    greedy decoding (generate.generate_step) of the first n_prompts prose and code prompts,
+    `tokens` each, every variant in turn (who goes first alternating round by round), `rounds`
+    times; a run's step is the time between two tokens handed out, its first two left out,
+    and a run gives its median step. Variant "kernels" (the package's own choices) comes
+    first; the others are {name: {choice: value}} (parse_variant). Each variant's replies are
+    hashed: a layout changes no bit, so all must match. verify_rows: also each variant's verify
+    forwards of 1..verify_rows distinct rows (speculative.measure_verify_costs), every round.
+    warm: generate.warm_up first (every shape a server's forwards take), besides each variant's
+    own untimed runs."""
+    import hashlib
+
+    import dsv41_mlx
+    from dsv41_mlx.checkpoint import resolve_model_dir
+    from dsv41_mlx.generate import generate_step, warm_up
+    from dsv41_mlx.sampling import SamplingParams
+    from dsv41_mlx.speculative import measure_verify_costs
+    from dsv41_mlx.tokenizer import load_tokenizer
+
+    model_path = resolve_model_dir(model_path)
+    prompts = json.loads((ROOT / "scripts" / "prompts.json").read_text())
+    texts = prompts["prose"][:n_prompts] + prompts["code"][:n_prompts]
+    ids_list = [load_tokenizer(model_path).encode(t) for t in texts]
+    model, _ = dsv41_mlx.load(model_path)
+    variants = {"kernels": {}, **variants}
+
+    def use(name):
+        from dsv41_mlx import kernels  # (a variant's choices: constant functions)
+
+        return kernels_choices({c: (lambda *args, v=v: v) for c, v in variants[name].items()})
+
+    def run(ids):
+        stamps, reply = [], []
+        for t in generate_step(model, ids, SamplingParams(), tokens):
+            stamps.append(time.perf_counter())
+            reply.append(t)
+        steps = [b - a for a, b in zip(stamps, stamps[1:])][2:]
+        return statistics.median(steps) * 1e3, hashlib.sha256(json.dumps(reply).encode()).hexdigest()[:12]
+
+    out = {"tokens": tokens, "rounds": rounds, "prompt_tokens": [len(i) for i in ids_list], "variants": {}}
+    tic = time.perf_counter()
+    out["warm_up_s"] = warm_up(model) if warm else 0.0
+    for name in variants:  # each variant's kernels built and its traces made before anything is timed
+        with use(name):
+            for ids in ids_list:
+                run(ids[:64])
+                run(ids)
+        out["variants"][name] = {"choices": variants[name], "step_ms": [[] for _ in ids_list], "hashes": set(),
+                                 "verify_ms": []}
+    out["warm_s"] = time.perf_counter() - tic
+    names = list(variants)
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            res = out["variants"][name]
+            with use(name):
+                for i, ids in enumerate(ids_list):
+                    ms, digest = run(ids)
+                    res["step_ms"][i].append(ms)
+                    res["hashes"].add((i, digest))
+                if verify_rows:
+                    res["verify_ms"].append([c * 1e3 for c in measure_verify_costs(model, verify_rows, repeats=1)])
+            print(f"  round {r} {name}: " + ", ".join(f"{m[-1]:.2f}" for m in res["step_ms"]) + " ms a step"
+                  + (f", verify {res['verify_ms'][-1][-1]:.2f} ms at {verify_rows} rows" if verify_rows else ""),
+                  flush=True)
+    base = out["variants"]["kernels"]
+    for name, res in out["variants"].items():
+        res["median_ms"] = [statistics.median(m) for m in res["step_ms"]]
+        # each run against the base's run of the same prompt and round (run back to back)
+        res["x_base"] = statistics.median(a / b for m, bm in zip(res["step_ms"], base["step_ms"])
+                                          for a, b in zip(m, bm))
+        res["wins"] = sum(a < b for m, bm in zip(res["step_ms"], base["step_ms"]) for a, b in zip(m, bm))
+        res["same_replies"] = res["hashes"] == base["hashes"]
+        if verify_rows:
+            res["verify_median_ms"] = [statistics.median(c) for c in zip(*res["verify_ms"])]
+    for res in out["variants"].values():  # (a set: not JSON)
+        res["hashes"] = sorted(d for _, d in res["hashes"])
+    return out
+
+
+def print_steps(env: dict, res: dict, model: str) -> None:
+    print(f"### Step A/B of kernel layouts ({env['date']}, {env['device']}, {env['backend']}, MLX {env['mlx']}, "
+          f"commit {env['commit']})\n")
+    print(f"{model}: plain greedy, {res['tokens']} tokens a run, prompts of {res['prompt_tokens']} tokens, "
+          f"{res['rounds']} rounds of every variant in turn (first alternating); a run's median step (ms), then "
+          "the median over rounds; x kernels: the median of each run over the same prompt's and round's run "
+          "with the package's choices (below 1: faster), wins: runs faster than it\n")
+    verify = any(v["verify_ms"] for v in res["variants"].values())
+    print("| variant | choices | " + " | ".join(f"prompt {i} ms" for i in range(len(res["prompt_tokens"])))
+          + " | x kernels | wins | same replies |" + (" verify ms, 1.. rows |" if verify else ""))
+    print("|---|---|" + "---|" * len(res["prompt_tokens"]) + "---|---|---|" + ("---|" if verify else ""))
+    for name, v in res["variants"].items():
+        choices = ", ".join(f"{c} {x}" for c, x in v["choices"].items()) or "-"
+        runs = sum(len(m) for m in v["step_ms"])
+        print(f"| {name} | {choices} | " + " | ".join(f"{m:.2f}" for m in v["median_ms"])
+              + f" | {v['x_base']:.3f} | {v['wins'] if name != 'kernels' else '-'}/{runs} | "
+              + ("yes" if v["same_replies"] else "NO") + " |"
+              + (" " + " / ".join(f"{c:.1f}" for c in v.get("verify_median_ms", [])) + " |" if verify else ""))
+    print()
+
+
 def long_context_prompt(ids_list: list[list[int]], length: int) -> list[int]:
     """A prompt of `length` tokens: the prompts one after another, over again as needed."""
     ids = []
@@ -1030,13 +1153,29 @@ def kernels_choice(name: str, fn):
         setattr(kernels, name, saved)
 
 
-def bench_layouts(rows_list: tuple[int, ...] = LAYOUT_ROWS, forward_rows: int = 8, experts: int = 24) -> dict:
+@contextlib.contextmanager
+def kernels_choices(choices: dict):
+    """Inside: each of dsv41_mlx.kernels' layout choices name -> fn in `choices` (kernels_choice)."""
+    with contextlib.ExitStack() as stack:
+        for name, fn in choices.items():
+            stack.enter_context(kernels_choice(name, fn))
+        yield
+
+
+LAYOUT_KERNELS = ("fp4_experts", "fp8_mma", "sparse_attention")
+EXPERTS_CANDIDATES = ((1, 0), (2, 0), (3, 0), (4, 0), (1, 1), (2, 1))  # fp4_experts' (U, PF)
+
+
+def bench_layouts(rows_list: tuple[int, ...] = LAYOUT_ROWS, forward_rows: int = 8, experts: int = 24,
+                  which: tuple[str, ...] = LAYOUT_KERNELS) -> dict:
     """The kernels' launch layouts that change no bit, at the release's one-layer shapes:
     every candidate timed chained (us a call, cold weights) in a padded forward of
     forward_rows rows that computes `rows` of them, its output compared bit for bit with
     the layout kernels picks (kernels.experts_loads_ahead and mma_loads_ahead: the blocks a
-    warp of fp4_experts / fp8_mma loads ahead, U, which only CUDA's twins read;
-    kernels.attention_layout: the attention's heads and simdgroups a threadgroup). A
+    warp of fp4_experts / fp8_mma loads ahead, U, which only CUDA's twins read, and
+    kernels.experts_prefetch, PF: whether fp4_experts issues a group's loads before the group
+    before it is summed; kernels.attention_layout: the attention's heads and simdgroups a
+    threadgroup). `which`: the kernels of LAYOUT_KERNELS to time. A
     candidate that does not launch is reported with its error. Each case carries its floor,
     the bytes it must read over the copy bandwidth: a chain whose host encodes a link slower
     than the GPU runs it times the host, and a time under the floor shows it. Nothing to
@@ -1051,13 +1190,14 @@ def bench_layouts(rows_list: tuple[int, ...] = LAYOUT_ROWS, forward_rows: int = 
         return out
     out["copy_GBps"] = copy_bandwidth() / 1e9
 
-    def measure(kernel, shape, rows, run, x0, name, candidates, default, nbytes):
+    def measure(kernel, shape, rows, run, x0, candidates, default, nbytes):
+        """candidates: (layout, {kernels' choice name: fn}) each; default: the layout kernels picks."""
         base = mx.array(run(x0, 0))  # kernels' own layout
         floor = nbytes / out["copy_GBps"] / 1e3  # us
-        for value, fn in candidates:
+        for value, choices in candidates:
             row = {"kernel": kernel, "shape": shape, "rows": rows, "layout": value, "default": value == default,
                    "floor_us": floor}
-            with kernels_choice(name, fn):
+            with kernels_choices(choices):
                 try:
                     row["us"] = chained(run, x0) * 1e6
                     row["same_bits"] = bool(mx.array_equal(run(x0, 0), base).item())
@@ -1070,35 +1210,44 @@ def bench_layouts(rows_list: tuple[int, ...] = LAYOUT_ROWS, forward_rows: int = 
 
     mx.random.seed(0)
     copies, top, dim, inter = 4, 6, 5120, 2304  # four copies of each stack: cold weights at every call
-    w13 = [(random_words((experts, 2 * inter, dim // 8), fp4=True), random_scales((experts, 2 * inter, dim // 32)))
-           for _ in range(copies)]
-    w2 = [(random_words((experts, dim, inter // 8), fp4=True), random_scales((experts, dim, inter // 32)))
-          for _ in range(copies)]
-    ids = [mx.argsort(mx.random.uniform(shape=(forward_rows, experts)), axis=-1)[:, :top].astype(mx.uint32)
-           for _ in range(copies)]
-    weights, x, h = mx.random.uniform(shape=(forward_rows, top)), fp8_input((forward_rows, 1, dim)), \
-        mx.random.normal((forward_rows, top, inter)).astype(mx.bfloat16)
-    mx.eval(w13, w2, ids, weights, x, h)
-    u_experts = [(u, lambda rows, k, u=u: u) for u in (1, 2, 3, 4)]
+    if "fp4_experts" in which:
+        w13 = [(random_words((experts, 2 * inter, dim // 8), fp4=True),
+                random_scales((experts, 2 * inter, dim // 32))) for _ in range(copies)]
+        w2 = [(random_words((experts, dim, inter // 8), fp4=True), random_scales((experts, dim, inter // 32)))
+              for _ in range(copies)]
+        ids = [mx.argsort(mx.random.uniform(shape=(forward_rows, experts)), axis=-1)[:, :top].astype(mx.uint32)
+               for _ in range(copies)]
+        weights, x, h = mx.random.uniform(shape=(forward_rows, top)), fp8_input((forward_rows, 1, dim)), \
+            mx.random.normal((forward_rows, top, inter)).astype(mx.bfloat16)
+        mx.eval(w13, w2, ids, weights, x, h)
+        candidates = [(f"U {u}" + (", PF" if pf else ""),
+                       {"experts_loads_ahead": lambda rows, k, u=u: u, "experts_prefetch": lambda rows, k, pf=pf: pf})
+                      for u, pf in EXPERTS_CANDIDATES]
 
-    def expert_bytes(stacks, rows):  # the experts the computed rows pick, read once each (mean over copies)
-        per_expert = (stacks[0][0].nbytes + stacks[0][1].nbytes) / experts
-        return per_expert * statistics.mean(len(set(c[:rows].flatten().tolist())) for c in ids)
+        def expert_bytes(stacks, rows):  # the experts the computed rows pick, read once each (mean over copies)
+            per_expert = (stacks[0][0].nbytes + stacks[0][1].nbytes) / experts
+            return per_expert * statistics.mean(len(set(c[:rows].flatten().tolist())) for c in ids)
 
-    for rows in rows_list:
-        act = kernels.SwiGLU(7.0, weights)
-        measure("fp4_experts", f"{dim} -> 2 x {inter} + SwiGLU", rows,
-                lambda v, i, r=rows: kernels.fp4_experts(v, *w13[i % copies], ids[i % copies], swiglu=act, rows=r),
-                x, "experts_loads_ahead", u_experts, kernels.experts_loads_ahead(rows, dim), expert_bytes(w13, rows))
-        measure("fp4_experts", f"{inter} -> {dim}, x quantised in the kernel", rows,
-                lambda v, i, r=rows: kernels.fp4_experts(v, *w2[i % copies], ids[i % copies], quantize_input=True,
-                                                         rows=r),
-                h, "experts_loads_ahead", u_experts, kernels.experts_loads_ahead(rows, inter), expert_bytes(w2, rows))
-    del w13, w2
+        def picked(rows, k):  # the label of the layout kernels picks
+            u, pf = kernels.experts_loads_ahead(rows, k), kernels.experts_prefetch(rows, k)
+            return f"U {u}" + (", PF" if pf else "")
 
-    u_mma = [(u, lambda k, rows, u=u: u) for u in (2, 4, 6, 8)]
+        for rows in rows_list:
+            act = kernels.SwiGLU(7.0, weights)
+            measure("fp4_experts", f"{dim} -> 2 x {inter} + SwiGLU", rows,
+                    lambda v, i, r=rows: kernels.fp4_experts(v, *w13[i % copies], ids[i % copies], swiglu=act, rows=r),
+                    x, candidates, picked(rows, dim), expert_bytes(w13, rows))
+            measure("fp4_experts", f"{inter} -> {dim}, x quantised in the kernel", rows,
+                    lambda v, i, r=rows: kernels.fp4_experts(v, *w2[i % copies], ids[i % copies], quantize_input=True,
+                                                             rows=r),
+                    h, candidates, picked(rows, inter), expert_bytes(w2, rows))
+        del w13, w2
+
+    u_mma = [(u, {"mma_loads_ahead": lambda k, rows, u=u: u}) for u in (2, 4, 6, 8)]
     for k, n, swiglu in ((1280, 32768, None), (8192, 5120, None), (5120, 4608, kernels.SwiGLU(7.0)),
                          (2304, 5120, None)):
+        if "fp8_mma" not in which:
+            break
         nbytes = n * k * (1 + 1 / 32)
         count = max(2, -(-(256 << 20) // int(nbytes)))  # copies that overflow any cache
         ws = [(random_words((n, k // 4)), random_scales((n, k // 32))) for _ in range(count)]
@@ -1108,9 +1257,11 @@ def bench_layouts(rows_list: tuple[int, ...] = LAYOUT_ROWS, forward_rows: int = 
             measure("fp8_mma", f"{k} -> {n}" + (" + SwiGLU" if swiglu else ""), rows,
                     lambda v, i, r=rows, ws=ws, c=count, sw=swiglu: kernels.fp8_gemv(v, *ws[i % c], swiglu=sw,
                                                                                      real_rows=r),
-                    xq, "mma_loads_ahead", u_mma, kernels.mma_loads_ahead(k, rows), nbytes)
+                    xq, u_mma, kernels.mma_loads_ahead(k, rows), nbytes)
         del ws
 
+    if "sparse_attention" not in which:
+        return out
     heads, head_dim, window, picks, ring_rows, kv_rows = 64, 512, 128, 512, 160, 700
     rope = release_ropes()[0]
     ring = mx.random.normal((ring_rows, head_dim)).astype(mx.bfloat16)
@@ -1123,13 +1274,13 @@ def bench_layouts(rows_list: tuple[int, ...] = LAYOUT_ROWS, forward_rows: int = 
     pmask = mx.random.uniform(shape=(forward_rows, picks)) < 0.7
     tables = rope.tables(mx.arange(300, 300 + forward_rows, dtype=mx.int32), head_dim)
     mx.eval(ring, kv, sink, q, index, picked, wmask, pmask, tables)
-    layouts = [(c, lambda impl, rows, c=c: c) for c in ATTENTION_CANDIDATES]
+    layouts = [(c, {"attention_layout": lambda impl, rows, c=c: c}) for c in ATTENTION_CANDIDATES]
     for rows in rows_list:
         measure("sparse_attention", f"{heads} heads x {head_dim}, {window} + {picks} keys", rows,
                 lambda v, i, r=rows: kernels.sparse_attention_rows(
                     v.reshape(forward_rows, heads, head_dim), ring, index, wmask, kv, picked, pmask, sink,
                     head_dim ** -0.5, tables, rope.dims, real_rows=r).reshape(forward_rows, 1, -1),
-                q, "attention_layout", layouts, kernels.attention_layout(impl, rows),
+                q, layouts, kernels.attention_layout(impl, rows),
                 ring.nbytes + kv.nbytes)  # at least the keys, once
     return out
 
@@ -1291,6 +1442,17 @@ def main() -> int:
     p = sub.add_parser("layouts")
     p.add_argument("--rows", type=int, nargs="+", default=list(LAYOUT_ROWS),
                    help="rows computed, of a padded forward of 8 (1: a decode step; 2..7: verify forwards)")
+    p.add_argument("--kernels", nargs="+", default=list(LAYOUT_KERNELS), choices=LAYOUT_KERNELS,
+                   help="the kernels whose layouts to time")
+    p.add_argument("--json")
+    p = sub.add_parser("steps")
+    p.add_argument("--model", required=True, help="checkpoint directory (scripts/make_flash_shaped.py) or hub id")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=CHOICE:VALUE[,...]",
+                   help="a variant of dsv41_mlx.kernels' layout choices, e.g. pf=experts_prefetch:1")
+    p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--prompts", type=int, default=1, help="prose and code prompts each")
+    p.add_argument("--verify-rows", type=int, default=0, help="also time verify forwards of 1..N rows")
     p.add_argument("--json")
     p = sub.add_parser("propose")
     p.add_argument("--rounds", type=int, default=10)
@@ -1324,8 +1486,12 @@ def main() -> int:
         res = bench_gemms(rows=args.rows, real=args.real, threads=tuple(args.threads))
         print_gemms(env, res)
     elif args.what == "layouts":
-        res = bench_layouts(tuple(args.rows))
+        res = bench_layouts(tuple(args.rows), which=tuple(args.kernels))
         print_layouts(env, res)
+    elif args.what == "steps":
+        res = bench_steps(args.model, dict(parse_variant(v) for v in args.variant), args.tokens, args.rounds,
+                          args.prompts, args.verify_rows)
+        print_steps(env, res, args.model)
     elif args.what == "propose":
         res = bench_propose(args.rounds)
         print_propose(env, res)
