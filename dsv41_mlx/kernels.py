@@ -88,11 +88,10 @@ class KernelSpec:
     cuda: str
     header_files: tuple[str, ...] = ("fp8_common.h",)
     twin_headers: tuple[str, ...] = ()  # a .h for Metal and a .cuh for CUDA each
-    cuda_headers: tuple[str, ...] = ()  # CUDA's alone, before the twins' (inline PTX the Metal twin has no use for)
     end: str = ""  # a body's end shared by kernels with one start: `{end}.metal` / `{end}.cu` appended
 
     def header(self, language: str) -> str:
-        files = list(self.header_files) + (["fp16_bits.cuh", "mma_c.cuh", *self.cuda_headers] if language == "cuda" else [])
+        files = list(self.header_files) + (["fp16_bits.cuh", "mma_c.cuh"] if language == "cuda" else [])
         files += [f"{name}.cuh" if language == "cuda" else f"{name}.h" for name in self.twin_headers]
         return "\n".join(kernel_text(f) for f in files)
 
@@ -135,20 +134,17 @@ HC_INPUT = KernelSpec("hc_input", ("h", "pre_in", "parts", "scale", "base", "nor
 FP8_GEMV = KernelSpec("fp8_gemv", ("x", "w", "scales", "sizes", "swiglu", "parts"), ("y",), "fp8_gemv.metal",
                       "fp8_gemv.cu", twin_headers=("fp8_lane", "bf16_lane", "gemv_lane"))
 FP8_MMA = KernelSpec("fp8_mma", ("x", "w", "scales", "sizes", "swiglu", "parts"), ("y",), "fp8_mma.metal",
-                     "fp8_mma.cu", twin_headers=("fp8_lane", "bf16_lane", "gemv_lane", "mma_x"), end="fp8_mma_y",
-                     cuda_headers=("async_copy.cuh",))
+                     "fp8_mma.cu", twin_headers=("fp8_lane", "bf16_lane", "gemv_lane", "mma_x"), end="fp8_mma_y")
 # fp8_mma whose output goes straight into the hyper-connection stream (fp8_mma_hc.metal)
 FP8_MMA_HC = KernelSpec("fp8_mma_hc", ("x", "w", "scales", "sizes", "parts", "residual", "post", "comb", "fn"),
                         ("h", "mix_parts"), "fp8_mma.metal", "fp8_mma.cu",
-                        twin_headers=("fp8_lane", "bf16_lane", "gemv_lane", "mma_x", "hc_expand"), end="fp8_mma_hc",
-                        cuda_headers=("async_copy.cuh",))
+                        twin_headers=("fp8_lane", "bf16_lane", "gemv_lane", "mma_x", "hc_expand"), end="fp8_mma_hc")
 HEAD_LOGITS = KernelSpec("head_logits", ("x", "w", "sizes"), ("y",), "head_logits.metal", "head_logits.cu",
                          header_files=(), twin_headers=("bf16_lane",))
 FP4_EXPERTS = KernelSpec("fp4_experts", ("x", "xs", "w", "scales", "ids", "sizes", "swiglu", "weights"), ("y",),
-                         "fp4_experts.metal", "fp4_experts.cu", twin_headers=("fp8_lane", "bf16_lane", "gemv_lane", "mma_x"),
-                         cuda_headers=("async_copy.cuh",))
+                         "fp4_experts.metal", "fp4_experts.cu", twin_headers=("fp8_lane", "bf16_lane", "gemv_lane", "mma_x"))
 MMA_X_PREP = KernelSpec("mma_x_prep", ("x", "sizes"), ("xh", "xs"), "mma_x_prep.metal", "mma_x_prep.cu",
-                        twin_headers=("fp8_lane", "bf16_lane", "gemv_lane", "mma_x"), cuda_headers=("async_copy.cuh",))
+                        twin_headers=("fp8_lane", "bf16_lane", "gemv_lane", "mma_x"))
 
 
 # MLX 0.32's CUDA backend hashes a custom kernel's whole text (its header and body, 2-12 KB
@@ -1230,7 +1226,7 @@ def fp4_experts(x: mx.array, w: mx.array, scales: mx.array, ids: mx.array, impl:
     (y,) = _compiled(FP4_EXPERTS, impl)(
         inputs=[x, xs, w, scales, ids.astype(mx.uint32), _int32s(R, k, N, K, slots), limit, weights],
         template=[("NH", mma_column_groups(R)), ("QX", int(quantize_input)), ("SW", sw), ("ONE", int(R == 1)),
-                  ("U", experts_loads_ahead(R, K)), ("PX", int(prepared)), ("ST", experts_stages(R, K))],
+                  ("U", experts_loads_ahead(R, K)), ("PX", int(prepared))],
         grid=(R * k * (N // 32) * 256, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[(R, k, N // 2 if sw else N)], output_dtypes=[mx.bfloat16], init_value=init_value)
     return y
@@ -1271,16 +1267,6 @@ def experts_loads_ahead(rows: int, k: int) -> int:
     one process; 62.6 against 84-92 in another), w2 25.6 / 24.5 against 25.0 / 23.7 (session
     25's H100 had preferred U 1 for both, before that change: w13 50.8 against 59.1 us)."""
     return 1 if rows == 1 and k < 4096 else 2
-
-
-def experts_stages(rows: int, k: int) -> int:
-    """ST of fp4_experts on CUDA for `rows` computed rows of K = k: 0, where a warp loads U
-    blocks into registers (experts_loads_ahead) and sums them before it loads the next; or the
-    blocks a warp keeps in flight in shared memory, copied there by cp.async ST - 1 blocks ahead
-    of the one it sums (no registers held by the loads in flight; up to 8 rows: the threadgroup's
-    shared memory holds 3 stages of one column group). The Metal twin stages its tiles and
-    ignores it. No bit depends on it."""
-    return 0
 
 
 def mma_loads_ahead(k: int, rows: int) -> int:

@@ -9,14 +9,12 @@
 // so each fp16 pair is codes i and i + 4 of the word (E2M1_HALF_PAIR), and x the same.
 
 // U (a template constant, kernels.experts_loads_ahead): the blocks whose loads a warp issues before it uses the first
-// ST (kernels.experts_stages): 0, or the blocks a warp keeps in flight in shared memory, ST - 1 ahead (cp.async; U unread)
 // PX: x and xs are mma_x_prep's (see fp4_experts.metal)
 constexpr int COLS = 8 * NH;  // pass columns
 __shared__ int picks[16];  // the pairs (r * KS + j, in order) that picked this expert: at most one a row
 __shared__ int n_picks;
 __shared__ float red[MMA_WARPS * 32 * COLS];  // each warp's sums [warp][row][column]
 __shared__ uint4 staged[MMA_MAX_K / 16];  // the tile's weight scales (mma_tile_scales)
-__shared__ MmaRing<NH, ST ? ST : 1> rings[ST ? MMA_WARPS : 1];  // ST: each warp's blocks in flight
 const int rows = sizes[0];
 const int KS = sizes[1];  // experts per row (top-k)
 const int N = sizes[2];
@@ -57,8 +55,7 @@ const unsigned int per_warp = nb / MMA_WARPS;  // K a multiple of 256: the same 
 const unsigned int b0 = threadIdx.x / 32 * per_warp;  // the warp's first block
 const unsigned int words = (unsigned int)K / 8;
 const size_t row0 = (size_t)expert * N + n0;   // the tile's first weight row
-const unsigned char* tile_scales = ST ? mma_tile_scales_async(scales, row0, nb, staged)
-                                       : mma_tile_scales<!ONE>(scales, row0, nb, staged);
+const unsigned char* tile_scales = mma_tile_scales<!ONE>(scales, row0, nb, staged);
 const int m = alone ? 1 : n_picks;
 const unsigned int NY = SW ? (unsigned int)N / 2 : (unsigned int)N;  // outputs a pair has in y
 
@@ -73,8 +70,7 @@ for (int p0 = 0; p0 < m; p0 += COLS) {  // a pass: picks p0 .. p0 + COLS - 1
     xsrow[h] = xs + r * nb;
   }
   float acc[2][NH][4] = {};  // [m group][column group][C fragment]
-  mma_warp_sums<E2m1Codes, U, NH, QX, ONE, PX, ST>(w, tile_scales, row0, words, nb, xrow, b0, per_warp, lane, acc,
-                                                    xsrow, &rings[ST ? threadIdx.x / 32 : 0]);
+  mma_warp_sums<E2m1Codes, U, NH, QX, ONE, PX>(w, tile_scales, row0, words, nb, xrow, b0, per_warp, lane, acc, xsrow);
   mma_warp_sums_to<NH>(red, acc, lane);
   __syncthreads();
   for (unsigned int o = threadIdx.x; o < (SW ? 16u : 32u) * COLS; o += MMA_WARPS * 32) {

@@ -105,253 +105,128 @@ __device__ __forceinline__ const unsigned char* mma_tile_scales(const S* scales,
   return reinterpret_cast<const unsigned char*>(tile);
 }
 
-// One group of U blocks' loads in a warp's walk (mma_warp_sums): a lane's registers.
-template <class Codes, int U, int NH>
-struct MmaBlocks {
-  typename Codes::Word wq[U][2][2];  // [block][m group][row g, g + 8]: this lane's codes of each row
-  unsigned int ws[U][2][2];          // their scale bytes
-  uint4 xv[U][NH];                   // x (PX: x / s) at the block's columns 8t .. 8t + 7 of column 8h + g
-  float x1[U];                       // ONE: column 0's x at the block's column `lane`
-  float xs[U][NH];                   // PX: column 8h + g's s of the block
-};
-
-// One warp's blocks in flight in shared memory (mma_warp_sums with ST stages, E2m1Codes: 16
-// bytes a weight row and block), a slot a block: what each lane copied there (cp.async).
-template <int NH, int ST>
-struct MmaRing {
-  uint4 w[ST][32];       // tile row `lane`'s 16 bytes of the block (copied by lane `lane`)
-  uint4 x[ST][NH][32];   // lane 4g + t's x (PX: x / s) at the block's columns 8t .. 8t + 7 of column 8h + g;
-                         // ONE without PX: x[s][0][0 .. 3] column 0's 32 bf16 of the block
-  float xs[ST][NH][32];  // PX: lane 4g + t's column 8h + g's s of the block
-};
-
-// mma_tile_scales for a walk with stages (ST): the tile's scales copied into shared memory
-// `tile` by cp.async, committed as the thread's group and not waited for: the walk's first
-// wait and barrier (mma_warp_sums) cover them, its first blocks' copies in flight meanwhile.
-template <class S>
-__device__ __forceinline__ const unsigned char* mma_tile_scales_async(const S* scales, size_t row0, unsigned int nb,
-                                                                      uint4* tile) {
-  const unsigned char* from = reinterpret_cast<const unsigned char*>(scales) + row0 * nb;
-  const unsigned int n = 32 * nb;  // a multiple of 256 (K of 256 x 32)
-  if (reinterpret_cast<size_t>(from) % 16 == 0) {
-    for (unsigned int i = threadIdx.x; i < n / 16; i += MMA_WARPS * 32) {
-      copy_async16(tile + i, reinterpret_cast<const uint4*>(from) + i);
-    }
-  } else {  // read now (seen by every thread after the walk's barrier)
-    unsigned char* to = reinterpret_cast<unsigned char*>(tile);
-    for (unsigned int i = threadIdx.x; i < n; i += MMA_WARPS * 32) {
-      to[i] = from[i];
-    }
-  }
-  copy_async_commit();
-  return reinterpret_cast<const unsigned char*>(tile);
-}
-
 // One warp's share of a tile of 32 weight rows (row0 .. row0 + 31 of w, `words` 32-bit words
 // a row; their scales `nb` bytes a row, from mma_tile_scales) in the 32-column blocks b0 ..
 // b0 + per_warp - 1, times B columns 8h + g (xrow[h]: bf16 x of the whole K): each block's
 // products summed by the matrix unit in fp32, then times both scales into acc [m group][column
 // group][C fragment].
 // `lane`: threadIdx.x % 32, computed by the kernel up front (so ptxas keeps the
-// registers of the kernels before this helper: 64 for fp4_experts at NH 1). ONE: column 0 alone (a one-row
+// registers of the kernels before this helper: 64 for fp4_experts at NH 1). U blocks' loads
+// are issued before the first is used. ONE: column 0 alone (a one-row
 // launch), its x read a value a lane (mma_x_column), the other columns zeros, their sums unread.
 // PX: x is already x / s, as fp16 bits (mma_x_prep), and xsrow[h] column 8h + g's scales s a
 // block: the same B fragments and scales, read instead of computed by every threadgroup.
-// How the loads are issued (neither moves a bit: the blocks are summed in the same order):
-// - ST 0: U blocks' loads into registers before the first is used, then those U summed.
-// - ST > 0 (E2m1Codes, `ring` the warp's, scales from mma_tile_scales_async; every thread of
-//   the threadgroup calls it, for the barrier after its first copies): ST - 1 blocks ahead in
-//   shared memory, each copied by cp.async (a lane a weight row, 16 bytes, and its own x),
-//   so the loads in flight hold no registers; the warp waits for a block's copies only when
-//   it sums it.
-template <class Codes, int U, int NH, int QX, bool ONE, int PX = 0, int ST = 0, class W>
+template <class Codes, int U, int NH, int QX, bool ONE, int PX = 0, class W>
 __device__ __forceinline__ void mma_warp_sums(const W* w, const unsigned char* scales, size_t row0, unsigned int words,
                                               unsigned int nb, const __nv_bfloat16* const* xrow, unsigned int b0,
                                               unsigned int per_warp, unsigned int lane, float (&acc)[2][NH][4],
-                                              const float* const* xsrow = nullptr,
-                                              MmaRing<NH, ST ? ST : 1>* ring = nullptr) {
+                                              const float* const* xsrow = nullptr) {
   const unsigned int g = lane / 4;
   const unsigned int t = lane % 4;
-  // one block summed into acc: the lane's codes wq and their scale bytes ws, its x (xv; ONE: x1)
-  // and, with PX, its scales xs
-  auto sum = [&](const typename Codes::Word (&wq)[2][2], const unsigned int (&ws)[2][2], const uint4 (&xv)[NH],
-                 float x1, const float (&xs)[NH]) {
-    unsigned int bx[NH][4];  // B pairs c = 0..3 of x / s (see pair_first)
-    float sx[NH][2];         // s of C columns 2t and 2t + 1
-    if (PX) {
+  for (unsigned int i0 = 0; i0 < per_warp; i0 += U) {
+    typename Codes::Word wq[U][2][2];  // [block][m group][row g, g + 8]: this lane's codes of each row
+    unsigned int ws[U][2][2];          // their scale bytes
+    uint4 xv[U][NH];                   // x (PX: x / s) at the block's columns 8t .. 8t + 7 of column 8h + g
+    float x1[U];                       // ONE: column 0's x at the block's column `lane`
+    float xs[U][NH];                   // PX: column 8h + g's s of the block
 #pragma unroll
-      for (int h = 0; h < NH; h++) {
-#pragma unroll
-        for (int c = 0; c < 4; c++) {
-          bx[h][c] = (ONE && (h > 0 || g != 0)) ? 0u
-                     : fp16_pair(xv[h], Codes::pair_first(c), Codes::pair_first(c) + Codes::PAIR_GAP);
-        }
-        sx[h][0] = ONE ? xs[0] : __shfl_sync(0xffffffffu, xs[h], 8 * t);  // column 2t's x is lane 4 (2t)'s
-        sx[h][1] = ONE ? xs[0] : __shfl_sync(0xffffffffu, xs[h], 8 * t + 4);
-      }
-    } else if (ONE) {  // column 0's x a value a lane, moved to lanes 4 * 0 + t
-      float s;
-      const float xq = mma_x_column<QX>(x1, &s);
-#pragma unroll
-      for (int c = 0; c < 4; c++) {
-        const unsigned int pair = float_pair_to_fp16_bits(
-            __shfl_sync(0xffffffffu, xq, 8 * t + Codes::pair_first(c)),
-            __shfl_sync(0xffffffffu, xq, 8 * t + Codes::pair_first(c) + Codes::PAIR_GAP));
-        bx[0][c] = g == 0 ? pair : 0u;
-      }
-      sx[0][0] = sx[0][1] = s;  // column 0's (lanes t = 0); the rest unread
-#pragma unroll
-      for (int h = 1; h < NH; h++) {
-        bx[h][0] = bx[h][1] = bx[h][2] = bx[h][3] = 0u;
-        sx[h][0] = sx[h][1] = s;
-      }
-    } else {
-#pragma unroll
-      for (int h = 0; h < NH; h++) {
-        float v[8];
-        const float s = mma_x_lanes<QX>(xv[h], v);
-#pragma unroll
-        for (int c = 0; c < 4; c++) {
-          bx[h][c] = float_pair_to_fp16_bits(v[Codes::pair_first(c)], v[Codes::pair_first(c) + Codes::PAIR_GAP]);
-        }
-        sx[h][0] = __shfl_sync(0xffffffffu, s, 8 * t);  // column 2t's x is lane 4 (2t)'s
-        sx[h][1] = __shfl_sync(0xffffffffu, s, 8 * t + 4);
-      }
-    }
-#pragma unroll
-    for (int mg = 0; mg < 2; mg++) {
-      const float f0 = __uint_as_float((ws[mg][0] + Codes::SCALE_BIAS) << 23);  // 2^(e-127) times the bias, row g
-      const float f1 = __uint_as_float((ws[mg][1] + Codes::SCALE_BIAS) << 23);  // row g + 8
-#pragma unroll
-      for (int h = 0; h < NH; h++) {
-        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // the block's sums alone
-#pragma unroll
-        for (int ks = 0; ks < 2; ks++) {
-          mma_m16n8k16(d, Codes::a(wq[mg][0], ks, 0), Codes::a(wq[mg][1], ks, 0), Codes::a(wq[mg][0], ks, 1),
-                       Codes::a(wq[mg][1], ks, 1), bx[h][2 * ks], bx[h][2 * ks + 1]);
-        }
-        acc[mg][h][0] = fmaf(d[0], f0 * sx[h][0], acc[mg][h][0]);
-        acc[mg][h][1] = fmaf(d[1], f0 * sx[h][1], acc[mg][h][1]);
-        acc[mg][h][2] = fmaf(d[2], f1 * sx[h][0], acc[mg][h][2]);
-        acc[mg][h][3] = fmaf(d[3], f1 * sx[h][1], acc[mg][h][3]);
-      }
-    }
-  };
-  if constexpr (ST > 0) {
-    // block i's copies into slot i % ST: lane `lane` tile row `lane`'s 16 bytes, and its own x
-    auto stage = [&](unsigned int i) {
-      const unsigned int b = b0 + i;
-      const unsigned int slot = i % ST;
-      copy_async16(&ring->w[slot][lane], w + (row0 + lane) * words + 4 * b);
-      if (PX) {
-#pragma unroll
-        for (int h = 0; h < (ONE ? 1 : NH); h++) {
-          if (!ONE || g == 0) {
-            copy_async16(&ring->x[slot][h][lane], xrow[h] + 32 * b + 8 * t);
-          }
-          copy_async4(&ring->xs[slot][h][lane], xsrow[h] + b);
-        }
-      } else if (ONE) {  // the block's 32 bf16, two a lane
-        if (lane < 16) {
-          copy_async4(reinterpret_cast<unsigned int*>(&ring->x[slot][0][0]) + lane, xrow[0] + 32 * b + 2 * lane);
-        }
-      } else {
-#pragma unroll
-        for (int h = 0; h < NH; h++) {
-          copy_async16(&ring->x[slot][h][lane], xrow[h] + 32 * b + 8 * t);
-        }
-      }
-    };
-    for (unsigned int i = 0; i + 1 < ST; i++) {  // a group a block (empty past the warp's last)
-      if (i < per_warp) {
-        stage(i);
-      }
-      copy_async_commit();
-    }
-    copy_async_wait<ST - 1>();  // the groups before those: the tile's scales (mma_tile_scales_async)
-    __syncthreads();
-    for (unsigned int i = 0; i < per_warp; i++) {
-      if (i + ST - 1 < per_warp) {
-        stage(i + ST - 1);
-      }
-      copy_async_commit();
-      copy_async_wait<ST - 1>();  // block i's group has landed
-      __syncwarp();               // and every lane's copies of it are seen by all
-      const unsigned int slot = i % ST;
-      const unsigned int b = b0 + i;
-      typename Codes::Word wq[2][2];
-      unsigned int ws[2][2];
-      uint4 xv[NH];
-      float x1 = 0.0f;
-      float xs[NH];
+    for (int u = 0; u < U; u++) {
+      const unsigned int b = b0 + min(i0 + u, per_warp - 1);  // past the warp's blocks: its last again, unused
 #pragma unroll
       for (int mg = 0; mg < 2; mg++) {
 #pragma unroll
         for (int e = 0; e < 2; e++) {
           const unsigned int r = 16 * mg + g + 8 * e;  // the tile's row
-          wq[mg][e] = reinterpret_cast<const unsigned int*>(&ring->w[slot][r])[t];
-          ws[mg][e] = scales[r * nb + b];
+          wq[u][mg][e] = Codes::load(w, (row0 + r) * words, b, t);
+          ws[u][mg][e] = scales[r * nb + b];
         }
       }
-#pragma unroll
-      for (int h = 0; h < NH; h++) {
-        if (PX) {
-          if (h < (ONE ? 1 : NH) && (!ONE || g == 0)) {
-            xv[h] = ring->x[slot][h][lane];
-          }
-          xs[h] = h < (ONE ? 1 : NH) ? ring->xs[slot][h][lane] : 0.0f;
-        } else if (!ONE) {
-          xv[h] = ring->x[slot][h][lane];
-        }
-      }
-      if (ONE && !PX) {
-        x1 = __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(&ring->x[slot][0][0])[lane]);
-      }
-      sum(wq, ws, xv, x1, xs);
-      __syncwarp();  // every lane has read slot i % ST before block i + ST is copied there
     }
-  } else {
-    for (unsigned int i0 = 0; i0 < per_warp; i0 += U) {
-      MmaBlocks<Codes, U, NH> q;
 #pragma unroll
-      for (int u = 0; u < U; u++) {
-        const unsigned int b = b0 + min(i0 + u, per_warp - 1);  // past the warp's blocks: its last again, unused
+    for (int u = 0; u < U; u++) {  // (every lane alike) x's loads after all the weights'
+      const unsigned int b = b0 + min(i0 + u, per_warp - 1);
+      if (PX) {  // ONE: column 0's, in lanes 4 * 0 + t (the other lanes' B registers are zeros)
 #pragma unroll
-        for (int mg = 0; mg < 2; mg++) {
-#pragma unroll
-          for (int e = 0; e < 2; e++) {
-            const unsigned int r = 16 * mg + g + 8 * e;  // the tile's row
-            q.wq[u][mg][e] = Codes::load(w, (row0 + r) * words, b, t);
-            q.ws[u][mg][e] = scales[r * nb + b];
+        for (int h = 0; h < (ONE ? 1 : NH); h++) {
+          if (!ONE || g == 0) {
+            xv[u][h] = __ldg(reinterpret_cast<const uint4*>(xrow[h] + 32 * b + 8 * t));
           }
+          xs[u][h] = xsrow[h][b];
+        }
+      } else if (ONE) {
+        x1[u] = __bfloat162float(xrow[0][32 * b + lane]);
+      } else {
+#pragma unroll
+        for (int h = 0; h < NH; h++) {
+          xv[u][h] = __ldg(reinterpret_cast<const uint4*>(xrow[h] + 32 * b + 8 * t));
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      if (i0 + u >= per_warp) {
+        break;  // (every lane alike)
+      }
+      unsigned int bx[NH][4];  // B pairs c = 0..3 of x / s (see pair_first)
+      float sx[NH][2];         // s of C columns 2t and 2t + 1
+      if (PX) {
+#pragma unroll
+        for (int h = 0; h < NH; h++) {
+#pragma unroll
+          for (int c = 0; c < 4; c++) {
+            bx[h][c] = (ONE && (h > 0 || g != 0)) ? 0u
+                       : fp16_pair(xv[u][h], Codes::pair_first(c), Codes::pair_first(c) + Codes::PAIR_GAP);
+          }
+          sx[h][0] = ONE ? xs[u][0] : __shfl_sync(0xffffffffu, xs[u][h], 8 * t);  // column 2t's x is lane 4 (2t)'s
+          sx[h][1] = ONE ? xs[u][0] : __shfl_sync(0xffffffffu, xs[u][h], 8 * t + 4);
+        }
+      } else if (ONE) {  // column 0's x a value a lane, moved to lanes 4 * 0 + t
+        float s;
+        const float q = mma_x_column<QX>(x1[u], &s);
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+          const unsigned int pair = float_pair_to_fp16_bits(
+              __shfl_sync(0xffffffffu, q, 8 * t + Codes::pair_first(c)),
+              __shfl_sync(0xffffffffu, q, 8 * t + Codes::pair_first(c) + Codes::PAIR_GAP));
+          bx[0][c] = g == 0 ? pair : 0u;
+        }
+        sx[0][0] = sx[0][1] = s;  // column 0's (lanes t = 0); the rest unread
+#pragma unroll
+        for (int h = 1; h < NH; h++) {
+          bx[h][0] = bx[h][1] = bx[h][2] = bx[h][3] = 0u;
+          sx[h][0] = sx[h][1] = s;
+        }
+      } else {
+#pragma unroll
+        for (int h = 0; h < NH; h++) {
+          float v[8];
+          const float s = mma_x_lanes<QX>(xv[u][h], v);
+#pragma unroll
+          for (int c = 0; c < 4; c++) {
+            bx[h][c] = float_pair_to_fp16_bits(v[Codes::pair_first(c)], v[Codes::pair_first(c) + Codes::PAIR_GAP]);
+          }
+          sx[h][0] = __shfl_sync(0xffffffffu, s, 8 * t);  // column 2t's x is lane 4 (2t)'s
+          sx[h][1] = __shfl_sync(0xffffffffu, s, 8 * t + 4);
         }
       }
 #pragma unroll
-      for (int u = 0; u < U; u++) {  // (every lane alike) x's loads after all the weights'
-        const unsigned int b = b0 + min(i0 + u, per_warp - 1);
-        if (PX) {  // ONE: column 0's, in lanes 4 * 0 + t (the other lanes' B registers are zeros)
+      for (int mg = 0; mg < 2; mg++) {
+        const float f0 = __uint_as_float((ws[u][mg][0] + Codes::SCALE_BIAS) << 23);  // 2^(e-127) times the bias, row g
+        const float f1 = __uint_as_float((ws[u][mg][1] + Codes::SCALE_BIAS) << 23);  // row g + 8
 #pragma unroll
-          for (int h = 0; h < (ONE ? 1 : NH); h++) {
-            if (!ONE || g == 0) {
-              q.xv[u][h] = __ldg(reinterpret_cast<const uint4*>(xrow[h] + 32 * b + 8 * t));
-            }
-            q.xs[u][h] = xsrow[h][b];
+        for (int h = 0; h < NH; h++) {
+          float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // the block's sums alone
+#pragma unroll
+          for (int ks = 0; ks < 2; ks++) {
+            mma_m16n8k16(d, Codes::a(wq[u][mg][0], ks, 0), Codes::a(wq[u][mg][1], ks, 0),
+                         Codes::a(wq[u][mg][0], ks, 1), Codes::a(wq[u][mg][1], ks, 1),
+                         bx[h][2 * ks], bx[h][2 * ks + 1]);
           }
-        } else if (ONE) {
-          q.x1[u] = __bfloat162float(xrow[0][32 * b + lane]);
-        } else {
-#pragma unroll
-          for (int h = 0; h < NH; h++) {
-            q.xv[u][h] = __ldg(reinterpret_cast<const uint4*>(xrow[h] + 32 * b + 8 * t));
-          }
+          acc[mg][h][0] = fmaf(d[0], f0 * sx[h][0], acc[mg][h][0]);
+          acc[mg][h][1] = fmaf(d[1], f0 * sx[h][1], acc[mg][h][1]);
+          acc[mg][h][2] = fmaf(d[2], f1 * sx[h][0], acc[mg][h][2]);
+          acc[mg][h][3] = fmaf(d[3], f1 * sx[h][1], acc[mg][h][3]);
         }
-      }
-#pragma unroll
-      for (int u = 0; u < U; u++) {
-        if (i0 + u >= per_warp) {
-          break;  // (every lane alike)
-        }
-        sum(q.wq[u], q.ws[u], q.xv[u], q.x1[u], q.xs[u]);
       }
     }
   }

@@ -11,7 +11,7 @@
                                                 # the decode step's quantised GEMMs: MLX's and fp8_gemv
     python scripts/bench.py layouts [--rows 1 2 3 6] [--kernels fp4_experts ...]
                                                 # the kernels' launch layouts that change no bit, timed
-    python scripts/bench.py steps --model DIR [--variant st3=experts_stages:3 ...] [--verify-rows 6]
+    python scripts/bench.py steps --model DIR [--variant u1=experts_loads_ahead:1 ...] [--verify-rows 6]
                                                 # layout choices A/B'd a decode step at a time, one process
 
 Speed is measured here and nowhere else: ratios against baselines measured in
@@ -630,7 +630,7 @@ PAIRED_LATER = "measured after this table, printed below it"
 
 def parse_variant(text: str) -> tuple[str, dict[str, int]]:
     """`NAME=CHOICE:VALUE[,CHOICE:VALUE...]` (bench.py steps --variant) -> (NAME, {CHOICE: VALUE}):
-    dsv41_mlx.kernels' layout choices (functions, e.g. experts_stages) each made to return
+    dsv41_mlx.kernels' layout choices (functions, e.g. experts_loads_ahead) each made to return
     VALUE, an int."""
     from dsv41_mlx import kernels
 
@@ -1163,7 +1163,6 @@ def kernels_choices(choices: dict):
 
 
 LAYOUT_KERNELS = ("fp4_experts", "fp8_mma", "sparse_attention")
-EXPERTS_CANDIDATES = ((1, 0), (2, 0), (3, 0), (2, 2), (2, 3), (2, 4))  # fp4_experts' (U, ST)
 
 
 def bench_layouts(rows_list: tuple[int, ...] = LAYOUT_ROWS, forward_rows: int = 8, experts: int = 24,
@@ -1172,9 +1171,8 @@ def bench_layouts(rows_list: tuple[int, ...] = LAYOUT_ROWS, forward_rows: int = 
     every candidate timed chained (us a call, cold weights) in a padded forward of
     forward_rows rows that computes `rows` of them, its output compared bit for bit with
     the layout kernels picks (kernels.experts_loads_ahead and mma_loads_ahead: the blocks a
-    warp of fp4_experts / fp8_mma loads ahead, U, which only CUDA's twins read, and
-    kernels.experts_stages, ST: the blocks a warp of fp4_experts keeps in flight in shared
-    memory, U unread where ST > 0; kernels.attention_layout: the attention's heads and simdgroups a
+    warp of fp4_experts / fp8_mma loads ahead, U, which only CUDA's twins read;
+    kernels.attention_layout: the attention's heads and simdgroups a
     threadgroup). `which`: the kernels of LAYOUT_KERNELS to time. A
     candidate that does not launch is reported with its error. Each case carries its floor,
     the bytes it must read over the copy bandwidth: a chain whose host encodes a link slower
@@ -1220,28 +1218,21 @@ def bench_layouts(rows_list: tuple[int, ...] = LAYOUT_ROWS, forward_rows: int = 
         weights, x, h = mx.random.uniform(shape=(forward_rows, top)), fp8_input((forward_rows, 1, dim)), \
             mx.random.normal((forward_rows, top, inter)).astype(mx.bfloat16)
         mx.eval(w13, w2, ids, weights, x, h)
-        def label(u, st):
-            return f"ST {st}" if st else f"U {u}"
-
-        candidates = [(label(u, st), {"experts_loads_ahead": lambda rows, k, u=u: u,
-                                      "experts_stages": lambda rows, k, st=st: st}) for u, st in EXPERTS_CANDIDATES]
+        candidates = [(u, {"experts_loads_ahead": lambda rows, k, u=u: u}) for u in (1, 2, 3, 4)]
 
         def expert_bytes(stacks, rows):  # the experts the computed rows pick, read once each (mean over copies)
             per_expert = (stacks[0][0].nbytes + stacks[0][1].nbytes) / experts
             return per_expert * statistics.mean(len(set(c[:rows].flatten().tolist())) for c in ids)
 
-        def picked(rows, k):  # the label of the layout kernels picks
-            return label(kernels.experts_loads_ahead(rows, k), kernels.experts_stages(rows, k))
-
         for rows in rows_list:
             act = kernels.SwiGLU(7.0, weights)
             measure("fp4_experts", f"{dim} -> 2 x {inter} + SwiGLU", rows,
                     lambda v, i, r=rows: kernels.fp4_experts(v, *w13[i % copies], ids[i % copies], swiglu=act, rows=r),
-                    x, candidates, picked(rows, dim), expert_bytes(w13, rows))
+                    x, candidates, kernels.experts_loads_ahead(rows, dim), expert_bytes(w13, rows))
             measure("fp4_experts", f"{inter} -> {dim}, x quantised in the kernel", rows,
                     lambda v, i, r=rows: kernels.fp4_experts(v, *w2[i % copies], ids[i % copies], quantize_input=True,
                                                              rows=r),
-                    h, candidates, picked(rows, inter), expert_bytes(w2, rows))
+                    h, candidates, kernels.experts_loads_ahead(rows, inter), expert_bytes(w2, rows))
         del w13, w2
 
     u_mma = [(u, {"mma_loads_ahead": lambda k, rows, u=u: u}) for u in (2, 4, 6, 8)]
@@ -1449,7 +1440,7 @@ def main() -> int:
     p = sub.add_parser("steps")
     p.add_argument("--model", required=True, help="checkpoint directory (scripts/make_flash_shaped.py) or hub id")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=CHOICE:VALUE[,...]",
-                   help="a variant of dsv41_mlx.kernels' layout choices, e.g. st3=experts_stages:3")
+                   help="a variant of dsv41_mlx.kernels' layout choices, e.g. u1=experts_loads_ahead:1")
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--prompts", type=int, default=1, help="prose and code prompts each")

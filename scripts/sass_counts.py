@@ -8,7 +8,7 @@ wraps it (tests/cuda_check.py) to a cubin, disassembles it with `nvdisasm` (the 
 nvidia-cuda-nvdisasm) and finds the walk: the innermost loop holding the matrix-unit products
 (HMMA). Prints the loop's warp instructions per 32-column block of 32 weight rows (512 bytes
 of codes; the loop body covers U blocks), by opcode, and the registers a thread takes.
---set KEY=VALUE overrides a template constant in every variant (e.g. U, ST: what a choice in
+--set KEY=VALUE overrides a template constant in every variant (e.g. U: what a choice in
 kernels would compile to). --list VARIANT prints the loop's instructions. Needs the test extras'
 NVRTC wheels.
 """
@@ -44,7 +44,7 @@ def variants(overrides: dict[str, int] | None = None) -> dict[str, tuple]:
         for name, sw, k in (("w13", 2, W13_K), ("w2", 0, W2_K)):
             template = {"NH": kernels.mma_column_groups(rows), "QX": 1, "ONE": int(rows == 1), "SW": sw,
                         "PX": int(kernels.experts_prepare_x(rows)), "U": kernels.experts_loads_ahead(rows, k),
-                        "ST": kernels.experts_stages(rows, k), **(overrides or {})}
+                        **(overrides or {})}
             out[f"{name}, {rows} row{'s' * (rows > 1)}"] = _experts_case(**template)
     return out
 
@@ -128,7 +128,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="sm_90", help="NVRTC's target (sm_90: H100/H200)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a template constant for every variant (U, ST, ...)")
+                        help="a template constant for every variant (U, ...)")
     parser.add_argument("--list", metavar="VARIANT", help="print this variant's loop (a name from the table)")
     args = parser.parse_args()
     overrides = {k: int(v) for k, v in (item.split("=", 1) for item in args.set)}
@@ -139,7 +139,7 @@ def main() -> int:
     for name, case in variants(overrides).items():
         code, regs = cubin(case, args.arch)
         loop = walk_loop(listing(code))
-        blocks = 1 if case[3]["ST"] else case[3]["U"]  # ST: a block a turn of the loop
+        blocks = case[3]["U"]  # the loop's turn sums U blocks
         found[name] = (loop, blocks, regs)
         if args.list == name:
             print("\n".join(loop))

@@ -50,8 +50,8 @@ def unit(spec, language: str, inputs: dict[str, str], outputs: dict[str, tuple[s
     if language == "metal":
         header, body, run_grid = metal_host_text(spec.header("metal")), metal_host_text(spec.source("metal")), \
             "run_threadgroups"
-    else:  # fp16_bits.cuh and async_copy.cuh (inline PTX) left out: cuda_emu.h has their functions
-        header = spec.header("cuda").replace(kernel_text("fp16_bits.cuh"), "").replace(kernel_text("async_copy.cuh"), "")
+    else:  # fp16_bits.cuh (inline PTX) left out: cuda_emu.h has its functions
+        header = spec.header("cuda").replace(kernel_text("fp16_bits.cuh"), "")
         body, run_grid = spec.source("cuda"), "run_blocks"
     lines = [f'#include "{EMULATION / (language + "_emu.h")}"', "#include <cstdio>"]
     lines += [f"using {k} = {types[v]};" if isinstance(v, str) else f"constexpr int {k} = {v};"

@@ -317,10 +317,10 @@ def test_layouts_compare_each_candidate_with_the_default_and_restore_the_choice(
             assert kernels.attention_layout("cuda", 6) == (1, 32)
             raise RuntimeError("a launch failed")
     assert kernels.attention_layout is original
-    u, pf = kernels.experts_loads_ahead, kernels.experts_stages  # two choices at once (fp4_experts' U and ST)
-    with bench.kernels_choices({"experts_loads_ahead": lambda rows, k: 3, "experts_stages": lambda rows, k: 1}):
-        assert (kernels.experts_loads_ahead(6, 5120), kernels.experts_stages(6, 5120)) == (3, 1)
-    assert (kernels.experts_loads_ahead, kernels.experts_stages) == (u, pf)
+    u, v = kernels.experts_loads_ahead, kernels.mma_loads_ahead  # two choices at once
+    with bench.kernels_choices({"experts_loads_ahead": lambda rows, k: 3, "mma_loads_ahead": lambda k, rows: 5}):
+        assert (kernels.experts_loads_ahead(6, 5120), kernels.mma_loads_ahead(5120, 6)) == (3, 5)
+    assert (kernels.experts_loads_ahead, kernels.mma_loads_ahead) == (u, v)
     case = {"kernel": "fp8_mma", "shape": "1280 -> 32768", "rows": 1}
     case = {**case, "floor_us": 16.5}
     res = {"impl": "cuda", "forward_rows": 8, "copy_GBps": 4000.0, "cases": [
@@ -347,25 +347,25 @@ def test_steps_ab_runs_each_variant_with_its_choices_and_flags_changed_replies(b
     generate = importlib.import_module("dsv41_mlx.generate")  # (the package's `generate` is the function)
     real_step, seen = generate.generate_step, []
 
-    def step(*args, **kw):  # a reply one token off under ST 3: a changed bit
-        pf = kernels.experts_stages(6, 5120)
+    def step(*args, **kw):  # a reply one token off under mma_loads_ahead 3: a changed bit
+        pf = kernels.mma_loads_ahead(5120, 6)
         seen.append(pf)
         for i, t in enumerate(real_step(*args, **kw)):
             yield t + (1 if pf == 3 and i == 2 else 0)
 
     monkeypatch.setattr(generate, "generate_step", step)
-    variants = dict(bench.parse_variant(v) for v in ("u3=experts_loads_ahead:3", "odd=experts_stages:3"))
-    assert variants == {"u3": {"experts_loads_ahead": 3}, "odd": {"experts_stages": 3}}
+    variants = dict(bench.parse_variant(v) for v in ("u3=experts_loads_ahead:3", "odd=mma_loads_ahead:3"))
+    assert variants == {"u3": {"experts_loads_ahead": 3}, "odd": {"mma_loads_ahead": 3}}
     res = bench.bench_steps(str(default_checkpoint()), variants, tokens=5, rounds=2, warm=False)
     assert list(res["variants"]) == ["kernels", "u3", "odd"]
     assert seen.count(3) == 2 * (2 + 2)  # warm runs (2 a prompt) and 2 rounds, prose and code prompts
-    assert kernels.experts_stages(6, 5120) != 3  # restored
+    assert kernels.mma_loads_ahead(5120, 6) != 3  # restored
     v = res["variants"]
     assert v["u3"]["same_replies"] and not v["odd"]["same_replies"] and v["kernels"]["same_replies"]
     assert all(len(m) == 2 and all(x > 0 for x in m) for m in v["odd"]["step_ms"])
     bench.print_steps(bench.environment(), res, "tiny")
     out = capsys.readouterr().out
-    assert "| odd | experts_stages 3 |" in out and out.count("| NO |") == 1
-    for bad in ("nochoices", "x=not_a_choice:1", "x=experts_stages:one"):
+    assert "| odd | mma_loads_ahead 3 |" in out and out.count("| NO |") == 1
+    for bad in ("nochoices", "x=not_a_choice:1", "x=experts_loads_ahead:one"):
         with pytest.raises(SystemExit, match="--variant"):
             bench.parse_variant(bad)

@@ -97,8 +97,7 @@ def test_fp4_experts_runs_its_spec_on_the_host(language, rows, per_slot, qx, sw,
                                          quantize_input=bool(qx), swiglu=act)
     got = _fp4_experts_on_the_host(kernels.FP4_EXPERTS, language, x, codes, scales, ids, weights,
                                    {"NH": kernels.mma_column_groups(rows), "QX": qx, "SW": sw, "ONE": int(rows == 1),
-                                    "U": kernels.experts_loads_ahead(rows, K), "PX": 0,
-                                    "ST": kernels.experts_stages(rows, K)}, N // 2 if sw else N, tmp_path)
+                                    "U": kernels.experts_loads_ahead(rows, K), "PX": 0}, N // 2 if sw else N, tmp_path)
     _assert_within_rounding(got, want)
 
 
@@ -114,7 +113,7 @@ def test_fp4_experts_on_prepared_x_gives_the_same_bits(language, rows, per_slot,
     very bits it computes from x itself (PX = 0), so kernels.experts_prepare_x may choose either."""
     codes, scales, ids, x, weights = _inputs(rows, per_slot, quantise_first=not qx, seed=rows + 20)
     template = {"NH": kernels.mma_column_groups(rows), "QX": qx, "SW": sw, "ONE": int(rows == 1),
-                "U": kernels.experts_loads_ahead(rows, K), "ST": kernels.experts_stages(rows, K)}
+                "U": kernels.experts_loads_ahead(rows, K)}
     n_out = N // 2 if sw else N
     plain = _fp4_experts_on_the_host(kernels.FP4_EXPERTS, language, x, codes, scales, ids, weights,
                                      {**template, "PX": 0}, n_out, tmp_path)
@@ -131,18 +130,16 @@ def test_fp4_experts_on_prepared_x_gives_the_same_bits(language, rows, per_slot,
 ])
 def test_fp4_experts_gives_the_same_bits_whatever_its_loads_ahead(rows, per_slot, qx, sw, px, tmp_path):
     """The CUDA walk's U (the blocks whose loads a warp issues before it uses the first:
-    kernels.experts_loads_ahead) and ST (the blocks a warp keeps in flight in shared memory,
-    copied by cp.async: kernels.experts_stages; the emulation lands a copy only at the wait
-    that covers it) move no bit: each block's sums are added in the same order. A decode
-    step's row and the same row in a verify forward may launch with different U and ST, and
-    drafts on must give the bits of drafts off."""
+    kernels.experts_loads_ahead: 1 for one row of a short K, else 2) moves no bit: each block's sums
+    are added in the same order. A decode step's row and the same row in a verify forward
+    launch with different U, and drafts on must give the bits of drafts off."""
     # K 2304 (w2's): 9 blocks a warp, not a multiple of U
     codes, scales, ids, x, weights = _inputs(rows, per_slot, quantise_first=not qx, seed=rows + 40, k=2304)
     template = {"NH": kernels.mma_column_groups(rows), "QX": qx, "SW": sw, "ONE": int(rows == 1), "PX": px}
     n_out = N // 2 if sw else N
     bits = [_fp4_experts_on_the_host(kernels.FP4_EXPERTS, "cuda", x, codes, scales, ids, weights,
-                                     {**template, "U": u, "ST": st}, n_out, tmp_path)
-            for u, st in ((1, 0), (2, 0), (4, 0), (2, 2), (2, 3), (2, 4))]
+                                     {**template, "U": u}, n_out, tmp_path)
+            for u in (1, 2, 4)]
     assert np.any(bits[0] != 0)
     for other in bits[1:]:
         assert np.array_equal(bits[0], other)
@@ -160,7 +157,7 @@ def test_fp4_experts_computes_the_first_rows_of_longer_inputs(language, per_slot
     want = kernels.fp4_experts_reference(x[:real], mx.array(codes), mx.array(scales), mx.array(ids[:real]),
                                          swiglu=act)
     got = _fp4_experts_on_the_host(kernels.FP4_EXPERTS, language, x, codes, scales, ids, weights,
-                                   {"NH": 1, "QX": 0, "SW": sw, "ONE": 0, "U": 2, "PX": 1, "ST": 0}, N // 2 if sw else N,
+                                   {"NH": 1, "QX": 0, "SW": sw, "ONE": 0, "U": 2, "PX": 1}, N // 2 if sw else N,
                                    tmp_path, rows=real)
     assert got.size == real * KS * (N // 2 if sw else N)
     _assert_within_rounding(got, want)
@@ -190,7 +187,7 @@ def test_the_host_run_catches_a_wrong_layout(language, right, wrong, tmp_path):
     want = np.array(kernels.fp4_experts_reference(x, mx.array(codes), mx.array(scales), mx.array(ids))
                     .astype(mx.float32)).reshape(-1)
     got = _floats(_fp4_experts_on_the_host(broken, language, x, codes, scales, ids, weights,
-                                           {"NH": 1, "QX": 0, "SW": 0, "ONE": 0, "U": 2, "PX": 0, "ST": 0}, N, tmp_path))
+                                           {"NH": 1, "QX": 0, "SW": 0, "ONE": 0, "U": 2, "PX": 0}, N, tmp_path))
     assert np.abs(got - want).max() > 2.0 ** -6 * np.abs(want).max()
 
 

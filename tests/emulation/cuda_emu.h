@@ -6,8 +6,6 @@
 // in the PTX ISA's fragment layout, and each lane sums its own outputs in k order in float (the
 // tensor core's order may differ: within the float32 summation bound the tests allow). fp16
 // and bf16 conversions are done in software (host_floats.h), in place of fp16_bits.cuh's asm.
-// async_copy.cuh's copies (cp.async) are held back, each thread's own, until a copy_async_wait
-// lets their group land: a kernel that reads a copy before its wait reads the old bytes.
 #include <algorithm>
 #include <barrier>
 #include <cmath>
@@ -95,20 +93,6 @@ inline void mma_m16n8k16(float* d, unsigned int a0, unsigned int a1, unsigned in
     for (int k = 0; k < 16; k++) acc += A[row][k] * B[k][col];
     d[i] = acc;
   }
-}
-// cp.async: a thread's copies in groups (the last one open), done at the wait that lets them land
-struct PendingCopy { void* to; const void* from; size_t n; };
-thread_local std::vector<std::vector<PendingCopy>> copy_groups(1);
-inline void copy_async16(void* to, const void* from) { copy_groups.back().push_back({to, from, 16}); }
-inline void copy_async4(void* to, const void* from) { copy_groups.back().push_back({to, from, 4}); }
-inline void copy_async_commit() { copy_groups.emplace_back(); }
-template <int N> inline void copy_async_wait() {  // every committed group but the newest N lands
-  const size_t committed = copy_groups.size() - 1;
-  const size_t land = committed > (size_t)N ? committed - N : 0;
-  for (size_t i = 0; i < land; i++) {
-    for (const PendingCopy& c : copy_groups[i]) std::memcpy(c.to, c.from, c.n);
-  }
-  copy_groups.erase(copy_groups.begin(), copy_groups.begin() + land);
 }
 template <typename F> void run_blocks(int blocks, F body) {
   for (int b = 0; b < blocks; b++) {
