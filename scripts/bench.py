@@ -628,26 +628,48 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float, 
 PAIRED_LATER = "measured after this table, printed below it"
 
 
-def parse_variant(text: str) -> tuple[str, dict[str, int]]:
-    """`NAME=CHOICE:VALUE[,CHOICE:VALUE...]` (bench.py steps --variant) -> (NAME, {CHOICE: VALUE}):
-    dsv41_mlx.kernels' layout choices (functions, e.g. experts_loads_ahead) each made to return
-    VALUE, an int."""
+def parse_variant(text: str) -> tuple[str, dict[str, list]]:
+    """`NAME=RULE[,RULE...]` (bench.py steps --variant), RULE `CHOICE:VALUE` or `CHOICE@A/B/..:VALUE`
+    -> (NAME, {CHOICE: [(args or None, VALUE), ...]}): dsv41_mlx.kernels' layout choice CHOICE
+    (a function, e.g. experts_loads_ahead(rows, k)) made to return VALUE, an int, on every call,
+    or only on calls with the int arguments A, B, .. (e.g. mma_loads_ahead@2304/1:2: K 2304 at
+    one row), the package's own answer otherwise (variant_choice)."""
     from dsv41_mlx import kernels
 
     name, _, spec = text.partition("=")
-    choices = {}
+    choices: dict[str, list] = {}
     for item in filter(None, spec.split(",")):
-        choice, _, value = item.partition(":")
-        if not callable(getattr(kernels, choice, None)) or not value.lstrip("-").isdigit():
-            raise SystemExit(f"--variant {text!r}: {item!r} is not CHOICE:VALUE with CHOICE a function of "
-                             "dsv41_mlx.kernels and VALUE an int")
-        choices[choice] = int(value)
+        head, _, value = item.partition(":")
+        choice, at, args = head.partition("@")
+        ints = args.split("/") if at else []
+        if (not callable(getattr(kernels, choice, None)) or not value.lstrip("-").isdigit()
+                or (at and not all(a.lstrip("-").isdigit() for a in ints))):
+            raise SystemExit(f"--variant {text!r}: {item!r} is not CHOICE[@A/B/..]:VALUE with CHOICE a function "
+                             "of dsv41_mlx.kernels and VALUE (and A, B, ..) ints")
+        choices.setdefault(choice, []).append((tuple(int(a) for a in ints) if at else None, int(value)))
     if not name or not choices:
-        raise SystemExit(f"--variant {text!r}: expected NAME=CHOICE:VALUE[,CHOICE:VALUE...]")
+        raise SystemExit(f"--variant {text!r}: expected NAME=CHOICE[@A/B/..]:VALUE[,...]")
     return name, choices
 
 
-def bench_steps(model_path: str, variants: dict[str, dict[str, int]], tokens: int = 48, rounds: int = 3,
+def variant_choice(rules: list, package):
+    """A layout choice from parse_variant's rules for it: the first rule whose arguments match
+    the call's (or that has none) gives its value, else the package's function `package` answers."""
+    def choice(*args):
+        for when, value in rules:
+            if when is None or when == args:
+                return value
+        return package(*args)
+
+    return choice
+
+
+def variant_label(choices: dict[str, list]) -> str:
+    return ", ".join(f"{c}{'' if when is None else str(when).replace(',)', ')')} {v}"
+                     for c, rules in choices.items() for when, v in rules) or "-"
+
+
+def bench_steps(model_path: str, variants: dict[str, dict[str, list]], tokens: int = 48, rounds: int = 3,
                 n_prompts: int = 1, verify_rows: int = 0, warm: bool = True) -> dict:
     """Variants of the kernels' layout choices A/B'd in one process, a step at a time: plain
     greedy decoding (generate.generate_step) of the first n_prompts prose and code prompts,
@@ -676,9 +698,9 @@ def bench_steps(model_path: str, variants: dict[str, dict[str, int]], tokens: in
     variants = {"kernels": {}, **variants}
 
     def use(name):
-        from dsv41_mlx import kernels  # (a variant's choices: constant functions)
+        from dsv41_mlx import kernels
 
-        return kernels_choices({c: (lambda *args, v=v: v) for c, v in variants[name].items()})
+        return kernels_choices({c: variant_choice(rules, getattr(kernels, c)) for c, rules in variants[name].items()})
 
     def run(ids):
         stamps, reply = [], []
@@ -696,7 +718,8 @@ def bench_steps(model_path: str, variants: dict[str, dict[str, int]], tokens: in
             for ids in ids_list:
                 run(ids[:64])
                 run(ids)
-        out["variants"][name] = {"choices": variants[name], "step_ms": [[] for _ in ids_list], "hashes": set(),
+        out["variants"][name] = {"choices": {c: [[w, x] for w, x in rules] for c, rules in variants[name].items()},
+                                 "step_ms": [[] for _ in ids_list], "hashes": set(),
                                  "verify_ms": []}
     out["warm_s"] = time.perf_counter() - tic
     names = list(variants)
@@ -740,7 +763,7 @@ def print_steps(env: dict, res: dict, model: str) -> None:
           + " | x kernels | wins | same replies |" + (" verify ms, 1.. rows |" if verify else ""))
     print("|---|---|" + "---|" * len(res["prompt_tokens"]) + "---|---|---|" + ("---|" if verify else ""))
     for name, v in res["variants"].items():
-        choices = ", ".join(f"{c} {x}" for c, x in v["choices"].items()) or "-"
+        choices = variant_label(v["choices"])
         runs = sum(len(m) for m in v["step_ms"])
         print(f"| {name} | {choices} | " + " | ".join(f"{m:.2f}" for m in v["median_ms"])
               + f" | {v['x_base']:.3f} | {v['wins'] if name != 'kernels' else '-'}/{runs} | "
@@ -1439,8 +1462,11 @@ def main() -> int:
     p.add_argument("--json")
     p = sub.add_parser("steps")
     p.add_argument("--model", required=True, help="checkpoint directory (scripts/make_flash_shaped.py) or hub id")
-    p.add_argument("--variant", action="append", default=[], metavar="NAME=CHOICE:VALUE[,...]",
-                   help="a variant of dsv41_mlx.kernels' layout choices, e.g. u1=experts_loads_ahead:1")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=CHOICE[@A/B/..]:VALUE[,...]",
+                   help="a variant of dsv41_mlx.kernels' layout choices, e.g. u1=experts_loads_ahead:1, or "
+                        "w2u2=mma_loads_ahead@2304/1:2 (only for the calls with those arguments)")
+    p.add_argument("--no-warm-up", action="store_true",
+                   help="skip generate.warm_up (each variant's untimed runs still come first)")
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--prompts", type=int, default=1, help="prose and code prompts each")
@@ -1482,7 +1508,7 @@ def main() -> int:
         print_layouts(env, res)
     elif args.what == "steps":
         res = bench_steps(args.model, dict(parse_variant(v) for v in args.variant), args.tokens, args.rounds,
-                          args.prompts, args.verify_rows)
+                          args.prompts, args.verify_rows, warm=not args.no_warm_up)
         print_steps(env, res, args.model)
     elif args.what == "propose":
         res = bench_propose(args.rounds)

@@ -355,7 +355,12 @@ def test_steps_ab_runs_each_variant_with_its_choices_and_flags_changed_replies(b
 
     monkeypatch.setattr(generate, "generate_step", step)
     variants = dict(bench.parse_variant(v) for v in ("u3=experts_loads_ahead:3", "odd=mma_loads_ahead:3"))
-    assert variants == {"u3": {"experts_loads_ahead": 3}, "odd": {"mma_loads_ahead": 3}}
+    assert variants == {"u3": {"experts_loads_ahead": [(None, 3)]}, "odd": {"mma_loads_ahead": [(None, 3)]}}
+    name, one_shape = bench.parse_variant("w2=mma_loads_ahead@2304/1:2,mma_loads_ahead@8192/1:4")
+    choice = bench.variant_choice(one_shape["mma_loads_ahead"], kernels.mma_loads_ahead)
+    assert (name, choice(2304, 1), choice(8192, 1)) == ("w2", 2, 4)  # only those calls
+    assert choice(2304, 6) == kernels.mma_loads_ahead(2304, 6) and choice(5120, 1) == kernels.mma_loads_ahead(5120, 1)
+    assert bench.variant_label(one_shape) == "mma_loads_ahead(2304, 1) 2, mma_loads_ahead(8192, 1) 4"
     res = bench.bench_steps(str(default_checkpoint()), variants, tokens=5, rounds=2, warm=False)
     assert list(res["variants"]) == ["kernels", "u3", "odd"]
     assert seen.count(3) == 2 * (2 + 2)  # warm runs (2 a prompt) and 2 rounds, prose and code prompts
@@ -366,6 +371,6 @@ def test_steps_ab_runs_each_variant_with_its_choices_and_flags_changed_replies(b
     bench.print_steps(bench.environment(), res, "tiny")
     out = capsys.readouterr().out
     assert "| odd | mma_loads_ahead 3 |" in out and out.count("| NO |") == 1
-    for bad in ("nochoices", "x=not_a_choice:1", "x=experts_loads_ahead:one"):
+    for bad in ("nochoices", "x=not_a_choice:1", "x=experts_loads_ahead:one", "x=mma_loads_ahead@k/1:2"):
         with pytest.raises(SystemExit, match="--variant"):
             bench.parse_variant(bad)
