@@ -718,6 +718,8 @@ def bench_steps(model_path: str, variants: dict[str, dict[str, list]], tokens: i
             for ids in ids_list:
                 run(ids[:64])
                 run(ids)
+            if verify_rows:  # (on CUDA without the warm-up, a variant's first verify forwards build kernels)
+                measure_verify_costs(model, verify_rows, repeats=1)
         out["variants"][name] = {"choices": {c: [[w, x] for w, x in rules] for c, rules in variants[name].items()},
                                  "step_ms": [[] for _ in ids_list], "hashes": set(),
                                  "verify_ms": []}
