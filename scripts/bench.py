@@ -676,7 +676,7 @@ def bench_steps(model_path: str, variants: dict[str, dict[str, list]], tokens: i
     `tokens` each, every variant in turn (who goes first alternating round by round), `rounds`
     times; a run's step is the time between two tokens handed out, its first two left out,
     and a run gives its median step. Variant "kernels" (the package's own choices) comes
-    first; the others are {name: {choice: value}} (parse_variant). Each variant's replies are
+    first; the others are {name: {choice: rules}} (parse_variant). Each variant's replies are
     hashed: a layout changes no bit, so all must match. verify_rows: also each variant's verify
     forwards of 1..verify_rows distinct rows (speculative.measure_verify_costs), every round.
     warm: generate.warm_up first (every shape a server's forwards take), besides each variant's
@@ -1197,8 +1197,8 @@ def bench_layouts(rows_list: tuple[int, ...] = LAYOUT_ROWS, forward_rows: int = 
     forward_rows rows that computes `rows` of them, its output compared bit for bit with
     the layout kernels picks (kernels.experts_loads_ahead and mma_loads_ahead: the blocks a
     warp of fp4_experts / fp8_mma loads ahead, U, which only CUDA's twins read;
-    kernels.attention_layout: the attention's heads and simdgroups a
-    threadgroup). `which`: the kernels of LAYOUT_KERNELS to time. A
+    kernels.attention_layout: the attention's heads and simdgroups a threadgroup). `which`:
+    the kernels of LAYOUT_KERNELS to time. A
     candidate that does not launch is reported with its error. Each case carries its floor,
     the bytes it must read over the copy bandwidth: a chain whose host encodes a link slower
     than the GPU runs it times the host, and a time under the floor shows it. Nothing to
@@ -1261,10 +1261,8 @@ def bench_layouts(rows_list: tuple[int, ...] = LAYOUT_ROWS, forward_rows: int = 
         del w13, w2
 
     u_mma = [(u, {"mma_loads_ahead": lambda k, rows, u=u: u}) for u in (2, 4, 6, 8)]
-    for k, n, swiglu in ((1280, 32768, None), (8192, 5120, None), (5120, 4608, kernels.SwiGLU(7.0)),
-                         (2304, 5120, None)):
-        if "fp8_mma" not in which:
-            break
+    mma_shapes = ((1280, 32768, None), (8192, 5120, None), (5120, 4608, kernels.SwiGLU(7.0)), (2304, 5120, None))
+    for k, n, swiglu in mma_shapes if "fp8_mma" in which else ():
         nbytes = n * k * (1 + 1 / 32)
         count = max(2, -(-(256 << 20) // int(nbytes)))  # copies that overflow any cache
         ws = [(random_words((n, k // 4)), random_scales((n, k // 32))) for _ in range(count)]
