@@ -1187,7 +1187,7 @@ def kernels_choices(choices: dict):
         yield
 
 
-LAYOUT_KERNELS = ("fp4_experts", "fp8_mma", "sparse_attention")
+LAYOUT_KERNELS = ("fp4_experts", "fp8_mma", "fp8_mma_hc", "sparse_attention")
 
 
 def bench_layouts(rows_list: tuple[int, ...] = LAYOUT_ROWS, forward_rows: int = 8, experts: int = 24,
@@ -1196,7 +1196,8 @@ def bench_layouts(rows_list: tuple[int, ...] = LAYOUT_ROWS, forward_rows: int = 
     every candidate timed chained (us a call, cold weights) in a padded forward of
     forward_rows rows that computes `rows` of them, its output compared bit for bit with
     the layout kernels picks (kernels.experts_loads_ahead and mma_loads_ahead: the blocks a
-    warp of fp4_experts / fp8_mma loads ahead, U, which only CUDA's twins read;
+    warp of fp4_experts / fp8_mma (and fp8_mma_hc, the GEMMs that put their output into the
+    stream) loads ahead, U, which only CUDA's twins read;
     kernels.attention_layout: the attention's heads and simdgroups a threadgroup). `which`:
     the kernels of LAYOUT_KERNELS to time. A
     candidate that does not launch is reported with its error. Each case carries its floor,
@@ -1274,6 +1275,28 @@ def bench_layouts(rows_list: tuple[int, ...] = LAYOUT_ROWS, forward_rows: int = 
                                                                                      real_rows=r),
                     xq, u_mma, kernels.mma_loads_ahead(k, rows), nbytes)
         del ws
+
+    if "fp8_mma_hc" in which:  # a sub-layer's last GEMM, its output put into the stream: wo_b, the shared w2
+        hc, n = 4, dim
+        residual = mx.random.normal((forward_rows, hc, n)).astype(mx.bfloat16)
+        onto = kernels.StreamOnto(residual, mx.random.uniform(shape=(forward_rows, hc)),
+                                  mx.random.uniform(shape=(forward_rows, hc, hc)),
+                                  mx.random.normal(((2 + hc) * hc, hc * n)) * 0.01)
+        routed = mx.random.normal((forward_rows, top, n)).astype(mx.bfloat16)  # the shared w2 adds the routed experts'
+        mx.eval(onto, routed)
+        for k in (8192, inter):
+            nbytes = n * k * (1 + 1 / 32)
+            count = max(2, -(-(256 << 20) // int(nbytes)))
+            ws = [(random_words((n, k // 4)), random_scales((n, k // 32))) for _ in range(count)]
+            xb = mx.random.normal((forward_rows, k)).astype(mx.bfloat16)  # quantised in the kernel, as a forward's
+            mx.eval(ws, xb)
+            for rows in rows_list:
+                parts = routed[:rows] if k == inter else None
+                measure("fp8_mma_hc", f"{k} -> {n} into the stream" + (f", {top} parts added" if k == inter else ""),
+                        rows, lambda v, i, r=rows, ws=ws, c=count, parts=parts: kernels.fp8_into_stream(
+                            v, *ws[i % c], onto, quantize_input=True, real_rows=r, parts=parts)[0],
+                        xb, u_mma, kernels.mma_loads_ahead(k, rows), nbytes)
+            del ws
 
     if "sparse_attention" not in which:
         return out
