@@ -374,3 +374,33 @@ def test_steps_ab_runs_each_variant_with_its_choices_and_flags_changed_replies(b
     for bad in ("nochoices", "x=not_a_choice:1", "x=experts_loads_ahead:one", "x=mma_loads_ahead@k/1:2"):
         with pytest.raises(SystemExit, match="--variant"):
             bench.parse_variant(bad)
+
+
+def test_layouts_launch_fp8_mma_hc_as_a_forward_does(bench, monkeypatch):
+    """`bench.py layouts --kernels fp8_mma_hc`, its GPU kernel stubbed: wo_b's and the shared
+    expert's w2 launches get a forward's arguments (x [8, K] bf16 quantised in the kernel, the
+    stream, the computed rows, the routed experts' parts added to the shared w2's), each U
+    candidate in turn, every count of rows."""
+    from dsv41_mlx import kernels
+
+    seen = []
+
+    def stub(x, w, scales, onto, **kw):
+        S, hc, n = onto.residual.shape
+        assert x.shape == (S, 4 * w.shape[1]) and x.dtype == mx.bfloat16 and w.shape[0] == n == scales.shape[0]
+        assert scales.shape[1] * 32 == x.shape[1] and onto.fn.shape == ((2 + hc) * hc, hc * n)
+        parts = kw["parts"]
+        seen.append((x.shape[1], kw["real_rows"], kernels.mma_loads_ahead(x.shape[1], kw["real_rows"]),
+                     kw["quantize_input"], None if parts is None else parts.shape))
+        return onto.residual * 1, None
+
+    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
+    monkeypatch.setattr(kernels, "fp8_into_stream", stub)
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda *a: 3.5e12)
+    monkeypatch.setattr(bench, "chained", lambda run, x0: (run(x0, 1), 1e-5)[1])
+    res = bench.bench_layouts((1, 6), which=("fp8_mma_hc",))
+    assert len(res["cases"]) == 2 * 2 * 4 and all(c["kernel"] == "fp8_mma_hc" for c in res["cases"])
+    for k, parts in ((8192, None), (2304, (6, 6, 5120))):
+        for rows in (1, 6):
+            got = {u for kk, r, u, q, p in seen if kk == k and r == rows and q and p == (parts and (rows, 6, 5120))}
+            assert {2, 4, 6, 8} <= got, (k, rows, got)
