@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import hashlib
 import json
 import math
 import os
@@ -124,6 +125,17 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
 
 # ---------------------------------------------------------------------- head
 
+def prompt_texts(n_prompts: int) -> list[str]:
+    """The first n_prompts prose and the first n_prompts code prompts of scripts/prompts.json."""
+    prompts = json.loads((ROOT / "scripts" / "prompts.json").read_text())
+    return prompts["prose"][:n_prompts] + prompts["code"][:n_prompts]
+
+
+def reply_hash(tokens: list) -> str:
+    """A reply's token ids (or several replies') as a short hash: equal replies, equal hashes."""
+    return hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:12]
+
+
 def bench_head(vocab: int, dim: int, rows_list: list[int]) -> dict:
     impl = backend()
     bw = copy_bandwidth()
@@ -181,8 +193,7 @@ def bench_drafts(model_path: str | None, max_tokens: int, n_prompts: int) -> dic
     from dsv41_mlx.speculative import SpeculativeDecoder
 
     model, tokenizer = dsv41_mlx.load(model_path)
-    prompts = json.loads((ROOT / "scripts" / "prompts.json").read_text())
-    texts = (prompts["prose"][:n_prompts] + prompts["code"][:n_prompts])
+    texts = prompt_texts(n_prompts)
     heads = {h: Drafter(model, head=h) for h in ("bf16", "fp8")}
     params = SamplingParams()
     changed = total = 0
@@ -456,8 +467,6 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float, 
     """Everything `bench.py e2e` measures. report(results so far), where given, is called before
     the paired measurement, the slowest part and the last: a run stopped during it (a time
     limit) has printed its tables already."""
-    import hashlib
-
     import dsv41_mlx
     from dsv41_mlx.generate import generate_step, prefill, warm_up
     from dsv41_mlx.model import indexer_scoring_length
@@ -470,9 +479,7 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float, 
     from scripts.mlxlm_baseline import MlxLmUnavailable, bench_mlxlm
 
     model_path = resolve_model_dir(model_path)
-    prompts = json.loads((ROOT / "scripts" / "prompts.json").read_text())
-    texts = prompts["prose"][:n_prompts] + prompts["code"][:n_prompts]
-    ids_list = [load_tokenizer(model_path).encode(t) for t in texts]
+    ids_list = [load_tokenizer(model_path).encode(t) for t in prompt_texts(n_prompts)]
     vocab = ModelArgs.from_file(model_path / "config.json").vocab_size
     if max(max(ids) for ids in ids_list) >= vocab:  # before mlx-lm, which would gather past its table
         raise SystemExit(f"{model_path}: its tokenizer makes ids past the model's vocabulary of {vocab}: "
@@ -496,9 +503,6 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float, 
     step_bytes, expert_bytes = decode_bytes(model)
     out.update(bytes_per_token_GB=step_bytes / 1e9, routed_expert_GB=expert_bytes / 1e9,
                floor_ms=step_bytes / bw * 1e3)
-
-    def hashed(tokens_):
-        return hashlib.sha256(json.dumps(tokens_).encode()).hexdigest()[:12]
 
     # prefill: first the warm-up a server runs before serving (generate.warm_up: every chunk
     # shape once, a few tokens of each kind), so that the GPU kernels are built and loaded and the compiled
@@ -584,7 +588,7 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float, 
             if isinstance(getattr(decoder, "drafter", None), OracleDrafter):
                 oracle = [oracle[0] + decoder.drafter.right, oracle[1] + decoder.drafter.made]
             print(f"  {label}, prompt {i}: {len(rest)} tokens in {time.perf_counter() - tic:.1f} s", flush=True)
-        run = {"tok_s": produced / elapsed, "replies": replies, "hash": hashed(replies),
+        run = {"tok_s": produced / elapsed, "replies": replies, "hash": reply_hash(replies),
                "host_probe_ms": statistics.median(probes)}
         if stats:
             run["proposed"] = sum(s["proposed"] for s in stats)
@@ -681,8 +685,6 @@ def bench_steps(model_path: str, variants: dict[str, dict[str, list]], tokens: i
     forwards of 1..verify_rows distinct rows (speculative.measure_verify_costs), every round.
     warm: generate.warm_up first (every shape a server's forwards take), besides each variant's
     own untimed runs."""
-    import hashlib
-
     import dsv41_mlx
     from dsv41_mlx.checkpoint import resolve_model_dir
     from dsv41_mlx.generate import generate_step, warm_up
@@ -691,9 +693,7 @@ def bench_steps(model_path: str, variants: dict[str, dict[str, list]], tokens: i
     from dsv41_mlx.tokenizer import load_tokenizer
 
     model_path = resolve_model_dir(model_path)
-    prompts = json.loads((ROOT / "scripts" / "prompts.json").read_text())
-    texts = prompts["prose"][:n_prompts] + prompts["code"][:n_prompts]
-    ids_list = [load_tokenizer(model_path).encode(t) for t in texts]
+    ids_list = [load_tokenizer(model_path).encode(t) for t in prompt_texts(n_prompts)]
     model, _ = dsv41_mlx.load(model_path)
     variants = {"kernels": {}, **variants}
 
@@ -708,7 +708,7 @@ def bench_steps(model_path: str, variants: dict[str, dict[str, list]], tokens: i
             stamps.append(time.perf_counter())
             reply.append(t)
         steps = [b - a for a, b in zip(stamps, stamps[1:])][2:]
-        return statistics.median(steps) * 1e3, hashlib.sha256(json.dumps(reply).encode()).hexdigest()[:12]
+        return statistics.median(steps) * 1e3, reply_hash(reply)
 
     out = {"tokens": tokens, "rounds": rounds, "prompt_tokens": [len(i) for i in ids_list], "variants": {}}
     tic = time.perf_counter()
@@ -1229,6 +1229,11 @@ def bench_layouts(rows_list: tuple[int, ...] = LAYOUT_ROWS, forward_rows: int = 
                     row["error"] = str(e).splitlines()[0][:80]
             out["cases"].append(row)
 
+    def cold_fp8(n, k):  # copies of a random FP8 matrix [n, k] that overflow any cache, and its bytes
+        nbytes = n * k * (1 + 1 / 32)
+        count = max(2, -(-(256 << 20) // int(nbytes)))
+        return [(random_words((n, k // 4)), random_scales((n, k // 32))) for _ in range(count)], nbytes
+
     def fp8_input(shape):
         return fp8_fake_quant_reference(mx.random.normal(shape).astype(mx.bfloat16)).astype(mx.bfloat16)
 
@@ -1264,9 +1269,8 @@ def bench_layouts(rows_list: tuple[int, ...] = LAYOUT_ROWS, forward_rows: int = 
     u_mma = [(u, {"mma_loads_ahead": lambda k, rows, u=u: u}) for u in (2, 4, 6, 8)]
     mma_shapes = ((1280, 32768, None), (8192, 5120, None), (5120, 4608, kernels.SwiGLU(7.0)), (2304, 5120, None))
     for k, n, swiglu in mma_shapes if "fp8_mma" in which else ():
-        nbytes = n * k * (1 + 1 / 32)
-        count = max(2, -(-(256 << 20) // int(nbytes)))  # copies that overflow any cache
-        ws = [(random_words((n, k // 4)), random_scales((n, k // 32))) for _ in range(count)]
+        ws, nbytes = cold_fp8(n, k)
+        count = len(ws)
         xq = fp8_input((forward_rows, 1, k))  # (bench.chained feeds x [S, 1, K] back)
         mx.eval(ws, xq)
         for rows in rows_list:
@@ -1285,9 +1289,8 @@ def bench_layouts(rows_list: tuple[int, ...] = LAYOUT_ROWS, forward_rows: int = 
         routed = mx.random.normal((forward_rows, top, n)).astype(mx.bfloat16)  # the shared w2 adds the routed experts'
         mx.eval(onto, routed)
         for k in (8192, inter):
-            nbytes = n * k * (1 + 1 / 32)
-            count = max(2, -(-(256 << 20) // int(nbytes)))
-            ws = [(random_words((n, k // 4)), random_scales((n, k // 32))) for _ in range(count)]
+            ws, nbytes = cold_fp8(n, k)
+            count = len(ws)
             xb = mx.random.normal((forward_rows, k)).astype(mx.bfloat16)  # quantised in the kernel, as a forward's
             mx.eval(ws, xb)
             for rows in rows_list:
