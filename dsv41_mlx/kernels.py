@@ -1225,11 +1225,17 @@ def fp4_experts(x: mx.array, w: mx.array, scales: mx.array, ids: mx.array, impl:
         x, xs = x.astype(mx.bfloat16), _float32s(0.0)  # (xs unread)
     (y,) = _compiled(FP4_EXPERTS, impl)(
         inputs=[x, xs, w, scales, ids.astype(mx.uint32), _int32s(R, k, N, K, slots), limit, weights],
-        template=[("NH", mma_column_groups(R)), ("QX", int(quantize_input)), ("SW", sw), ("ONE", int(R == 1)),
-                  ("U", experts_loads_ahead(R, K)), ("PX", int(prepared))],
+        template=fp4_experts_template(R, K, quantize_input, sw, prepared),
         grid=(R * k * (N // 32) * 256, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[(R, k, N // 2 if sw else N)], output_dtypes=[mx.bfloat16], init_value=init_value)
     return y
+
+
+def fp4_experts_template(rows: int, k: int, quantize_input: bool, sw: int, prepared: bool) -> list[tuple[str, int]]:
+    """fp4_experts' template constants for `rows` computed rows of K = k (SW as _swiglu_arguments
+    gives it; prepared: x from mma_x_prep, experts_prepare_x)."""
+    return [("NH", mma_column_groups(rows)), ("QX", int(quantize_input)), ("SW", sw), ("ONE", int(rows == 1)),
+            ("U", experts_loads_ahead(rows, k)), ("PX", int(prepared))]
 
 
 def experts_prepare_x(rows: int) -> bool:

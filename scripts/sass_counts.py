@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import ctypes
 import importlib.util
 import re
 import shutil
@@ -37,15 +36,14 @@ W13_K, W2_K = 5120, 2304  # the release's: hidden, and the experts' inner width
 
 
 def variants(overrides: dict[str, int] | None = None) -> dict[str, tuple]:
-    """The forward's fp4_experts launches: name -> the kernel case (tests/test_kernels.py), with
-    `overrides` of their template constants."""
+    """The forward's fp4_experts launches (model.MoE._routed_rows: w13 on x already quantised,
+    its weighted SwiGLU; w2 quantising h itself): name -> the kernel case (tests/test_kernels.py)
+    with kernels.fp4_experts_template's constants and `overrides` of them."""
     out = {}
     for rows in (1, 6):
-        for name, sw, k in (("w13", 2, W13_K), ("w2", 0, W2_K)):
-            template = {"NH": kernels.mma_column_groups(rows), "QX": 1, "ONE": int(rows == 1), "SW": sw,
-                        "PX": int(kernels.experts_prepare_x(rows)), "U": kernels.experts_loads_ahead(rows, k),
-                        **(overrides or {})}
-            out[f"{name}, {rows} row{'s' * (rows > 1)}"] = _experts_case(**template)
+        for name, sw, k, quantize in (("w13", 2, W13_K, False), ("w2", 0, W2_K, True)):
+            template = dict(kernels.fp4_experts_template(rows, k, quantize, sw, kernels.experts_prepare_x(rows)))
+            out[f"{name}, {rows} row{'s' * (rows > 1)}"] = _experts_case(**{**template, **(overrides or {})})
     return out
 
 
@@ -65,25 +63,11 @@ def cubin(case: tuple, arch: str) -> tuple[bytes, int]:
     """NVRTC's cubin of the kernel case for `arch` (an sm_ target), and its registers a thread."""
     spec, inputs, outputs, template = case
     source = cuda_check.wrap(spec.name, spec.source("cuda"), spec.header("cuda"), inputs, outputs, template)
-    lib, include = cuda_check.nvrtc()
-    prog = ctypes.c_void_p()
-    lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"kernel.cu", 0, None, None)
-    options = [f"--gpu-architecture={arch}", f"-I{include}", "-std=c++17", "--ptxas-options=-v"]
-    status = lib.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(
-        *[o.encode() for o in options]))
-    size = ctypes.c_size_t()
-    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-    log = ctypes.create_string_buffer(size.value)
-    lib.nvrtcGetProgramLog(prog, log)
-    if status != 0:
-        lib.nvrtcDestroyProgram(ctypes.byref(prog))
-        raise RuntimeError(f"{spec.name} {template}: NVRTC failed:\n{log.value.decode(errors='replace')}")
-    lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
-    code = ctypes.create_string_buffer(size.value)
-    lib.nvrtcGetCUBIN(prog, code)
-    lib.nvrtcDestroyProgram(ctypes.byref(prog))
-    regs = re.search(r"Used (\d+) registers", log.value.decode(errors="replace"))
-    return code.raw, int(regs.group(1)) if regs else -1
+    compiled, log, code = cuda_check.compile_cubin(source, arch, ("--ptxas-options=-v",))
+    if not compiled:
+        raise RuntimeError(f"{spec.name} {template}: NVRTC failed:\n{log}")
+    regs = re.search(r"Used (\d+) registers", log)
+    return code, int(regs.group(1)) if regs else -1
 
 
 INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)[^;]*;")

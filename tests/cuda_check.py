@@ -65,10 +65,17 @@ def wrap(name: str, body: str, header: str, inputs: dict[str, str], outputs: dic
 
 def compile_cuda(source: str, arch: str = "compute_90", extra: tuple[str, ...] = ()) -> tuple[bool, str]:
     """NVRTC on the source: (compiled, log). extra: more options (e.g. ptxas' -v with an sm_ arch)."""
+    compiled, log, _ = compile_cubin(source, arch, extra)
+    return compiled, log
+
+
+def compile_cubin(source: str, arch: str = "sm_90", extra: tuple[str, ...] = ()) -> tuple[bool, str, bytes]:
+    """compile_cuda's (compiled, log) and the machine code NVRTC made (a cubin where arch is an sm_
+    target; empty where it did not compile)."""
     lib, include = nvrtc()
     prog = ctypes.c_void_p()
     if lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"kernel.cu", 0, None, None):
-        return False, "nvrtcCreateProgram failed"
+        return False, "nvrtcCreateProgram failed", b""
     options = [f"--gpu-architecture={arch}", f"-I{include}", "-std=c++17", *extra]
     status = lib.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(
         *[o.encode() for o in options]))
@@ -76,5 +83,11 @@ def compile_cuda(source: str, arch: str = "compute_90", extra: tuple[str, ...] =
     lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
     log = ctypes.create_string_buffer(size.value)
     lib.nvrtcGetProgramLog(prog, log)
+    code = b""
+    if status == 0 and arch.startswith("sm_"):
+        lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+        cubin = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetCUBIN(prog, cubin)
+        code = cubin.raw
     lib.nvrtcDestroyProgram(ctypes.byref(prog))
-    return status == 0, log.value.decode(errors="replace")
+    return status == 0, log.value.decode(errors="replace"), code

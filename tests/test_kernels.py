@@ -237,7 +237,7 @@ CASES = {
     "fp4_experts": _experts_case(NH=1),
     "fp4_experts_16_rows": _experts_case(NH=2),
     "fp4_experts_quantizing": _experts_case(NH=1, QX=1, ONE=1),
-    "fp4_experts_one_row_two_ahead": _experts_case(NH=1, QX=1, SW=2, ONE=1, U=2),  # w13's (kernels.experts_loads_ahead)
+    "fp4_experts_one_row_two_ahead": _experts_case(NH=1, SW=2, ONE=1, U=2),  # w13's (kernels.experts_loads_ahead)
     "fp4_experts_swiglu": _experts_case(NH=1, SW=2),
     "fp4_experts_swiglu_16_rows": _experts_case(NH=2, QX=1, SW=1),
     "fp4_experts_prepared": _experts_case(NH=1, SW=2, PX=1),
