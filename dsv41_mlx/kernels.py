@@ -919,11 +919,12 @@ def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None
                          f"for x {x.shape}, w {w.shape}{' with a SwiGLU' if swiglu is not None else ''}")
     added, ap = _added_parts("fp8_gemv", parts, rows, N)
     if threads is None and rows > 0 and fp8_gemv_on_matrix_unit(N, K, G):
+        tr = mma_tile_rows(N * G, K)
         (y,) = _compiled(FP8_MMA, impl)(
             inputs=[x.astype(mx.bfloat16), w, scales, _int32s(rows, N, K, G, S), limit, added],
             template=[("NH", mma_column_groups(rows)), ("QX", int(quantize_input)), ("SW", sw), ("AP", ap),
-                      ("ONE", int(rows == 1)), ("U", mma_loads_ahead(K, rows))],
-            grid=(G * (N // 32) * 256, 1, 1), threadgroup=(256, 1, 1),
+                      ("ONE", int(rows == 1)), ("U", mma_loads_ahead(K, rows)), ("TR", tr)],
+            grid=(G * (N // tr) * 256, 1, 1), threadgroup=(256, 1, 1),
             output_shapes=[(*x.shape[:-1], N // 2 if sw else N)], output_dtypes=[mx.bfloat16], init_value=init_value)
         return y
     return _gemv_launch(FP8_GEMV, impl, [x.astype(mx.bfloat16), w, scales, _int32s(rows, N, K, G, S), limit, added],
@@ -1102,7 +1103,7 @@ def fp8_into_stream(x: mx.array, w: mx.array, scales: mx.array, onto: StreamOnto
         inputs=[x.astype(mx.bfloat16), w, scales, _int32s(rows, N, K, 1, S), added, residual, post.astype(f32),
                 comb.astype(f32), fn.astype(f32)],
         template=[("NH", mma_column_groups(rows)), ("QX", int(quantize_input)), ("AP", ap), ("ONE", int(rows == 1)),
-                  ("HC", hc), ("U", mma_loads_ahead(K, rows))],
+                  ("HC", hc), ("U", mma_loads_ahead(K, rows)), ("TR", 32)],
         grid=(N // 32 * 256, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[(S, hc, N), (S, N // 32, M + 1)], output_dtypes=[mx.bfloat16, f32])
     return h, mix_parts
@@ -1283,6 +1284,15 @@ def mma_loads_ahead(k: int, rows: int) -> int:
     blocks a warp), where fewer registers a thread let more threadgroups run at once (H100,
     session 25: 14.8 against 21.6 us; at K 2304..8192 6 stayed the fastest; `bench.py layouts`)."""
     return 2 if rows == 1 and k < 2048 else 6
+
+
+def mma_tile_rows(n: int, k: int) -> int:
+    """TR of fp8_mma: the weight rows (outputs) a threadgroup takes, 32 or 16, for a GEMM of n
+    outputs and k inputs (fp8_mma_hc keeps 32: its mix parts are a 32-feature tile's). No bit
+    depends on it: an output's sums are the same products in the same order either way. 32
+    (16 doubles the threadgroups of a grid of few tiles, for the same work: not yet measured
+    faster)."""
+    return 32
 
 
 # fp4_experts runs on the matrix unit (mma.sync on CUDA, simdgroup matrices on Metal): a

@@ -8,17 +8,20 @@
 // so each fp16 pair is E4M3_EVEN or E4M3_ODD of one of the two words, and x the same.
 
 // U (a template constant, kernels.mma_loads_ahead): the blocks whose loads a warp issues before it uses the first
+// TR (kernels.mma_tile_rows): a tile's weight rows, 32 or 16 (one m group, MGS 1)
 constexpr int COLS = 8 * NH;  // the matrix products' columns: the computed rows, padded
-__shared__ float red[MMA_WARPS * 32 * COLS];  // each warp's sums [warp][output][row]
+constexpr int MGS = TR / 16;  // the tile's m groups of 16 rows
+static_assert(TR == 16 || TR == 32, "a tile of 16 or 32 weight rows");
+__shared__ float red[MMA_WARPS * TR * COLS];  // each warp's sums [warp][output][row]
 __shared__ uint4 staged[MMA_MAX_K / 16];  // the tile's weight scales (mma_tile_scales)
 const int rows = sizes[0];
 const int N = sizes[1];
 const int K = sizes[2];
 const int G = sizes[3];
 const int out_rows = sizes[4];
-const unsigned int tiles = (unsigned int)N / 32;
+const unsigned int tiles = (unsigned int)N / TR;
 const unsigned int grp = blockIdx.x / tiles;  // the matrix (wo_a's group; 0 for a dense GEMM)
-const unsigned int n0 = (blockIdx.x % tiles) * 32;  // the tile's first output
+const unsigned int n0 = (blockIdx.x % tiles) * TR;  // the tile's first output
 const unsigned int lane = threadIdx.x % 32;
 const unsigned int g = lane / 4;  // lane 4g + t
 const unsigned int nb = (unsigned int)K / 32;  // blocks of 32 columns, each with its own scale per row
@@ -33,8 +36,8 @@ for (int h = 0; h < NH; h++) {
   const int r = min(8 * h + (int)g, rows - 1);
   xrow[h] = x + ((size_t)r * G + grp) * K;
 }
-const unsigned char* tile_scales = mma_tile_scales<!ONE>(scales, row0, nb, staged);
-float acc[2][NH][4] = {};  // [m group][column group][C fragment]
+const unsigned char* tile_scales = mma_tile_scales<!ONE, TR>(scales, row0, nb, staged);
+float acc[MGS][NH][4] = {};  // [m group][column group][C fragment]
 mma_warp_sums<E4m3Codes, U, NH, QX, ONE>(w, tile_scales, row0, words, nb, xrow, b0, per_warp, lane, acc);
 mma_warp_sums_to<NH>(red, acc, lane);
 __syncthreads();

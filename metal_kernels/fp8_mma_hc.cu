@@ -1,4 +1,5 @@
 // CUDA twin of fp8_mma_hc.metal (fp8_mma.cu's end for kernels.FP8_MMA_HC; see there).
+static_assert(TR == 32, "the mix parts are a 32-feature tile's, a lane each");
 constexpr int M = (2 + HC) * HC;
 constexpr int MG = 8;  // mixes a pass (fp8_mma_hc.metal says why)
 const unsigned int d = n0 + lane;  // this lane's feature

@@ -13,6 +13,7 @@
 // next sub-layer's mix projection, M = (2 + HC) * HC). Outputs: h [out_rows, HC, N] bfloat16,
 // mix_parts [out_rows, N / 32, M + 1] float32. Template constant HC; SW 0 and G 1 (a dense
 // GEMM). CUDA twin: fp8_mma_hc.cu.
+static_assert(TR == 32, "the mix parts are a 32-feature tile's, a lane each");
 constexpr int M = (2 + HC) * HC;
 // mixes a pass: their loads of fn are issued together, MG * HC a lane; all M at once held ~100
 // registers a thread more than the GEMM (NVRTC: 255 against 122), which halved the threadgroups

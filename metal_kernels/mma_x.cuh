@@ -73,24 +73,26 @@ struct E4m3Codes {  // fp8_mma: two 32-bit words (8 codes) of a weight row a lan
   }
 };
 
-// A tile's weight scales: rows row0 .. row0 + 31 of the scales [rows, nb] bytes, 32 nb = K
-// contiguous bytes, as the walk (mma_warp_sums) reads them, [32][nb] from the pointer returned.
+// A tile's weight scales: rows row0 .. row0 + TR - 1 of the scales [rows, nb] bytes, TR nb
+// contiguous bytes (TR the tile's rows: 32, or fp8_mma's 16), as the walk (mma_warp_sums)
+// reads them, [TR][nb] from the pointer returned.
 // STAGE (a launch that computes more than one row): the threadgroup first reads them into
 // shared memory `tile` at once, 16 bytes a read where they are 16-byte aligned, then waits
 // (__syncthreads), and the walk reads them there; otherwise straight from memory, a byte from
 // each of 8 rows a load, every lane, every block. On the H200 (session 27) the walk's own
 // scale loads had cost fp4_experts ~15% of its time at six rows; at one row, where a
 // threadgroup's walk is short, the wait before its first weight loads cost fp8_mma more than
-// it saved. K at most MMA_MAX_K (kernels.MMA_MAX_K; K a multiple of 256).
+// it saved. K at most MMA_MAX_K (kernels.MMA_MAX_K; K a multiple of 256): `tile` holds
+// MMA_MAX_K bytes, a 32-row tile's.
 constexpr unsigned int MMA_MAX_K = 8192;
-template <bool STAGE, class S>
+template <bool STAGE, int TR = 32, class S>
 __device__ __forceinline__ const unsigned char* mma_tile_scales(const S* scales, size_t row0, unsigned int nb,
                                                                 uint4* tile) {
   const unsigned char* from = reinterpret_cast<const unsigned char*>(scales) + row0 * nb;
   if (!STAGE) {
     return from;
   }
-  const unsigned int n = 32 * nb;
+  const unsigned int n = TR * nb;
   if (reinterpret_cast<size_t>(from) % 16 == 0) {
     for (unsigned int i = threadIdx.x; i < n / 16; i += MMA_WARPS * 32) {
       tile[i] = __ldg(reinterpret_cast<const uint4*>(from) + i);
@@ -105,27 +107,28 @@ __device__ __forceinline__ const unsigned char* mma_tile_scales(const S* scales,
   return reinterpret_cast<const unsigned char*>(tile);
 }
 
-// One warp's share of a tile of 32 weight rows (row0 .. row0 + 31 of w, `words` 32-bit words
-// a row; their scales `nb` bytes a row, from mma_tile_scales) in the 32-column blocks b0 ..
-// b0 + per_warp - 1, times B columns 8h + g (xrow[h]: bf16 x of the whole K): each block's
-// products summed by the matrix unit in fp32, then times both scales into acc [m group][column
-// group][C fragment].
+// One warp's share of a tile of 16 MGS weight rows (MGS m groups of 16: 2, or 1 in fp8_mma's
+// 16-row tiles; row0 .. row0 + 16 MGS - 1 of w, `words` 32-bit words a row; their scales `nb`
+// bytes a row, from mma_tile_scales) in the 32-column blocks b0 .. b0 + per_warp - 1, times B
+// columns 8h + g (xrow[h]: bf16 x of the whole K): each block's products summed by the matrix
+// unit in fp32, then times both scales into acc [m group][column group][C fragment]. A row's
+// sums do not depend on MGS: its m group's products are the same either way.
 // `lane`: threadIdx.x % 32, computed by the kernel up front (so ptxas keeps the
 // registers of the kernels before this helper: 64 for fp4_experts at NH 1). U blocks' loads
 // are issued before the first is used. ONE: column 0 alone (a one-row
 // launch), its x read a value a lane (mma_x_column), the other columns zeros, their sums unread.
 // PX: x is already x / s, as fp16 bits (mma_x_prep), and xsrow[h] column 8h + g's scales s a
 // block: the same B fragments and scales, read instead of computed by every threadgroup.
-template <class Codes, int U, int NH, int QX, bool ONE, int PX = 0, class W>
+template <class Codes, int U, int NH, int QX, bool ONE, int PX = 0, int MGS, class W>
 __device__ __forceinline__ void mma_warp_sums(const W* w, const unsigned char* scales, size_t row0, unsigned int words,
                                               unsigned int nb, const __nv_bfloat16* const* xrow, unsigned int b0,
-                                              unsigned int per_warp, unsigned int lane, float (&acc)[2][NH][4],
+                                              unsigned int per_warp, unsigned int lane, float (&acc)[MGS][NH][4],
                                               const float* const* xsrow = nullptr) {
   const unsigned int g = lane / 4;
   const unsigned int t = lane % 4;
   for (unsigned int i0 = 0; i0 < per_warp; i0 += U) {
-    typename Codes::Word wq[U][2][2];  // [block][m group][row g, g + 8]: this lane's codes of each row
-    unsigned int ws[U][2][2];          // their scale bytes
+    typename Codes::Word wq[U][MGS][2];  // [block][m group][row g, g + 8]: this lane's codes of each row
+    unsigned int ws[U][MGS][2];          // their scale bytes
     uint4 xv[U][NH];                   // x (PX: x / s) at the block's columns 8t .. 8t + 7 of column 8h + g
     float x1[U];                       // ONE: column 0's x at the block's column `lane`
     float xs[U][NH];                   // PX: column 8h + g's s of the block
@@ -133,7 +136,7 @@ __device__ __forceinline__ void mma_warp_sums(const W* w, const unsigned char* s
     for (int u = 0; u < U; u++) {
       const unsigned int b = b0 + min(i0 + u, per_warp - 1);  // past the warp's blocks: its last again, unused
 #pragma unroll
-      for (int mg = 0; mg < 2; mg++) {
+      for (int mg = 0; mg < MGS; mg++) {
 #pragma unroll
         for (int e = 0; e < 2; e++) {
           const unsigned int r = 16 * mg + g + 8 * e;  // the tile's row
@@ -210,7 +213,7 @@ __device__ __forceinline__ void mma_warp_sums(const W* w, const unsigned char* s
         }
       }
 #pragma unroll
-      for (int mg = 0; mg < 2; mg++) {
+      for (int mg = 0; mg < MGS; mg++) {
         const float f0 = __uint_as_float((ws[u][mg][0] + Codes::SCALE_BIAS) << 23);  // 2^(e-127) times the bias, row g
         const float f1 = __uint_as_float((ws[u][mg][1] + Codes::SCALE_BIAS) << 23);  // row g + 8
 #pragma unroll
@@ -232,19 +235,21 @@ __device__ __forceinline__ void mma_warp_sums(const W* w, const unsigned char* s
   }
 }
 
-// acc into red [warp][tile row][column] (COLS = 8 NH columns), for the totals over the warps.
-template <int NH>
-__device__ __forceinline__ void mma_warp_sums_to(float* red, const float (&acc)[2][NH][4], unsigned int lane) {
-  float* mine = red + (threadIdx.x / 32) * 32 * (8 * NH);
+// acc into red [warp][tile row][column] (16 MGS tile rows, COLS = 8 NH columns), for the totals
+// over the warps.
+template <int NH, int MGS>
+__device__ __forceinline__ void mma_warp_sums_to(float* red, const float (&acc)[MGS][NH][4], unsigned int lane) {
+  float* mine = red + (threadIdx.x / 32) * (16 * MGS) * (8 * NH);
   mma_c_each<NH>(acc, lane, [&](unsigned int row, unsigned int col, float v) { mine[row * (8 * NH) + col] = v; });
 }
 
-// Tile row `row`'s total at column `col` over the warps, in warp order (red: mma_warp_sums_to).
-template <int NH>
+// Tile row `row`'s total at column `col` over the warps, in warp order (red: mma_warp_sums_to,
+// TR = 16 MGS tile rows).
+template <int NH, int TR = 32>
 __device__ __forceinline__ float mma_warps_total(const float* red, unsigned int row, unsigned int col) {
   float sum = red[row * (8 * NH) + col];
   for (int q = 1; q < MMA_WARPS; q++) {
-    sum += red[(q * 32 + row) * (8 * NH) + col];
+    sum += red[(q * TR + row) * (8 * NH) + col];
   }
   return sum;
 }

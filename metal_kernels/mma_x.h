@@ -17,13 +17,13 @@ inline float mma_x_column(const float v, thread float* s_out) {
   return (QX ? fp8_fake_quant_value(v, s) : v) * as_type<float>((254u - (as_type<uint>(s) >> 23)) << 23);
 }
 
-// Tile row n's total at column r over the 8 simdgroups, in simdgroup order: red [8][32 rows][COLS],
+// Tile row n's total at column r over the 8 simdgroups, in simdgroup order: red [8][TR rows][COLS],
 // each simdgroup's sums after its blocks (fp8_mma's ends; CUDA twin: mma_x.cuh's mma_warps_total)
-template <int COLS>
+template <int COLS, int TR = 32>
 inline float mma_warps_total(threadgroup const float* red, const uint n, const uint r) {
   float sum = red[n * COLS + r];
   for (int q = 1; q < 8; q++) {
-    sum += red[(q * 32 + n) * COLS + r];
+    sum += red[(q * TR + n) * COLS + r];
   }
   return sum;
 }

@@ -1197,8 +1197,8 @@ def bench_layouts(rows_list: tuple[int, ...] = LAYOUT_ROWS, forward_rows: int = 
     forward_rows rows that computes `rows` of them, its output compared bit for bit with
     the layout kernels picks (kernels.experts_loads_ahead and mma_loads_ahead: the blocks a
     warp of fp4_experts / fp8_mma (and fp8_mma_hc, the GEMMs that put their output into the
-    stream) loads ahead, U, which only CUDA's twins read;
-    kernels.attention_layout: the attention's heads and simdgroups a threadgroup). `which`:
+    stream) loads ahead, U, which only CUDA's twins read; fp8_mma's with its tiles' rows,
+    kernels.mma_tile_rows, as "TR/U"; kernels.attention_layout: the attention's heads and simdgroups a threadgroup). `which`:
     the kernels of LAYOUT_KERNELS to time. A
     candidate that does not launch is reported with its error. Each case carries its floor,
     the bytes it must read over the copy bandwidth: a chain whose host encodes a link slower
@@ -1267,6 +1267,9 @@ def bench_layouts(rows_list: tuple[int, ...] = LAYOUT_ROWS, forward_rows: int = 
         del w13, w2
 
     u_mma = [(u, {"mma_loads_ahead": lambda k, rows, u=u: u}) for u in (2, 4, 6, 8)]
+    # fp8_mma's layouts: its tiles' rows (kernels.mma_tile_rows) / U, as "TR/U"
+    tiles_u_mma = [(f"{tr}/{u}", {"mma_tile_rows": lambda n, k, tr=tr: tr, **choices})
+                   for tr in (32, 16) for u, choices in u_mma]
     mma_shapes = ((1280, 32768, None), (8192, 5120, None), (5120, 4608, kernels.SwiGLU(7.0)), (2304, 5120, None))
     for k, n, swiglu in mma_shapes if "fp8_mma" in which else ():
         ws, nbytes = cold_fp8(n, k)
@@ -1277,7 +1280,7 @@ def bench_layouts(rows_list: tuple[int, ...] = LAYOUT_ROWS, forward_rows: int = 
             measure("fp8_mma", f"{k} -> {n}" + (" + SwiGLU" if swiglu else ""), rows,
                     lambda v, i, r=rows, ws=ws, c=count, sw=swiglu: kernels.fp8_gemv(v, *ws[i % c], swiglu=sw,
                                                                                      real_rows=r),
-                    xq, u_mma, kernels.mma_loads_ahead(k, rows), nbytes)
+                    xq, tiles_u_mma, f"{kernels.mma_tile_rows(n, k)}/{kernels.mma_loads_ahead(k, rows)}", nbytes)
         del ws
 
     if "fp8_mma_hc" in which:  # a sub-layer's last GEMM, its output put into the stream: wo_b, the shared w2

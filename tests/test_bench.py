@@ -376,6 +376,35 @@ def test_steps_ab_runs_each_variant_with_its_choices_and_flags_changed_replies(b
             bench.parse_variant(bad)
 
 
+def test_layouts_time_fp8_mma_tiles_and_loads_ahead_together(bench, monkeypatch):
+    """`bench.py layouts --kernels fp8_mma`, its GPU kernel stubbed: every shape and count of rows
+    launched under each tile height (kernels.mma_tile_rows) with each U, labelled TR/U, the
+    package's pair marked the default."""
+    from dsv41_mlx import kernels
+
+    seen = []
+
+    def stub(x, w, scales, **kw):
+        n, k = w.shape[0], 4 * w.shape[1]
+        seen.append((k, kw["real_rows"], kernels.mma_tile_rows(n, k), kernels.mma_loads_ahead(k, kw["real_rows"])))
+        return x * 1
+
+    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
+    monkeypatch.setattr(kernels, "fp8_gemv", stub)
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda *a: 3.5e12)
+    monkeypatch.setattr(bench, "chained", lambda run, x0: (run(x0, 1), 1e-5)[1])
+    res = bench.bench_layouts((1, 6), which=("fp8_mma",))
+    assert len(res["cases"]) == 4 * 2 * 8 and {c["layout"] for c in res["cases"]} == {
+        f"{tr}/{u}" for tr in (32, 16) for u in (2, 4, 6, 8)}
+    for k in (1280, 8192, 5120, 2304):
+        for rows in (1, 6):
+            assert {(tr, u) for kk, r, tr, u in seen if (kk, r) == (k, rows)} >= {(16, 2), (32, 8)}
+            default = [c["layout"] for c in res["cases"] if c["default"] and c["shape"].startswith(f"{k} ")
+                       and c["rows"] == rows]
+            assert default == [f"{kernels.mma_tile_rows(1, k)}/{kernels.mma_loads_ahead(k, rows)}"]
+    assert kernels.mma_tile_rows(4608, 5120) == 32  # restored
+
+
 def test_layouts_launch_fp8_mma_hc_as_a_forward_does(bench, monkeypatch):
     """`bench.py layouts --kernels fp8_mma_hc`, its GPU kernel stubbed: wo_b's and the shared
     expert's w2 launches get a forward's arguments (x [8, K] bf16 quantised in the kernel, the

@@ -326,7 +326,45 @@ def test_fp8_mma_runs_its_spec_on_the_host(language, rows, out_rows, qx, sw, ap,
     """fp8_gemv's large matrices on the matrix unit (fp8_mma), the one-row path included."""
     _fp8_gemm_on_the_host(kernels.FP8_MMA, language, rows, out_rows, qx, sw, ap,
                           {"NH": kernels.mma_column_groups(rows), "QX": qx, "SW": sw, "AP": ap, "ONE": int(rows == 1),
-                           "U": kernels.mma_loads_ahead(512, rows)}, 64 // 32, tmp_path)
+                           "U": kernels.mma_loads_ahead(512, rows), "TR": 32}, 64 // 32, tmp_path)
+
+
+@pytest.mark.parametrize("language", ["metal", "cuda"])
+@pytest.mark.parametrize("rows, out_rows, qx, sw, ap", [
+    (1, 8, 1, 1, 0),    # the shared expert's gate and up projection with its SwiGLU, one row
+    (1, 8, 1, 0, 0),
+    (6, 8, 0, 0, 6),    # the routed experts' parts added
+    (9, 16, 0, 1, 0),   # two column groups (NH 2)
+])
+def test_fp8_mma_tiles_of_16_rows_give_the_same_bits(language, rows, out_rows, qx, sw, ap, tmp_path):
+    """fp8_mma's tiles of 16 weight rows (TR 16, kernels.mma_tile_rows: twice the threadgroups)
+    give every output the bits of 32-row tiles: the same products summed in the same order
+    (the padding rows zeros both ways), and so the spec's values."""
+    from dsv41_mlx.quant import fp8_fake_quant_reference
+    from scripts.check_kernels import random_scales, random_words
+
+    mx.random.seed(70 + rows + sw)
+    n, k = 64, 512
+    w, s = random_words((n, k // 4)), random_scales((n, k // 32))
+    x = mx.random.normal((out_rows, k)).astype(mx.bfloat16)
+    x = x if qx else fp8_fake_quant_reference(x).astype(mx.bfloat16)
+    n_out = n // 2 if sw else n
+    parts = (mx.random.normal((rows, ap, n_out)) * 0.5).astype(mx.bfloat16) if ap else None
+    inputs = {"x": ("bfloat16", _bf16_bits(x)), "w": ("uint32", np.array(w)), "scales": ("uint8", np.array(s)),
+              "sizes": ("int32", np.array([rows, n, k, 1, out_rows])), "swiglu": ("float32", np.array([7.0])),
+              "parts": ("bfloat16", _bf16_bits(parts) if ap else np.zeros(1, np.uint16))}
+    got = {}
+    for tr in (32, 16):
+        (tmp_path / str(tr)).mkdir()
+        template = {"NH": kernels.mma_column_groups(rows), "QX": qx, "SW": sw, "AP": ap, "ONE": int(rows == 1),
+                    "U": kernels.mma_loads_ahead(k, rows), "TR": tr}
+        got[tr] = run(kernels.FP8_MMA, language, inputs, {"y": ("bfloat16", out_rows * n_out)}, template, n // tr,
+                      tmp_path / str(tr))["y"]
+    assert np.array_equal(got[16], got[32])
+    want = kernels.fp8_gemv_reference(x, w, s, quantize_input=bool(qx), real_rows=rows,
+                                      swiglu=kernels.SwiGLU(7.0) if sw else None, parts=parts)
+    _assert_within_rounding(got[16], want)
+    assert np.all(got[16].reshape(out_rows, n_out)[rows:] == 0) and not np.all(got[16] == 0)
 
 
 
@@ -360,7 +398,7 @@ def test_fp8_mma_into_the_stream_runs_its_spec_on_the_host(language, rows, out_r
               "sizes": ("int32", np.array([rows, n, k, 1, out_rows])),
               "parts": ("bfloat16", _bf16_bits(parts) if ap else np.zeros(1, np.uint16))}
     template = {"NH": kernels.mma_column_groups(rows), "QX": qx, "AP": ap, "ONE": int(rows == 1),
-                "U": kernels.mma_loads_ahead(k, rows)}
+                "U": kernels.mma_loads_ahead(k, rows), "TR": 32}
     (tmp_path / "y").mkdir()
     y = run(kernels.FP8_MMA, language, {**common, "swiglu": ("float32", np.array([0.0]))},
             {"y": ("bfloat16", out_rows * n)}, {**template, "SW": 0}, n // 32, tmp_path / "y")["y"]

@@ -161,17 +161,17 @@ def _x_prep_case(QX):  # noqa: N803
     return MMA_X_PREP, {"x": "bfloat16", "sizes": "int32"}, {"xh": "uint16", "xs": "float32"}, {"QX": QX}
 
 
-def _mma_case(NH, QX=0, SW=0, AP=0, ONE=0, U=6):  # noqa: N803
+def _mma_case(NH, QX=0, SW=0, AP=0, ONE=0, U=6, TR=32):  # noqa: N803
     inputs = {"x": "bfloat16", "w": "uint32", "scales": "uint8", "sizes": "int32", "swiglu": "float32",
               "parts": "bfloat16"}
-    return FP8_MMA, inputs, {"y": "bfloat16"}, {"NH": NH, "QX": QX, "SW": SW, "AP": AP, "ONE": ONE, "U": U}
+    return FP8_MMA, inputs, {"y": "bfloat16"}, {"NH": NH, "QX": QX, "SW": SW, "AP": AP, "ONE": ONE, "U": U, "TR": TR}
 
 
 def _mma_hc_case(NH, QX=0, AP=0, ONE=0, U=6):  # noqa: N803
     inputs = {"x": "bfloat16", "w": "uint32", "scales": "uint8", "sizes": "int32", "parts": "bfloat16",
               "residual": "bfloat16", "post": "float32", "comb": "float32", "fn": "float32"}
     return FP8_MMA_HC, inputs, {"h": "bfloat16", "mix_parts": "float32"}, {"NH": NH, "QX": QX, "AP": AP, "ONE": ONE,
-                                                                           "HC": 4, "U": U}
+                                                                           "HC": 4, "U": U, "TR": 32}
 
 
 CASES = {
@@ -251,6 +251,9 @@ CASES = {
     "fp8_mma_one_row_short": _mma_case(NH=1, QX=1, ONE=1, U=2),  # wq_b's (kernels.mma_loads_ahead)
     "fp8_mma_swiglu": _mma_case(NH=1, QX=1, SW=1),
     "fp8_mma_parts_16_rows": _mma_case(NH=2, AP=6),
+    # 16-row tiles (kernels.mma_tile_rows): one m group a tile, two lanes a weight row on Metal
+    "fp8_mma_16_row_tiles_one_row": _mma_case(NH=1, QX=1, SW=1, ONE=1, TR=16),
+    "fp8_mma_16_row_tiles": _mma_case(NH=2, AP=6, TR=16),
     # wo_b of a decode step and the shared expert's w2 of a verify step, their output put into the stream
     "fp8_mma_hc": _mma_hc_case(NH=1, QX=1, ONE=1),
     "fp8_mma_hc_parts_16_rows": _mma_hc_case(NH=2, AP=6),
@@ -321,8 +324,9 @@ def test_metal_source_type_checks(case, rows, tmp_path):
     ("sparse_attention", ("qs[i / D][d ^ 1] * -rope_sin[s * D + d]", "qs[i / D][d ^ 1] * -rope_sine[s * D + d]")),
     ("sparse_attention_window_only", ("float(q[q0 + (i ^ 1)])", "float(q + (i ^ 1))")),  # pointer to float
     ("fp8_mma", ("const uint odd = E4M3_ODD(qw[c]);", "const uint odd = E4M3_ODD(qw[c])")),  # no semicolon
-    ("fp8_mma_parts_16_rows", ("mma_warps_total<COLS>(red, SW ? 2 * out + j : out, r)",
-                               "mma_warps_total<COLS>(red, SW ? 2 * out + j : out)")),  # an argument short
+    ("fp8_mma_parts_16_rows", ("mma_warps_total<COLS, TR>(red, SW ? 2 * out + j : out, r)",
+                               "mma_warps_total<COLS, TR>(red, SW ? 2 * out + j : out)")),  # an argument short
+    ("fp8_mma_16_row_tiles", ("const uint4 q1 = TR == 32 ? wp[1] : q0;", "const uint4 q1 = TR == 32 ? wp : q0;")),
     ("fp8_mma_hc", ("h[(ulong(r) * HC + c) * N + d] = b;", "h[(ulong(r) * HC + c) * N + d] = hv;")),  # array stored
     ("fp8_mma_hc_parts_16_rows", ("acc[j] += simd_shuffle_xor(acc[j], offset);",
                                   "acc[j] += simd_shuffle_xor(acc, offset);")),  # array for a float
@@ -389,7 +393,7 @@ def test_cuda_source_compiles(case):
     ("fp8_gemv_swiglu", ("o / RB * RB + RB), swiglu[0]);", "o / RB * RB + RB), swiglu);")),
     ("fp4_experts_swiglu", ("own_weight : weights[pr]);", "own_weight : weight[pr]);")),  # misspelt
     ("fp8_gemv_parts", ("o / RB, NY, v);", "o / RB, v);")),  # an argument short
-    ("fp8_mma_quantizing", ("mma_warps_total<NH>(red, n, r)", "mma_warps_total<NH>(red, n)")),  # an argument short
+    ("fp8_mma_quantizing", ("mma_warps_total<NH, TR>(red, n, r)", "mma_warps_total<NH, TR>(red, n)")),  # short
     ("fp8_mma_16_rows", ("mma_warp_sums_to<NH>(red, acc, lane);", "mma_warp_sums_to<NH>(red, acc[0], lane);")),  # wrong shape
     ("fp8_mma_hc", ("acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], offset);",
                     "acc[j] += __shfl_xor_sync(0xffffffffu, acc, offset);")),  # array for a float
