@@ -668,6 +668,32 @@ def variant_choice(rules: list, package):
     return choice
 
 
+@contextlib.contextmanager
+def own_traces(model, store: dict):
+    """Inside: the model's fused methods (model.fused: mx.compile'd, each module's traces kept on
+    it, one a shape) use the traces in `store`, and trace afresh where it has none; on the way
+    out the traces made or used inside go back into `store` and the model's own are restored.
+    A layout choice (kernels.mma_loads_ahead, ...) is read while a launch is traced: a trace
+    made under one variant's choices keeps them, so each variant needs traces of its own (until
+    session 33 `steps` had none: every variant replayed the warm-up's traces, the package's)."""
+    modules = model.modules()
+
+    def take(module):
+        return {k: module.__dict__.pop(k) for k in [k for k in module.__dict__ if k.startswith("_fused_")]}
+
+    own = [take(m) for m in modules]
+    for i, m in enumerate(modules):
+        for k, traces in store.get(i, {}).items():
+            object.__setattr__(m, k, traces)
+    try:
+        yield
+    finally:
+        for i, m in enumerate(modules):
+            store[i] = take(m)
+            for k, traces in own[i].items():
+                object.__setattr__(m, k, traces)
+
+
 def variant_label(choices: dict[str, list]) -> str:
     return ", ".join(f"{c}{'' if when is None else str(when).replace(',)', ')')} {v}"
                      for c, rules in choices.items() for when, v in rules) or "-"
@@ -683,8 +709,10 @@ def bench_steps(model_path: str, variants: dict[str, dict[str, list]], tokens: i
     first; the others are {name: {choice: rules}} (parse_variant). Each variant's replies are
     hashed: a layout changes no bit, so all must match. verify_rows: also each variant's verify
     forwards of 1..verify_rows distinct rows (speculative.measure_verify_costs), every round.
-    warm: generate.warm_up first (every shape a server's forwards take), besides each variant's
-    own untimed runs."""
+    Each variant traces the model's fused methods under its own choices and keeps those traces
+    (own_traces), in untimed runs of every prompt and verify forward before any is timed.
+    warm: generate.warm_up first (every shape a server's forwards take: the package's traces
+    and kernels)."""
     import dsv41_mlx
     from dsv41_mlx.checkpoint import resolve_model_dir
     from dsv41_mlx.generate import generate_step, warm_up
@@ -696,11 +724,18 @@ def bench_steps(model_path: str, variants: dict[str, dict[str, list]], tokens: i
     ids_list = [load_tokenizer(model_path).encode(t) for t in prompt_texts(n_prompts)]
     model, _ = dsv41_mlx.load(model_path)
     variants = {"kernels": {}, **variants}
+    traces = {name: {} for name in variants}
 
+    @contextlib.contextmanager
     def use(name):
         from dsv41_mlx import kernels
 
-        return kernels_choices({c: variant_choice(rules, getattr(kernels, c)) for c, rules in variants[name].items()})
+        with kernels_choices({c: variant_choice(rules, getattr(kernels, c)) for c, rules in variants[name].items()}):
+            if name == "kernels":  # the package's choices: the model's own traces, the warm-up's
+                yield
+            else:
+                with own_traces(model, traces[name]):
+                    yield
 
     def run(ids):
         stamps, reply = [], []

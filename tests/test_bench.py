@@ -337,23 +337,21 @@ def test_layouts_compare_each_candidate_with_the_default_and_restore_the_choice(
 
 def test_steps_ab_runs_each_variant_with_its_choices_and_flags_changed_replies(bench, monkeypatch, capsys):
     """`bench.py steps`: every variant decodes every prompt every round with its layout choices in
-    kernels' place (and only then); the package's own choices come first; a variant whose replies
-    differ from theirs is flagged; a malformed --variant is refused with the reason."""
-    import importlib
-
+    kernels' place (and only then), read where a launch is traced: inside the model's fused
+    (compiled) methods, whose traces each variant makes and keeps apart; the package's own
+    choices come first; a variant whose replies differ from theirs is flagged; a malformed
+    --variant is refused with the reason."""
     from dsv41_mlx import kernels
     from dsv41_mlx.tiny import default_checkpoint
 
-    generate = importlib.import_module("dsv41_mlx.generate")  # (the package's `generate` is the function)
-    real_step, seen = generate.generate_step, []
+    real_gate, read = kernels.moe_gate, []
 
-    def step(*args, **kw):  # a reply one token off under mma_loads_ahead 3: a changed bit
-        pf = kernels.mma_loads_ahead(5120, 6)
-        seen.append(pf)
-        for i, t in enumerate(real_step(*args, **kw)):
-            yield t + (1 if pf == 3 and i == 2 else 0)
+    def gate(*args, **kw):  # called while the MoE (a fused method) is traced; other routing under U 3
+        weights, ids = real_gate(*args, **kw)
+        read.append(kernels.mma_loads_ahead(5120, 6))
+        return (weights, ids) if read[-1] != 3 else (-4 * weights, ids)
 
-    monkeypatch.setattr(generate, "generate_step", step)
+    monkeypatch.setattr(kernels, "moe_gate", gate)
     variants = dict(bench.parse_variant(v) for v in ("u3=experts_loads_ahead:3", "odd=mma_loads_ahead:3"))
     assert variants == {"u3": {"experts_loads_ahead": [(None, 3)]}, "odd": {"mma_loads_ahead": [(None, 3)]}}
     name, one_shape = bench.parse_variant("w2=mma_loads_ahead@2304/1:2,mma_loads_ahead@8192/1:4")
@@ -363,7 +361,7 @@ def test_steps_ab_runs_each_variant_with_its_choices_and_flags_changed_replies(b
     assert bench.variant_label(one_shape) == "mma_loads_ahead(2304, 1) 2, mma_loads_ahead(8192, 1) 4"
     res = bench.bench_steps(str(default_checkpoint()), variants, tokens=5, rounds=2, warm=False)
     assert list(res["variants"]) == ["kernels", "u3", "odd"]
-    assert seen.count(3) == 2 * (2 + 2)  # warm runs (2 a prompt) and 2 rounds, prose and code prompts
+    assert 3 in read  # odd's traces made under its choice; the replies below: kept apart from the others
     assert kernels.mma_loads_ahead(5120, 6) != 3  # restored
     v = res["variants"]
     assert v["u3"]["same_replies"] and not v["odd"]["same_replies"] and v["kernels"]["same_replies"]
