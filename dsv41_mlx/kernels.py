@@ -133,7 +133,7 @@ HC_INPUT = KernelSpec("hc_input", ("h", "pre_in", "parts", "scale", "base", "nor
                       twin_headers=("hc_split_lanes", "fp8_lane"))
 FP8_GEMV = KernelSpec("fp8_gemv", ("x", "w", "scales", "sizes", "swiglu", "parts"), ("y",), "fp8_gemv.metal",
                       "fp8_gemv.cu", twin_headers=("fp8_lane", "bf16_lane", "gemv_lane"))
-FP8_MMA = KernelSpec("fp8_mma", ("x", "w", "scales", "sizes", "swiglu", "parts"), ("y",), "fp8_mma.metal",
+FP8_MMA = KernelSpec("fp8_mma", ("x", "w", "scales", "sizes", "swiglu", "parts", "after"), ("y",), "fp8_mma.metal",
                      "fp8_mma.cu", twin_headers=("fp8_lane", "bf16_lane", "gemv_lane", "mma_x"), end="fp8_mma_y")
 # fp8_mma whose output goes straight into the hyper-connection stream (fp8_mma_hc.metal)
 FP8_MMA_HC = KernelSpec("fp8_mma_hc", ("x", "w", "scales", "sizes", "parts", "residual", "post", "comb", "fn"),
@@ -876,7 +876,7 @@ def gemv_threads_per_output(k: int, outputs: int = 0) -> int:
 def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None,
              init_value: float | None = None, quantize_input: bool = False,
              real_rows: int | None = None, threads: int | None = None, swiglu: SwiGLU | None = None,
-             parts: mx.array | None = None, groups: int = 0) -> mx.array:
+             parts: mx.array | None = None, groups: int = 0, after: mx.array | None = None) -> mx.array:
     """The FP8 GEMMs of a decode or verify step in one launch each: x [S, G, K] (FP8
     fake-quantised or bf16 values, exact in bf16) through G `mxfp8` matrices w [G, N, K/4] ->
     bf16 [S, G, N] (attention's wo_a: its groups), or x [..., K] through one matrix w [N, K/4]
@@ -896,7 +896,11 @@ def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None
     swiglu: w is a SwiGLU's gate and up projections stacked (the shared expert's w13); the
     kernel writes their swiglu_pairs [..., N / 2] instead (no weights here). parts: [R, P, N]
     bf16, R the computed rows, added to the output as it is written (parts_added: a MoE's
-    routed experts' outputs and the shared expert's sum, of a dense x [S, K]; P <= 16)."""
+    routed experts' outputs and the shared expert's sum, of a dense x [S, K]; P <= 16).
+    after: an array the launch on the matrix unit (fp8_mma) takes as an input it never reads, so
+    that it waits for it: MLX's CUDA graphs run a launch as soon as the arrays it takes are
+    written, beside any other that is ready, and `after` places this one (model.MoE: the
+    shared expert's w13 beside the routed experts, not beside the router)."""
     impl = impl or backend()
     if not fp8_gemv_fits(x, w, impl, groups):
         raise ValueError(f"fp8_gemv takes x [<= {DECODE_MAX_ROWS}, G, K] and w [G, N, K/4], or x [..., K] of at most "
@@ -921,7 +925,8 @@ def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None
     if threads is None and rows > 0 and fp8_gemv_on_matrix_unit(N, K, G):
         tr = mma_tile_rows(N * G, K)
         (y,) = _compiled(FP8_MMA, impl)(
-            inputs=[x.astype(mx.bfloat16), w, scales, _int32s(rows, N, K, G, S), limit, added],
+            inputs=[x.astype(mx.bfloat16), w, scales, _int32s(rows, N, K, G, S), limit, added,
+                    limit if after is None else after],
             template=[("NH", mma_column_groups(rows)), ("QX", int(quantize_input)), ("SW", sw), ("AP", ap),
                       ("ONE", int(rows == 1)), ("U", mma_loads_ahead(K, rows)), ("TR", tr)],
             grid=(G * (N // tr) * 256, 1, 1), threadgroup=(256, 1, 1),

@@ -153,11 +153,12 @@ class Fp8Linear(nn.Module):
         return kernels.fp8_into_stream(x if in_kernel else fp8_input(x), self.weight, self.scales, onto,
                                        quantize_input=in_kernel, real_rows=real, parts=parts)
 
-    def quantized(self, xq: mx.array, real: int | None = None, swiglu: kernels.SwiGLU | None = None) -> mx.array:
+    def quantized(self, xq: mx.array, real: int | None = None, swiglu: kernels.SwiGLU | None = None,
+                  after: mx.array | None = None) -> mx.array:
         """The product for an input already through `fp8_input`: an activation that feeds
         several FP8 GEMMs is quantised once (on a GPU, one kernel launch fewer each).
-        swiglu: this is a SwiGLU's w13 (fp8_matmul)."""
-        return fp8_matmul(xq, self.weight, self.scales, real, swiglu)
+        swiglu: this is a SwiGLU's w13 (fp8_matmul). after: as fp8_matmul's."""
+        return fp8_matmul(xq, self.weight, self.scales, real, swiglu, after=after)
 
     # Two matrices stacked (attention's wq_a and wkv): the first `split` output rows one, the
     # rest the other. A slice of whole rows is a view of the same bytes, so each product is
@@ -195,16 +196,18 @@ def fp8_input(x: mx.array) -> mx.array:
 
 
 def fp8_matmul(xq: mx.array, weight: mx.array, scales: mx.array, real: int | None = None,
-               swiglu: kernels.SwiGLU | None = None, parts: mx.array | None = None) -> mx.array:
+               swiglu: kernels.SwiGLU | None = None, parts: mx.array | None = None,
+               after: mx.array | None = None) -> mx.array:
     """An `fp8_input` activation times an `mxfp8` weight, bf16 out: on a GPU, a decode or
     verify step's few rows through kernels.fp8_gemv (each weight byte read once for all
     rows; real: only the first `real` rows computed, the padding's zeros), otherwise MLX's
     quantized_matmul (every row). swiglu: the weight is a SwiGLU's gate and up projections
     stacked, the output their kernels.swiglu_pairs (on a GPU, written by fp8_gemv itself).
     parts: [R, P, out] bf16 added to the first R rows (kernels.parts_added; on a GPU, by
-    fp8_gemv as it writes them, where x is [S, K] and R its computed rows)."""
+    fp8_gemv as it writes them, where x is [S, K] and R its computed rows). after: on a GPU, an
+    array the launch waits for (kernels.fp8_gemv's); MLX's own path runs in order anyway."""
     if _gemv_takes(xq, weight, kernels.computed_rows(real, xq.size // xq.shape[-1]), parts):
-        return kernels.fp8_gemv(xq, weight, scales, real_rows=real, swiglu=swiglu, parts=parts)
+        return kernels.fp8_gemv(xq, weight, scales, real_rows=real, swiglu=swiglu, parts=parts, after=after)
     y = _fp8_matmul_mlx(xq, weight, scales)
     y = y if swiglu is None else kernels.swiglu_pairs(y, swiglu)
     return y if parts is None else kernels.parts_added(y, parts)

@@ -53,6 +53,9 @@
 // in bf16, limit swiglu[0] (gemv_lane.h's gemv_swiglu): each sum the same bits as without SW,
 // so y is kernels.swiglu_pairs of the SW = 0 output, bit for bit. swiglu: float32 [limit]
 // (read only with SW).
+// after (kernels.FP8_MMA's last input; not fp8_mma_hc's): any array, never read: one the launch
+// is to wait for (kernels.fp8_gemv's `after`; MLX's CUDA graphs order launches by the buffers
+// they take).
 // AP > 0 (G = 1): each computed row's output is added to AP parts, parts [rows, AP, N] bf16:
 // y[r, n] = bf16(((parts[r, 0, n] + parts[r, 1, n]) + ...) + bf16(sum)), in float32 in that
 // order (kernels.parts_added is the spec, bit for bit), as fp8_gemv's AP.

@@ -163,7 +163,7 @@ def _x_prep_case(QX):  # noqa: N803
 
 def _mma_case(NH, QX=0, SW=0, AP=0, ONE=0, U=6, TR=32):  # noqa: N803
     inputs = {"x": "bfloat16", "w": "uint32", "scales": "uint8", "sizes": "int32", "swiglu": "float32",
-              "parts": "bfloat16"}
+              "parts": "bfloat16", "after": "float32"}
     return FP8_MMA, inputs, {"y": "bfloat16"}, {"NH": NH, "QX": QX, "SW": SW, "AP": AP, "ONE": ONE, "U": U, "TR": TR}
 
 
@@ -1330,6 +1330,34 @@ def test_one_computed_row_takes_its_own_layouts(monkeypatch):
     w, s = mx.zeros((4096, 2304 // 4), dtype=mx.uint32), mx.zeros((4096, 2304 // 32), dtype=mx.uint8)
     kernels.fp8_gemv(x, w, s, impl="cuda", real_rows=1)
     assert [(name, u) for name, _, _, u, _ in seen] == [("fp8_mma", 2), ("fp8_mma", 6), ("fp8_mma", 6)]
+
+
+def test_fp8_mma_takes_the_array_it_waits_for_and_its_tile_rows(monkeypatch):
+    """fp8_gemv on the matrix unit takes `after` as its last input (unread: a CUDA graph runs the
+    launch once it is written), else an input it has anyway, and its grid holds N / TR tiles
+    (kernels.mma_tile_rows): TR 16 doubles the threadgroups."""
+    from dsv41_mlx import kernels
+
+    seen = []
+
+    def compiled(spec, language):
+        def run(inputs, template, grid, output_shapes, output_dtypes, **_):
+            seen.append((spec.name, inputs, dict(template)["TR"], grid[0]))
+            return [mx.zeros(shape, dtype=dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
+        return run
+
+    monkeypatch.setattr(kernels, "_compiled", compiled)
+    x = mx.zeros((8, 1280), dtype=mx.bfloat16)
+    w, s = mx.zeros((4096, 1280 // 4), dtype=mx.uint32), mx.zeros((4096, 1280 // 32), dtype=mx.uint8)
+    picks = mx.zeros((8, 6), dtype=mx.uint32)
+    kernels.fp8_gemv(x, w, s, impl="cuda", real_rows=1, swiglu=kernels.SwiGLU(7.0), after=picks)
+    kernels.fp8_gemv(x, w, s, impl="cuda", real_rows=1)
+    monkeypatch.setattr(kernels, "mma_tile_rows", lambda n, k: 16)
+    kernels.fp8_gemv(x, w, s, impl="cuda", real_rows=6)
+    (name, waits, tr, grid), (_, plain, _, _), (_, _, tr16, grid16) = seen
+    assert name == "fp8_mma" and waits[-1] is picks and len(waits) == len(kernels.FP8_MMA.inputs)
+    assert plain[-1] is not picks and any(plain[-1] is a for a in plain[:-1])
+    assert (tr, grid, tr16, grid16) == (32, 4096 // 32 * 256, 16, 4096 // 16 * 256)
 
 
 def test_wq_a_and_wkv_run_as_one_launch_that_writes_them_apart(monkeypatch):

@@ -635,8 +635,9 @@ def test_padded_forwards_compute_their_real_rows_alone(padded_model, golden, mon
     can skip the padding: the FP8 GEMMs (kernels.fp8_gemv's real_rows) and the attention give
     the padding rows zeros. With those kernels their specs (zeros after the real rows), decode
     steps of 3 real rows in 8 are the CPU path's bits (logits, features and cache), every
-    GEMM call of the forwards was told how many rows are real, and wo_a's took attention's
-    output as it is (its groups given, no reshapes)."""
+    GEMM call of the forwards was told how many rows are real, wo_a's took attention's
+    output as it is (its groups given, no reshapes), and the shared expert's w13 (the one
+    GEMM with a SwiGLU) waits for the router's picks (`after`: where a CUDA graph runs it)."""
     from dsv41_mlx import kernels
 
     from .test_kernels import _check_kernels_script
@@ -645,12 +646,13 @@ def test_padded_forwards_compute_their_real_rows_alone(padded_model, golden, mon
     model = padded_model
     rest, plain, kernel = _two_prefilled(model, golden)
     want = [model.decode(rest[start: start + 3], plain) for start in range(0, len(rest), 3)]
-    told, grouped = [], []
+    told, grouped, waits = [], [], []
 
     def gemv(x, w, s, impl=None, init_value=None, quantize_input=False, real_rows=None, swiglu=None, parts=None,
-             groups=0):
+             groups=0, after=None):
         told.append(real_rows)
         grouped.append(groups)
+        waits.append((swiglu is not None, None if after is None else (after.dtype, after.shape)))
         return kernels.fp8_gemv_reference(x, w, s, quantize_input, real_rows, swiglu, parts, groups)
 
     _gpu_dispatch_with_specs(monkeypatch, model, lambda *args, impl=None: spec(*args), gemv)
@@ -661,6 +663,11 @@ def test_padded_forwards_compute_their_real_rows_alone(padded_model, golden, mon
     assert told and set(told) <= {3, len(rest) % 3 or 3}  # traced once per real-row count
     # wo_a: attention's output [S, H, D] and the stacked weight as they are, read as its groups
     assert grouped.count(model.args.o_groups) == len(model.layers) * len(set(told))
+    picks = [after for swiglu, after in waits if swiglu]
+    assert len(picks) == len(model.layers) * len(set(told))
+    assert all(after is not None and after[0] == mx.uint32 and after[1][1] == model.args.num_experts_per_tok
+               for after in picks), picks
+    assert all(after is None for swiglu, after in waits if not swiglu)
 
 
 def test_attention_projects_and_norms_through_the_pair_launches(padded_model, golden, monkeypatch):

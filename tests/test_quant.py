@@ -445,13 +445,14 @@ def test_fp8_matmul_takes_the_gemv_kernel_for_a_decode_steps_rows_on_a_gpu(monke
     in its dense form (x [S, K], w [N, K/4]: no reshapes around it), told how many rows are
     real where the caller says (the rest come out zeros), and given a SwiGLU's w13 it writes
     their swiglu_pairs itself; more rows, or a shape the kernel does not take, keep MLX's
-    GEMM (then swiglu_pairs)."""
+    GEMM (then swiglu_pairs). The array its launch is to wait for (after) is handed on."""
     from dsv41_mlx import kernels, quant
 
-    calls = []
+    calls, waits = [], []
 
-    def gemv(x, w, s, impl=None, init_value=None, real_rows=None, swiglu=None, parts=None):
+    def gemv(x, w, s, impl=None, init_value=None, real_rows=None, swiglu=None, parts=None, after=None):
         calls.append((x.shape, w.shape))
+        waits.append(after)
         return kernels.fp8_gemv_reference(x, w, s, real_rows=real_rows, swiglu=swiglu, parts=parts)
 
     monkeypatch.setattr(kernels, "backend", lambda: "cuda")
@@ -466,6 +467,9 @@ def test_fp8_matmul_takes_the_gemv_kernel_for_a_decode_steps_rows_on_a_gpu(monke
         assert calls == ([((rows, 256), (96, 64))] if kernel else [])
         want = mx.quantized_matmul(x[:rows], w, s, transpose=True, mode="mxfp8").astype(mx.bfloat16)
         assert got.shape == (rows, 96) and mx.array_equal(got, want).item()
+    marker = mx.zeros((8, 6), dtype=mx.uint32)
+    quant.Fp8Linear(256, 96).quantized(x[:1], after=marker)
+    assert waits[-1] is marker and not any(a is not None for a in waits[:-1])
     calls.clear()
     got = quant.fp8_matmul(x[:8], w, s, real=3)  # a padded forward's 3 real rows of 8
     want = mx.quantized_matmul(x[:3], w, s, transpose=True, mode="mxfp8").astype(mx.bfloat16)
@@ -511,7 +515,8 @@ def test_fp8_linear_lets_the_gemv_kernel_quantise_a_decode_steps_row_on_a_gpu(mo
 
     calls, quantised = [], []
 
-    def gemv(x, w, s, impl=None, init_value=None, quantize_input=False, real_rows=None, swiglu=None, parts=None):
+    def gemv(x, w, s, impl=None, init_value=None, quantize_input=False, real_rows=None, swiglu=None, parts=None,
+             after=None):
         calls.append((x.dtype, quantize_input, real_rows))
         return kernels.fp8_gemv_reference(x, w, s, quantize_input, real_rows, parts=parts)
 
@@ -554,7 +559,8 @@ def test_fp8_linear_adds_a_moes_routed_parts_in_the_gemv_kernel_on_a_gpu(monkeyp
 
     calls = []
 
-    def gemv(x, w, s, impl=None, init_value=None, quantize_input=False, real_rows=None, swiglu=None, parts=None):
+    def gemv(x, w, s, impl=None, init_value=None, quantize_input=False, real_rows=None, swiglu=None, parts=None,
+             after=None):
         calls.append((x.shape[0], real_rows, None if parts is None else parts.shape))
         return kernels.fp8_gemv_reference(x, w, s, quantize_input, real_rows, parts=parts)
 
