@@ -33,19 +33,19 @@
 //
 // The work: a threadgroup of 8 simdgroups per tile of TR outputs of one matrix (TR 32, or 16:
 // twice the threadgroups, for a grid of few tiles; kernels.mma_tile_rows; an output's sums do
-// not depend on it). The forward's
-// rows are the columns of the matrix products, COLS = 8 NH of them, one pass for all (columns
-// past `rows` repeat the last row's x, their sums never read). The 8 simdgroups split K:
-// simdgroup w takes the blocks w * nb / 8 .. (w + 1) * nb / 8 - 1 (nb = K / 32), in order. Per
+// not depend on it). The forward's rows are the columns of the matrix products, COLS = 8 NH of
+// them, one pass for all (columns past `rows` repeat the last row's x, their sums never read).
+// The 8 simdgroups split K: simdgroup w takes the blocks w * nb / 8 .. (w + 1) * nb / 8 - 1
+// (nb = K / 32), in order. Per
 // block a simdgroup decodes the tile's TR weight rows (32: a lane per row, its 32 bytes of the
 // block; 16: two lanes a row, 16 bytes each) and the rows' x / s (a lane per column of K, a
 // row of the buffer per forward row) into its threadgroup memory, multiplies them as TR / 8 x
 // NH tiles of 8 weight rows x 8 forward rows, stores the float sums in the weights' place and
 // scales its share into its accumulators: lane 4 g + t weight rows 8 mg + g (mg < TR / 8) and
-// columns 8 h + 2 t,
-// 8 h + 2 t + 1 (h < NH), the rows and columns CUDA's mma fragments give a lane. After its
-// blocks each simdgroup writes its sums to threadgroup memory (which the staging buffers give
-// back) and the threadgroup adds them up and writes y, the padding rows' zeros included.
+// columns 8 h + 2 t, 8 h + 2 t + 1 (h < NH), the rows and columns CUDA's mma fragments give a
+// lane. After its blocks each simdgroup writes its sums to threadgroup memory (which the
+// staging buffers give back) and the threadgroup adds them up and writes y, the padding rows'
+// zeros included.
 // QX = 1: x is a bf16 activation not yet FP8 fake-quantised; the kernel quantises each row's
 // blocks of 32 as it reads them (fp8_lane.h), the bits of act_quant followed by QX = 0.
 // SW = 1: w is a SwiGLU's gate and up projections with their rows interleaved (row 2p pair p's

@@ -1233,9 +1233,9 @@ def bench_layouts(rows_list: tuple[int, ...] = LAYOUT_ROWS, forward_rows: int = 
     the layout kernels picks (kernels.experts_loads_ahead and mma_loads_ahead: the blocks a
     warp of fp4_experts / fp8_mma (and fp8_mma_hc, the GEMMs that put their output into the
     stream) loads ahead, U, which only CUDA's twins read; fp8_mma's with its tiles' rows,
-    kernels.mma_tile_rows, as "TR/U"; kernels.attention_layout: the attention's heads and simdgroups a threadgroup). `which`:
-    the kernels of LAYOUT_KERNELS to time. A
-    candidate that does not launch is reported with its error. Each case carries its floor,
+    kernels.mma_tile_rows, as "TR/U"; kernels.attention_layout: the attention's heads and
+    simdgroups a threadgroup). `which`: the kernels of LAYOUT_KERNELS to time. A candidate
+    that does not launch is reported with its error. Each case carries its floor,
     the bytes it must read over the copy bandwidth: a chain whose host encodes a link slower
     than the GPU runs it times the host, and a time under the floor shows it. Nothing to
     time on the CPU."""
