@@ -923,7 +923,7 @@ def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None
                          f"for x {x.shape}, w {w.shape}{' with a SwiGLU' if swiglu is not None else ''}")
     added, ap = _added_parts("fp8_gemv", parts, rows, N)
     if threads is None and rows > 0 and fp8_gemv_on_matrix_unit(N, K, G):
-        tr = mma_tile_rows(N * G, K)
+        tr = mma_tile_rows(N, K)
         (y,) = _compiled(FP8_MMA, impl)(
             inputs=[x.astype(mx.bfloat16), w, scales, _int32s(rows, N, K, G, S), limit, added,
                     limit if after is None else after],

@@ -78,6 +78,14 @@ def fused(*parts: str):
     return decorate
 
 
+@functools.lru_cache(maxsize=None)
+def fused_traces(cls: type) -> tuple[str, ...]:
+    """The instance attributes in which a module class's fused methods keep their traces, one a
+    method (what a tool or a test swaps to trace a forward afresh)."""
+    return tuple(name for attr in dir(cls)
+                 if isinstance(name := getattr(getattr(cls, attr, None), "traces", None), str))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dims: int, eps: float):
         super().__init__()

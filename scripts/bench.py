@@ -676,10 +676,12 @@ def own_traces(model, store: dict):
     A layout choice (kernels.mma_loads_ahead, ...) is read while a launch is traced: a trace
     made under one variant's choices keeps them, so each variant needs traces of its own (until
     session 33 `steps` had none: every variant replayed the warm-up's traces, the package's)."""
+    from dsv41_mlx.model import fused_traces
+
     modules = model.modules()
 
     def take(module):
-        return {k: module.__dict__.pop(k) for k in [k for k in module.__dict__ if k.startswith("_fused_")]}
+        return {k: module.__dict__.pop(k) for k in fused_traces(type(module)) if k in module.__dict__}
 
     own = [take(m) for m in modules]
     for i, m in enumerate(modules):

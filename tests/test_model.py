@@ -407,11 +407,11 @@ def _fresh_traces(monkeypatch, model) -> None:
     (model.fused keeps them on the instance): a forward under a patched dispatch traces again
     and so reaches the patched kernels, whatever earlier tests traced, and its traces are
     dropped after the test."""
+    from dsv41_mlx.model import fused_traces
+
     for module in model.modules():
-        for attr in dir(type(module)):
-            name = getattr(getattr(type(module), attr, None), "traces", None)
-            if isinstance(name, str):
-                monkeypatch.setitem(module.__dict__, name, {})
+        for name in fused_traces(type(module)):
+            monkeypatch.setitem(module.__dict__, name, {})
 
 
 def _gpu_dispatch_with_specs(monkeypatch, model, attention, gemv=None) -> None:
