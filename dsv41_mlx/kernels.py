@@ -1296,9 +1296,8 @@ def mma_tile_rows(n: int, k: int) -> int:
     outputs and k inputs (fp8_mma_hc keeps 32: its mix parts are a 32-feature tile's). No bit
     depends on it: an output's sums are the same products in the same order either way. 32:
     16 doubles the threadgroups of a grid of few tiles (the shared expert's w13: 144 on the
-    H200's 132 cores), yet on the H200 (session 33) it won none of the release's shapes at one
-    row, chained (`bench.py layouts`), and one-row steps took 18.12 ms at the median against
-    17.53 (the same replies)."""
+    H200's 132 cores), yet on the H200 (session 33, docs/benchmarks.md) it won none of the
+    release's shapes at one row, chained (`bench.py layouts`), nor one-row steps."""
     return 32
 
 

@@ -1060,9 +1060,8 @@ class MoE(nn.Module):
         # shared expert alone (zeros on a GPU). Its w13 waits for the router's picks (`after`):
         # a CUDA graph runs it as soon as its input is ready, and beside the router's two small
         # launches, which a one-row step waits on, it slowed them; beside the routed experts'
-        # GEMMs it is hidden. On the H200 (session 33, 5 rounds interleaved) one-row steps took
-        # 17.12 ms at the median against 17.66 beside the router, 18.41 waiting for the routed
-        # experts' output (no overlap); the same replies.
+        # GEMMs it is hidden (one-row steps A/B'd on the H200, the same replies: docs/benchmarks.md,
+        # session 33).
         return self.shared_experts(x8, rows, y, onto, after=ids)
 
     def _routed_rows(self, x8: mx.array, weights: mx.array, ids: mx.array, real: int) -> mx.array:
