@@ -94,11 +94,17 @@ def summarize(kernels: list[tuple[float, float, str]], steps: int, gap_us: float
             "long_gaps_ms": long_gaps / steps / 1e3, "table": table}
 
 
-def first_step(kernels: list[tuple[float, float, str]], steps: int) -> list[tuple[float, str]]:
-    """(us, short name) of the first of `steps` equal steps' kernels, in the order they started:
-    which operation launched which kernel reads off its neighbours."""
-    ordered = sorted(kernels)
-    return [(end - start, short_name(name)) for start, end, name in ordered[: len(ordered) // steps]]
+def first_step(kernels: list[tuple[float, float, str]], steps: int) -> list[tuple[float, float, float, str]]:
+    """The first of `steps` equal steps' kernels in the order they started, each as (start, us, idle
+    before, short name): start in us from the step's first kernel; idle: how long the GPU ran
+    nothing before it started (0 where another kernel was still running). Which operation
+    launched which kernel reads off its neighbours; what a launch waited for, off its idle."""
+    ordered = sorted(kernels)[: len(kernels) // steps]
+    rows, reach = [], ordered[0][0] if ordered else 0.0
+    for start, end, name in ordered:
+        rows.append((start - ordered[0][0], end - start, max(0.0, start - reach), short_name(name)))
+        reach = max(reach, end)
+    return rows
 
 
 def ncu_kernels(text: str) -> list[tuple[float, float, str]]:
@@ -127,24 +133,46 @@ def ncu_kernels(text: str) -> list[tuple[float, float, str]]:
     return kernels
 
 
+def prompt_of(n: int, vocab: int) -> list[int]:
+    """The made-up prompt the forwards follow: n token ids spread over the vocabulary."""
+    return [((i * 7919) % 50000 + 100) % vocab for i in range(n)]
+
+
 def load_warm(model_path: str, rows: int, prompt_tokens: int):
     """The model after a prompt of prompt_tokens tokens and 4 untimed forwards of `rows` tokens
-    (kernels built and loaded, compiled pieces traced), with a function running one more."""
+    (kernels built and loaded, compiled pieces traced), with a function running one more.
+    One row: a step as generate.generate_step takes it (greedy): the next forward begun before
+    the token is read back (Model.decode_ahead), so a step's kernels run from the rest of one
+    forward (its engram rows first) to the next forward's block 0. More rows: a verify-sized
+    forward (Model.decode) whose token is read back before the next is built."""
     import dsv41_mlx
     from dsv41_mlx.generate import prefill
+    from dsv41_mlx.sampling import SamplingParams, sample
 
     model, _ = dsv41_mlx.load(model_path)
     cache = model.make_cache()
-    logits, _ = prefill(model, [(i * 7919) % 50000 + 100 for i in range(prompt_tokens)], cache)
-    token = int(mx.argmax(logits).item())
+    logits, _ = prefill(model, prompt_of(prompt_tokens, model.args.vocab_size), cache)
+
+    def draw(logits):  # generate_step's greedy draw: [1] on the device
+        return sample(logits[None], mx.array([cache.offset]), SamplingParams())
+
+    drawn = draw(logits)
+    ahead, token = model.decode_ahead(drawn, cache), drawn.item()
 
     def step():
-        nonlocal token
+        nonlocal token, ahead
+        if rows == 1:
+            out, _ = ahead.finish(token)
+            drawn = draw(out[0, -1])
+            ahead = model.decode_ahead(drawn, cache)
+            token = drawn.item()
+            return
         out, _ = model.decode([token] * rows, cache)
         token = int(mx.argmax(out[0, -1]).item())
-        if rows > 1:  # a verify-sized forward keeps one position, as a plain step does
-            cache.trim(rows - 1)
+        cache.trim(rows - 1)  # a verify-sized forward keeps one position, as a plain step does
 
+    if rows > 1:
+        ahead.cancel()
     for _ in range(4):
         step()
     return step
@@ -237,7 +265,8 @@ def main() -> int:
           f"idle gaps over 50 us {res['long_gaps_ms']:.1f} ms; {res['kernels_per_step']:.0f} kernels a step\n")
     print_table(res, args.top)
     if args.sequence:
-        Path(args.sequence).write_text("".join(f"{us:8.1f} {name}\n" for us, name in first_step(kernels, args.steps)))
+        Path(args.sequence).write_text("   start      us    idle kernel\n" + "".join(
+            f"{start:8.1f} {us:7.1f} {idle:7.1f} {name}\n" for start, us, idle, name in first_step(kernels, args.steps)))
     if args.json:
         Path(args.json).write_text(json.dumps({**res, "wall_ms": wall * 1e3, "rows": args.rows}, indent=1))
     return 0

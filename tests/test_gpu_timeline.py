@@ -58,9 +58,38 @@ def test_refuses_off_cuda_with_a_message():
 
 def test_first_step_lists_its_kernels_in_order(timeline):
     kernels = [(30, 35, "void mlx::core::cu::copy_v<float>(float*)"), (0, 10, "custom_kernel_hc_mix_1(float*)"),
-               (12, 20, "gather"), (100, 110, "custom_kernel_hc_mix_1(float*)"), (112, 120, "gather"),
+               (8, 20, "gather"), (100, 110, "custom_kernel_hc_mix_1(float*)"), (112, 120, "gather"),
                (130, 135, "void mlx::core::cu::copy_v<float>(float*)")]
-    assert timeline.first_step(kernels, 2) == [(10, "hc_mix_1"), (8, "gather"), (5, "copy_v")]
+    # (start from the step's first kernel, us, idle before it, name): gather overlaps hc_mix, copy_v waits 10 us
+    assert timeline.first_step(kernels, 2) == [(0, 10, 0, "hc_mix_1"), (8, 12, 0, "gather"), (30, 5, 10, "copy_v")]
+
+
+def test_one_row_steps_run_as_generate_runs_them(timeline, fixture_dir):
+    """load_warm's one-row step: the greedy tokens generate_step hands out, each forward begun
+    before its token is read back (decode_ahead), one position a step."""
+    import dsv41_mlx
+    from dsv41_mlx.generate import generate_step
+    from dsv41_mlx.sampling import SamplingParams
+
+    model, _ = dsv41_mlx.load(fixture_dir)
+    prompt = timeline.prompt_of(12, model.args.vocab_size)
+    expected = list(generate_step(model, prompt, SamplingParams(), 8))
+    seen = []
+    real_decode_ahead = type(model).decode_ahead
+
+    def spy(self, token, cache):
+        seen.append((int(token.item()), cache.offset))
+        return real_decode_ahead(self, token, cache)
+
+    type(model).decode_ahead = spy
+    try:
+        step = timeline.load_warm(str(fixture_dir), 1, len(prompt))
+        for _ in range(3):
+            step()
+    finally:
+        type(model).decode_ahead = real_decode_ahead
+    assert [t for t, _ in seen] == expected[: len(seen)] and len(seen) == 8  # the first, 4 untimed, 3 steps
+    assert [offset for _, offset in seen] == list(range(len(prompt), len(prompt) + 8))
 
 
 NCU_CSV = '''==PROF== Connected to process 571 (/usr/bin/python3.12)
