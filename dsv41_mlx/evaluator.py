@@ -46,8 +46,8 @@ BATCH = 2  # the most blocks one mx.async_eval starts by default
 class BlockEvaluator:
     """Evaluates (mx.async_eval) what `submit` hands it, in order, on a thread of its own.
 
-    Build the graph under `with mx.stream(evaluator.stream)` (or `stream_apart`); `drain` before
-    evaluating anything on the caller's thread; `close` when done (the thread holds the evaluator: an
+    Build the graph under `with mx.stream(evaluator.stream)`; `drain` before evaluating
+    anything on the caller's thread; `close` when done (the thread holds the evaluator: an
     evaluator left open lasts as long as the process, its thread asleep)."""
 
     _open = 0  # evaluators running: the GIL's switch interval is ours while any is
@@ -56,11 +56,7 @@ class BlockEvaluator:
     def __init__(self, device: mx.Device | mx.DeviceType | None = None, batch: int | None = BATCH):
         # at most this many of the blocks handed over meanwhile go into one mx.async_eval (None: all)
         self.batch = batch
-        device = device if device is not None else mx.default_device()
-        self.stream = mx.new_thread_unsafe_stream(device)
-        # a second stream the thread evaluates: work built on it need not queue behind the
-        # blocks handed over before it (a forward's engram rows: Model._engram_values)
-        self.stream_apart = mx.new_thread_unsafe_stream(device)
+        self.stream = mx.new_thread_unsafe_stream(device if device is not None else mx.default_device())
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._error: BaseException | None = None
         self._closed = False

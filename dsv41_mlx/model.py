@@ -1193,18 +1193,6 @@ class Head(nn.Module):
         return kernels.head_logits_reference(x, self.weight)
 
 
-def engram_rows_apart() -> bool:
-    """Whether a forward evaluated on the evaluator's thread dequantises its engram rows on the
-    thread's second stream (BlockEvaluator.stream_apart), so that they need not wait for the work
-    queued before them: a decode_ahead forward's block 0, built and started before the token is
-    known. The rows come from host memory, and on CUDA the first kernel to read them pulls
-    their pages to the GPU (engram.pack_rows; ~170 us a kernel on the H200, docs/benchmarks.md
-    session 33): apart, that overlaps block 0, where on the forward's stream it runs after it,
-    between block 0 and block 1, which waits for the rows. The same operations, the same bits.
-    (A layout-like choice, read while a forward is built: bench.py steps can A/B it.)"""
-    return True
-
-
 class Model(nn.Module):
     """DeepSeek-V4.1: embed -> hc copies -> blocks -> collapse -> norm -> head.
 
@@ -1420,8 +1408,7 @@ class Model(nn.Module):
             if tokens is None:
                 tokens = yield
             with building():
-                apart = evaluator.stream_apart if evaluator is not None and engram_rows_apart() else None
-                blocks(ahead, len(self.layers), self._engram_values(cache, tokens, begin, apart))
+                blocks(ahead, len(self.layers), self._engram_values(cache, tokens, begin))
                 x = self.norm(hc_pre(h, pre))
                 if last_logits_only:
                     last = S if real_rows is None else real_rows
@@ -1435,18 +1422,15 @@ class Model(nn.Module):
                 evaluator.drain()  # before the caller evaluates anything itself
         return logits, feats
 
-    def _engram_values(self, cache: ModelCache, tokens: list[int], begin,
-                       stream: mx.Stream | None = None) -> dict[int, mx.array]:
+    def _engram_values(self, cache: ModelCache, tokens: list[int], begin) -> dict[int, mx.array]:
         """A forward's tokens taken in: every engram layer's table rows for their n-grams, read on
         the host and started on the device (`begin`: they read host memory, so as early as the
-        tokens are known), and the tokens appended to the cache. -> {engram layer: its rows'
-        values}. stream: where their dequantisation runs (engram_rows_apart), else the stream
-        the forward is built on."""
+        tokens are known, while the device waits anyway), and the tokens appended to the cache.
+        -> {engram layer: its rows' values}."""
         hashes = self.hasher(cache.tokens, tokens) if self.hasher is not None else None
         layers, packed, layout = self._read_engram_rows(hashes)
         cache.tokens.extend(tokens)
-        with mx.stream(stream) if stream is not None else contextlib.nullcontext():
-            values = dict(zip(layers, unpack_rows(packed, layout)))
+        values = dict(zip(layers, unpack_rows(packed, layout)))
         if values:
             begin(*values.values())
         return values

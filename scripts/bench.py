@@ -635,22 +635,21 @@ PAIRED_LATER = "measured after this table, printed below it"
 def parse_variant(text: str) -> tuple[str, dict[str, list]]:
     """`NAME=RULE[,RULE...]` (bench.py steps --variant), RULE `CHOICE:VALUE` or `CHOICE@A/B/..:VALUE`
     -> (NAME, {CHOICE: [(args or None, VALUE), ...]}): dsv41_mlx.kernels' layout choice CHOICE
-    (a function, e.g. experts_loads_ahead(rows, k); or model.NAME, dsv41_mlx.model's function NAME,
-    e.g. model.engram_rows_apart: choice_home) made to return VALUE, an int, on every call,
+    (a function, e.g. experts_loads_ahead(rows, k)) made to return VALUE, an int, on every call,
     or only on calls with the int arguments A, B, .. (e.g. mma_loads_ahead@2304/1:2: K 2304 at
     one row), the package's own answer otherwise (variant_choice)."""
+    from dsv41_mlx import kernels
+
     name, _, spec = text.partition("=")
     choices: dict[str, list] = {}
     for item in filter(None, spec.split(",")):
         head, _, value = item.partition(":")
         choice, at, args = head.partition("@")
         ints = args.split("/") if at else []
-        module, attr = choice_home(choice)
-        if (module is None or not callable(getattr(module, attr, None)) or not value.lstrip("-").isdigit()
+        if (not callable(getattr(kernels, choice, None)) or not value.lstrip("-").isdigit()
                 or (at and not all(a.lstrip("-").isdigit() for a in ints))):
             raise SystemExit(f"--variant {text!r}: {item!r} is not CHOICE[@A/B/..]:VALUE with CHOICE a function "
-                             "of dsv41_mlx.kernels (or model.NAME: of dsv41_mlx.model) and VALUE (and A, B, ..) "
-                             "ints")
+                             "of dsv41_mlx.kernels and VALUE (and A, B, ..) ints")
         choices.setdefault(choice, []).append((tuple(int(a) for a in ints) if at else None, int(value)))
     if not name or not choices:
         raise SystemExit(f"--variant {text!r}: expected NAME=CHOICE[@A/B/..]:VALUE[,...]")
@@ -731,8 +730,9 @@ def bench_steps(model_path: str, variants: dict[str, dict[str, list]], tokens: i
 
     @contextlib.contextmanager
     def use(name):
-        with kernels_choices({c: variant_choice(rules, getattr(*choice_home(c)))
-                              for c, rules in variants[name].items()}):
+        from dsv41_mlx import kernels
+
+        with kernels_choices({c: variant_choice(rules, getattr(kernels, c)) for c, rules in variants[name].items()}):
             if name == "kernels":  # the package's choices: the model's own traces, the warm-up's
                 yield
             else:
@@ -1202,32 +1202,22 @@ LAYOUT_ROWS = (1, 2, 3, 6)  # rows computed: a decode step's, verify forwards'
 ATTENTION_CANDIDATES = ((2, 8), (2, 16), (1, 8), (1, 16), (1, 32))  # (heads, simdgroups) a threadgroup
 
 
-def choice_home(name: str):
-    """Where a choice bench.py can vary lives: (module, attribute). `NAME`: dsv41_mlx.kernels' layout
-    choice NAME; `model.NAME`: dsv41_mlx.model's NAME (how a forward is built, e.g.
-    model.engram_rows_apart)."""
-    from dsv41_mlx import kernels, model
-
-    home, _, attr = name.rpartition(".")
-    return {"": kernels, "model": model}.get(home), attr
-
-
 @contextlib.contextmanager
 def kernels_choice(name: str, fn):
-    """Inside: the choice `name` (a function; choice_home says of which module) is fn; restored on
-    the way out."""
-    module, attr = choice_home(name)
-    saved = getattr(module, attr)
-    setattr(module, attr, fn)
+    """Inside: dsv41_mlx.kernels' layout choice `name` (a function) is fn; restored on the way out."""
+    from dsv41_mlx import kernels
+
+    saved = getattr(kernels, name)
+    setattr(kernels, name, fn)
     try:
         yield
     finally:
-        setattr(module, attr, saved)
+        setattr(kernels, name, saved)
 
 
 @contextlib.contextmanager
 def kernels_choices(choices: dict):
-    """Inside: each choice name -> fn in `choices` (kernels_choice)."""
+    """Inside: each of dsv41_mlx.kernels' layout choices name -> fn in `choices` (kernels_choice)."""
     with contextlib.ExitStack() as stack:
         for name, fn in choices.items():
             stack.enter_context(kernels_choice(name, fn))
@@ -1540,8 +1530,7 @@ def main() -> int:
     p.add_argument("--model", required=True, help="checkpoint directory (scripts/make_flash_shaped.py) or hub id")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=CHOICE[@A/B/..]:VALUE[,...]",
                    help="a variant of dsv41_mlx.kernels' layout choices, e.g. u1=experts_loads_ahead:1, or "
-                        "w2u2=mma_loads_ahead@2304/1:2 (only for the calls with those arguments), or of "
-                        "dsv41_mlx.model's, e.g. inline=model.engram_rows_apart:0")
+                        "w2u2=mma_loads_ahead@2304/1:2 (only for the calls with those arguments)")
     p.add_argument("--no-warm-up", action="store_true",
                    help="skip generate.warm_up (each variant's untimed runs still come first)")
     p.add_argument("--tokens", type=int, default=48)

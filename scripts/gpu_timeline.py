@@ -94,12 +94,16 @@ def summarize(kernels: list[tuple[float, float, str]], steps: int, gap_us: float
             "long_gaps_ms": long_gaps / steps / 1e3, "table": table}
 
 
-def first_step(kernels: list[tuple[float, float, str]], steps: int) -> list[tuple[float, float, float, str]]:
-    """The first of `steps` equal steps' kernels in the order they started, each as (start, us, idle
-    before, short name): start in us from the step's first kernel; idle: how long the GPU ran
-    nothing before it started (0 where another kernel was still running). Which operation
-    launched which kernel reads off its neighbours; what a launch waited for, off its idle."""
-    ordered = sorted(kernels)[: len(kernels) // steps]
+def step_kernels(kernels: list[tuple[float, float, str]], steps: int, which: int = 0
+                 ) -> list[tuple[float, float, float, str]]:
+    """Step `which` of `steps` equal steps' kernels (a step: its share of them by count) in the
+    order they started, each as (start, us, idle before, short name): start in us from the
+    step's first kernel; idle: how long the GPU ran nothing before it started (0 where another
+    kernel was still running). Which operation launched which kernel reads off its neighbours;
+    what a launch waited for, off its idle. (The first step under the profiler also holds the
+    profiler's start: --sequence writes the last.)"""
+    n = len(kernels) // steps
+    ordered = sorted(kernels)[which * n: (which + 1) * n]
     rows, reach = [], ordered[0][0] if ordered else 0.0
     for start, end, name in ordered:
         rows.append((start - ordered[0][0], end - start, max(0.0, start - reach), short_name(name)))
@@ -226,7 +230,7 @@ def main() -> int:
                              "scores; fewer: the indexers pick every position unscored)")
     parser.add_argument("--top", type=int, default=30, help="kernels to list")
     parser.add_argument("--json", default=None)
-    parser.add_argument("--sequence", default=None, help="write the first step's kernels, in order, to this file")
+    parser.add_argument("--sequence", default=None, help="write the last step's kernels, in order, to this file")
     parser.add_argument("--under-ncu", action="store_true",
                         help="one forward for ncu --profile-from-start off to time (see the top)")
     parser.add_argument("--ncu-csv", default=None, help="print the kernel table of ncu's --csv output in this file")
@@ -266,7 +270,7 @@ def main() -> int:
     print_table(res, args.top)
     if args.sequence:
         Path(args.sequence).write_text("   start      us    idle kernel\n" + "".join(
-            f"{start:8.1f} {us:7.1f} {idle:7.1f} {name}\n" for start, us, idle, name in first_step(kernels, args.steps)))
+            f"{start:8.1f} {us:7.1f} {idle:7.1f} {name}\n" for start, us, idle, name in step_kernels(kernels, args.steps, args.steps - 1)))
     if args.json:
         Path(args.json).write_text(json.dumps({**res, "wall_ms": wall * 1e3, "rows": args.rows}, indent=1))
     return 0

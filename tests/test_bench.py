@@ -369,24 +369,9 @@ def test_steps_ab_runs_each_variant_with_its_choices_and_flags_changed_replies(b
     bench.print_steps(bench.environment(), res, "tiny")
     out = capsys.readouterr().out
     assert "| odd | mma_loads_ahead 3 |" in out and out.count("| NO |") == 1
-    for bad in ("nochoices", "x=not_a_choice:1", "x=experts_loads_ahead:one", "x=mma_loads_ahead@k/1:2",
-                "x=model.not_a_choice:1", "x=engram.engram_rows_apart:0"):
+    for bad in ("nochoices", "x=not_a_choice:1", "x=experts_loads_ahead:one", "x=mma_loads_ahead@k/1:2"):
         with pytest.raises(SystemExit, match="--variant"):
             bench.parse_variant(bad)
-
-
-def test_steps_vary_how_the_model_builds_a_forward(bench):
-    """`--variant NAME=model.CHOICE:VALUE`: a choice of dsv41_mlx.model (how a forward is built,
-    read while it is built) replaced inside the variant and restored after, as kernels' are."""
-    from dsv41_mlx import model
-
-    name, choices = bench.parse_variant("inline=model.engram_rows_apart:0")
-    assert (name, choices) == ("inline", {"model.engram_rows_apart": [(None, 0)]})
-    package = model.engram_rows_apart
-    with bench.kernels_choices({c: bench.variant_choice(rules, getattr(*bench.choice_home(c)))
-                                for c, rules in choices.items()}):
-        assert model.engram_rows_apart() == 0
-    assert model.engram_rows_apart is package and model.engram_rows_apart()
 
 
 def test_layouts_time_fp8_mma_tiles_and_loads_ahead_together(bench, monkeypatch):

@@ -56,12 +56,14 @@ def test_refuses_off_cuda_with_a_message():
     assert "needs MLX on CUDA" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_first_step_lists_its_kernels_in_order(timeline):
+def test_a_steps_kernels_listed_in_order(timeline):
     kernels = [(30, 35, "void mlx::core::cu::copy_v<float>(float*)"), (0, 10, "custom_kernel_hc_mix_1(float*)"),
                (8, 20, "gather"), (100, 110, "custom_kernel_hc_mix_1(float*)"), (112, 120, "gather"),
                (130, 135, "void mlx::core::cu::copy_v<float>(float*)")]
     # (start from the step's first kernel, us, idle before it, name): gather overlaps hc_mix, copy_v waits 10 us
-    assert timeline.first_step(kernels, 2) == [(0, 10, 0, "hc_mix_1"), (8, 12, 0, "gather"), (30, 5, 10, "copy_v")]
+    assert timeline.step_kernels(kernels, 2) == [(0, 10, 0, "hc_mix_1"), (8, 12, 0, "gather"), (30, 5, 10, "copy_v")]
+    assert timeline.step_kernels(kernels, 2, 1) == [(0, 10, 0, "hc_mix_1"), (12, 8, 2, "gather"),
+                                                    (30, 5, 10, "copy_v")]
 
 
 def test_one_row_steps_run_as_generate_runs_them(timeline, fixture_dir):

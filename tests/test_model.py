@@ -287,41 +287,6 @@ def test_a_decode_begun_before_its_token_is_read_changes_no_bit(fixture_model, g
         model.overlap_build = model.evaluate_on_thread = False
 
 
-@pytest.mark.parametrize("apart", [True, False])
-def test_engram_rows_dequantised_on_the_evaluators_second_stream(fixture_model, golden, monkeypatch, apart):
-    """On the evaluator's thread a forward dequantises its engram rows on the thread's second
-    stream (model.engram_rows_apart), so they need not queue behind a decode_ahead's block 0;
-    or, the choice off, on the forward's own. Either way decode's bits; without the evaluator
-    (the CPU default) on the caller's stream."""
-    from dsv41_mlx import model as model_module
-
-    model = fixture_model
-    ids = _ids(golden)
-    seen = []
-    real = model_module.unpack_rows
-
-    def spy(packed, layout):
-        seen.append(mx.default_stream(mx.default_device()))
-        return real(packed, layout)
-
-    monkeypatch.setattr(model_module, "unpack_rows", spy)
-    monkeypatch.setattr(model_module, "engram_rows_apart", lambda: apart)
-    plain = model.make_cache()
-    logits, _ = model(mx.array([ids[:20]], dtype=mx.int32), plain)
-    want, _ = model.decode([ids[20]], plain)
-    assert seen == [mx.default_stream(mx.default_device())] * 2
-    model.overlap_build = model.evaluate_on_thread = True
-    try:
-        evaluator = model._evaluator
-        cache = model.make_cache()
-        model(mx.array([ids[:20]], dtype=mx.int32), cache)
-        got, _ = model.decode_ahead(mx.array([ids[20]]), cache).finish(ids[20])
-    finally:
-        model.overlap_build = model.evaluate_on_thread = False
-    assert seen[2:] == [evaluator.stream_apart if apart else evaluator.stream] * 2
-    assert mx.array_equal(want, got).item()
-
-
 def test_block_evaluator_hands_its_threads_error_to_the_caller(monkeypatch):
     """What the thread's mx.async_eval raises comes out of the next drain, on the caller's
     thread; the evaluator then runs again."""
