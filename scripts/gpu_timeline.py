@@ -161,7 +161,8 @@ def load_warm(model_path: str, rows: int, prompt_tokens: int):
         return sample(logits[None], mx.array([cache.offset]), SamplingParams())
 
     drawn = draw(logits)
-    ahead, token = model.decode_ahead(drawn, cache), drawn.item()
+    ahead = model.decode_ahead(drawn, cache) if rows == 1 else None
+    token = drawn.item()
 
     def step():
         nonlocal token, ahead
@@ -175,8 +176,6 @@ def load_warm(model_path: str, rows: int, prompt_tokens: int):
         token = int(mx.argmax(out[0, -1]).item())
         cache.trim(rows - 1)  # a verify-sized forward keeps one position, as a plain step does
 
-    if rows > 1:
-        ahead.cancel()
     for _ in range(4):
         step()
     return step
@@ -269,8 +268,9 @@ def main() -> int:
           f"idle gaps over 50 us {res['long_gaps_ms']:.1f} ms; {res['kernels_per_step']:.0f} kernels a step\n")
     print_table(res, args.top)
     if args.sequence:
+        last = step_kernels(kernels, args.steps, args.steps - 1)
         Path(args.sequence).write_text("   start      us    idle kernel\n" + "".join(
-            f"{start:8.1f} {us:7.1f} {idle:7.1f} {name}\n" for start, us, idle, name in step_kernels(kernels, args.steps, args.steps - 1)))
+            f"{start:8.1f} {us:7.1f} {idle:7.1f} {name}\n" for start, us, idle, name in last))
     if args.json:
         Path(args.json).write_text(json.dumps({**res, "wall_ms": wall * 1e3, "rows": args.rows}, indent=1))
     return 0

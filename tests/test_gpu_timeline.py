@@ -66,7 +66,7 @@ def test_a_steps_kernels_listed_in_order(timeline):
                                                     (30, 5, 10, "copy_v")]
 
 
-def test_one_row_steps_run_as_generate_runs_them(timeline, fixture_dir):
+def test_one_row_steps_run_as_generate_runs_them(timeline, fixture_dir, monkeypatch):
     """load_warm's one-row step: the greedy tokens generate_step hands out, each forward begun
     before its token is read back (decode_ahead), one position a step."""
     import dsv41_mlx
@@ -83,13 +83,10 @@ def test_one_row_steps_run_as_generate_runs_them(timeline, fixture_dir):
         seen.append((int(token.item()), cache.offset))
         return real_decode_ahead(self, token, cache)
 
-    type(model).decode_ahead = spy
-    try:
-        step = timeline.load_warm(str(fixture_dir), 1, len(prompt))
-        for _ in range(3):
-            step()
-    finally:
-        type(model).decode_ahead = real_decode_ahead
+    monkeypatch.setattr(type(model), "decode_ahead", spy)
+    step = timeline.load_warm(str(fixture_dir), 1, len(prompt))
+    for _ in range(3):
+        step()
     assert [t for t, _ in seen] == expected[: len(seen)] and len(seen) == 8  # the first, 4 untimed, 3 steps
     assert [offset for _, offset in seen] == list(range(len(prompt), len(prompt) + 8))
 
