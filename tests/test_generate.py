@@ -237,6 +237,24 @@ def test_prefill_pads_its_last_chunk_without_changing_a_bit(fixture_model):
         assert mx.array_equal(a, b).item()
 
 
+def test_sampled_replies_are_the_same_with_the_blocks_on_the_evaluators_thread(default_model):
+    """A sampled reply with each forward's blocks started on the evaluator's thread (each next
+    forward begun before the token is read back) draws the same tokens as one without."""
+    from dsv41_mlx.generate import generate_step
+    from dsv41_mlx.sampling import SamplingParams
+
+    model, tokenizer = default_model
+    prompt = tokenizer.encode("The quick brown fox")
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=3)
+    want = list(generate_step(model, prompt, params, 8))
+    model.overlap_build = model.evaluate_on_thread = True
+    try:
+        got = list(generate_step(model, prompt, params, 8))
+    finally:
+        model.overlap_build = model.evaluate_on_thread = False
+    assert got == want and len(set(got)) > 1
+
+
 def test_a_reply_stopped_early_abandons_its_begun_forward(default_model):
     """Plain decoding begins each next forward before it hands the caller the token
     (Model.decode_ahead): a caller that stops after three tokens leaves nothing running, and
