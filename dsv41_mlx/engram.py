@@ -148,8 +148,10 @@ class EngramTable:
         return np.asarray(self.codes[ids]), np.asarray(self.scales[ids])
 
 
-def pack_rows(rows: list[tuple[np.ndarray, np.ndarray]]) -> tuple[mx.array, list]:
+def pack_rows(rows: list[tuple[np.ndarray, np.ndarray]], total: int | None = None) -> tuple[mx.array, list]:
     """Several layers' EngramTable.read rows as one MLX array (uint8) and where each part lies.
+    total: each part's rows (its first axis) made up to this many with zeros, where the reads
+    cover only a padded forward's real rows (Model._engram_values).
 
     A forward makes them on the host, where MLX on CUDA keeps such an array in managed memory:
     the first kernel to read one pulls its pages to the GPU (on the H200 ~70-170 us a host-made
@@ -160,9 +162,14 @@ def pack_rows(rows: list[tuple[np.ndarray, np.ndarray]]) -> tuple[mx.array, list
     parts = [a for pair in rows for a in pair]
     layout, offset = [], 0
     for a in parts:
-        layout.append((offset, a.shape))
-        offset += a.size
-    flat = np.concatenate([a.reshape(-1) for a in parts]) if parts else np.zeros(0, np.uint8)
+        shape = a.shape if total is None else (total, *a.shape[1:])
+        if shape[0] < a.shape[0]:
+            raise ValueError(f"{a.shape[0]} rows read for a forward of {shape[0]}")
+        layout.append((offset, shape))
+        offset += int(np.prod(shape))
+    flat = np.zeros(offset, np.uint8)
+    for (start, _), a in zip(layout, parts):  # a part's real rows first: row-major, row 0 first
+        flat[start: start + a.size] = a.reshape(-1)
     return mx.array(flat), layout
 
 

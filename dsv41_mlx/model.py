@@ -1408,7 +1408,7 @@ class Model(nn.Module):
             if tokens is None:
                 tokens = yield
             with building():
-                blocks(ahead, len(self.layers), self._engram_values(cache, tokens, begin))
+                blocks(ahead, len(self.layers), self._engram_values(cache, tokens, real_rows, begin))
                 x = self.norm(hc_pre(h, pre))
                 if last_logits_only:
                     last = S if real_rows is None else real_rows
@@ -1422,28 +1422,33 @@ class Model(nn.Module):
                 evaluator.drain()  # before the caller evaluates anything itself
         return logits, feats
 
-    def _engram_values(self, cache: ModelCache, tokens: list[int], begin) -> dict[int, mx.array]:
+    def _engram_values(self, cache: ModelCache, tokens: list[int], real_rows: int | None,
+                       begin) -> dict[int, mx.array]:
         """A forward's tokens taken in: every engram layer's table rows for their n-grams, read on
         the host and started on the device (`begin`: they read host memory, so as early as the
         tokens are known, while the device waits anyway), and the tokens appended to the cache.
-        -> {engram layer: its rows' values}."""
-        hashes = self.hasher(cache.tokens, tokens) if self.hasher is not None else None
-        layers, packed, layout = self._read_engram_rows(hashes)
+        Only the real rows' n-grams are read (the first real_rows, where a padded forward's):
+        a padding row's values are zeros, its outputs discarded anyway. -> {engram layer: its
+        rows' values}."""
+        real = tokens if real_rows is None else tokens[:real_rows]
+        hashes = self.hasher(cache.tokens, real) if self.hasher is not None else None
+        layers, packed, layout = self._read_engram_rows(hashes, len(tokens))
         cache.tokens.extend(tokens)
         values = dict(zip(layers, unpack_rows(packed, layout)))
         if values:
             begin(*values.values())
         return values
 
-    def _read_engram_rows(self, hashes: np.ndarray | None) -> tuple[list[int], mx.array | None, list]:
-        """Every engram layer's table rows for a forward's hashes, read on the host into one
-        array, before any of the forward's GPU work is queued but a decode_ahead's first block
-        (engram.pack_rows says why): the layers, the array, its layout."""
+    def _read_engram_rows(self, hashes: np.ndarray | None, rows: int) -> tuple[list[int], mx.array | None, list]:
+        """Every engram layer's table rows for the hashes of a forward's first rows, read on the
+        host into one array of `rows` rows (the rest zeros), before any of the forward's GPU work
+        is queued but a decode_ahead's first block (engram.pack_rows says why): the layers, the
+        array, its layout."""
         layers = list(self._engram_layers)
         if not layers:
             return [], None, []
         return layers, *pack_rows([self.layers[i].engram.table.read(hashes[:, self.hasher.layer_index(i)])
-                                   for i in layers])
+                                   for i in layers], rows)
 
 
 def _result(forward, tokens: list[int] | None = None) -> tuple[mx.array, mx.array]:

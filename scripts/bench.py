@@ -941,10 +941,10 @@ def decode_by_layer(model, token: int, cache, on_layer) -> mx.array:
     tokens = [token] * rows
     start = cache.offset
     positions = positions_of(start, rows)
-    hashes = model.hasher(cache.tokens, tokens) if model.hasher is not None else None
-    # the engram rows read and unpacked as Model.__call__ does; it starts their dequantisation
-    # before the first block, here each engram layer's run holds its own
-    engram_layers, packed, layout = model._read_engram_rows(hashes)
+    hashes = model.hasher(cache.tokens, tokens[:1]) if model.hasher is not None else None
+    # the engram rows read (the real row's) and unpacked as Model.__call__ does; it starts their
+    # dequantisation before the first block, here each engram layer's run holds its own
+    engram_layers, packed, layout = model._read_engram_rows(hashes, rows)
     engram_values = dict(zip(engram_layers, unpack_rows(packed, layout)))
     cache.tokens.extend(tokens)
     h, pre = hc_expand(model.embed(mx.array(tokens, dtype=mx.int32)), args.hc_mult)

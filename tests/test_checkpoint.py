@@ -266,6 +266,52 @@ def test_packed_engram_rows_dequantise_as_each_layers_own(loaded):
         assert mx.array_equal(values, want).item() and mx.abs(want).max().item() > 0
 
 
+def test_packed_engram_rows_are_made_up_to_a_padded_forwards_rows_with_zeros(loaded):
+    """pack_rows(.., total): rows read for a padded forward's real rows come first in each
+    layer's part, the padding rows after them zeros (their values 0); fewer rows than read is an
+    error naming both."""
+    from dsv41_mlx.engram import pack_rows, unpack_rows
+
+    model, _ = loaded
+    ids = {1: np.array([[3, 600]]), 4: np.array([[800, 7]])}  # one real row
+    packed, layout = pack_rows([model.layers[i].engram.table.read(ids[i]) for i in (1, 4)], 8)
+    for i, values in zip((1, 4), unpack_rows(packed, layout)):
+        alone = unpack_rows(*pack_rows([model.layers[i].engram.table.read(ids[i])]))[0]
+        assert values.shape == (8, 2, 32)
+        assert mx.array_equal(values[:1], alone).item() and mx.abs(alone).max().item() > 0
+        assert not mx.any(values[1:]).item()
+    with pytest.raises(ValueError, match="3 rows read for a forward of 2"):
+        pack_rows([model.layers[1].engram.table.read(np.zeros((3, 2), np.int64))], 2)
+
+
+def test_a_padded_forward_reads_the_engram_tables_for_its_real_rows_only(loaded, monkeypatch):
+    """A decode padded to 8 rows looks up its real rows' n-grams alone (a padding row's would be
+    8x the table reads, from a memory-mapped file), with the logits, features and cache of a
+    forward that is not padded."""
+    from dsv41_mlx.engram import EngramTable
+
+    model, _ = loaded
+    read = []
+    real_read = EngramTable.read
+    monkeypatch.setattr(EngramTable, "read", lambda self, ids: (read.append(ids.shape), real_read(self, ids))[1])
+    ids = list(range(40, 52))
+    plain, padded = model.make_cache(), model.make_cache()
+    for c in (plain, padded):
+        model(mx.array([ids], dtype=mx.int32), c)
+    read.clear()
+    want, want_f = model.decode([5, 9], plain)
+    assert read and all(shape[0] == 2 for shape in read)
+    read.clear()
+    model.decode_rows = 8
+    try:
+        got, got_f = model.decode([5, 9], padded)
+    finally:
+        model.decode_rows = None
+    assert read and all(shape[0] == 2 for shape in read)
+    assert mx.array_equal(want, got).item() and mx.array_equal(want_f, got_f).item()
+    assert plain.tokens == padded.tokens
+
+
 def test_load_of_a_copied_checkpoint_matches(tmp_path, loaded):
     model, _ = load(copy_checkpoint(tmp_path))
     ref = dict(tree_flatten(loaded[0].parameters()))
