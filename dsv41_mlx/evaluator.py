@@ -30,7 +30,8 @@ thread does every `sys.getswitchinterval()` (5 ms by default): longer than a blo
 to build. The evaluator therefore asks for a short interval while it runs forwards
 (SWITCH_INTERVAL), restored when the last evaluator is closed. On the H200 (session 35, one-row
 steps, intervals interleaved in one process) 10 us stepped 0.986x as long as 50 us (9 of 10 runs
-faster), 3 us 0.982x (6 of 10), 200 us 1.13x.
+faster), 3 us 0.982x (6 of 10), 200 us 1.13x; on a second machine 50 us took 1.046x as long as
+10 us (7 of 8 runs slower).
 """
 
 from __future__ import annotations
