@@ -933,7 +933,6 @@ def decode_by_layer(model, token: int, cache, on_layer) -> mx.array:
     where run() builds that block's outputs; returns the logits. Mirrors Model.__call__."""
     import numpy as np
 
-    from dsv41_mlx.engram import unpack_rows
     from dsv41_mlx.model import SharedAttention, hc_expand, hc_pre, positions_of
 
     args = model.args
@@ -941,12 +940,9 @@ def decode_by_layer(model, token: int, cache, on_layer) -> mx.array:
     tokens = [token] * rows
     start = cache.offset
     positions = positions_of(start, rows)
-    hashes = model.hasher(cache.tokens, tokens[:1]) if model.hasher is not None else None
-    # the engram rows read (the real row's) and unpacked as Model.__call__ does; it starts their
-    # dequantisation before the first block, here each engram layer's run holds its own
-    engram_layers, packed, layout = model._read_engram_rows(hashes, rows)
-    engram_values = dict(zip(engram_layers, unpack_rows(packed, layout)))
-    cache.tokens.extend(tokens)
+    # the tokens taken in as Model.__call__ takes them (the engram rows read for the real row);
+    # it starts their dequantisation before the first block, here each engram layer's run holds its own
+    engram_values = model._engram_values(cache, tokens, 1, lambda *arrays: None)
     h, pre = hc_expand(model.embed(mx.array(tokens, dtype=mx.int32)), args.hc_mult)
     shared = SharedAttention(real_rows=1, positions=np.arange(start, start + rows))
     for i, layer in enumerate(model.layers):
