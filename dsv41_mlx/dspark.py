@@ -224,12 +224,17 @@ class Drafter:
     def ingest(self, cache: DraftCache, features: mx.array) -> None:
         """Write the committed positions cache.end .. cache.end+n-1 (features [n, 3*dim]) into the rings.
 
-        Only the newest `window` rows can survive in a ring, so only those are computed.
+        Only the newest `window` rows can survive in a ring, so only those are computed. Built
+        on the drafter's stream, which the next propose pass reads the rings on anyway: a
+        round that starts its ingest without waiting for it (SpeculativeDecoder.round) leaves
+        the default stream free, so the round's next small reads (the oracle drafter's
+        confidences, the samples) do not queue behind it.
         """
         n = features.shape[0]
         keep = min(n, self.window)
-        positions = mx.arange(cache.end + n - keep, cache.end + n)
-        cache.write(self.ring_rows(features[n - keep:], positions), n)
+        with mx.stream(self.stream):
+            positions = mx.arange(cache.end + n - keep, cache.end + n)
+            cache.write(self.ring_rows(features[n - keep:], positions), n)
 
     def propose(self, cache: DraftCache, anchor: int | mx.array, pick: Picker = argmax_picker) -> Proposal:
         """Draft `block` tokens after the anchor, which sits at position cache.end.

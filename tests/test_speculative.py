@@ -147,6 +147,30 @@ def test_drafter_rings_hold_only_committed_positions(fixture_model, plain_replie
     assert mx.array_equal(rings.rings, expected.rings).item()
 
 
+def test_a_round_starts_its_ingest_on_the_drafter_stream_without_waiting(fixture_model, plain_replies,
+                                                                          monkeypatch):
+    """The ring writes are built on the drafter's stream and started (mx.async_eval), never
+    waited for by the round that made them (the next propose reads them); the reply and the
+    rings stay exact (the test above)."""
+    import dsv41_mlx.cache as cache_module
+
+    prompt, reply = PROMPTS[1], plain_replies[0][1][:24]
+    drafter = fixture_model.drafter
+    oracle = OracleDrafter(drafter, prompt + reply)
+    decoder = SpeculativeDecoder(fixture_model, oracle, GREEDY)
+    streams, waited, started = [], [], []
+    write = cache_module.ring_write
+    monkeypatch.setattr(cache_module, "ring_write",
+                        lambda *a: streams.append(mx.default_stream(mx.default_device())) or write(*a))
+    monkeypatch.setattr(mx, "eval", lambda *a, e=mx.eval: waited.extend(a) or e(*a))
+    monkeypatch.setattr(mx, "async_eval", lambda *a, e=mx.async_eval: started.extend(a) or e(*a))
+    assert _reply(fixture_model, prompt, GREEDY, decoder, max_tokens=len(reply)) == reply
+    assert decoder.stats.rounds >= 3 and len(streams) == decoder.stats.rounds + 1  # + the prompt's ingest
+    assert all(s == drafter.stream for s in streams)
+    rings = decoder.draft_cache.rings  # the last round's ingest
+    assert any(a is rings for a in started) and not any(a is rings for a in waited)
+
+
 # ------------------------------------------------------------------- exact trim
 
 @pytest.mark.parametrize("accepted", range(6))
