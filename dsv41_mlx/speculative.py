@@ -154,7 +154,7 @@ class DraftStats:
     accepted_at: list[int] = field(default_factory=list)
     propose_s: float = 0.0
     verify_s: float = 0.0
-    ingest_s: float = 0.0  # the host's, building and starting it: its device time lands in the next propose
+    ingest_s: float = 0.0  # the host's, building and starting it (its device time lands in whatever waits next)
 
     def __post_init__(self):
         self.reached = self.reached or [0] * self.block
