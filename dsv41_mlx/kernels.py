@@ -113,11 +113,7 @@ HC_SPLIT = KernelSpec("hc_split", ("mixes", "scale", "base", "eps", "rows"), ("p
 MOE_GATE_SCORES = KernelSpec("moe_gate_scores", ("x", "w", "params", "sizes"), ("scores",),
                              "moe_gate_scores.metal", "moe_gate_scores.cu", header_files=())
 MOE_GATE_TOPK = KernelSpec("moe_gate_topk", ("scores", "bias", "params", "rows"), ("weights", "ids"),
-                           "moe_gate_topk.metal", "moe_gate_topk.cu", header_files=(), twin_headers=("moe_pick_row",))
-# both in one launch: the scores kernel's body, then its last threadgroup picks (moe_gate_pick)
-MOE_GATE = KernelSpec("moe_gate", ("x", "w", "params", "sizes", "bias", "ticket"), ("scores", "weights", "ids"),
-                      "moe_gate_scores.metal", "moe_gate_scores.cu", header_files=(), twin_headers=("moe_pick_row",),
-                      end="moe_gate_pick")
+                           "moe_gate_topk.metal", "moe_gate_topk.cu", header_files=())
 SPARSE_ATTENTION = KernelSpec("sparse_attention", ("q", "ring", "index", "wmask", "kv", "ids", "pmask", "sink",
                                                   "rope_cos", "rope_sin", "params", "rows"),
                               ("out",), "sparse_attention.metal", "sparse_attention.cu", header_files=(),
@@ -394,66 +390,23 @@ def moe_gate_reference(x: mx.array, w: mx.array, bias: mx.array, k: int, temp: f
     return weights * route_scale, ids
 
 
-MOE_GATE_ONE_LAUNCH_MAX_EXPERTS = 512  # moe_gate's last threadgroup keeps 8 rows' choices in threadgroup memory
-
-
-def router_ticket() -> mx.array:
-    """A router's ticket for moe_gate's one-launch kernel: uint32 [8] zeros, evaluated (the
-    kernel counts its finished threadgroups in element 0 and leaves it 0 again)."""
-    ticket = mx.zeros((8,), dtype=mx.uint32)
-    mx.eval(ticket)
-    return ticket
-
-
-def router_launches(rows: int, experts: int) -> int:
-    """The launches of the router kernels for `rows` rows of `experts` experts (a layout
-    choice: no bit depends on it): 1, the scores and the picks in one (moe_gate.metal), where
-    the last threadgroup's choices fit its memory; else 2 (moe_gate_scores, moe_gate_topk)."""
-    return 1 if experts <= MOE_GATE_ONE_LAUNCH_MAX_EXPERTS else 2
-
-
-@lru_cache(maxsize=None)
-def _device_scope_fences(language: str) -> bool:
-    """Whether the GPU's kernels may fence device memory across threadgroups, which moe_gate's
-    one launch needs: CUDA; Metal from Metal 3.2 (macOS 15), whose language MLX compiles for
-    there."""
-    if language != "metal":
-        return language == "cuda"
-    import platform
-
-    release = platform.mac_ver()[0]
-    return bool(release) and int(release.split(".")[0]) >= 15
-
-
 def moe_gate(x: mx.array, w: mx.array, bias: mx.array, k: int, temp: float, route_scale: float,
-             normalize: bool, impl: str | None = None, ticket: mx.array | None = None) -> tuple[mx.array, mx.array]:
-    """The router on a GPU for up to DECODE_MAX_ROWS rows: the scores (a threadgroup per
-    expert, its weights read once for all rows), then each row's top-k (a simdgroup per row);
-    in one launch where router_launches says so and a ticket (router_ticket: the router's
-    own, one launch at a time) is given, else two; the spec otherwise. The fp32 dot products
-    are summed in another order than the spec's matmul, so a near-tie between two experts may
-    fall the other way; each row is computed alone, the same bits in any forward and either
-    way (scripts/check_kernels.py compares them)."""
+             normalize: bool, impl: str | None = None) -> tuple[mx.array, mx.array]:
+    """The router in two launches on a GPU for up to DECODE_MAX_ROWS rows: the scores (a
+    threadgroup per expert, its weights read once for all rows), then each row's top-k (a
+    simdgroup per row); the spec otherwise. The fp32 dot products are summed in another
+    order than the spec's matmul, so a near-tie between two experts may fall the other way;
+    each row is computed alone, the same bits in any forward (scripts/check_kernels.py
+    compares the two)."""
     impl = impl or backend()
     N, D = x.shape
     E = w.shape[0]
     if (impl == "mlx" or N > DECODE_MAX_ROWS or E > MOE_GATE_MAX_EXPERTS
             or x.dtype not in (mx.bfloat16, mx.float32)):
         return moe_gate_reference(x, w, bias, k, temp, route_scale, normalize)
-    scores_template = [("T", x.dtype), ("RB", 8 if N <= 8 else 16), ("D", D)]
-    if ticket is not None and router_launches(N, E) == 1 and _device_scope_fences(impl):
-        if ticket.shape != (8,) or ticket.dtype != mx.uint32:
-            raise ValueError(f"moe_gate's ticket is uint32 [8] (router_ticket), got {ticket.dtype} {ticket.shape}")
-        _, weights, ids = _compiled(MOE_GATE, impl)(
-            inputs=[x, w.astype(mx.float32), _float32s(temp, route_scale), _int32s(N, E, D), bias.astype(mx.float32),
-                    ticket],
-            template=[*scores_template, ("NE", E), ("K", k), ("NORMALIZE", int(normalize))],
-            grid=(E * 256, 1, 1), threadgroup=(256, 1, 1),
-            output_shapes=[(N, E), (N, k), (N, k)], output_dtypes=[mx.float32, mx.float32, mx.uint32])
-        return weights, ids
     (scores,) = _compiled(MOE_GATE_SCORES, impl)(
         inputs=[x, w.astype(mx.float32), _float32s(temp), _int32s(N, E, D)],
-        template=scores_template, grid=(E * 256, 1, 1),
+        template=[("T", x.dtype), ("RB", 8 if N <= 8 else 16), ("D", D)], grid=(E * 256, 1, 1),
         threadgroup=(256, 1, 1),
         output_shapes=[(N, E)], output_dtypes=[mx.float32])
     weights, ids = _compiled(MOE_GATE_TOPK, impl)(

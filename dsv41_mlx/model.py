@@ -1002,14 +1002,10 @@ class Gate(nn.Module):
         self.normalize, self.route_scale = args.norm_topk_prob, args.routed_scaling_factor
         if args.scoring_func != "sqrtsoftplus":
             raise ValueError(f"scoring_func {args.scoring_func!r} is not supported (release: sqrtsoftplus)")
-        # the one-launch router kernel's count of finished threadgroups: this router's own, so
-        # that its launches (one a forward, forwards one after another) never share one
-        self._ticket = kernels.router_ticket()
 
     def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """x [N, dim] -> (weights [N, k] fp32, expert ids [N, k] in ascending order)."""
-        return kernels.moe_gate(x, self.weight, self.bias, self.top_k, self.temp, self.route_scale, self.normalize,
-                                ticket=self._ticket)
+        return kernels.moe_gate(x, self.weight, self.bias, self.top_k, self.temp, self.route_scale, self.normalize)
 
 
 SORT_EXPERTS_AT = 64  # (row, expert) pairs from which the MoE groups them by expert (prefill)

@@ -1094,8 +1094,7 @@ def bench_pieces(model_path: str | None, layer_ids: list[int]) -> dict:
                 q, ring, index, mask, kv, picks, picked_mask, attn.attn_sink, attn.scale, rope, attn.rope.dims)
         if kernels.backend() != "mlx":
             pieces["router, moe_gate kernels"] = lambda i: kernels.moe_gate(
-                x2, gate.weight, gate.bias, gate.top_k, gate.temp, gate.route_scale, gate.normalize,
-                ticket=gate._ticket)
+                x2, gate.weight, gate.bias, gate.top_k, gate.temp, gate.route_scale, gate.normalize)
         out["layers"][f"{li} ({layer_kind(layer)})"] = {name: timed(fn, calls=10, reps=5) * 1e3
                                                          for name, fn in pieces.items()}
     small = mx.ones((rows, 16))

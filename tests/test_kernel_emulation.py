@@ -532,31 +532,3 @@ def test_rms_norm_pair_gives_two_rms_norms_bits_on_the_host(language, tmp_path):
                      mx.array(np.arange(D2) >= D2 - R).reshape(pairs[1:]))
     want = _bf16_bits(fp8_fake_quant_reference(rotated))
     assert np.mean(kv == want) > 0.9 and np.count_nonzero(kv) > 0.5 * kv.size
-
-
-@pytest.mark.parametrize("language", ["metal", "cuda"])
-@pytest.mark.parametrize("rows, experts, k, normalize", [(1, 24, 6, 1), (11, 40, 3, 0)])
-def test_moe_gate_in_one_launch_runs_its_spec_on_the_host(language, rows, experts, k, normalize, tmp_path):
-    """The router in one launch (moe_gate_scores' body, then the last threadgroup's picks, a
-    simdgroup a row: 11 rows make a simdgroup take two) against moe_gate_reference: the same
-    experts, weights within float32 noise, and every row's score written. (Threadgroups run
-    in order here: the last to take a ticket is the last of the grid.)"""
-    rng = np.random.default_rng(rows)
-    D = 512
-    x = mx.array(rng.standard_normal((rows, D)).astype(np.float32)).astype(mx.bfloat16)
-    w = rng.normal(0, 1 / np.sqrt(D), (experts, D)).astype(np.float32)
-    bias = rng.normal(0, 0.05, experts).astype(np.float32)
-    bias[-1] = 10.0  # every row picks the last threadgroup's expert: its score must be in before the picks
-    got = run(kernels.MOE_GATE, language, {
-        "x": ("bfloat16", _bf16_bits(x)), "w": ("float32", w), "params": ("float32", np.array([1.5, 2.5])),
-        "sizes": ("int32", np.array([rows, experts, D])), "bias": ("float32", bias),
-        "ticket": ("uint32", np.zeros(8))},
-        {"scores": ("float32", rows * experts), "weights": ("float32", rows * k), "ids": ("uint32", rows * k)},
-        {"T": "bfloat16", "RB": 8 if rows <= 8 else 16, "D": D, "NE": experts, "K": k, "NORMALIZE": normalize},
-        experts, tmp_path)
-    want_w, want_ids = kernels.moe_gate_reference(x, mx.array(w), mx.array(bias), k, 1.5, 2.5, bool(normalize))
-    logits = np.array(x.astype(mx.float32)) @ w.T / 1.5
-    want_scores = np.sqrt(np.where(logits > 20, logits, np.log1p(np.exp(np.minimum(logits, 20)))))
-    np.testing.assert_allclose(got["scores"].reshape(rows, experts), want_scores, rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(got["ids"].reshape(rows, k), np.array(want_ids))
-    np.testing.assert_allclose(got["weights"].reshape(rows, k), np.array(want_w), rtol=1e-5)

@@ -434,7 +434,7 @@ def _gpu_dispatch_with_specs(monkeypatch, model, attention, gemv=None) -> None:
     for fits in ("hc_input_fits", "rms_norm_fits", "fp8_gemv_fits", "fp4_quant_fits", "fp4_experts_fits"):
         monkeypatch.setattr(kernels, fits, lambda *args, **kw: False)
     monkeypatch.setattr(kernels, "hc_split", lambda *args, impl=None: kernels.hc_split_reference(*args))
-    monkeypatch.setattr(kernels, "moe_gate", lambda *args, impl=None, ticket=None: kernels.moe_gate_reference(*args))
+    monkeypatch.setattr(kernels, "moe_gate", lambda *args, impl=None: kernels.moe_gate_reference(*args))
     monkeypatch.setattr(kernels, "act_quant_fp8", act_quant_spec)
     monkeypatch.setattr(kernels, "sparse_attention_rows", attention)
     if gemv is not None:

@@ -26,9 +26,6 @@ static std::barrier<>* warp_sync[8];
 static float exchange_f[8][32];
 static unsigned int exchange_u[8][32][6];
 inline void __syncthreads() { block_sync->arrive_and_wait(); }
-inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }  // blocks run one after another here
-inline unsigned int atomicAdd(unsigned int* a, unsigned int v) { return __atomic_fetch_add(a, v, __ATOMIC_SEQ_CST); }
-inline unsigned int atomicExch(unsigned int* a, unsigned int v) { return __atomic_exchange_n(a, v, __ATOMIC_SEQ_CST); }
 inline void __syncwarp(unsigned int = 0xffffffffu) { warp_sync[threadIdx.x / 32]->arrive_and_wait(); }
 inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
 inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }

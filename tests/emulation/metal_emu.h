@@ -6,7 +6,6 @@
 // product itself and lane 0 storing it. Sums inside a product run in k order in float: the
 // matrix unit's own order may differ, which is within the float32 summation bound the tests
 // allow. half and bfloat16_t convert in software (host_floats.h).
-#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -42,14 +41,6 @@ struct Pos { uint x; };
 #define thread_position_in_grid (Pos{tg_in_grid * 256 + tid_in_tg})
 #define thread_index_in_simdgroup (lane_id)
 #define simdgroup_index_in_threadgroup (sg_id)
-// Metal 3.2's atomics, fences and coherent(device) pointers (moe_gate_pick.metal): threadgroups
-// run one after another here, so a relaxed std::atomic and no fence give what the GPU's do
-#define coherent(scope)
-typedef std::atomic<uint> atomic_uint;
-enum memory_order { memory_order_relaxed, memory_order_seq_cst };
-enum thread_scope { thread_scope_threadgroup, thread_scope_device };
-inline uint atomic_fetch_add_explicit(atomic_uint* a, uint v, memory_order) { return a->fetch_add(v); }
-inline void atomic_store_explicit(atomic_uint* a, uint v, memory_order) { a->store(v); }
 static std::barrier<>* tg_sync;
 static std::barrier<>* sg_sync[8];  // a simdgroup's own barrier: its reductions need only its lanes
 static float xch[8][32];
@@ -77,7 +68,6 @@ using metal::min;
 using metal::max;
 inline float fma(float a, float b, float c) { return std::fma(a, b, c); }
 inline void threadgroup_barrier(mem_flags) { tg_sync->arrive_and_wait(); }
-inline void atomic_thread_fence(mem_flags, memory_order, thread_scope) { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void simdgroup_barrier(mem_flags) { sg_sync[sg_id]->arrive_and_wait(); }
 inline float simd_exchange(float v, uint src) {
   xch[sg_id][lane_id] = v;

@@ -115,14 +115,4 @@ float divide(float x, float y);
 }
 using metal::mem_flags;
 void threadgroup_barrier(mem_flags flags);
-// Metal 3.2's atomics, device-scope fences and coherent(device) pointers (moe_gate_pick.metal)
-#define coherent(scope)
-struct atomic_uint {
-  uint value;
-};
-enum memory_order { memory_order_relaxed, memory_order_seq_cst };
-enum thread_scope { thread_scope_thread, thread_scope_simdgroup, thread_scope_threadgroup, thread_scope_device };
-uint atomic_fetch_add_explicit(atomic_uint* object, uint operand, memory_order order);
-void atomic_store_explicit(atomic_uint* object, uint desired, memory_order order);
-void atomic_thread_fence(mem_flags flags, memory_order order, thread_scope scope);
 void simdgroup_barrier(mem_flags flags);
