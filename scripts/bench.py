@@ -750,7 +750,10 @@ def bench_steps(model_path: str, variants: dict[str, dict[str, list]], tokens: i
     out = {"tokens": tokens, "rounds": rounds, "prompt_tokens": [len(i) for i in ids_list], "variants": {}}
     tic = time.perf_counter()
     out["warm_up_s"] = warm_up(model) if warm else 0.0
+    if warm:  # (minutes on a GPU whose kernel cache is cold: say so before the variants' own)
+        print(f"  warm-up: {out['warm_up_s']:.1f} s", flush=True)
     for name in variants:  # each variant's kernels built and its traces made before anything is timed
+        start = time.perf_counter()
         with use(name):
             for ids in ids_list:
                 run(ids[:64])
@@ -760,6 +763,7 @@ def bench_steps(model_path: str, variants: dict[str, dict[str, list]], tokens: i
         out["variants"][name] = {"choices": {c: [[w, x] for w, x in rules] for c, rules in variants[name].items()},
                                  "step_ms": [[] for _ in ids_list], "hashes": set(),
                                  "verify_ms": []}
+        print(f"  {name}: traced and its kernels built, untimed, in {time.perf_counter() - start:.1f} s", flush=True)
     out["warm_s"] = time.perf_counter() - tic
     names = list(variants)
     for r in range(rounds):

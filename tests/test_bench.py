@@ -366,6 +366,9 @@ def test_steps_ab_runs_each_variant_with_its_choices_and_flags_changed_replies(b
     v = res["variants"]
     assert v["u3"]["same_replies"] and not v["odd"]["same_replies"] and v["kernels"]["same_replies"]
     assert all(len(m) == 2 and all(x > 0 for x in m) for m in v["odd"]["step_ms"])
+    progress = capsys.readouterr().out.splitlines()  # each variant's untimed runs said before the rounds
+    assert [line.split(":")[0].strip() for line in progress[:3]] == ["kernels", "u3", "odd"]
+    assert sum(line.lstrip().startswith("round ") for line in progress[3:]) == 2 * 3
     bench.print_steps(bench.environment(), res, "tiny")
     out = capsys.readouterr().out
     assert "| odd | mma_loads_ahead 3 |" in out and out.count("| NO |") == 1
