@@ -403,6 +403,18 @@ def decode_rate(model, ids: list[int], params, tokens: int, decoder=None) -> flo
     return n / (time.perf_counter() - tic)
 
 
+def prefill_rate(model, ids: list[int]) -> float:
+    """Prompt tokens a second of one prefill on a fresh cache through its first token (the
+    greedy pick read back), as scripts/mlxlm_baseline.greedy times mlx-lm's."""
+    from dsv41_mlx.generate import prefill
+
+    mx.synchronize()
+    tic = time.perf_counter()
+    logits, _ = prefill(model, ids, model.make_cache())
+    mx.argmax(logits).item()
+    return len(ids) / (time.perf_counter() - tic)
+
+
 def interleaved(ours, theirs, prompts: int, rounds: int = 2) -> dict:
     """Two decode rates of each prompt i, ours(i) and theirs(i), taken back to back (who goes
     first alternating), for every prompt, `rounds` times, so that both meet the host's speed
@@ -440,8 +452,9 @@ def paired_speedup(model, ids_list: list[list[int]], tokens: int, make_decoder, 
 
 def paired_plain_decode(model, model_path, ids_list: list[list[int]], tokens: int, rounds: int = 2) -> dict:
     """Plain greedy decode of ours and of mlx-lm interleaved prompt by prompt (interleaved),
-    both models loaded; tok_s ours, mlxlm_tok_s mlx-lm's. Raises MlxLmUnavailable without
-    mlx-lm 0.32.x."""
+    both models loaded; tok_s ours, mlxlm_tok_s mlx-lm's. Then their prefills through the
+    first token the same way (prefill_rate; every prompt seen before by both): "prefill", the
+    same keys. Raises MlxLmUnavailable without mlx-lm 0.32.x."""
     from dsv41_mlx.sampling import SamplingParams
     from scripts.mlxlm_baseline import greedy, load_mlxlm
 
@@ -453,12 +466,18 @@ def paired_plain_decode(model, model_path, ids_list: list[list[int]], tokens: in
             reply, _, seconds = greedy(theirs, ids_list[i], tokens)
             return (len(reply) - 1) / seconds
 
+        def mlxlm_prefill(i):
+            _, seconds, _ = greedy(theirs, ids_list[i], 1)
+            return len(ids_list[i]) / seconds
+
         res = interleaved(lambda i: decode_rate(model, ids_list[i], SamplingParams(), tokens), mlxlm,
                           len(ids_list), rounds)
+        res["prefill"] = interleaved(lambda i: prefill_rate(model, ids_list[i]), mlxlm_prefill, len(ids_list), rounds)
     finally:
         del theirs
         mx.clear_cache()
-    res["mlxlm_tok_s"] = res.pop("their_tok_s")
+    for r in (res, res["prefill"]):
+        r["mlxlm_tok_s"] = r.pop("their_tok_s")
     return res
 
 
@@ -828,9 +847,13 @@ def paired_row(paired: dict) -> str:
     """The mlx-lm table's paired row, or why there is none."""
     if "ratio" not in paired:
         return f"\npaired decode not run: {paired.get('skipped', 'not measured')}\n"
+    pre = paired["prefill"]
     return (f"| decode tok/s, paired (the two interleaved prompt by prompt; median of {paired['pairs']} "
             f"pairs' ratios; host probe {paired['host_probe_ms']:.2f} ms) | {paired['tok_s']:.2f} | "
-            f"{paired['mlxlm_tok_s']:.2f} | {paired['ratio']:.2f} |\n")
+            f"{paired['mlxlm_tok_s']:.2f} | {paired['ratio']:.2f} |\n"
+            f"| prefill tok/s through the first token, paired (prompts both have seen; median of {pre['pairs']} "
+            f"pairs' ratios; host probe {pre['host_probe_ms']:.2f} ms) | {pre['tok_s']:.1f} | "
+            f"{pre['mlxlm_tok_s']:.1f} | {pre['ratio']:.2f} |\n")
 
 
 def print_e2e(env: dict, res: dict, model: str) -> None:
@@ -1556,7 +1579,7 @@ def main() -> int:
         res = bench_e2e(args.model, args.prompts, args.tokens, args.oracle_rate, paired=not args.no_paired,
                         report=report)
         if printed:
-            print("the paired decode (ours and mlx-lm interleaved prompt by prompt), ours / mlx-lm:\n\n"
+            print("the paired decode and prefill (ours and mlx-lm interleaved prompt by prompt), ours / mlx-lm:\n\n"
                   "| | ours | mlx-lm | ours / mlx-lm |\n|---|---|---|---|\n" + paired_row(res["paired"]))
         else:
             print_e2e(env, res, args.model)

@@ -46,6 +46,9 @@ def test_e2e_drafted_replies_equal_undrafted_and_mlxlm_runs_beside(bench, capsys
     paired = res["paired"]  # 2 prompts (prose, code) x 2 rounds, each through both engines
     assert paired["pairs"] == 4 and len(paired["ratios"]) == 4 and paired["ratio"] > 0
     assert paired["tok_s"] > 0 and paired["mlxlm_tok_s"] > 0
+    paired_prefill = paired["prefill"]  # the same pairs' prefills, through the first token
+    assert paired_prefill["pairs"] == 4 and paired_prefill["ratio"] == statistics.median(paired_prefill["ratios"])
+    assert paired_prefill["tok_s"] > 0 and paired_prefill["mlxlm_tok_s"] > 0
     oracle = runs["oracle 0.56 greedy"]
     assert oracle["rounds"] > 0 and 0 <= oracle["oracle_right_rate"] <= 1
     paired_oracle = res["paired_oracle"]  # 2 prompts x 2 rounds, each plainly and through the oracle
@@ -67,6 +70,8 @@ def test_e2e_drafted_replies_equal_undrafted_and_mlxlm_runs_beside(bench, capsys
             f"{scheduled['plain_tok_s']:.2f} tok/s, **{scheduled['ratio']:.2f}x**") in printed
     assert f"| host probe ms (median around the run) | {runs['plain greedy']['host_probe_ms']:.2f} | " in printed
     assert f"pairs' ratios; host probe {paired['host_probe_ms']:.2f} ms) | {paired['tok_s']:.2f} | " in printed
+    assert (f"pairs' ratios; host probe {paired_prefill['host_probe_ms']:.2f} ms) | {paired_prefill['tok_s']:.1f} | "
+            f"{paired_prefill['mlxlm_tok_s']:.1f} | {paired_prefill['ratio']:.2f} |") in printed
     assert f"| plain greedy | {runs['plain greedy']['tok_s']:.2f} |" in printed
     assert f"| {runs['plain greedy']['host_probe_ms']:.2f} | {runs['plain greedy']['hash']} |" in printed
 
