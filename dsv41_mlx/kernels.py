@@ -1287,12 +1287,13 @@ def experts_code_decode(rows: int, k: int) -> int:
     threadgroup memory and ignores it). No bit depends on it: both give the same registers
     (tests/test_kernel_emulation.py). 0: each register by E2M1_HALF_PAIR's shifts and masks; 1:
     the codes a byte each, four fp16 high bytes made at once, each register picked from them
-    (mma_x.cuh's E2m1Codes). 1: NVRTC's sm_90 code of the walk takes 163.5 / 176.0 / 124.5 /
-    129.5 instructions a 512-byte block (w13 one row, w2 one row, w13 six rows, w2 six rows)
+    (mma_x.cuh's E2m1Codes). With 1, NVRTC's sm_90 code of the walk takes 163.5 / 176.0 / 124.5
+    / 129.5 instructions a 512-byte block (w13 one row, w2 one row, w13 six rows, w2 six rows)
     against 179.0 / 192.0 / 140.5 / 146.5, the same registers (scripts/sass_counts.py, session
-    37); not yet timed on a GPU (`bench.py layouts --kernels fp4_experts`, `bench.py steps
-    --variant shifts=experts_code_decode:0`)."""
-    return 1
+    37). 0, the decoding checked on the H200: 1 has not yet run on a GPU, and takes its place
+    once `bench.py layouts --kernels fp4_experts` there finds it the same bits and faster, and
+    `bench.py steps --variant bytes=experts_code_decode:1` a faster step."""
+    return 0
 
 
 def mma_loads_ahead(k: int, rows: int) -> int:

@@ -53,9 +53,8 @@ __device__ __forceinline__ unsigned int fp16_pair(const uint4 v, int i, int j) {
 // E2M1_HALF_PAIR's shifts and masks for each register; 1, a byte each: the word's codes of one
 // parity spread a byte each (mask, or shift and mask), each code's fp16 high byte s.000ee.m made
 // for four at once (((x << 1) | (x << 4)) & 0x8E, no byte spilling into the next), then each
-// register picked from those bytes over zero low bytes (__byte_perm). Decoding a word's four
-// registers takes ~13 instructions against ~18: the walk's 140.5 -> 124.5 a block at six rows
-// (scripts/sass_counts.py, NVRTC's sm_90 code).
+// register picked from those bytes over zero low bytes (__byte_perm): fewer instructions a
+// block (kernels.experts_code_decode has the counts).
 template <int BYTES>
 struct E2m1Codes {
   using Word = unsigned int;

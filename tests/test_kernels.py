@@ -149,7 +149,7 @@ def _gemv_case(RB, T, C, QX=0, SW=0, AP=0, SPLIT=0):  # noqa: N803 (the kernel's
                                                  "SPLIT": SPLIT}
 
 
-def _experts_case(NH, QX=0, SW=0, ONE=0, U=None, PX=0, BD=1):  # noqa: N803
+def _experts_case(NH, QX=0, SW=0, ONE=0, U=None, PX=0, BD=0):  # noqa: N803
     inputs = {"x": "uint16" if PX else "bfloat16", "xs": "float32", "w": "uint32", "scales": "uint8", "ids": "uint32",
               "sizes": "int32", "swiglu": "float32", "weights": "float32"}
     if U is None:  # kernels.experts_loads_ahead's at a short K
@@ -244,7 +244,7 @@ CASES = {
     "fp4_experts_prepared": _experts_case(NH=1, SW=2, PX=1),
     "fp4_experts_prepared_16_rows": _experts_case(NH=2, QX=1, PX=1),
     "fp4_experts_prepared_one_row": _experts_case(NH=1, QX=1, ONE=1, PX=1),
-    "fp4_experts_codes_by_shifts": _experts_case(NH=1, SW=2, PX=1, BD=0),  # kernels.experts_code_decode's other
+    "fp4_experts_codes_by_bytes": _experts_case(NH=1, SW=2, PX=1, BD=1),  # kernels.experts_code_decode's other
     "mma_x_prep": _x_prep_case(QX=0),
     "mma_x_prep_quantizing": _x_prep_case(QX=1),
     "fp8_mma": _mma_case(NH=1),
