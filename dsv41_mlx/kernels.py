@@ -1241,7 +1241,7 @@ def fp4_experts_template(rows: int, k: int, quantize_input: bool, sw: int, prepa
     """fp4_experts' template constants for `rows` computed rows of K = k (SW as _swiglu_arguments
     gives it; prepared: x from mma_x_prep, experts_prepare_x)."""
     return [("NH", mma_column_groups(rows)), ("QX", int(quantize_input)), ("SW", sw), ("ONE", int(rows == 1)),
-            ("U", experts_loads_ahead(rows, k)), ("PX", int(prepared)), ("BD", experts_code_decode(rows, k))]
+            ("U", experts_loads_ahead(rows, k)), ("PX", int(prepared))]
 
 
 def experts_prepare_x(rows: int) -> bool:
@@ -1279,21 +1279,6 @@ def experts_loads_ahead(rows: int, k: int) -> int:
     one process; 62.6 against 84-92 in another), w2 25.6 / 24.5 against 25.0 / 23.7 (session
     25's H100 had preferred U 1 for both, before that change: w13 50.8 against 59.1 us)."""
     return 1 if rows == 1 and k < 4096 else 2
-
-
-def experts_code_decode(rows: int, k: int) -> int:
-    """BD of fp4_experts on CUDA for `rows` computed rows of K = k: how its walk turns a word of
-    eight E2M1 codes into the matrix unit's fp16 registers (the Metal twin decodes into
-    threadgroup memory and ignores it). No bit depends on it: both give the same registers
-    (tests/test_kernel_emulation.py). 0: each register by E2M1_HALF_PAIR's shifts and masks; 1:
-    the codes a byte each, four fp16 high bytes made at once, each register picked from them
-    (mma_x.cuh's E2m1Codes). With 1, NVRTC's sm_90 code of the walk takes 163.5 / 176.0 / 124.5
-    / 129.5 instructions a 512-byte block (w13 one row, w2 one row, w13 six rows, w2 six rows)
-    against 179.0 / 192.0 / 140.5 / 146.5, the same registers (scripts/sass_counts.py, session
-    37). 0, the decoding checked on the H200: 1 has not yet run on a GPU, and takes its place
-    once `bench.py layouts --kernels fp4_experts` there finds it the same bits and faster, and
-    `bench.py steps --variant bytes=experts_code_decode:1` a faster step."""
-    return 0
 
 
 def mma_loads_ahead(k: int, rows: int) -> int:

@@ -10,7 +10,6 @@
 
 // U (a template constant, kernels.experts_loads_ahead): the blocks whose loads a warp issues before it uses the first
 // PX: x and xs are mma_x_prep's (see fp4_experts.metal)
-// BD (kernels.experts_code_decode): how the walk decodes its codes (E2m1Codes), the same bits either way
 constexpr int COLS = 8 * NH;  // pass columns
 __shared__ int picks[16];  // the pairs (r * KS + j, in order) that picked this expert: at most one a row
 __shared__ int n_picks;
@@ -71,8 +70,7 @@ for (int p0 = 0; p0 < m; p0 += COLS) {  // a pass: picks p0 .. p0 + COLS - 1
     xsrow[h] = xs + r * nb;
   }
   float acc[2][NH][4] = {};  // [m group][column group][C fragment]
-  mma_warp_sums<E2m1Codes<BD>, U, NH, QX, ONE, PX>(w, tile_scales, row0, words, nb, xrow, b0, per_warp, lane, acc,
-                                                    xsrow);
+  mma_warp_sums<E2m1Codes, U, NH, QX, ONE, PX>(w, tile_scales, row0, words, nb, xrow, b0, per_warp, lane, acc, xsrow);
   mma_warp_sums_to<NH>(red, acc, lane);
   __syncthreads();
   for (unsigned int o = threadIdx.x; o < (SW ? 16u : 32u) * COLS; o += MMA_WARPS * 32) {

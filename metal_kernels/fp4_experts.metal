@@ -48,8 +48,7 @@
 // threadgroups each computed them again, 144 tiles an expert); xs is unread with PX = 0.
 // Template constants: NH (the matrix unit's column groups of 8 a pass: 1 or 2,
 // kernels.fp4_experts_column_groups), QX (0 or 1), SW (0, 1 or 2), PX (0 or 1); a pair's bits
-// depend on neither NH nor PX. U and BD are the CUDA twin's (its loads ahead, its decoding of
-// the codes in registers), unread here.
+// depend on neither NH nor PX.
 // CUDA twin: fp4_experts.cu (mma.sync m16n8k16, the fragments in registers: each lane decodes
 // its own weight words and x there, where here they go through threadgroup memory).
 

@@ -48,15 +48,7 @@ __device__ __forceinline__ unsigned int fp16_pair(const uint4 v, int i, int j) {
   return ((i & 1) ? a >> 16 : a & 0xffffu) | ((j & 1) ? b & 0xffff0000u : b << 16);
 }
 
-// fp4_experts: one 32-bit word (8 codes) of a weight row a lane and block. BYTES (kernels.
-// experts_code_decode) says how a register of two codes is made, the same bits either way: 0,
-// E2M1_HALF_PAIR's shifts and masks for each register; 1, a byte each: the word's codes of one
-// parity spread a byte each (mask, or shift and mask), each code's fp16 high byte s.000ee.m made
-// for four at once (((x << 1) | (x << 4)) & 0x8E, no byte spilling into the next), then each
-// register picked from those bytes over zero low bytes (__byte_perm): fewer instructions a
-// block (kernels.experts_code_decode has the counts).
-template <int BYTES>
-struct E2m1Codes {
+struct E2m1Codes {  // fp4_experts: one 32-bit word (8 codes) of a weight row a lane and block
   using Word = unsigned int;
   static constexpr unsigned int PAIR_GAP = 4;  // codes i and i + 4 of the word (E2M1_HALF_PAIR)
   static constexpr unsigned int SCALE_BIAS = 14u;  // the decoding's 2^-14, folded into the scale
@@ -64,15 +56,7 @@ struct E2m1Codes {
   __device__ static Word load(const unsigned int* w, size_t row, unsigned int b, unsigned int t) {
     return __ldg(w + row + 4 * b + t);
   }
-  __device__ static unsigned int a(Word w, int ks, int half) {
-    const int i = 2 * ks + half;
-    if (!BYTES) {
-      return E2M1_HALF_PAIR(w, i);
-    }
-    const unsigned int x = (i & 1) ? (w >> 4) & 0x0F0F0F0Fu : w & 0x0F0F0F0Fu;  // codes 2b + (i & 1), byte b
-    const unsigned int high = ((x << 1) | (x << 4)) & 0x8E8E8E8Eu;  // each one's fp16 high byte
-    return __byte_perm(high, 0u, (i & 2) ? 0x3414u : 0x2404u);  // codes i and i + 4 over zero low bytes
-  }
+  __device__ static unsigned int a(Word w, int ks, int half) { return E2M1_HALF_PAIR(w, 2 * ks + half); }
 };
 
 struct E4m3Codes {  // fp8_mma: two 32-bit words (8 codes) of a weight row a lane and block

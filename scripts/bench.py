@@ -1257,8 +1257,7 @@ def bench_layouts(rows_list: tuple[int, ...] = LAYOUT_ROWS, forward_rows: int = 
     forward_rows rows that computes `rows` of them, its output compared bit for bit with
     the layout kernels picks (kernels.experts_loads_ahead and mma_loads_ahead: the blocks a
     warp of fp4_experts / fp8_mma (and fp8_mma_hc, the GEMMs that put their output into the
-    stream) loads ahead, U, which only CUDA's twins read; fp4_experts' with how its walk decodes
-    its codes, kernels.experts_code_decode, as "U/BD"; fp8_mma's with its tiles' rows,
+    stream) loads ahead, U, which only CUDA's twins read; fp8_mma's with its tiles' rows,
     kernels.mma_tile_rows, as "TR/U"; kernels.attention_layout: the attention's heads and
     simdgroups a threadgroup). `which`: the kernels of LAYOUT_KERNELS to time. A candidate
     that does not launch is reported with its error. Each case carries its floor,
@@ -1310,13 +1309,7 @@ def bench_layouts(rows_list: tuple[int, ...] = LAYOUT_ROWS, forward_rows: int = 
         weights, x, h = mx.random.uniform(shape=(forward_rows, top)), fp8_input((forward_rows, 1, dim)), \
             mx.random.normal((forward_rows, top, inter)).astype(mx.bfloat16)
         mx.eval(w13, w2, ids, weights, x, h)
-        # its loads ahead U and its codes' decoding BD (kernels.experts_code_decode), as "U/BD"
-        candidates = [(f"{u}/{bd}", {"experts_loads_ahead": lambda rows, k, u=u: u,
-                                      "experts_code_decode": lambda rows, k, bd=bd: bd})
-                      for bd in (1, 0) for u in (1, 2, 3, 4)]
-
-        def default(rows, k):
-            return f"{kernels.experts_loads_ahead(rows, k)}/{kernels.experts_code_decode(rows, k)}"
+        candidates = [(u, {"experts_loads_ahead": lambda rows, k, u=u: u}) for u in (1, 2, 3, 4)]
 
         def expert_bytes(stacks, rows):  # the experts the computed rows pick, read once each (mean over copies)
             per_expert = (stacks[0][0].nbytes + stacks[0][1].nbytes) / experts
@@ -1326,11 +1319,11 @@ def bench_layouts(rows_list: tuple[int, ...] = LAYOUT_ROWS, forward_rows: int = 
             act = kernels.SwiGLU(7.0, weights)
             measure("fp4_experts", f"{dim} -> 2 x {inter} + SwiGLU", rows,
                     lambda v, i, r=rows: kernels.fp4_experts(v, *w13[i % copies], ids[i % copies], swiglu=act, rows=r),
-                    x, candidates, default(rows, dim), expert_bytes(w13, rows))
+                    x, candidates, kernels.experts_loads_ahead(rows, dim), expert_bytes(w13, rows))
             measure("fp4_experts", f"{inter} -> {dim}, x quantised in the kernel", rows,
                     lambda v, i, r=rows: kernels.fp4_experts(v, *w2[i % copies], ids[i % copies], quantize_input=True,
                                                              rows=r),
-                    h, candidates, default(rows, inter), expert_bytes(w2, rows))
+                    h, candidates, kernels.experts_loads_ahead(rows, inter), expert_bytes(w2, rows))
         del w13, w2
 
     u_mma = [(u, {"mma_loads_ahead": lambda k, rows, u=u: u}) for u in (2, 4, 6, 8)]

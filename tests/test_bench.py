@@ -411,34 +411,32 @@ def test_layouts_time_fp8_mma_tiles_and_loads_ahead_together(bench, monkeypatch)
     assert kernels.mma_tile_rows(4608, 5120) == 32  # restored
 
 
-def test_layouts_time_fp4_experts_loads_ahead_and_code_decoding_together(bench, monkeypatch):
+def test_layouts_time_fp4_experts_loads_ahead(bench, monkeypatch):
     """`bench.py layouts --kernels fp4_experts`, its GPU kernel stubbed: w13 and w2 at each count
-    of rows launched under each U with each way of decoding the codes (kernels.experts_code_decode),
-    labelled U/BD, the package's pair marked the default."""
+    of rows launched under each U (kernels.experts_loads_ahead), the package's U marked the
+    default."""
     from dsv41_mlx import kernels
 
     seen = []
 
     def stub(x, w, scales, ids, rows=None, **kw):
         k = 8 * w.shape[2]
-        seen.append((k, rows, kernels.experts_loads_ahead(rows, k), kernels.experts_code_decode(rows, k)))
+        seen.append((k, rows, kernels.experts_loads_ahead(rows, k)))
         return x * 1
 
+    package_u = {(k, rows): kernels.experts_loads_ahead(rows, k) for k in (5120, 2304) for rows in (1, 6)}
     monkeypatch.setattr(kernels, "backend", lambda: "cuda")
     monkeypatch.setattr(kernels, "fp4_experts", stub)
     monkeypatch.setattr(bench, "copy_bandwidth", lambda *a: 3.5e12)
     monkeypatch.setattr(bench, "chained", lambda run, x0: (run(x0, 1), 1e-5)[1])
     res = bench.bench_layouts((1, 6), which=("fp4_experts",), experts=6)
-    assert len(res["cases"]) == 2 * 2 * 8 and {c["layout"] for c in res["cases"]} == {
-        f"{u}/{bd}" for u in (1, 2, 3, 4) for bd in (1, 0)}
-    for k in (5120, 2304):
-        for rows in (1, 6):
-            assert {(u, bd) for kk, r, u, bd in seen if (kk, r) == (k, rows)} == {
-                (u, bd) for u in (1, 2, 3, 4) for bd in (1, 0)}
-            default = [c["layout"] for c in res["cases"] if c["default"] and c["rows"] == rows
-                       and c["shape"].startswith(f"{k} ")]
-            assert default == [f"{kernels.experts_loads_ahead(rows, k)}/{kernels.experts_code_decode(rows, k)}"]
-    assert kernels.experts_code_decode(6, 5120) == 0  # restored
+    assert len(res["cases"]) == 2 * 2 * 4 and {c["layout"] for c in res["cases"]} == {1, 2, 3, 4}
+    for (k, rows), u in package_u.items():
+        assert {uu for kk, r, uu in seen if (kk, r) == (k, rows)} == {1, 2, 3, 4}
+        default = [c["layout"] for c in res["cases"] if c["default"] and c["rows"] == rows
+                   and c["shape"].startswith(f"{k} ")]
+        assert default == [u]
+    assert {key: kernels.experts_loads_ahead(key[1], key[0]) for key in package_u} == package_u  # restored
 
 
 def test_layouts_launch_fp8_mma_hc_as_a_forward_does(bench, monkeypatch):

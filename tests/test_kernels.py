@@ -149,13 +149,12 @@ def _gemv_case(RB, T, C, QX=0, SW=0, AP=0, SPLIT=0):  # noqa: N803 (the kernel's
                                                  "SPLIT": SPLIT}
 
 
-def _experts_case(NH, QX=0, SW=0, ONE=0, U=None, PX=0, BD=0):  # noqa: N803
+def _experts_case(NH, QX=0, SW=0, ONE=0, U=None, PX=0):  # noqa: N803
     inputs = {"x": "uint16" if PX else "bfloat16", "xs": "float32", "w": "uint32", "scales": "uint8", "ids": "uint32",
               "sizes": "int32", "swiglu": "float32", "weights": "float32"}
     if U is None:  # kernels.experts_loads_ahead's at a short K
         U = 1 if ONE else 2
-    return FP4_EXPERTS, inputs, {"y": "bfloat16"}, {"NH": NH, "QX": QX, "SW": SW, "ONE": ONE, "U": U, "PX": PX,
-                                                    "BD": BD}
+    return FP4_EXPERTS, inputs, {"y": "bfloat16"}, {"NH": NH, "QX": QX, "SW": SW, "ONE": ONE, "U": U, "PX": PX}
 
 
 def _x_prep_case(QX):  # noqa: N803
@@ -244,7 +243,6 @@ CASES = {
     "fp4_experts_prepared": _experts_case(NH=1, SW=2, PX=1),
     "fp4_experts_prepared_16_rows": _experts_case(NH=2, QX=1, PX=1),
     "fp4_experts_prepared_one_row": _experts_case(NH=1, QX=1, ONE=1, PX=1),
-    "fp4_experts_codes_by_bytes": _experts_case(NH=1, SW=2, PX=1, BD=1),  # kernels.experts_code_decode's other
     "mma_x_prep": _x_prep_case(QX=0),
     "mma_x_prep_quantizing": _x_prep_case(QX=1),
     "fp8_mma": _mma_case(NH=1),
@@ -389,9 +387,8 @@ def test_cuda_source_compiles(case):
     ("fp8_gemv", ("gemv_lane_accumulate<T, RB>(p, &wf[0][0], &acc[0][0], r);",
                   "gemv_lane_accumulate<T, RB>(p, &wf[0][0], &acc[0][0]);")),
     ("fp4_experts", ("if (ids[q] == expert) {", "if (id[q] == expert) {")),  # misspelt variable
-    ("fp4_experts", ("nb, xrow, b0, per_warp, lane, acc,", "nb, xrow[0], b0, per_warp, lane, acc,")),  # a row for rows
-    ("fp4_experts_quantizing", ("mma_warp_sums<E2m1Codes<BD>,", "mma_warp_sums<E2m1Code<BD>,")),  # misspelt code format
-    ("fp4_experts", ("mma_warp_sums<E2m1Codes<BD>,", "mma_warp_sums<E2m1Codes,")),  # the code format's template
+    ("fp4_experts", ("nb, xrow, b0, per_warp, lane, acc, xsrow);", "nb, xrow[0], b0, per_warp, lane, acc, xsrow);")),  # a row for rows
+    ("fp4_experts_quantizing", ("mma_warp_sums<E2m1Codes,", "mma_warp_sums<E2m1Code,")),  # misspelt code format
     ("fp8_gemv_quantizing", ("p = gemv_fake_quant8(p, xs[r]);", "p = gemv_fake_quant8(p, xs);")),  # array for float
     ("fp8_gemv_swiglu", ("o / RB * RB + RB), swiglu[0]);", "o / RB * RB + RB), swiglu);")),
     ("fp4_experts_swiglu", ("own_weight : weights[pr]);", "own_weight : weight[pr]);")),  # misspelt
