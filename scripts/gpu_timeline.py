@@ -1,6 +1,11 @@
 """Where a decode step's GPU time goes, kernel by kernel (CUDA only).
 
     python scripts/gpu_timeline.py --model DIR [--rows 1] [--steps 6] [--json FILE] [--sequence FILE]
+    python scripts/gpu_timeline.py --model DIR --prefill [--prompt-tokens 261] [--steps 3]
+
+--prefill times prompts' prefills instead: each "step" a prompt of --prompt-tokens tokens
+prefilled into an empty cache (generate.prefill, its chunks as a request's), after two
+untimed ones of the same length.
 
 Runs a few decode steps (each padded as Model.decode pads it) under PyTorch's
 profiler: CUPTI records every kernel the process launches, MLX's included, with
@@ -142,9 +147,11 @@ def prompt_of(n: int, vocab: int) -> list[int]:
     return [((i * 7919) % 50000 + 100) % vocab for i in range(n)]
 
 
-def load_warm(model_path: str, rows: int, prompt_tokens: int):
+def load_warm(model_path: str, rows: int, prompt_tokens: int, prefill_only: bool = False):
     """The model after a prompt of prompt_tokens tokens and 4 untimed forwards of `rows` tokens
     (kernels built and loaded, compiled pieces traced), with a function running one more.
+    prefill_only: the function prefills that prompt into an empty cache instead (rows unused),
+    after two untimed prefills.
     One row: a step as generate.generate_step takes it (greedy): the next forward begun before
     the token is read back (Model.decode_ahead), so a step's kernels run from the rest of one
     forward (its engram rows first) to the next forward's block 0. More rows: a verify-sized
@@ -154,8 +161,17 @@ def load_warm(model_path: str, rows: int, prompt_tokens: int):
     from dsv41_mlx.sampling import SamplingParams, sample
 
     model, _ = dsv41_mlx.load(model_path)
+    prompt = prompt_of(prompt_tokens, model.args.vocab_size)
+    if prefill_only:
+        def prefill_once():
+            logits, _ = prefill(model, prompt, model.make_cache())
+            mx.eval(logits)
+
+        for _ in range(2):
+            prefill_once()
+        return prefill_once
     cache = model.make_cache()
-    logits, _ = prefill(model, prompt_of(prompt_tokens, model.args.vocab_size), cache)
+    logits, _ = prefill(model, prompt, cache)
 
     def draw(logits):  # generate_step's greedy draw: [1] on the device
         return sample(logits[None], mx.array([cache.offset]), SamplingParams())
@@ -181,11 +197,11 @@ def load_warm(model_path: str, rows: int, prompt_tokens: int):
     return step
 
 
-def under_ncu(model_path: str, rows: int, prompt_tokens: int) -> None:
-    """One forward between the CUDA driver's profiler start and stop (for ncu, see the top)."""
+def under_ncu(model_path: str, rows: int, prompt_tokens: int, prefill_only: bool = False) -> None:
+    """One forward (or prefill) between the CUDA driver's profiler start and stop (for ncu, see the top)."""
     import ctypes
 
-    step = load_warm(model_path, rows, prompt_tokens)
+    step = load_warm(model_path, rows, prompt_tokens, prefill_only)
     driver = ctypes.CDLL("libcuda.so.1")  # MLX links the runtime statically: the driver's calls
     mx.synchronize()
     driver.cuProfilerStart()
@@ -194,14 +210,15 @@ def under_ncu(model_path: str, rows: int, prompt_tokens: int) -> None:
     driver.cuProfilerStop()
 
 
-def record(model_path: str, rows: int, steps: int, prompt_tokens: int = 261) -> tuple[list[tuple[float, float, str]],
-                                                                                     float]:
+def record(model_path: str, rows: int, steps: int, prompt_tokens: int = 261, prefill_only: bool = False
+           ) -> tuple[list[tuple[float, float, str]], float]:
     """The GPU kernels of `steps` decode steps of `rows` tokens after a prompt of prompt_tokens
-    tokens, and the wall seconds per step under the profiler."""
+    tokens (prefill_only: of `steps` prefills of that prompt), and the wall seconds per step
+    under the profiler."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    step = load_warm(model_path, rows, prompt_tokens)
+    step = load_warm(model_path, rows, prompt_tokens, prefill_only)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         tic = time.perf_counter()
         for _ in range(steps):
@@ -227,6 +244,8 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=261,
                         help="context before the steps (model.indexer_scoring_length or more: every index layer "
                              "scores; fewer: the indexers pick every position unscored)")
+    parser.add_argument("--prefill", action="store_true",
+                        help="time prefills of a --prompt-tokens prompt into an empty cache instead of decode steps")
     parser.add_argument("--top", type=int, default=30, help="kernels to list")
     parser.add_argument("--json", default=None)
     parser.add_argument("--sequence", default=None, help="write the last step's kernels, in order, to this file")
@@ -251,7 +270,7 @@ def main() -> int:
         print("gpu_timeline needs MLX on CUDA (on a Mac, Xcode's Metal System Trace shows the same)", file=sys.stderr)
         return 2
     if args.under_ncu:
-        under_ncu(args.model, args.rows, args.prompt_tokens)
+        under_ncu(args.model, args.rows, args.prompt_tokens, args.prefill)
         return 0
     try:
         import torch
@@ -260,10 +279,11 @@ def main() -> int:
     except ImportError as e:
         print(f"gpu_timeline needs PyTorch with CUDA for its profiler: {e}", file=sys.stderr)
         return 2
-    kernels, wall = record(args.model, args.rows, args.steps, args.prompt_tokens)
+    kernels, wall = record(args.model, args.rows, args.steps, args.prompt_tokens, args.prefill)
     res = summarize(kernels, args.steps)
-    print(f"{args.rows}-row forward after {args.prompt_tokens} tokens: wall {wall * 1e3:.1f} ms a step under the "
-          f"profiler; GPU span "
+    what = (f"prefill of {args.prompt_tokens} tokens" if args.prefill
+            else f"{args.rows}-row forward after {args.prompt_tokens} tokens")
+    print(f"{what}: wall {wall * 1e3:.1f} ms a step under the profiler; GPU span "
           f"{res['span_ms']:.1f} ms, busy {res['busy_ms']:.1f} ms, kernel time summed {res['kernel_sum_ms']:.1f} ms, "
           f"idle gaps over 50 us {res['long_gaps_ms']:.1f} ms; {res['kernels_per_step']:.0f} kernels a step\n")
     print_table(res, args.top)
@@ -272,7 +292,8 @@ def main() -> int:
         Path(args.sequence).write_text("   start      us    idle kernel\n" + "".join(
             f"{start:8.1f} {us:7.1f} {idle:7.1f} {name}\n" for start, us, idle, name in last))
     if args.json:
-        Path(args.json).write_text(json.dumps({**res, "wall_ms": wall * 1e3, "rows": args.rows}, indent=1))
+        Path(args.json).write_text(json.dumps({**res, "wall_ms": wall * 1e3, "rows": args.rows,
+                                               "prefill": args.prefill, "prompt_tokens": args.prompt_tokens}, indent=1))
     return 0
 
 

@@ -91,6 +91,37 @@ def test_one_row_steps_run_as_generate_runs_them(timeline, fixture_dir, monkeypa
     assert [offset for _, offset in seen] == list(range(len(prompt), len(prompt) + 8))
 
 
+
+def test_prefill_steps_prefill_the_prompt_into_an_empty_cache(timeline, fixture_dir, monkeypatch):
+    """load_warm with prefill_only: each step one prefill of the whole prompt into a fresh cache
+    (two untimed first), the logits generate.prefill gives."""
+    import dsv41_mlx
+    import mlx.core as mx
+    from dsv41_mlx.generate import prefill
+
+    model, _ = dsv41_mlx.load(fixture_dir)
+    prompt = timeline.prompt_of(20, model.args.vocab_size)
+    expected, _ = prefill(model, prompt, model.make_cache())
+    seen = []
+    real_prefill = prefill
+
+    def spy(model, ids, cache, *args, **kw):
+        seen.append((list(ids), cache.offset))
+        logits, features = real_prefill(model, ids, cache, *args, **kw)
+        seen.append(logits)
+        return logits, features
+
+    monkeypatch.setattr(sys.modules["dsv41_mlx.generate"], "prefill", spy)
+    step = timeline.load_warm(str(fixture_dir), 1, len(prompt), prefill_only=True)
+    assert len(seen) == 2 * 2  # the two untimed prefills
+    step()
+    step()
+    calls, outs = seen[0::2], seen[1::2]
+    assert calls == [(prompt, 0)] * 4  # the whole prompt, an empty cache each time
+    for logits in outs:
+        assert mx.array_equal(logits, expected)
+
+
 NCU_CSV = '''==PROF== Connected to process 571 (/usr/bin/python3.12)
 "ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
 "0","571","python3.12","127.0.0.1","mlx::core::cu::custom_kernel_hc_mix_1(float const*)","1","7","(256, 1, 1)","(8, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","ns","11,200"
