@@ -838,12 +838,17 @@ class Attention(nn.Module):
             return self.wo_b(o, real) if onto is None else self.wo_b.into_stream(o, onto, real)
         w = self.wo_a.weight.reshape(self.n_groups, self.o_lora_rank, -1)
         s = self.wo_a.scales.reshape(self.n_groups, self.o_lora_rank, -1)
-        o = o.reshape(S, self.n_groups, 1, -1)  # [S, groups, 1, in]
-        groups = self._pair_ids[: self.n_groups]
-        pairs = self._pair_ids[: S * self.n_groups].reshape(S, -1) if S <= MAX_CONSTANT_ROWS else None
-        o = mx.gather_qmm(o.astype(gemm_input_dtype()), w, s, lhs_indices=pairs, rhs_indices=groups, transpose=True,
-                          mode="mxfp8")
-        o = o.astype(BF16).reshape(S, -1)
+        if S <= MAX_CONSTANT_ROWS:  # each (row, group) pair a product of one row
+            o = o.reshape(S, self.n_groups, 1, -1)  # [S, groups, 1, in]
+            groups = self._pair_ids[: self.n_groups]
+            pairs = self._pair_ids[: S * self.n_groups].reshape(S, -1)
+            o = mx.gather_qmm(o.astype(gemm_input_dtype()), w, s, lhs_indices=pairs, rhs_indices=groups,
+                              transpose=True, mode="mxfp8").reshape(S, -1)
+        else:  # a prompt's chunk: each group's rows one GEMM (as pairs, MLX ran a matrix-vector product each)
+            o = o.reshape(S, self.n_groups, -1).astype(gemm_input_dtype()).transpose(1, 0, 2)  # [groups, S, in]
+            o = mx.concatenate([mx.quantized_matmul(o[g], w[g], s[g], transpose=True, mode="mxfp8")
+                                for g in range(self.n_groups)], axis=-1)
+        o = o.astype(BF16)
         return self.wo_b(o) if onto is None else self.wo_b.into_stream(o, onto, real)
 
     def __call__(self, x: mx.array, positions: mx.array, cache: LayerCache, caches: list[LayerCache],
