@@ -844,10 +844,13 @@ class Attention(nn.Module):
             pairs = self._pair_ids[: S * self.n_groups].reshape(S, -1)
             o = mx.gather_qmm(o.astype(gemm_input_dtype()), w, s, lhs_indices=pairs, rhs_indices=groups,
                               transpose=True, mode="mxfp8").reshape(S, -1)
-        else:  # a prompt's chunk: each group's rows one GEMM (as pairs, MLX ran a matrix-vector product each)
+        else:  # a prompt's chunk: the rows sorted by group, so that MLX runs each group's as one GEMM
+            # (as (row, group) pairs it ran a matrix-vector product each: 7x as long on the H200)
             o = o.reshape(S, self.n_groups, -1).astype(gemm_input_dtype()).transpose(1, 0, 2)  # [groups, S, in]
-            o = mx.concatenate([mx.quantized_matmul(o[g], w[g], s[g], transpose=True, mode="mxfp8")
-                                for g in range(self.n_groups)], axis=-1)
+            groups = mx.repeat(self._pair_ids[: self.n_groups], S)
+            o = mx.gather_qmm(o.reshape(self.n_groups * S, 1, -1), w, s, rhs_indices=groups, transpose=True,
+                              mode="mxfp8", sorted_indices=True)
+            o = o.reshape(self.n_groups, S, -1).transpose(1, 0, 2).reshape(S, -1)
         o = o.astype(BF16)
         return self.wo_b(o) if onto is None else self.wo_b.into_stream(o, onto, real)
 
