@@ -586,7 +586,7 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float, 
          lambda p, seq: oracle_decoder(p, seq, confidence="schedule",
                                        verify_costs=[ms / 1e3 for ms in out["verify_ms"]])),
     ]:
-        elapsed, produced, replies, stats, oracle = 0.0, 0, [], [], [0, 0]
+        elapsed, produced, replies, stats, oracle, step_s = 0.0, 0, [], [], [0, 0], []
         probes = [host_probe_ms()]
         warm = time.perf_counter()  # a short untimed run first: kernel builds and compile traces
         list(generate_step(model, ids_list[0], params, 4, decoder=make(params, ids_list[0]) if make else None))
@@ -597,8 +597,11 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float, 
             steps = generate_step(model, ids, params, tokens, decoder=decoder)
             first = next(steps)  # prefill and the first token stay out of the decode rate
             tic = time.perf_counter()
-            rest = list(steps)
+            stamps = [tic]
+            rest = [stamps.append(time.perf_counter()) or t for t in steps]
             elapsed += time.perf_counter() - tic
+            if make is None:  # plain decoding hands out a token a step: each step's time
+                step_s.append([b - a for a, b in zip(stamps, stamps[1:])])
             produced += len(rest)
             probes.append(host_probe_ms())
             replies.append([first] + rest)
@@ -619,6 +622,8 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float, 
             run["rounds"] = sum(s["rounds"] for s in stats)
         if oracle[1]:
             run["oracle_right_rate"] = oracle[0] / oracle[1]  # the rate its draws realised
+        if step_s:
+            run["steps"] = step_summary(step_s)
         runs[label] = run
         print(f"  {label}: {run['tok_s']:.2f} tok/s", flush=True)
     references = runs["plain greedy"]["replies"]
@@ -914,10 +919,27 @@ def print_e2e(env: dict, res: dict, model: str) -> None:
                   f"(median of {po['pairs']} pairs' ratios; host probe {po['host_probe_ms']:.2f} ms): "
                   f"{po['tok_s']:.2f} against {po['plain_tok_s']:.2f} tok/s, **{po['ratio']:.2f}x**\n")
     for label, r in res["runs"].items():
+        if "steps" in r:
+            st = r["steps"]
+            print(f"{label}, its steps (ms): median {st['median_ms']:.2f} (the rate's mean {st['mean_ms']:.2f}), "
+                  f"each prompt's first {' / '.join(f'{v:.1f}' for v in st['first_ms'])}, the slowest "
+                  f"{st['max_ms']:.1f}; steps over 1.5x the median add {st['slow_excess_ms']:.1f} ms a prompt "
+                  f"(the mean over the median: {st['mean_ms'] - st['median_ms']:.2f} ms a step)\n")
         if "oracle_right_rate" in r:
             print(f"{label}: {r['rounds']} rounds, {(r['accepted'] + r['rounds']) / r['rounds']:.2f} tokens per "
                   f"round; its drafts were right at a rate of {r['oracle_right_rate']:.2f} (the rate it stands "
                   f"for drawn per draft)\n")
+
+
+def step_summary(step_s: list[list[float]]) -> dict:
+    """Each prompt's plain decoding steps (seconds, in order) -> their median and mean (ms), each
+    prompt's first step, the slowest, and what steps over 1.5x the median add a prompt beyond
+    it: whether a run's rate is set by its typical step or by a few slow ones."""
+    every = [t * 1e3 for run in step_s for t in run]
+    median = statistics.median(every)
+    excess = sum(t - median for t in every if t > 1.5 * median) / len(step_s)
+    return {"median_ms": median, "mean_ms": statistics.mean(every), "first_ms": [run[0] * 1e3 for run in step_s],
+            "max_ms": max(every), "slow_excess_ms": excess}
 
 
 # ------------------------------------------------------------------- profile

@@ -58,6 +58,9 @@ def test_e2e_drafted_replies_equal_undrafted_and_mlxlm_runs_beside(bench, capsys
     assert scheduled["pairs"] == 4 and scheduled["tok_s"] > 0 and scheduled["plain_tok_s"] > 0
     long = res["long_context"]
     assert long["tok_s"] > 0 and long["host_probe_ms"] > 0
+    for label in ("plain greedy", "plain coupled"):  # a token a step: each prompt's steps timed
+        assert len(runs[label]["steps"]["first_ms"]) == 2 and runs[label]["steps"]["median_ms"] > 0
+    assert not any("steps" in r for label, r in runs.items() if not label.startswith("plain"))
     bench.print_e2e(bench.environment(), res, "tiny")
     printed = capsys.readouterr().out
     assert f"plain greedy after a {long['prompt_tokens']}-token prompt" in printed
@@ -74,6 +77,16 @@ def test_e2e_drafted_replies_equal_undrafted_and_mlxlm_runs_beside(bench, capsys
             f"{paired_prefill['mlxlm_tok_s']:.1f} | {paired_prefill['ratio']:.2f} |") in printed
     assert f"| plain greedy | {runs['plain greedy']['tok_s']:.2f} |" in printed
     assert f"| {runs['plain greedy']['host_probe_ms']:.2f} | {runs['plain greedy']['hash']} |" in printed
+    assert f"plain greedy, its steps (ms): median {runs['plain greedy']['steps']['median_ms']:.2f} " in printed
+
+
+def test_step_summary_separates_the_typical_step_from_slow_ones(bench):
+    """Two prompts' steps (seconds): the median and mean over all, each prompt's first, the
+    slowest, and what the steps over 1.5x the median add a prompt beyond it."""
+    st = bench.step_summary([[0.050, 0.010, 0.010, 0.010], [0.010, 0.010, 0.030, 0.010]])
+    assert st["median_ms"] == pytest.approx(10) and st["mean_ms"] == pytest.approx(17.5)
+    assert st["first_ms"] == pytest.approx([50, 10]) and st["max_ms"] == pytest.approx(50)
+    assert st["slow_excess_ms"] == pytest.approx((40 + 20) / 2)
 
 
 def test_environment_names_the_commit_and_says_when_the_files_differ(bench, tmp_path, monkeypatch):
