@@ -838,18 +838,17 @@ class Attention(nn.Module):
             return self.wo_b(o, real) if onto is None else self.wo_b.into_stream(o, onto, real)
         w = self.wo_a.weight.reshape(self.n_groups, self.o_lora_rank, -1)
         s = self.wo_a.scales.reshape(self.n_groups, self.o_lora_rank, -1)
+        groups = self._pair_ids[: self.n_groups]
         if S <= MAX_CONSTANT_ROWS:  # each (row, group) pair a product of one row
             o = o.reshape(S, self.n_groups, 1, -1)  # [S, groups, 1, in]
-            groups = self._pair_ids[: self.n_groups]
             pairs = self._pair_ids[: S * self.n_groups].reshape(S, -1)
             o = mx.gather_qmm(o.astype(gemm_input_dtype()), w, s, lhs_indices=pairs, rhs_indices=groups,
                               transpose=True, mode="mxfp8").reshape(S, -1)
         else:  # a prompt's chunk: the rows sorted by group, so that MLX runs each group's as one GEMM
             # (as (row, group) pairs it ran a matrix-vector product each: 7x as long on the H200)
             o = o.reshape(S, self.n_groups, -1).astype(gemm_input_dtype()).transpose(1, 0, 2)  # [groups, S, in]
-            groups = mx.repeat(self._pair_ids[: self.n_groups], S)
-            o = mx.gather_qmm(o.reshape(self.n_groups * S, 1, -1), w, s, rhs_indices=groups, transpose=True,
-                              mode="mxfp8", sorted_indices=True)
+            o = mx.gather_qmm(o.reshape(self.n_groups * S, 1, -1), w, s, rhs_indices=mx.repeat(groups, S),
+                              transpose=True, mode="mxfp8", sorted_indices=True)
             o = o.reshape(self.n_groups, S, -1).transpose(1, 0, 2).reshape(S, -1)
         o = o.astype(BF16)
         return self.wo_b(o) if onto is None else self.wo_b.into_stream(o, onto, real)

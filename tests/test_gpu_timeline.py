@@ -91,7 +91,6 @@ def test_one_row_steps_run_as_generate_runs_them(timeline, fixture_dir, monkeypa
     assert [offset for _, offset in seen] == list(range(len(prompt), len(prompt) + 8))
 
 
-
 def test_prefill_steps_prefill_the_prompt_into_an_empty_cache(timeline, fixture_dir, monkeypatch):
     """load_warm with prefill_only: each step one prefill of the whole prompt into a fresh cache
     (two untimed first), the logits generate.prefill gives."""
@@ -102,21 +101,19 @@ def test_prefill_steps_prefill_the_prompt_into_an_empty_cache(timeline, fixture_
     model, _ = dsv41_mlx.load(fixture_dir)
     prompt = timeline.prompt_of(20, model.args.vocab_size)
     expected, _ = prefill(model, prompt, model.make_cache())
-    seen = []
-    real_prefill = prefill
+    calls, outs = [], []
 
     def spy(model, ids, cache, *args, **kw):
-        seen.append((list(ids), cache.offset))
-        logits, features = real_prefill(model, ids, cache, *args, **kw)
-        seen.append(logits)
+        calls.append((list(ids), cache.offset))
+        logits, features = prefill(model, ids, cache, *args, **kw)
+        outs.append(logits)
         return logits, features
 
     monkeypatch.setattr(sys.modules["dsv41_mlx.generate"], "prefill", spy)
     step = timeline.load_warm(str(fixture_dir), 1, len(prompt), prefill_only=True)
-    assert len(seen) == 2 * 2  # the two untimed prefills
+    assert len(calls) == 2  # the two untimed prefills
     step()
     step()
-    calls, outs = seen[0::2], seen[1::2]
     assert calls == [(prompt, 0)] * 4  # the whole prompt, an empty cache each time
     for logits in outs:
         assert mx.array_equal(logits, expected)
