@@ -361,21 +361,50 @@ class OracleDrafter:
         return Proposal(mx.array(drafts, dtype=mx.int32), mx.zeros((self.block, 1)), mx.full((self.block,), logit))
 
 
-def decode_bytes(model) -> tuple[int, int]:
-    """(bytes a plain decode step must read, of which routed experts): every dense weight of the
-    backbone and the head once, the embedding row, and top-k routed experts per layer."""
+def experts_taken(n_experts: int, k: int, rows: int) -> float:
+    """Routed experts `rows` rows take in all, on average, if each row picks its k of the
+    n_experts independently and uniformly (what a random-weight router comes near): an
+    expert is left out by all rows with probability (1 - k / n_experts) ** rows. One row: k."""
+    return float(k) if rows == 1 else n_experts * (1 - (1 - k / n_experts) ** rows)
+
+
+def decode_bytes(model, rows: int = 1) -> tuple[float, float]:
+    """(bytes a forward of `rows` decode rows must read, of which routed experts): every dense
+    weight of the backbone and the head once, the embedding rows, and the routed experts the
+    rows take (one row: its top-k a layer; more: experts_taken, each expert read once for all
+    the rows that picked it, as fp4_experts reads it)."""
     args = model.args
     total = experts = 0
     for i, layer in enumerate(model.layers):
+        n_experts, k = args.moe_shape(i)
         for name, v in tree_flatten(layer.parameters()):
             if ".experts." in name:
                 per_expert = v.nbytes // v.shape[0]
-                experts += per_expert * args.moe_shape(i)[1]
+                experts += per_expert * experts_taken(n_experts, k, rows)
             else:
                 total += v.nbytes
     head = model.head.weight.nbytes  # the release's BF16 head, read as it is stored (model.Head)
-    total += experts + head + model.embed.weight.nbytes // args.vocab_size
+    total += experts + head + rows * model.embed.weight.nbytes // args.vocab_size
     return total, experts
+
+
+def oracle_budget(rate: float, plain_ms: float, verify_ms: list[float], floor_ms: list[float],
+                  round_ms: float, target: float) -> list[dict]:
+    """What `target` x plain decode asks of the verify forward, for each number of drafts k a
+    round could verify (k + 1 rows: verify_ms[k] and floor_ms[k], ms): a round yields
+    (1 - rate ** (k + 1)) / (1 - rate) tokens on average (drafts accepted until the first
+    miss, and the target's own token), so it may take that many plain steps (plain_ms) over
+    `target`; less what a round spends beside the forward (round_ms: propose and ingest), that
+    is the verify forward's budget, and floor / budget the fraction of its floor it would have
+    to reach. Measured beside it: the forward's time and its fraction."""
+    rows = []
+    for k in range(1, len(verify_ms)):
+        tokens = (1 - rate ** (k + 1)) / (1 - rate)
+        budget = tokens * plain_ms / target - round_ms
+        rows.append({"drafts": k, "tokens": tokens, "verify_budget_ms": budget,
+                     "needed_fraction": floor_ms[k] / budget if budget > 0 else float("inf"),
+                     "verify_ms": verify_ms[k], "fraction": floor_ms[k] / verify_ms[k]})
+    return rows
 
 
 def paired_skip_reason(asked: bool, mlxlm: dict, memory: int | None) -> str | None:
@@ -543,6 +572,7 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float, 
 
     # verify forwards of 1..6 rows on a cache holding one window
     out["verify_ms"] = [c * 1e3 for c in measure_verify_costs(model, model.args.dspark_block_size + 1)]
+    out["verify_floor_ms"] = [decode_bytes(model, rows)[0] / bw * 1e3 for rows in range(1, len(out["verify_ms"]) + 1)]
     # a plain decode step without the generation loop around it (the forward, then the greedy
     # token read back), beside the loop's own rate below: what the loop adds per token
     cache = model.make_cache()
@@ -627,6 +657,10 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float, 
             run["steps"] = step_summary(step_s)
         runs[label] = run
         print(f"  {label}: {run['tok_s']:.2f} tok/s", flush=True)
+    oracle_run = runs[f"oracle {oracle_rate:.2f} greedy"]
+    out["oracle_budget"] = oracle_budget(oracle_rate, 1e3 / runs["plain greedy"]["tok_s"], out["verify_ms"],
+                                         out["verify_floor_ms"], oracle_run["propose_ms"] + oracle_run["ingest_ms"],
+                                         ORACLE_TARGET)
     references = runs["plain greedy"]["replies"]
     for run in runs.values():
         del run["replies"]
@@ -655,6 +689,7 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float, 
 
 
 PAIRED_LATER = "measured after this table, printed below it"
+ORACLE_TARGET = 1.8  # drafted decode at the oracle rate against plain decode: the benchmark issue's target
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, list]]:
@@ -875,7 +910,11 @@ def print_e2e(env: dict, res: dict, model: str) -> None:
           f"({res['prefill_seen_tok_s']:.1f} for prompts seen before: "
           f"no new shapes to trace); a bare decode step (forward + greedy token, no generation loop) "
           f"{res['bare_step_ms']:.1f} ms; verify forward ms at 1..6 rows of distinct tokens: "
-          + ", ".join(f"{v:.1f}" for v in res["verify_ms"]) + "\n")
+          + ", ".join(f"{v:.1f}" for v in res["verify_ms"])
+          + "; their floors (the experts that many rows take if each picks its own uniformly, "
+            "`experts_taken`): " + ", ".join(f"{v:.2f}" for v in res["verify_floor_ms"])
+          + "; the fraction of it each reached: "
+          + ", ".join(f"{f / v:.1%}" for f, v in zip(res["verify_floor_ms"], res["verify_ms"])) + "\n")
     plain = res["runs"]["plain greedy"]["tok_s"]
     base = res["mlxlm"]
     if "unavailable" in base:
@@ -919,6 +958,20 @@ def print_e2e(env: dict, res: dict, model: str) -> None:
             print(f"oracle {res['oracle_rate']:.2f} greedy{policy} and plain greedy interleaved prompt by prompt "
                   f"(median of {po['pairs']} pairs' ratios; host probe {po['host_probe_ms']:.2f} ms): "
                   f"{po['tok_s']:.2f} against {po['plain_tok_s']:.2f} tok/s, **{po['ratio']:.2f}x**\n")
+    if "oracle_budget" in res:
+        print(f"what {ORACLE_TARGET}x plain greedy at the oracle rate {res['oracle_rate']:.2f} asks of a verify "
+              f"forward (`oracle_budget`: a round of k drafts yields the tokens below on average, so it may take "
+              f"that many plain greedy steps ({1e3 / plain:.2f} ms each, the run's mean) over {ORACLE_TARGET}, less "
+              f"the oracle run's propose and ingest a round):\n")
+        print("| drafts verified | rows | tokens a round | verify budget ms | floor fraction it needs | "
+              "verify ms measured | its floor fraction |")
+        print("|---|---|---|---|---|---|---|")
+        for b in res["oracle_budget"]:
+            print(f"| {b['drafts']} | {b['drafts'] + 1} | {b['tokens']:.2f} | {b['verify_budget_ms']:.1f} | "
+                  f"{b['needed_fraction']:.1%} | {b['verify_ms']:.1f} | {b['fraction']:.1%} |"
+                  if b["verify_budget_ms"] > 0 else f"| {b['drafts']} | {b['drafts'] + 1} | {b['tokens']:.2f} | "
+                  f"{b['verify_budget_ms']:.1f} | out of reach | {b['verify_ms']:.1f} | {b['fraction']:.1%} |")
+        print()
     for label, r in res["runs"].items():
         if "steps" in r:
             st = r["steps"]

@@ -61,8 +61,12 @@ def test_e2e_drafted_replies_equal_undrafted_and_mlxlm_runs_beside(bench, capsys
     for label in ("plain greedy", "plain coupled"):  # a token a step: each prompt's steps timed
         assert len(runs[label]["steps"]["first_ms"]) == 2 and runs[label]["steps"]["median_ms"] > 0
     assert not any("steps" in r for label, r in runs.items() if not label.startswith("plain"))
+    floors = res["verify_floor_ms"]  # 1..6 rows: more rows take more experts
+    assert len(floors) == len(res["verify_ms"]) == 6 and all(a < b for a, b in zip(floors, floors[1:]))
+    assert [b["drafts"] for b in res["oracle_budget"]] == [1, 2, 3, 4, 5]
     bench.print_e2e(bench.environment(), res, "tiny")
     printed = capsys.readouterr().out
+    assert "| drafts verified | rows | tokens a round | verify budget ms |" in printed
     assert f"plain greedy after a {long['prompt_tokens']}-token prompt" in printed
     assert "tokens per round; its drafts were right at a rate of" in printed
     assert (f"oracle 0.56 greedy and plain greedy interleaved prompt by prompt (median of 4 pairs' ratios; "
@@ -78,6 +82,31 @@ def test_e2e_drafted_replies_equal_undrafted_and_mlxlm_runs_beside(bench, capsys
     assert f"| plain greedy | {runs['plain greedy']['tok_s']:.2f} |" in printed
     assert f"| {runs['plain greedy']['host_probe_ms']:.2f} | {runs['plain greedy']['hash']} |" in printed
     assert f"plain greedy, its steps (ms): median {runs['plain greedy']['steps']['median_ms']:.2f} " in printed
+
+
+def test_verify_floors_count_each_expert_once_for_the_rows_that_take_it(bench, fixture_model):
+    model = fixture_model
+    one, one_experts = bench.decode_bytes(model)
+    six, six_experts = bench.decode_bytes(model, rows=6)
+    n_experts, k = model.args.moe_shape(0)
+    taken = bench.experts_taken(n_experts, k, 6)
+    assert bench.experts_taken(n_experts, k, 1) == k and k < taken < n_experts
+    assert six_experts == pytest.approx(one_experts * taken / k)
+    embed_row = model.embed.weight.nbytes // model.args.vocab_size
+    assert six - six_experts - 5 * embed_row == pytest.approx(one - one_experts)  # the dense weights read once
+    assert bench.experts_taken(24, 6, 6) == pytest.approx(24 * (1 - 0.75 ** 6))
+
+
+def test_oracle_budget_gives_each_verify_what_the_target_leaves_it(bench):
+    """At rate 0.5 one draft yields 1.5 tokens a round, two 1.75: at 10 ms a plain step and
+    1.5x, rounds of 10 and 11.67 ms, less 1 ms of propose and ingest."""
+    rows = bench.oracle_budget(0.5, 10.0, [10.0, 12.0, 14.0], [2.0, 3.0, 3.5], round_ms=1.0, target=1.5)
+    assert [r["drafts"] for r in rows] == [1, 2]
+    assert [r["tokens"] for r in rows] == pytest.approx([1.5, 1.75])
+    assert [r["verify_budget_ms"] for r in rows] == pytest.approx([9.0, 1.75 * 10 / 1.5 - 1])
+    assert rows[0]["needed_fraction"] == pytest.approx(3.0 / 9.0) and rows[0]["fraction"] == pytest.approx(3 / 12)
+    assert bench.oracle_budget(0.5, 1.0, [10.0, 12.0], [2.0, 3.0], round_ms=5.0, target=1.5)[0][
+        "needed_fraction"] == float("inf")  # the round's own work already over its budget
 
 
 def test_step_summary_separates_the_typical_step_from_slow_ones(bench):
