@@ -188,7 +188,7 @@ def bench_drafts(model_path: str | None, max_tokens: int, n_prompts: int) -> dic
     states (teacher-forced along the plain greedy reply), then drafted replies and acceptance."""
     import dsv41_mlx
     from dsv41_mlx.dspark import Drafter
-    from dsv41_mlx.generate import generate_step, prefill
+    from dsv41_mlx.generate import generate_step
     from dsv41_mlx.sampling import SamplingParams
     from dsv41_mlx.speculative import SpeculativeDecoder
 
