@@ -167,6 +167,10 @@ class Drafter:
         self.window = args.sliding_window
         self.hc = args.hc_mult
         self.verify_costs: list[float] | None = None  # T_verify(1..block+1) in s, filled by speculative.py
+        # Each stage of a propose pass handed to the device as soon as it is built
+        # (mx.async_eval), so that the device runs stage k while the host builds stage k + 1
+        # and the head; otherwise the whole pass waits for the caller's eval. The same graph.
+        self.start_stages = False
 
     @property
     def stages(self) -> list[DSparkStage]:
@@ -255,6 +259,8 @@ class Drafter:
         valid = cache.valid()
         for k, stage in enumerate(self.stages):
             h, pre = stage(h, pre, positions, cache.rings[k], valid)
+            if self.start_stages:
+                mx.async_eval(h, pre)
         last = self.stages[-1]
         markov = last.markov_head
         with _on(self.side_stream):  # e_1 = W1[anchor] (and over the whole vocabulary its bias) needs no head
@@ -265,6 +271,8 @@ class Drafter:
             base, candidates = fp8_rows_top64(last.norm(hidden), self.fp8_head)  # [B, 64] each
         else:
             base, candidates = self.model.head(last.norm(hidden)), None  # [B, vocab] fp32
+        if self.start_stages:  # the head too, before the Markov steps are built
+            mx.async_eval(base, *([] if candidates is None else [candidates]))
         prev = anchor
         drafts, logits, embeds = [], [], []
         for k in range(B):

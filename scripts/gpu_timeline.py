@@ -2,10 +2,13 @@
 
     python scripts/gpu_timeline.py --model DIR [--rows 1] [--steps 6] [--json FILE] [--sequence FILE]
     python scripts/gpu_timeline.py --model DIR --prefill [--prompt-tokens 261] [--steps 3]
+    python scripts/gpu_timeline.py --model DIR --propose [--steps 6]
 
 --prefill times prompts' prefills instead: each "step" a prompt of --prompt-tokens tokens
 prefilled into an empty cache (generate.prefill, its chunks as a request's), after two
-untimed ones of the same length.
+untimed ones of the same length. --propose times the DSpark drafter's propose pass: each
+"step" one proposal from the prompt's rings, evaluated as a speculative round does
+(SpeculativeDecoder.round), after four untimed ones.
 
 Runs a few decode steps (each padded as Model.decode pads it) under PyTorch's
 profiler: CUPTI records every kernel the process launches, MLX's included, with
@@ -147,11 +150,15 @@ def prompt_of(n: int, vocab: int) -> list[int]:
     return [((i * 7919) % 50000 + 100) % vocab for i in range(n)]
 
 
-def load_warm(model_path: str, rows: int, prompt_tokens: int, prefill_only: bool = False):
+def load_warm(model_path: str, rows: int, prompt_tokens: int, prefill_only: bool = False,
+              propose_only: bool = False):
     """The model after a prompt of prompt_tokens tokens and 4 untimed forwards of `rows` tokens
     (kernels built and loaded, compiled pieces traced), with a function running one more.
     prefill_only: the function prefills that prompt into an empty cache instead (rows unused),
-    after two untimed prefills.
+    after two untimed prefills. propose_only: the prompt's features ingested into the
+    drafter's rings, the function runs one greedy propose pass from the prompt's next token
+    and evaluates its drafts, logits and confidences, as SpeculativeDecoder.round does (rows
+    unused; four untimed first).
     One row: a step as generate.generate_step takes it (greedy): the next forward begun before
     the token is read back (Model.decode_ahead), so a step's kernels run from the rest of one
     forward (its engram rows first) to the next forward's block 0. More rows: a verify-sized
@@ -171,6 +178,23 @@ def load_warm(model_path: str, rows: int, prompt_tokens: int, prefill_only: bool
             prefill_once()
         return prefill_once
     cache = model.make_cache()
+    if propose_only:
+        drafter = model.drafter
+        if drafter is None:
+            raise SystemExit(f"{model_path}: this checkpoint has no DSpark stages: there is no propose pass to time")
+        logits, features = prefill(model, prompt, cache, keep_features=drafter.window)
+        rings = drafter.make_cache()
+        rings.end = cache.offset - features.shape[0]
+        drafter.ingest(rings, features)
+        anchor = int(mx.argmax(logits).item())
+
+        def propose():
+            proposal = drafter.propose(rings, anchor)
+            mx.eval(proposal.drafts, proposal.logits, proposal.confidence)
+
+        for _ in range(4):
+            propose()
+        return propose
     logits, _ = prefill(model, prompt, cache)
 
     def draw(logits):  # generate_step's greedy draw: [1] on the device
@@ -197,11 +221,13 @@ def load_warm(model_path: str, rows: int, prompt_tokens: int, prefill_only: bool
     return step
 
 
-def under_ncu(model_path: str, rows: int, prompt_tokens: int, prefill_only: bool = False) -> None:
-    """One forward (or prefill) between the CUDA driver's profiler start and stop (for ncu, see the top)."""
+def under_ncu(model_path: str, rows: int, prompt_tokens: int, prefill_only: bool = False,
+              propose_only: bool = False) -> None:
+    """One forward (or prefill, or propose pass) between the CUDA driver's profiler start and stop
+    (for ncu, see the top)."""
     import ctypes
 
-    step = load_warm(model_path, rows, prompt_tokens, prefill_only)
+    step = load_warm(model_path, rows, prompt_tokens, prefill_only, propose_only)
     driver = ctypes.CDLL("libcuda.so.1")  # MLX links the runtime statically: the driver's calls
     mx.synchronize()
     driver.cuProfilerStart()
@@ -210,15 +236,15 @@ def under_ncu(model_path: str, rows: int, prompt_tokens: int, prefill_only: bool
     driver.cuProfilerStop()
 
 
-def record(model_path: str, rows: int, steps: int, prompt_tokens: int = 261, prefill_only: bool = False
-           ) -> tuple[list[tuple[float, float, str]], float]:
+def record(model_path: str, rows: int, steps: int, prompt_tokens: int = 261, prefill_only: bool = False,
+           propose_only: bool = False) -> tuple[list[tuple[float, float, str]], float]:
     """The GPU kernels of `steps` decode steps of `rows` tokens after a prompt of prompt_tokens
-    tokens (prefill_only: of `steps` prefills of that prompt), and the wall seconds per step
-    under the profiler."""
+    tokens (prefill_only: of `steps` prefills of that prompt; propose_only: of `steps` propose
+    passes after it), and the wall seconds per step under the profiler."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    step = load_warm(model_path, rows, prompt_tokens, prefill_only)
+    step = load_warm(model_path, rows, prompt_tokens, prefill_only, propose_only)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         tic = time.perf_counter()
         for _ in range(steps):
@@ -246,6 +272,8 @@ def main() -> int:
                              "scores; fewer: the indexers pick every position unscored)")
     parser.add_argument("--prefill", action="store_true",
                         help="time prefills of a --prompt-tokens prompt into an empty cache instead of decode steps")
+    parser.add_argument("--propose", action="store_true",
+                        help="time the DSpark drafter's propose passes after the prompt instead of decode steps")
     parser.add_argument("--top", type=int, default=30, help="kernels to list")
     parser.add_argument("--json", default=None)
     parser.add_argument("--sequence", default=None, help="write the last step's kernels, in order, to this file")
@@ -269,8 +297,10 @@ def main() -> int:
     if not (mx.default_device() == mx.gpu and mx.cuda.is_available()):
         print("gpu_timeline needs MLX on CUDA (on a Mac, Xcode's Metal System Trace shows the same)", file=sys.stderr)
         return 2
+    if args.prefill and args.propose:
+        parser.error("--prefill and --propose time different things: give one")
     if args.under_ncu:
-        under_ncu(args.model, args.rows, args.prompt_tokens, args.prefill)
+        under_ncu(args.model, args.rows, args.prompt_tokens, args.prefill, args.propose)
         return 0
     try:
         import torch
@@ -279,9 +309,10 @@ def main() -> int:
     except ImportError as e:
         print(f"gpu_timeline needs PyTorch with CUDA for its profiler: {e}", file=sys.stderr)
         return 2
-    kernels, wall = record(args.model, args.rows, args.steps, args.prompt_tokens, args.prefill)
+    kernels, wall = record(args.model, args.rows, args.steps, args.prompt_tokens, args.prefill, args.propose)
     res = summarize(kernels, args.steps)
     what = (f"prefill of {args.prompt_tokens} tokens" if args.prefill
+            else f"propose pass after {args.prompt_tokens} tokens" if args.propose
             else f"{args.rows}-row forward after {args.prompt_tokens} tokens")
     print(f"{what}: wall {wall * 1e3:.1f} ms a step under the profiler; GPU span "
           f"{res['span_ms']:.1f} ms, busy {res['busy_ms']:.1f} ms, kernel time summed {res['kernel_sum_ms']:.1f} ms, "
@@ -293,7 +324,8 @@ def main() -> int:
             f"{start:8.1f} {us:7.1f} {idle:7.1f} {name}\n" for start, us, idle, name in last))
     if args.json:
         Path(args.json).write_text(json.dumps({**res, "wall_ms": wall * 1e3, "rows": args.rows,
-                                               "prefill": args.prefill, "prompt_tokens": args.prompt_tokens}, indent=1))
+                                               "prefill": args.prefill, "propose": args.propose,
+                                               "prompt_tokens": args.prompt_tokens}, indent=1))
     return 0
 
 

@@ -157,3 +157,49 @@ def test_ncu_csv_from_the_command_line(tmp_path):
     out = subprocess.run([sys.executable, str(SCRIPT), "--ncu-csv", str(tmp_path / "missing.csv")],
                          capture_output=True, text=True)
     assert out.returncode == 2 and "missing.csv" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_propose_steps_propose_from_the_prompts_rings(timeline, fixture_dir, monkeypatch):
+    """load_warm with propose_only: the prompt's features in the drafter's rings, each step one
+    greedy proposal from the prompt's next token (four untimed first), evaluated; the same
+    drafts as a drafter given that prompt directly."""
+    import dsv41_mlx
+    import mlx.core as mx
+    from dsv41_mlx.dspark import Drafter
+    from dsv41_mlx.generate import prefill
+
+    model, _ = dsv41_mlx.load(fixture_dir)
+    prompt = timeline.prompt_of(20, model.args.vocab_size)
+    logits, features = prefill(model, prompt, model.make_cache(), keep_features=model.drafter.window)
+    rings = model.drafter.make_cache()
+    rings.end = len(prompt) - features.shape[0]
+    model.drafter.ingest(rings, features)
+    expected = model.drafter.propose(rings, int(mx.argmax(logits).item())).drafts.tolist()
+    seen = []
+    real_propose = Drafter.propose
+
+    def spy(self, cache, anchor, *args):
+        proposal = real_propose(self, cache, anchor, *args)
+        seen.append((anchor, cache.end, proposal))
+        return proposal
+
+    monkeypatch.setattr(Drafter, "propose", spy)
+    step = timeline.load_warm(str(fixture_dir), 1, len(prompt), propose_only=True)
+    step()
+    assert len(seen) == 5 and {(a, end) for a, end, _ in seen} == {(int(mx.argmax(logits).item()), len(prompt))}
+    assert all(p.drafts.tolist() == expected for _, _, p in seen)
+
+
+def test_propose_needs_a_checkpoint_with_drafter_stages(timeline, fixture_dir, monkeypatch):
+    import dsv41_mlx
+
+    real_load = dsv41_mlx.load
+
+    def without_drafter(path):
+        model, tok = real_load(path)
+        model.drafter = None
+        return model, tok
+
+    monkeypatch.setattr(dsv41_mlx, "load", without_drafter)
+    with pytest.raises(SystemExit, match="no DSpark stages"):
+        timeline.load_warm(str(fixture_dir), 1, 12, propose_only=True)

@@ -75,3 +75,18 @@ def test_reading_a_ring_before_its_write_fails_the_check(fixture_model):
     wrong = drafter.propose(stale, 77)
     mx.eval(right.logits, wrong.logits)
     assert not _same(right, wrong)
+
+
+def test_stages_started_one_by_one_propose_the_same_bytes(fixture_model):
+    """Drafter.start_stages hands each stage (and the head) to the device as it is built: the
+    same graph, so the same proposals and replies as the pass evaluated whole."""
+    for head in ("fp8", "bf16"):
+        params = SamplingParams(temperature=0.8, seed=3)
+        started = Drafter(fixture_model, head=head)
+        started.start_stages = True
+        whole = Drafter(fixture_model, head=head)
+        assert not whole.start_stages  # the default
+        tokens_a, props_a = _run(fixture_model, started, params)
+        tokens_b, props_b = _run(fixture_model, whole, params)
+        assert tokens_a == tokens_b and len(props_a) == len(props_b) > 30
+        assert all(_same(a, b) for a, b in zip(props_a, props_b)), head
