@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from .cache import DraftCache
 from .config import ModelArgs
+from .evaluator import BlockEvaluator
 from .kernels import StreamOnto, fp8_rows_top64
 from .model import Attention, Block, Linear, RMSNorm, hc_expand, hc_pre, sparse_attention
 from .quant import Fp8Linear, Fp8Matrix, fp8_input, quantize_fp8_tiles_mx
@@ -167,10 +168,8 @@ class Drafter:
         self.window = args.sliding_window
         self.hc = args.hc_mult
         self.verify_costs: list[float] | None = None  # T_verify(1..block+1) in s, filled by speculative.py
-        # Each stage of a propose pass handed to the device as soon as it is built
-        # (mx.async_eval), so that the device runs stage k while the host builds stage k + 1
-        # and the head; otherwise the whole pass waits for the caller's eval. The same graph.
-        self.start_stages = False
+        self._evaluator: BlockEvaluator | None = None
+        self.evaluate_on_thread = mx.default_device() == mx.gpu
 
     @property
     def stages(self) -> list[DSparkStage]:
@@ -190,6 +189,24 @@ class Drafter:
         """This thread's second stream (None when proposing serially)."""
         self.stream
         return self._streams.side
+
+    @property
+    def evaluate_on_thread(self) -> bool:
+        """Whether a propose pass hands each stage and the head, as soon as built, to a
+        BlockEvaluator of the drafter's own (its thread encodes stage k while Python builds
+        stage k + 1, as the target's forward does), the pass then built on that thread's
+        stream and serially (no side stream: a thread-unsafe stream's work is evaluated by
+        one thread). Otherwise the whole pass is built, then evaluated by the caller. The
+        same operations in the same order: the same bits (tests/test_streams.py)."""
+        return self._evaluator is not None
+
+    @evaluate_on_thread.setter
+    def evaluate_on_thread(self, on: bool) -> None:
+        if on and self._evaluator is None:
+            self._evaluator = BlockEvaluator()
+        elif not on and self._evaluator is not None:
+            self._evaluator.close()
+            self._evaluator = None
 
     @property
     def fp8_head(self) -> Fp8Matrix:
@@ -243,14 +260,28 @@ class Drafter:
     def propose(self, cache: DraftCache, anchor: int | mx.array, pick: Picker = argmax_picker) -> Proposal:
         """Draft `block` tokens after the anchor, which sits at position cache.end.
 
-        Builds one lazy graph on the drafter's stream(s); nothing is evaluated here.
+        Builds one lazy graph on the drafter's stream(s), evaluated by the caller; with
+        evaluate_on_thread, started stage by stage on the evaluator's thread as it is built.
         """
+        evaluator = self._evaluator
+        if evaluator is None:
+            for stage in self.stages:
+                stage.attn.side_stream = self.side_stream
+            with mx.stream(self.stream):
+                return self._propose(cache, anchor, pick, self.side_stream)
+        if self.head == "fp8":
+            self.fp8_head  # built (and evaluated) on this thread before the evaluator's runs
+        mx.async_eval(cache.rings, *([anchor] if isinstance(anchor, mx.array) else []))  # this thread's work, started here
         for stage in self.stages:
-            stage.attn.side_stream = self.side_stream
-        with mx.stream(self.stream):
-            return self._propose(cache, anchor, pick)
+            stage.attn.side_stream = None
+        try:
+            with mx.stream(evaluator.stream):
+                return self._propose(cache, anchor, pick, None, evaluator.submit)
+        finally:
+            evaluator.drain()
 
-    def _propose(self, cache: DraftCache, anchor: int | mx.array, pick: Picker) -> Proposal:
+    def _propose(self, cache: DraftCache, anchor: int | mx.array, pick: Picker, side: mx.Stream | None,
+                 begin: Callable[..., None] | None = None) -> Proposal:
         B = self.block
         positions = mx.arange(cache.end, cache.end + B)
         anchor = mx.array(anchor, dtype=mx.int32).reshape(1)
@@ -259,11 +290,11 @@ class Drafter:
         valid = cache.valid()
         for k, stage in enumerate(self.stages):
             h, pre = stage(h, pre, positions, cache.rings[k], valid)
-            if self.start_stages:
-                mx.async_eval(h, pre)
+            if begin is not None:
+                begin(h, pre)
         last = self.stages[-1]
         markov = last.markov_head
-        with _on(self.side_stream):  # e_1 = W1[anchor] (and over the whole vocabulary its bias) needs no head
+        with _on(side):  # e_1 = W1[anchor] (and over the whole vocabulary its bias) needs no head
             first_embed = markov.embed(anchor)
             first_bias = markov.bias(first_embed) if self.head == "bf16" else None
         hidden = hc_pre(h, pre)  # [B, dim] bf16, pre-norm (the confidence head reads this)
@@ -271,8 +302,8 @@ class Drafter:
             base, candidates = fp8_rows_top64(last.norm(hidden), self.fp8_head)  # [B, 64] each
         else:
             base, candidates = self.model.head(last.norm(hidden)), None  # [B, vocab] fp32
-        if self.start_stages:  # the head too, before the Markov steps are built
-            mx.async_eval(base, *([] if candidates is None else [candidates]))
+        if begin is not None:  # the head too, before the Markov steps are built
+            begin(base, *([] if candidates is None else [candidates]))
         prev = anchor
         drafts, logits, embeds = [], [], []
         for k in range(B):

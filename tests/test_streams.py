@@ -77,16 +77,28 @@ def test_reading_a_ring_before_its_write_fails_the_check(fixture_model):
     assert not _same(right, wrong)
 
 
-def test_stages_started_one_by_one_propose_the_same_bytes(fixture_model):
-    """Drafter.start_stages hands each stage (and the head) to the device as it is built: the
-    same graph, so the same proposals and replies as the pass evaluated whole."""
+def test_propose_started_on_the_evaluators_thread_proposes_the_same_bytes(fixture_model):
+    """Drafter.evaluate_on_thread hands each stage and the head to a thread of its own as they
+    are built: the same operations in the same order, so the same proposals and replies as the
+    pass evaluated whole on the drafter's streams."""
     for head in ("fp8", "bf16"):
         params = SamplingParams(temperature=0.8, seed=3)
-        started = Drafter(fixture_model, head=head)
-        started.start_stages = True
+        threaded = Drafter(fixture_model, head=head)
+        assert not threaded.evaluate_on_thread  # the default off a GPU
+        threaded.evaluate_on_thread = True
+        try:
+            tokens_a, props_a = _run(fixture_model, threaded, params)
+            anchor = mx.array(77)  # an anchor still being computed, as a round may hand it
+            cache = threaded.make_cache()
+            _, features = fixture_model(mx.array([PROMPT], dtype=mx.int32))
+            threaded.ingest(cache, features[0])  # not evaluated: the propose starts it on this thread
+            lazy = threaded.propose(cache, anchor * 1)
+        finally:
+            threaded.evaluate_on_thread = False
         whole = Drafter(fixture_model, head=head)
-        assert not whole.start_stages  # the default
-        tokens_a, props_a = _run(fixture_model, started, params)
         tokens_b, props_b = _run(fixture_model, whole, params)
         assert tokens_a == tokens_b and len(props_a) == len(props_b) > 30
         assert all(_same(a, b) for a, b in zip(props_a, props_b)), head
+        cache = whole.make_cache()
+        whole.ingest(cache, features[0])
+        assert _same(lazy, whole.propose(cache, 77))
