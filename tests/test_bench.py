@@ -109,6 +109,13 @@ def test_oracle_budget_gives_each_verify_what_the_target_leaves_it(bench):
         "needed_fraction"] == float("inf")  # the round's own work already over its budget
 
 
+def test_propose_table_sets_each_form_beside_the_serial_pass(bench, capsys):
+    res = {"rounds": 4, "drafter_GB": 1.5, "propose_serial_ms": 4.0, "propose_concurrent_ms": 5.0,
+           "propose_thread_ms": 3.0, "ingest_1_ms": 1.0, "ingest_6_ms": 1.2}
+    bench.print_propose(bench.environment(), res)
+    assert "| 4.000 | 5.000 | 1.25 | 3.000 | 0.75 | 1.000 | 1.200 |" in capsys.readouterr().out
+
+
 def test_step_summary_separates_the_typical_step_from_slow_ones(bench):
     """Two prompts' steps (seconds): the median and mean over all, each prompt's first, the
     slowest, and what the steps over 1.5x the median add a prompt beyond it."""
