@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from .cache import DraftCache
 from .config import ModelArgs
-from .evaluator import BlockEvaluator
+from .evaluator import BlockEvaluator, switched
 from .kernels import StreamOnto, fp8_rows_top64
 from .model import Attention, Block, Linear, RMSNorm, hc_expand, hc_pre, sparse_attention
 from .quant import Fp8Linear, Fp8Matrix, fp8_input, quantize_fp8_tiles_mx
@@ -202,11 +202,7 @@ class Drafter:
 
     @evaluate_on_thread.setter
     def evaluate_on_thread(self, on: bool) -> None:
-        if on and self._evaluator is None:
-            self._evaluator = BlockEvaluator()
-        elif not on and self._evaluator is not None:
-            self._evaluator.close()
-            self._evaluator = None
+        self._evaluator = switched(self._evaluator, on)
 
     @property
     def fp8_head(self) -> Fp8Matrix:

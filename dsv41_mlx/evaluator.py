@@ -113,3 +113,14 @@ class BlockEvaluator:
         BlockEvaluator._open -= 1
         if BlockEvaluator._open == 0 and BlockEvaluator._saved_interval is not None:
             sys.setswitchinterval(BlockEvaluator._saved_interval)
+
+
+def switched(evaluator: BlockEvaluator | None, on: bool) -> BlockEvaluator | None:
+    """An owner's evaluator after turning it on (a new one where there was none) or off (closed):
+    what the owner keeps (Model.evaluate_on_thread, Drafter.evaluate_on_thread)."""
+    if on and evaluator is None:
+        return BlockEvaluator()
+    if not on and evaluator is not None:
+        evaluator.close()
+        return None
+    return evaluator

@@ -27,7 +27,7 @@ from .config import ModelArgs
 from . import kernels
 from .kernels import rms_norm
 from .engram import Engram, NgramHasher, pack_rows, unpack_rows
-from .evaluator import BlockEvaluator
+from .evaluator import BlockEvaluator, switched
 from .quant import Fp8Linear, fp4_fake_quant, fp8_fake_quant, fp8_input, gemm_input_dtype
 
 F32, BF16 = mx.float32, mx.bfloat16
@@ -1245,11 +1245,7 @@ class Model(nn.Module):
 
     @evaluate_on_thread.setter
     def evaluate_on_thread(self, on: bool) -> None:
-        if on and self._evaluator is None:
-            self._evaluator = BlockEvaluator()
-        elif not on and self._evaluator is not None:
-            self._evaluator.close()
-            self._evaluator = None
+        self._evaluator = switched(self._evaluator, on)
 
     @property
     def decode_rows(self) -> int | None:
