@@ -294,11 +294,11 @@ def main() -> int:
         return 0
     if not args.model:
         parser.error("--model is required (except with --ncu-csv)")
+    if args.prefill and args.propose:
+        parser.error("--prefill and --propose time different things: give one")
     if not (mx.default_device() == mx.gpu and mx.cuda.is_available()):
         print("gpu_timeline needs MLX on CUDA (on a Mac, Xcode's Metal System Trace shows the same)", file=sys.stderr)
         return 2
-    if args.prefill and args.propose:
-        parser.error("--prefill and --propose time different things: give one")
     if args.under_ncu:
         under_ncu(args.model, args.rows, args.prompt_tokens, args.prefill, args.propose)
         return 0

@@ -203,3 +203,9 @@ def test_propose_needs_a_checkpoint_with_drafter_stages(timeline, fixture_dir, m
     monkeypatch.setattr(dsv41_mlx, "load", without_drafter)
     with pytest.raises(SystemExit, match="no DSpark stages"):
         timeline.load_warm(str(fixture_dir), 1, 12, propose_only=True)
+
+
+def test_refuses_prefill_and_propose_together():
+    out = subprocess.run([sys.executable, str(SCRIPT), "--model", "unused", "--prefill", "--propose"],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "give one" in out.stderr and "Traceback" not in out.stderr
