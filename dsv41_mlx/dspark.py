@@ -260,16 +260,15 @@ class Drafter:
         evaluate_on_thread, started stage by stage on the evaluator's thread as it is built.
         """
         evaluator = self._evaluator
+        side = self.side_stream if evaluator is None else None
+        for stage in self.stages:
+            stage.attn.side_stream = side
         if evaluator is None:
-            for stage in self.stages:
-                stage.attn.side_stream = self.side_stream
             with mx.stream(self.stream):
-                return self._propose(cache, anchor, pick, self.side_stream)
+                return self._propose(cache, anchor, pick, side)
         if self.head == "fp8":
             self.fp8_head  # built (and evaluated) on this thread before the evaluator's runs
         mx.async_eval(cache.rings, *([anchor] if isinstance(anchor, mx.array) else []))  # this thread's work, started here
-        for stage in self.stages:
-            stage.attn.side_stream = None
         try:
             with mx.stream(evaluator.stream):
                 return self._propose(cache, anchor, pick, None, evaluator.submit)

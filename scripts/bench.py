@@ -971,10 +971,9 @@ def print_e2e(env: dict, res: dict, model: str) -> None:
               "verify ms measured | its floor fraction |")
         print("|---|---|---|---|---|---|---|")
         for b in res["oracle_budget"]:
+            needed = f"{b['needed_fraction']:.1%}" if b["verify_budget_ms"] > 0 else "out of reach"
             print(f"| {b['drafts']} | {b['drafts'] + 1} | {b['tokens']:.2f} | {b['verify_budget_ms']:.1f} | "
-                  f"{b['needed_fraction']:.1%} | {b['verify_ms']:.1f} | {b['fraction']:.1%} |"
-                  if b["verify_budget_ms"] > 0 else f"| {b['drafts']} | {b['drafts'] + 1} | {b['tokens']:.2f} | "
-                  f"{b['verify_budget_ms']:.1f} | out of reach | {b['verify_ms']:.1f} | {b['fraction']:.1%} |")
+                  f"{needed} | {b['verify_ms']:.1f} | {b['fraction']:.1%} |")
         print()
     for label, r in res["runs"].items():
         if "steps" in r:
