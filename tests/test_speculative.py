@@ -19,7 +19,7 @@ from dsv41_mlx.dspark import Drafter, Proposal
 from dsv41_mlx.generate import generate_step, make_decoder, prefill
 from dsv41_mlx.sampling import DRAFT, SamplingParams, accept_or_resample, filtered_log_probs, gumbel_noise
 from dsv41_mlx.speculative import (ConfidencePolicy, DraftStats, SpeculativeDecoder, measure_verify_costs,
-                                   resolve_verify, verify_cost_tokens)
+                                   resolve_verify, sigmoid, verify_cost_tokens)
 
 from .test_model import _assert_same_state
 
@@ -317,6 +317,18 @@ def test_confidence_policies_choose_the_verify_length():
     assert ConfidencePolicy.parse("schedule").verify_length(c, costs) == 3
     flat_costly = [1.0, 3.0, 3.0, 3.0, 3.0, 3.0]
     assert ConfidencePolicy.parse("schedule").verify_length(c, flat_costly) == 0
+
+
+def test_confidences_are_taken_on_the_host_as_mlx_takes_them():
+    """A round reads the drafter's confidence logits and takes their sigmoid on the host (no
+    launch, no wait for the device): the values MLX gives, and no overflow far out."""
+    logits = [-800.0, -30.0, -2.5, 0.0, 1e-7, 3.25, 40.0, 800.0]
+    with np.errstate(over="ignore"):
+        exact = 1.0 / (1.0 + np.exp(-np.array(logits, dtype=np.float64)))
+    assert [sigmoid(x) for x in logits] == pytest.approx(exact.tolist(), rel=1e-15, abs=0)
+    # MLX's float32 values (what a round used before), to float32's few units in the last place
+    assert [sigmoid(x) for x in logits] == pytest.approx(mx.sigmoid(mx.array(logits)).tolist(), rel=2e-5, abs=1e-30)
+    assert sigmoid(-800.0) == 0.0 and sigmoid(800.0) == 1.0 and sigmoid(0.0) == 0.5
 
 
 def test_schedule_counts_a_rounds_work_beyond_its_verify_forward(fixture_model):
