@@ -395,19 +395,28 @@ def decode_bytes(model, rows: int = 1) -> tuple[float, float]:
 def oracle_budget(rate: float, plain_ms: float, verify_ms: list[float], floor_ms: list[float],
                   round_ms: float, target: float) -> list[dict]:
     """What `target` x plain decode asks of the verify forward, for each number of drafts k a
-    round could verify (k + 1 rows: verify_ms[k] and floor_ms[k], ms): a round yields
-    (1 - rate ** (k + 1)) / (1 - rate) tokens on average (drafts accepted until the first
-    miss, and the target's own token), so it may take that many plain steps (plain_ms) over
-    `target`; less what a round spends beside the forward (round_ms: propose and ingest), that
-    is the verify forward's budget, and floor / budget the fraction of its floor it would have
-    to reach. Measured beside it: the forward's time and its fraction."""
+    round could verify (k + 1 rows: verify_ms[k] and floor_ms[k], ms; [0] one row): a round
+    yields (1 - rate ** (k + 1)) / (1 - rate) tokens on average (drafts accepted until the
+    first miss, and the target's own token), so it may take that many plain steps (plain_ms)
+    over `target`; less what a round spends beside the forward (round_ms: propose and
+    ingest), that is the verify forward's budget, and floor / budget the fraction of its
+    floor it would have to reach. Measured beside it: the forward's time and its fraction.
+
+    Over a plain step: `margin_ms`, what the budget leaves the k rows beyond one over a plain
+    step (negative: the budget is under a plain step); `added_ms`, what the measured forward
+    adds over a plain step; `extra_floor_ms`, what those rows' own bytes (the experts they take
+    beyond one row's) take at the copy bandwidth. `at_floor`: the speedup if every forward ran
+    at its floor and a round cost nothing beside it (the tokens a round times the one-row
+    floor over the k + 1 rows' floor)."""
     rows = []
     for k in range(1, len(verify_ms)):
         tokens = (1 - rate ** (k + 1)) / (1 - rate)
         budget = tokens * plain_ms / target - round_ms
         rows.append({"drafts": k, "tokens": tokens, "verify_budget_ms": budget,
                      "needed_fraction": floor_ms[k] / budget if budget > 0 else float("inf"),
-                     "verify_ms": verify_ms[k], "fraction": floor_ms[k] / verify_ms[k]})
+                     "verify_ms": verify_ms[k], "fraction": floor_ms[k] / verify_ms[k],
+                     "margin_ms": budget - plain_ms, "added_ms": verify_ms[k] - plain_ms,
+                     "extra_floor_ms": floor_ms[k] - floor_ms[0], "at_floor": tokens * floor_ms[0] / floor_ms[k]})
     return rows
 
 
@@ -968,13 +977,19 @@ def print_e2e(env: dict, res: dict, model: str) -> None:
               f"that many plain greedy steps ({1e3 / plain:.2f} ms each, the run's mean) over {ORACLE_TARGET}, less "
               f"the oracle run's propose and ingest a round):\n")
         print("| drafts verified | rows | tokens a round | verify budget ms | floor fraction it needs | "
-              "verify ms measured | its floor fraction |")
-        print("|---|---|---|---|---|---|---|")
+              "verify ms measured | its floor fraction | over a plain step: budget leaves ms | measured adds ms | "
+              "the rows beyond one's bytes at the copy bandwidth ms | x plain, every forward at its floor |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for b in res["oracle_budget"]:
             needed = f"{b['needed_fraction']:.1%}" if b["verify_budget_ms"] > 0 else "out of reach"
             print(f"| {b['drafts']} | {b['drafts'] + 1} | {b['tokens']:.2f} | {b['verify_budget_ms']:.1f} | "
-                  f"{needed} | {b['verify_ms']:.1f} | {b['fraction']:.1%} |")
-        print()
+                  f"{needed} | {b['verify_ms']:.1f} | {b['fraction']:.1%} | {b['margin_ms']:.1f} | "
+                  f"{b['added_ms']:.1f} | {b['extra_floor_ms']:.1f} | {b['at_floor']:.2f} |")
+        print("\n(over a plain step: what the budget leaves a verify forward beyond a plain step's time, what "
+              "the measured forward takes beyond it, and what the bytes of its rows beyond the first (the experts "
+              "they take beyond one row's) take at the copy bandwidth; at its floor: the tokens a round times the "
+              "one-row floor over this forward's, the oracle's speedup where every forward read at the copy "
+              "bandwidth and a round cost nothing else)\n")
     for label, r in res["runs"].items():
         if "steps" in r:
             st = r["steps"]

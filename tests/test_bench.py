@@ -67,6 +67,9 @@ def test_e2e_drafted_replies_equal_undrafted_and_mlxlm_runs_beside(bench, capsys
     bench.print_e2e(bench.environment(), res, "tiny")
     printed = capsys.readouterr().out
     assert "| drafts verified | rows | tokens a round | verify budget ms |" in printed
+    last = res["oracle_budget"][-1]
+    assert (f"| {last['verify_ms']:.1f} | {last['fraction']:.1%} | {last['margin_ms']:.1f} | {last['added_ms']:.1f} | "
+            f"{last['extra_floor_ms']:.1f} | {last['at_floor']:.2f} |") in printed
     assert f"plain greedy after a {long['prompt_tokens']}-token prompt" in printed
     assert "tokens per round; its drafts were right at a rate of" in printed
     assert (f"oracle 0.56 greedy and plain greedy interleaved prompt by prompt (median of 4 pairs' ratios; "
@@ -105,6 +108,13 @@ def test_oracle_budget_gives_each_verify_what_the_target_leaves_it(bench):
     assert [r["tokens"] for r in rows] == pytest.approx([1.5, 1.75])
     assert [r["verify_budget_ms"] for r in rows] == pytest.approx([9.0, 1.75 * 10 / 1.5 - 1])
     assert rows[0]["needed_fraction"] == pytest.approx(3.0 / 9.0) and rows[0]["fraction"] == pytest.approx(3 / 12)
+    # over a plain step (10 ms): the budget leaves one draft's second row -1 ms (under a plain
+    # step), the measured forward adds 2 ms, that row's own bytes take 1 ms at the floor
+    assert [r["margin_ms"] for r in rows] == pytest.approx([-1.0, 1.75 * 10 / 1.5 - 11])
+    assert [r["added_ms"] for r in rows] == pytest.approx([2.0, 4.0])
+    assert [r["extra_floor_ms"] for r in rows] == pytest.approx([1.0, 1.5])
+    # every forward at its floor: 1.5 tokens in a 3 ms round against 2 ms a plain step
+    assert [r["at_floor"] for r in rows] == pytest.approx([1.5 * 2 / 3, 1.75 * 2 / 3.5])
     assert bench.oracle_budget(0.5, 1.0, [10.0, 12.0], [2.0, 3.0], round_ms=5.0, target=1.5)[0][
         "needed_fraction"] == float("inf")  # the round's own work already over its budget
 
