@@ -3,12 +3,17 @@
     python scripts/gpu_timeline.py --model DIR [--rows 1] [--steps 6] [--json FILE] [--sequence FILE]
     python scripts/gpu_timeline.py --model DIR --prefill [--prompt-tokens 261] [--steps 3]
     python scripts/gpu_timeline.py --model DIR --propose [--steps 6]
+    python scripts/gpu_timeline.py --model DIR --oracle [--tokens 48]
 
 --prefill times prompts' prefills instead: each "step" a prompt of --prompt-tokens tokens
 prefilled into an empty cache (generate.prefill, its chunks as a request's), after two
 untimed ones of the same length. --propose times the DSpark drafter's propose pass: each
 "step" one proposal from the prompt's rings, evaluated as a speculative round does
-(SpeculativeDecoder.round), after four untimed ones.
+(SpeculativeDecoder.round), after four untimed ones. --oracle times speculative rounds
+instead: the prompt's plain greedy reply, then a generation of --tokens tokens drafted by
+bench.py's oracle drafter (the reply's own tokens, each right at the rate 0.56), every draft
+verified (after two untimed ones), cut into rounds at each verify forward's head: where a
+round's GPU time goes between one verify forward and the next (round_summary).
 
 Runs a few decode steps (each padded as Model.decode pads it) under PyTorch's
 profiler: CUPTI records every kernel the process launches, MLX's included, with
@@ -119,6 +124,36 @@ def step_kernels(kernels: list[tuple[float, float, str]], steps: int, which: int
     return rows
 
 
+def round_summary(kernels: list[tuple[float, float, str]], gap_us: float = 30.0) -> list[dict]:
+    """Speculative rounds in a timeline of (start us, end us, name): each verify forward ends
+    with its head (`head_logits`), and a round runs from one head's end to the next's (ms):
+    `boundary_ms`, from the head's end to the next forward's first kernel (the first after
+    the ingest's `ring_write` between them, where there is one: the verdict read back, the
+    ingest, the proposal and the forward's first block built); `forward_ms` and
+    `forward_busy_ms`, that forward to its head's end and the GPU's busy time in it; `busy_ms`,
+    the GPU's busy time in the whole round; `gaps`, each idle stretch over gap_us in the round
+    as (us from the head's end, idle us, the kernel after it)."""
+    kernels = sorted(kernels)
+    heads = [i for i, k in enumerate(kernels) if short_name(k[2]).startswith("head_logits")]
+    rings = [i for i, k in enumerate(kernels) if short_name(k[2]).startswith("ring_write")]
+    rounds = []
+    for a, b in zip(heads, heads[1:]):
+        t0, t1 = kernels[a][1], kernels[b][1]
+        ingest = [i for i in rings if a < i < b]
+        first = ingest[-1] + 1 if ingest else a + 1
+        gaps, reach = [], t0
+        for start, end, name in kernels[a + 1: b + 1]:
+            if start - reach > gap_us:
+                gaps.append((start - t0, start - reach, short_name(name)))
+            reach = max(reach, end)
+        rounds.append({"round_ms": (t1 - t0) / 1e3,
+                       "busy_ms": busy_time([(max(s, t0), e) for s, e, _ in kernels[a + 1: b + 1]]) / 1e3,
+                       "boundary_ms": (kernels[first][0] - t0) / 1e3, "forward_ms": (t1 - kernels[first][0]) / 1e3,
+                       "forward_busy_ms": busy_time([(s, e) for s, e, _ in kernels[first: b + 1]]) / 1e3,
+                       "kernels": b - a, "gaps": gaps})
+    return rounds
+
+
 def ncu_kernels(text: str) -> list[tuple[float, float, str]]:
     """ncu's --csv table of gpu__time_duration.sum -> (start us, end us, name) of its kernels,
     laid end to end in the order ncu profiled them (it runs them one at a time)."""
@@ -221,6 +256,35 @@ def load_warm(model_path: str, rows: int, prompt_tokens: int, prefill_only: bool
     return step
 
 
+def load_oracle(model_path: str, prompt_tokens: int, tokens: int, rate: float = 0.56):
+    """The model, the prompt's plain greedy reply of `tokens` tokens, and a function that
+    generates it again drafted by bench.py's OracleDrafter (the reply's own tokens, each right
+    at `rate`; every draft verified), after two untimed runs: it returns the decoder (its
+    stats) and checks the reply is the same."""
+    import dsv41_mlx
+    from dsv41_mlx.generate import generate_step
+    from dsv41_mlx.sampling import SamplingParams
+    from dsv41_mlx.speculative import SpeculativeDecoder
+    from scripts.bench import OracleDrafter
+
+    model, _ = dsv41_mlx.load(model_path)
+    if model.drafter is None:
+        raise SystemExit(f"{model_path}: this checkpoint has no DSpark stages: there are no rounds to time")
+    prompt, greedy = prompt_of(prompt_tokens, model.args.vocab_size), SamplingParams()
+    reply = list(generate_step(model, prompt, greedy, tokens))
+
+    def generate():
+        decoder = SpeculativeDecoder(model, OracleDrafter(model.drafter, prompt + reply, rate, seed=len(prompt)),
+                                     greedy)
+        if list(generate_step(model, prompt, greedy, tokens, decoder=decoder)) != reply:
+            raise AssertionError("the oracle-drafted reply differs from the plain greedy one")
+        return decoder
+
+    for _ in range(2):
+        generate()
+    return generate
+
+
 def under_ncu(model_path: str, rows: int, prompt_tokens: int, prefill_only: bool = False,
               propose_only: bool = False) -> None:
     """One forward (or prefill, or propose pass) between the CUDA driver's profiler start and stop
@@ -254,6 +318,48 @@ def record(model_path: str, rows: int, steps: int, prompt_tokens: int = 261, pre
     return [(e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type == cuda], wall
 
 
+def print_rounds(model_path: str, prompt_tokens: int, tokens: int, json_path: str | None) -> int:
+    """--oracle: one oracle-drafted generation under the profiler, its rounds (round_summary):
+    the medians over the rounds (the first and last two left out: the prefill's and the
+    reply's end), and a middle round's idle stretches."""
+    import statistics
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    generate = load_oracle(model_path, prompt_tokens, tokens)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        tic = time.perf_counter()
+        decoder = generate()
+        wall = time.perf_counter() - tic
+    cuda = torch.autograd.DeviceType.CUDA
+    rounds = round_summary([(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                            if e.device_type == cuda])
+    kept = rounds[2:-2] or rounds
+    if not kept:
+        print("gpu_timeline: no whole round in the timeline (a longer --tokens gives some)", file=sys.stderr)
+        return 2
+    med = {key: statistics.median(r[key] for r in kept) for key in
+           ("round_ms", "busy_ms", "boundary_ms", "forward_ms", "forward_busy_ms")}
+    idle = statistics.median(sum(g[1] for g in r["gaps"]) / 1e3 for r in kept)
+    print(f"oracle rounds after {prompt_tokens} tokens ({decoder.stats.summary()}): {wall * 1e3 / decoder.stats.rounds:.1f} "
+          f"ms a round of wall time under the profiler; the medians of {len(kept)} rounds: a round "
+          f"{med['round_ms']:.2f} ms from one verify forward's head to the next's, the GPU busy "
+          f"{med['busy_ms']:.2f}, idle stretches over 30 us {idle:.2f} ms; from the head's end to the next "
+          f"forward's first kernel {med['boundary_ms']:.2f} ms, then the forward {med['forward_ms']:.2f} ms "
+          f"(busy {med['forward_busy_ms']:.2f})\n")
+    middle = kept[len(kept) // 2]
+    print("a middle round's idle stretches over 30 us:\n\n| from the head's end, us | idle us | the kernel after |\n"
+          "|---|---|---|")
+    for at, gap, name in middle["gaps"]:
+        print(f"| {at:.0f} | {gap:.0f} | {name if len(name) <= 60 else name[:57] + '...'} |")
+    if json_path:
+        Path(json_path).write_text(json.dumps({"rounds": rounds, "medians": med, "idle_ms": idle,
+                                               "wall_ms_per_round": wall * 1e3 / decoder.stats.rounds,
+                                               "prompt_tokens": prompt_tokens, "tokens": tokens}, indent=1))
+    return 0
+
+
 def print_table(res: dict, top: int) -> None:
     """summarize's kernel table, its `top` rows, as markdown."""
     print("| kernel | calls / step | us / call | ms / step |\n|---|---|---|---|")
@@ -274,6 +380,9 @@ def main() -> int:
                         help="time prefills of a --prompt-tokens prompt into an empty cache instead of decode steps")
     parser.add_argument("--propose", action="store_true",
                         help="time the DSpark drafter's propose passes after the prompt instead of decode steps")
+    parser.add_argument("--oracle", action="store_true",
+                        help="time speculative rounds drafted by bench.py's oracle drafter instead of decode steps")
+    parser.add_argument("--tokens", type=int, default=48, help="--oracle: the reply's tokens")
     parser.add_argument("--top", type=int, default=30, help="kernels to list")
     parser.add_argument("--json", default=None)
     parser.add_argument("--sequence", default=None, help="write the last step's kernels, in order, to this file")
@@ -294,8 +403,8 @@ def main() -> int:
         return 0
     if not args.model:
         parser.error("--model is required (except with --ncu-csv)")
-    if args.prefill and args.propose:
-        parser.error("--prefill and --propose time different things: give one")
+    if args.prefill + args.propose + args.oracle > 1:
+        parser.error("--prefill, --propose and --oracle time different things: give one")
     if not (mx.default_device() == mx.gpu and mx.cuda.is_available()):
         print("gpu_timeline needs MLX on CUDA (on a Mac, Xcode's Metal System Trace shows the same)", file=sys.stderr)
         return 2
@@ -309,6 +418,8 @@ def main() -> int:
     except ImportError as e:
         print(f"gpu_timeline needs PyTorch with CUDA for its profiler: {e}", file=sys.stderr)
         return 2
+    if args.oracle:
+        return print_rounds(args.model, args.prompt_tokens, args.tokens, args.json)
     kernels, wall = record(args.model, args.rows, args.steps, args.prompt_tokens, args.prefill, args.propose)
     res = summarize(kernels, args.steps)
     what = (f"prefill of {args.prompt_tokens} tokens" if args.prefill

@@ -209,3 +209,39 @@ def test_refuses_prefill_and_propose_together():
     out = subprocess.run([sys.executable, str(SCRIPT), "--model", "unused", "--prefill", "--propose"],
                          capture_output=True, text=True)
     assert out.returncode == 2 and "give one" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_rounds_cut_at_each_verify_forwards_head(timeline):
+    """Two heads make one round: from the first head's end (100 us) the verdict's sample, an
+    idle 400 us, the ingest ending in its ring write, idle 300 us, then the forward (two
+    kernels, 50 us idle between them) to the next head's end."""
+    k = "mlx::core::cu::custom_kernel_{}(float const*)"
+    kernels = [(0, 100, k.format("head_logits_8")), (100, 110, "void arg_reduce<float>(float const*)"),
+               (510, 530, k.format("act_quant_fp8_bfloat16_t")), (530, 540, k.format("ring_write_3_128")),
+               (840, 900, k.format("hc_input_5120_4_20")), (950, 1000, k.format("fp4_experts_1_0_2_0_2_1")),
+               (1000, 1100, k.format("head_logits_8")), (1100, 1110, "void arg_reduce<float>(float const*)")]
+    (r,) = timeline.round_summary(kernels)
+    assert r["round_ms"] == pytest.approx(1.0) and r["busy_ms"] == pytest.approx((10 + 30 + 60 + 150) / 1e3)
+    assert r["boundary_ms"] == pytest.approx(0.74) and r["forward_ms"] == pytest.approx(0.26)
+    assert r["forward_busy_ms"] == pytest.approx(0.21) and r["kernels"] == 6
+    assert r["gaps"] == [(410, 400, "act_quant_fp8_bfloat16_t"), (740, 300, "hc_input_5120_4_20"),
+                         (850, 50, "fp4_experts_1_0_2_0_2_1")]
+    assert timeline.round_summary(kernels[:2]) == []  # one head: no whole round
+
+
+def test_oracle_rounds_regenerate_the_plain_reply(timeline, fixture_dir):
+    """load_oracle: the prompt's plain greedy reply, then a generation drafted by bench.py's
+    oracle drafter that must give it again; every draft verified."""
+    from scripts.bench import OracleDrafter
+
+    generate = timeline.load_oracle(str(fixture_dir), 20, 12)
+    decoder = generate()
+    assert isinstance(decoder.drafter, OracleDrafter) and decoder.policy.mode == "off"
+    stats = decoder.stats
+    assert stats.rounds > 1 and 0 < stats.accepted <= stats.verified  # the reply's own tokens, 0.56 of them right
+
+
+def test_refuses_oracle_with_another_mode():
+    out = subprocess.run([sys.executable, str(SCRIPT), "--model", "unused", "--propose", "--oracle"],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "give one" in out.stderr and "Traceback" not in out.stderr
