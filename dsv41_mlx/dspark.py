@@ -116,6 +116,22 @@ def _on(stream: mx.Stream | None):
     return mx.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
+class IngestAhead:
+    """Drafter.ingest_ahead's rows, waiting for the number of positions to commit."""
+
+    def __init__(self, drafter: Drafter, cache: DraftCache, rows: mx.array, n: int):
+        self._drafter, self._cache, self._rows, self._n = drafter, cache, rows, n
+
+    def commit(self, m: int) -> None:
+        """Write the first m of the n positions into the rings (all n where n exceeds the
+        window: only the newest rows were computed)."""
+        n, window = self._n, self._drafter.window
+        if not 0 < m <= n or (m < n and n > window):
+            raise ValueError(f"cannot commit {m} of {n} positions (a ring holds {window})")
+        with mx.stream(self._drafter.stream):
+            self._cache.write(self._rows if m == n else self._rows[:, :m], m)
+
+
 @dataclass
 class Proposal:
     drafts: mx.array  # [block] int32: x_1 .. x_block
@@ -247,11 +263,25 @@ class Drafter:
         the default stream free, so the round's next small reads (the oracle drafter's
         confidences, the samples) do not queue behind it.
         """
+        self.ingest_ahead(cache, features, start=False).commit(features.shape[0])
+
+    def ingest_ahead(self, cache: DraftCache, features: mx.array, start: bool = True) -> IngestAhead:
+        """ingest's work begun before the caller knows how many of the positions cache.end ..
+        cache.end+n-1 (features [n, 3*dim]) it commits: every stage's ring rows of the newest
+        `window` of them built on the drafter's stream and, with `start`, started on the device
+        now (mx.async_eval); IngestAhead.commit(m) writes the first m. A round begins it while
+        the device still runs its verify forward, so that once the verdict is read the host
+        writes the rows the drafts accepted at once (a row's ring rows depend on its features
+        alone: the same values as an ingest of the m rows)."""
         n = features.shape[0]
         keep = min(n, self.window)
         with mx.stream(self.stream):
             positions = mx.arange(cache.end + n - keep, cache.end + n)
-            cache.write(self.ring_rows(features[n - keep:], positions), n)
+            rows = self.ring_rows(features[n - keep:], positions)
+        if start:
+            mx.async_eval(rows)
+        return IngestAhead(self, cache, rows, n)
+
 
     def propose(self, cache: DraftCache, anchor: int | mx.array, pick: Picker = argmax_picker) -> Proposal:
         """Draft `block` tokens after the anchor, which sits at position cache.end.

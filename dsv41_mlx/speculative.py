@@ -163,7 +163,7 @@ class DraftStats:
     accepted_at: list[int] = field(default_factory=list)
     propose_s: float = 0.0
     verify_s: float = 0.0
-    ingest_s: float = 0.0  # the host's, building and starting it (its device time lands in whatever waits next)
+    ingest_s: float = 0.0  # the host's, writing the accepted rows and starting it (their ring rows: in verify_s)
 
     def __post_init__(self):
         self.reached = self.reached or [0] * self.block
@@ -270,12 +270,15 @@ class SpeculativeDecoder:
         ell = min(self.policy.verify_length(confidence, self.round_costs()), budget - 1)
         drafts = proposal.drafts[:ell]
         logits, features = self.model.decode([anchor] + drafts.tolist(), cache)
+        # the rows' ring rows built and started while the device still runs the forward (the
+        # host waits for it next anyway): once the verdict is read, only their write is left
+        ahead = self.drafter.ingest_ahead(draft_cache, features[0])
         accepted, next_token = self.accept(logits[0], proposal, ell, anchor_pos + 1, features)
         tic = time.perf_counter()
         self.stats.verify_s += tic - toc
 
         cache.trim(ell - accepted)
-        self.drafter.ingest(draft_cache, features[0, : accepted + 1])
+        ahead.commit(accepted + 1)
         # started, not waited for: the device writes the rings while the host returns the
         # tokens and builds the next round's proposal and verify forward (the next propose
         # waits for them on the drafter's stream; a verify forward does not read them)

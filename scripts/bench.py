@@ -351,6 +351,9 @@ class OracleDrafter:
     def ingest(self, cache, features):
         self.inner.ingest(cache, features)
 
+    def ingest_ahead(self, cache, features):
+        return self.inner.ingest_ahead(cache, features)
+
     def propose(self, cache, anchor, pick):
         from dsv41_mlx.dspark import Proposal
 

@@ -98,6 +98,30 @@ def test_ring_slot_holds_position_modulo_window(fixture_model, golden):
     assert mx.array_equal(whole.rings[:, mx.array(slots)], expected).item()
 
 
+def test_ingest_begun_ahead_commits_what_an_ingest_of_those_positions_writes(fixture_model, golden):
+    """A round begins the ingest of its verify rows before it knows how many it commits
+    (Drafter.ingest_ahead): committing the first m gives the rings an ingest of those m gives;
+    more than were begun, none, or part of more than a window are refused."""
+    drafter = fixture_model.drafter
+    feats = mx.array(golden["prefill.main_hidden"][0])  # 41 positions, window 8
+    for m in (1, 3, 6):
+        begun, plain = drafter.make_cache(), drafter.make_cache()
+        drafter.ingest(begun, feats[:20])
+        drafter.ingest(plain, feats[:20])
+        drafter.ingest_ahead(begun, feats[20:26]).commit(m)
+        drafter.ingest(plain, feats[20: 20 + m])
+        assert begun.end == plain.end == 20 + m
+        assert mx.array_equal(begun.rings, plain.rings).item(), m
+    cache = drafter.make_cache()
+    ahead = drafter.ingest_ahead(cache, feats[:6])
+    for m in (0, 7):
+        with pytest.raises(ValueError, match=f"cannot commit {m} of 6 positions"):
+            ahead.commit(m)
+    with pytest.raises(ValueError, match="cannot commit 5 of 20 positions"):  # only the newest 8 were computed
+        drafter.ingest_ahead(cache, feats[:20]).commit(5)
+    assert cache.end == 0
+
+
 def test_draft_cache_marks_only_written_slots_valid():
     cache = DraftCache(n_stages=2, window=4, head_dim=3)
     assert not cache.valid().any().item()

@@ -108,6 +108,9 @@ class OracleDrafter:
     def ingest(self, cache, features):
         self.inner.ingest(cache, features)
 
+    def ingest_ahead(self, cache, features):
+        return self.inner.ingest_ahead(cache, features)
+
     def propose(self, cache, anchor, pick) -> Proposal:
         drafts = []
         for k in range(self.block):
@@ -253,6 +256,9 @@ class FlattenedOracle:
 
     def ingest(self, cache, features):
         self.inner.ingest(cache, features)
+
+    def ingest_ahead(self, cache, features):
+        return self.inner.ingest_ahead(cache, features)
 
     def propose(self, cache, anchor, pick) -> Proposal:
         logits = mx.broadcast_to(3.0 * self.target_logits, (self.block, self.target_logits.shape[0]))

@@ -27,6 +27,9 @@ class Recording:
     def ingest(self, cache, features):
         self.inner.ingest(cache, features)
 
+    def ingest_ahead(self, cache, features):
+        return self.inner.ingest_ahead(cache, features)
+
     def propose(self, cache, anchor, pick):
         p = self.inner.propose(cache, anchor, pick)
         mx.eval(p.drafts, p.logits, p.confidence)
