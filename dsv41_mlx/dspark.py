@@ -271,8 +271,10 @@ class Drafter:
         `window` of them built on the drafter's stream and, with `start`, started on the device
         now (mx.async_eval); IngestAhead.commit(m) writes the first m. A round begins it while
         the device still runs its verify forward, so that once the verdict is read the host
-        writes the rows the drafts accepted at once (a row's ring rows depend on its features
-        alone: the same values as an ingest of the m rows)."""
+        writes the rows the drafts accepted at once. Each row's ring rows are its own: an
+        ingest of the m rows computes the same (on a GPU a kernel may sum a row in another
+        order at another row count, as ingests of however many rows rounds accept do already:
+        the drafts may move by a rounding, the reply never)."""
         n = features.shape[0]
         keep = min(n, self.window)
         with mx.stream(self.stream):
@@ -281,7 +283,6 @@ class Drafter:
         if start:
             mx.async_eval(rows)
         return IngestAhead(self, cache, rows, n)
-
 
     def propose(self, cache: DraftCache, anchor: int | mx.array, pick: Picker = argmax_picker) -> Proposal:
         """Draft `block` tokens after the anchor, which sits at position cache.end.
