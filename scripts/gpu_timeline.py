@@ -319,45 +319,55 @@ def record(model_path: str, rows: int, steps: int, prompt_tokens: int = 261, pre
 
 
 def print_rounds(model_path: str, prompt_tokens: int, tokens: int, json_path: str | None) -> int:
-    """--oracle: one oracle-drafted generation under the profiler, its rounds (round_summary):
-    the medians over the rounds (the first and last two left out: the prefill's and the
-    reply's end), and a middle round's idle stretches."""
-    import statistics
-
+    """--oracle: one oracle-drafted generation under the profiler, its rounds (round_summary),
+    reported by rounds_report."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     generate = load_oracle(model_path, prompt_tokens, tokens)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        tic = time.perf_counter()
         decoder = generate()
-        wall = time.perf_counter() - tic
     cuda = torch.autograd.DeviceType.CUDA
     rounds = round_summary([(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                             if e.device_type == cuda])
-    kept = rounds[2:-2] or rounds
-    if not kept:
+    report = rounds_report(rounds, decoder.stats, prompt_tokens)
+    if report is None:
         print("gpu_timeline: no whole round in the timeline (a longer --tokens gives some)", file=sys.stderr)
         return 2
+    text, summary = report
+    print(text)
+    if json_path:
+        Path(json_path).write_text(json.dumps({**summary, "rounds": rounds, "prompt_tokens": prompt_tokens,
+                                               "tokens": tokens}, indent=1))
+    return 0
+
+
+def rounds_report(rounds: list[dict], stats, prompt_tokens: int) -> tuple[str, dict] | None:
+    """round_summary's rounds of one generation and its decoder's DraftStats -> (the text
+    --oracle prints, its figures): the medians over the rounds, the first and last two left
+    out where there are more than four (the prompt's ingest, the reply's short last rounds),
+    beside the host's round (the decoder's propose, verify and ingest a round), and a middle
+    round's idle stretches. None where there is no whole round."""
+    import statistics
+
+    kept = rounds[2:-2] or rounds
+    if not kept:
+        return None
     med = {key: statistics.median(r[key] for r in kept) for key in
            ("round_ms", "busy_ms", "boundary_ms", "forward_ms", "forward_busy_ms")}
     idle = statistics.median(sum(g[1] for g in r["gaps"]) / 1e3 for r in kept)
-    print(f"oracle rounds after {prompt_tokens} tokens ({decoder.stats.summary()}): {wall * 1e3 / decoder.stats.rounds:.1f} "
-          f"ms a round of wall time under the profiler; the medians of {len(kept)} rounds: a round "
-          f"{med['round_ms']:.2f} ms from one verify forward's head to the next's, the GPU busy "
-          f"{med['busy_ms']:.2f}, idle stretches over 30 us {idle:.2f} ms; from the head's end to the next "
-          f"forward's first kernel {med['boundary_ms']:.2f} ms, then the forward {med['forward_ms']:.2f} ms "
-          f"(busy {med['forward_busy_ms']:.2f})\n")
-    middle = kept[len(kept) // 2]
-    print("a middle round's idle stretches over 30 us:\n\n| from the head's end, us | idle us | the kernel after |\n"
-          "|---|---|---|")
-    for at, gap, name in middle["gaps"]:
-        print(f"| {at:.0f} | {gap:.0f} | {name if len(name) <= 60 else name[:57] + '...'} |")
-    if json_path:
-        Path(json_path).write_text(json.dumps({"rounds": rounds, "medians": med, "idle_ms": idle,
-                                               "wall_ms_per_round": wall * 1e3 / decoder.stats.rounds,
-                                               "prompt_tokens": prompt_tokens, "tokens": tokens}, indent=1))
-    return 0
+    host_ms = (stats.propose_s + stats.verify_s + stats.ingest_s) * 1e3 / stats.rounds
+    lines = [f"oracle rounds after {prompt_tokens} tokens ({stats.summary()}): {host_ms:.2f} ms a round on the "
+             f"host under the profiler (its propose, verify and ingest); the medians of {len(kept)} rounds: a round "
+             f"{med['round_ms']:.2f} ms from one verify forward's head to the next's, the GPU busy "
+             f"{med['busy_ms']:.2f}, idle stretches over 30 us {idle:.2f} ms; from the head's end to the next "
+             f"forward's first kernel {med['boundary_ms']:.2f} ms, then the forward {med['forward_ms']:.2f} ms "
+             f"(busy {med['forward_busy_ms']:.2f})", "",
+             "a middle round's idle stretches over 30 us:", "",
+             "| from the head's end, us | idle us | the kernel after |", "|---|---|---|"]
+    for at, gap, name in kept[len(kept) // 2]["gaps"]:
+        lines.append(f"| {at:.0f} | {gap:.0f} | {name if len(name) <= 60 else name[:57] + '...'} |")
+    return "\n".join(lines), {"medians": med, "idle_ms": idle, "host_ms_per_round": host_ms}
 
 
 def print_table(res: dict, top: int) -> None:

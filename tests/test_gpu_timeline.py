@@ -245,3 +245,21 @@ def test_refuses_oracle_with_another_mode():
     out = subprocess.run([sys.executable, str(SCRIPT), "--model", "unused", "--propose", "--oracle"],
                          capture_output=True, text=True)
     assert out.returncode == 2 and "give one" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_rounds_report_takes_medians_beside_the_hosts_round(timeline):
+    """Six rounds: the first and last two left out, the medians of the middle two; the host's
+    round from the decoder's stats; the middle round's stretches listed; none without rounds."""
+    from dsv41_mlx.speculative import DraftStats
+
+    def one(ms, gap):
+        return {"round_ms": ms, "busy_ms": ms - 4, "boundary_ms": 2.0, "forward_ms": ms - 2, "forward_busy_ms": ms - 5,
+                "kernels": 800, "gaps": [(100.0, gap, "gather"), (900.0, 500.0, "hc_input_5120")]}
+
+    rounds = [one(40, 9000), one(50, 9000), one(27, 1000), one(29, 3000), one(60, 9000), one(70, 9000)]
+    stats = DraftStats(block=5, rounds=4, propose_s=0.002, verify_s=0.1, ingest_s=0.002)
+    text, figures = timeline.rounds_report(rounds, stats, 261)
+    assert figures["medians"]["round_ms"] == pytest.approx(28) and figures["idle_ms"] == pytest.approx(2.5)
+    assert figures["host_ms_per_round"] == pytest.approx(26)
+    assert "26.00 ms a round on the host" in text and "| 100 | 3000 | gather |" in text  # rounds 2, 3: the middle is 3
+    assert timeline.rounds_report([], stats, 261) is None
