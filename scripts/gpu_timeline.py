@@ -257,10 +257,10 @@ def load_warm(model_path: str, rows: int, prompt_tokens: int, prefill_only: bool
 
 
 def load_oracle(model_path: str, prompt_tokens: int, tokens: int, rate: float = 0.56):
-    """The model, the prompt's plain greedy reply of `tokens` tokens, and a function that
-    generates it again drafted by bench.py's OracleDrafter (the reply's own tokens, each right
-    at `rate`; every draft verified), after two untimed runs: it returns the decoder (its
-    stats) and checks the reply is the same."""
+    """Loads the model, takes the prompt's plain greedy reply of `tokens` tokens and returns a
+    function that generates it again drafted by bench.py's OracleDrafter (the reply's own
+    tokens, each right at `rate`; every draft verified), run twice untimed first: each run
+    checks the reply is the same and returns its decoder (its stats)."""
     import dsv41_mlx
     from dsv41_mlx.generate import generate_step
     from dsv41_mlx.sampling import SamplingParams
