@@ -90,11 +90,7 @@ def summarize(kernels: list[tuple[float, float, str]], steps: int, gap_us: float
     kernels = sorted(kernels)
     span = kernels[-1][1] - kernels[0][0]
     busy = busy_time([(s, e) for s, e, _ in kernels])
-    long_gaps, reach = 0.0, kernels[0][1]
-    for start, end, _ in kernels[1:]:
-        if start - reach > gap_us:
-            long_gaps += start - reach
-        reach = max(reach, end)
+    long_gaps = sum(idle for idle in idle_before(kernels[1:], kernels[0][1]) if idle > gap_us)
     by_name = collections.defaultdict(lambda: [0, 0.0])
     for start, end, name in kernels:
         entry = by_name[short_name(name)]
@@ -117,11 +113,20 @@ def step_kernels(kernels: list[tuple[float, float, str]], steps: int, which: int
     profiler's start: --sequence writes the last.)"""
     n = len(kernels) // steps
     ordered = sorted(kernels)[which * n: (which + 1) * n]
-    rows, reach = [], ordered[0][0] if ordered else 0.0
-    for start, end, name in ordered:
-        rows.append((start - ordered[0][0], end - start, max(0.0, start - reach), short_name(name)))
+    if not ordered:
+        return []
+    return [(start - ordered[0][0], end - start, idle, short_name(name))
+            for (start, end, name), idle in zip(ordered, idle_before(ordered, ordered[0][0]))]
+
+
+def idle_before(kernels: list[tuple[float, float, str]], reach: float) -> list[float]:
+    """How long the GPU ran nothing before each of kernels (sorted (start, end, name) us), the
+    work before them having ended at `reach` (0 where another kernel was still running)."""
+    idle = []
+    for start, end, _ in kernels:
+        idle.append(max(0.0, start - reach))
         reach = max(reach, end)
-    return rows
+    return idle
 
 
 def round_summary(kernels: list[tuple[float, float, str]], gap_us: float = 30.0) -> list[dict]:
@@ -141,11 +146,9 @@ def round_summary(kernels: list[tuple[float, float, str]], gap_us: float = 30.0)
         t0, t1 = kernels[a][1], kernels[b][1]
         ingest = [i for i in rings if a < i < b]
         first = ingest[-1] + 1 if ingest else a + 1
-        gaps, reach = [], t0
-        for start, end, name in kernels[a + 1: b + 1]:
-            if start - reach > gap_us:
-                gaps.append((start - t0, start - reach, short_name(name)))
-            reach = max(reach, end)
+        gaps = [(start - t0, idle, short_name(name))
+                for (start, _, name), idle in zip(kernels[a + 1: b + 1], idle_before(kernels[a + 1: b + 1], t0))
+                if idle > gap_us]
         rounds.append({"round_ms": (t1 - t0) / 1e3,
                        "busy_ms": busy_time([(max(s, t0), e) for s, e, _ in kernels[a + 1: b + 1]]) / 1e3,
                        "boundary_ms": (kernels[first][0] - t0) / 1e3, "forward_ms": (t1 - kernels[first][0]) / 1e3,
@@ -214,9 +217,7 @@ def load_warm(model_path: str, rows: int, prompt_tokens: int, prefill_only: bool
         return prefill_once
     cache = model.make_cache()
     if propose_only:
-        drafter = model.drafter
-        if drafter is None:
-            raise SystemExit(f"{model_path}: this checkpoint has no DSpark stages: there is no propose pass to time")
+        drafter = drafter_of(model, model_path, "there is no propose pass to time")
         logits, features = prefill(model, prompt, cache, keep_features=drafter.window)
         rings = drafter.make_cache()
         rings.end = cache.offset - features.shape[0]
@@ -256,6 +257,14 @@ def load_warm(model_path: str, rows: int, prompt_tokens: int, prefill_only: bool
     return step
 
 
+def drafter_of(model, model_path: str, what: str):
+    """The model's DSpark drafter, or a clear exit where the checkpoint has none (`what`: why
+    the mode needs it)."""
+    if model.drafter is None:
+        raise SystemExit(f"{model_path}: this checkpoint has no DSpark stages: {what}")
+    return model.drafter
+
+
 def load_oracle(model_path: str, prompt_tokens: int, tokens: int, rate: float = 0.56):
     """Loads the model, takes the prompt's plain greedy reply of `tokens` tokens and returns a
     function that generates it again drafted by bench.py's OracleDrafter (the reply's own
@@ -268,14 +277,12 @@ def load_oracle(model_path: str, prompt_tokens: int, tokens: int, rate: float = 
     from scripts.bench import OracleDrafter
 
     model, _ = dsv41_mlx.load(model_path)
-    if model.drafter is None:
-        raise SystemExit(f"{model_path}: this checkpoint has no DSpark stages: there are no rounds to time")
+    drafter = drafter_of(model, model_path, "there are no rounds to time")
     prompt, greedy = prompt_of(prompt_tokens, model.args.vocab_size), SamplingParams()
     reply = list(generate_step(model, prompt, greedy, tokens))
 
     def generate():
-        decoder = SpeculativeDecoder(model, OracleDrafter(model.drafter, prompt + reply, rate, seed=len(prompt)),
-                                     greedy)
+        decoder = SpeculativeDecoder(model, OracleDrafter(drafter, prompt + reply, rate, seed=len(prompt)), greedy)
         if list(generate_step(model, prompt, greedy, tokens, decoder=decoder)) != reply:
             raise AssertionError("the oracle-drafted reply differs from the plain greedy one")
         return decoder
@@ -305,31 +312,30 @@ def record(model_path: str, rows: int, steps: int, prompt_tokens: int = 261, pre
     """The GPU kernels of `steps` decode steps of `rows` tokens after a prompt of prompt_tokens
     tokens (prefill_only: of `steps` prefills of that prompt; propose_only: of `steps` propose
     passes after it), and the wall seconds per step under the profiler."""
+    step = load_warm(model_path, rows, prompt_tokens, prefill_only, propose_only)
+    kernels, _, wall = profiled(lambda: [step() for _ in range(steps)])
+    return kernels, wall / steps
+
+
+def profiled(run):
+    """run() under PyTorch's profiler -> (the CUDA kernels it launched, as (start us, end us,
+    name); what run returned; its wall seconds)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    step = load_warm(model_path, rows, prompt_tokens, prefill_only, propose_only)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         tic = time.perf_counter()
-        for _ in range(steps):
-            step()
-        wall = (time.perf_counter() - tic) / steps
+        result = run()
+        wall = time.perf_counter() - tic
     cuda = torch.autograd.DeviceType.CUDA
-    return [(e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type == cuda], wall
+    return [(e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type == cuda], result, wall
 
 
 def print_rounds(model_path: str, prompt_tokens: int, tokens: int, json_path: str | None) -> int:
     """--oracle: one oracle-drafted generation under the profiler, its rounds (round_summary),
     reported by rounds_report."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    generate = load_oracle(model_path, prompt_tokens, tokens)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        decoder = generate()
-    cuda = torch.autograd.DeviceType.CUDA
-    rounds = round_summary([(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                            if e.device_type == cuda])
+    kernels, decoder, _ = profiled(load_oracle(model_path, prompt_tokens, tokens))
+    rounds = round_summary(kernels)
     report = rounds_report(rounds, decoder.stats, prompt_tokens)
     if report is None:
         print("gpu_timeline: no whole round in the timeline (a longer --tokens gives some)", file=sys.stderr)

@@ -205,9 +205,9 @@ def test_propose_needs_a_checkpoint_with_drafter_stages(timeline, fixture_dir, m
         timeline.load_warm(str(fixture_dir), 1, 12, propose_only=True)
 
 
-def test_refuses_prefill_and_propose_together():
-    out = subprocess.run([sys.executable, str(SCRIPT), "--model", "unused", "--prefill", "--propose"],
-                         capture_output=True, text=True)
+@pytest.mark.parametrize("modes", [("--prefill", "--propose"), ("--propose", "--oracle"), ("--prefill", "--oracle")])
+def test_refuses_two_modes_together(modes):
+    out = subprocess.run([sys.executable, str(SCRIPT), "--model", "unused", *modes], capture_output=True, text=True)
     assert out.returncode == 2 and "give one" in out.stderr and "Traceback" not in out.stderr
 
 
@@ -239,12 +239,6 @@ def test_oracle_rounds_regenerate_the_plain_reply(timeline, fixture_dir):
     assert isinstance(decoder.drafter, OracleDrafter) and decoder.policy.mode == "off"
     stats = decoder.stats
     assert stats.rounds > 1 and 0 < stats.accepted <= stats.verified  # the reply's own tokens, 0.56 of them right
-
-
-def test_refuses_oracle_with_another_mode():
-    out = subprocess.run([sys.executable, str(SCRIPT), "--model", "unused", "--propose", "--oracle"],
-                         capture_output=True, text=True)
-    assert out.returncode == 2 and "give one" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_rounds_report_takes_medians_beside_the_hosts_round(timeline):
