@@ -13,8 +13,15 @@ MLX lets a stream be used from one thread only, except streams made by
 evaluate at once. So the forward builds its graph on the evaluator's stream, the thread
 evaluates the blocks in the order they were handed over, and the caller `drain`s the
 thread (waits until it has started everything handed over) before it evaluates anything
-itself. The graph, its kernels and their order are the same as with `mx.async_eval` on the
-caller's thread: the same bits (tests/test_model.py).
+on that stream or reads what the thread was handed. The graph, its kernels and their order
+are the same as with `mx.async_eval` on the caller's thread: the same bits
+(tests/test_model.py).
+
+Meanwhile the caller may wait for an array of its own stream, but not for one the handed
+graph reads: MLX's wait (`item()`, `eval`) and the thread's `mx.async_eval` both drop a
+finished input's event, and on one array from two threads at once that is a race (a CI run
+hung in it, session 40). Model.decode_ahead therefore gives its forward its own node
+(`mx.stop_gradient`, no copy) of the token the caller then reads.
 
 Where the thread falls behind, it starts the blocks handed over meanwhile together (at most
 `batch` of them): MLX commits (on CUDA, updates and launches a graph of) the work of each

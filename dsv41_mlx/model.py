@@ -1357,8 +1357,12 @@ class Model(nn.Module):
         session 30: the device's first work ~1.2 ms into an 18 ms step). The same graph, the
         same bits as decode."""
         rows = self._decode_rows or 1
-        mx.async_eval(token)  # t's work started from this thread, before the evaluator's may read it
-        forward = self._forward(token, cache, None, False, 1, rows)
+        # the forward reads t through a node of its own (same buffer): the caller waits for
+        # `token` while the evaluator's thread may still be starting block 0 (evaluator.py: why
+        # the two must not share an array)
+        feed = mx.stop_gradient(token)
+        mx.async_eval(token, feed)  # t's work started from this thread, before the evaluator's may read it
+        forward = self._forward(feed, cache, None, False, 1, rows)
         next(forward)  # up to where it waits for the token
         return DecodeAhead(forward, cache, rows, self._blocks_before_tokens)
 
