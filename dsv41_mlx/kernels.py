@@ -406,7 +406,7 @@ def moe_gate(x: mx.array, w: mx.array, bias: mx.array, k: int, temp: float, rout
         return moe_gate_reference(x, w, bias, k, temp, route_scale, normalize)
     (scores,) = _compiled(MOE_GATE_SCORES, impl)(
         inputs=[x, w.astype(mx.float32), _float32s(temp), _int32s(N, E, D)],
-        template=[("T", x.dtype), ("RB", 8 if N <= 8 else 16), ("D", D)], grid=(E * 256, 1, 1),
+        template=[("T", x.dtype), ("RB", gate_row_bound(N)), ("D", D)], grid=(E * 256, 1, 1),
         threadgroup=(256, 1, 1),
         output_shapes=[(N, E)], output_dtypes=[mx.float32])
     weights, ids = _compiled(MOE_GATE_TOPK, impl)(
@@ -415,6 +415,13 @@ def moe_gate(x: mx.array, w: mx.array, bias: mx.array, k: int, temp: float, rout
         template=[("E", E), ("K", k), ("NORMALIZE", int(normalize))], grid=(N * 32, 1, 1), threadgroup=(32, 1, 1),
         output_shapes=[(N, k), (N, k)], output_dtypes=[mx.float32, mx.uint32])
     return weights, ids
+
+
+def gate_row_bound(rows: int) -> int:
+    """moe_gate_scores' RB (each thread keeps a sum per row for RB rows): head_row_bound's 1, 8
+    or 16, so that a decode step's one row is summed alone, not as the first of 8 (until
+    session 41 RB was 8 at one row). A row's bits do not depend on it."""
+    return head_row_bound(rows)
 
 
 def computed_rows(real_rows: int | None, rows: int) -> int:

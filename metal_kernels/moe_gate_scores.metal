@@ -11,7 +11,8 @@
 // ...), each simdgroup its 32 partial sums in a butterfly, then the 8 simdgroup sums are
 // added in order: not the spec's matmul order, so a score matches the spec to float32
 // noise; each row's score is computed alone (the same bits in any forward, whatever RB).
-// Template constants: T, RB (8 or 16, at least the rows: each thread keeps a sum per row), D.
+// Template constants: T, RB (1, 8 or 16, at least the rows: each thread keeps a sum per row;
+// kernels.gate_row_bound), D.
 // 256 threads per threadgroup, E threadgroups. CUDA twin: moe_gate_scores.cu.
 //
 // (The first version gave each expert one simdgroup, which walked all of D alone: 160

@@ -485,6 +485,39 @@ def test_head_logits_runs_its_spec_on_the_host(language, rows, out_rows, tmp_pat
         assert np.array_equal(alone[0].view(np.uint32), got[0].view(np.uint32))
 
 
+def _gate_scores_on_the_host(language, x, w, temp, rb, workdir):
+    """moe_gate_scores run on the host with RB = rb: x [S, D] bf16, w [E, D] fp32 -> scores [S, E]."""
+    workdir.mkdir()
+    (S, D), E = x.shape, w.shape[0]
+    return run(kernels.MOE_GATE_SCORES, language, {
+        "x": ("bfloat16", _bf16_bits(x)), "w": ("float32", np.array(w).reshape(-1)),
+        "params": ("float32", np.array([temp])), "sizes": ("int32", np.array([S, E, D]))},
+        {"scores": ("float32", S * E)}, {"T": "bfloat16", "RB": rb, "D": D}, E, workdir)["scores"].reshape(S, E)
+
+
+@pytest.mark.parametrize("language", ["metal", "cuda"])
+@pytest.mark.parametrize("rows", [1, 6, 9])
+def test_moe_gate_scores_runs_its_spec_on_the_host(language, rows, tmp_path):
+    """The router's scores at kernels.gate_row_bound's RB: sqrt(softplus(x . w / temp)) with the
+    dot within the bound of a float32 sum of exact products (against float64), and a row the
+    same bits when it is summed alone (RB 1, a decode step) as among others (RB 8 or 16)."""
+    rng = np.random.default_rng(rows)
+    E, D, temp = 7, 600, 1.5  # D: three features a thread, the last pass partly past the end
+    x = mx.array(rng.standard_normal((rows, D)).astype(np.float32)).astype(mx.bfloat16)
+    w = mx.array((rng.standard_normal((E, D)) * 0.05).astype(np.float32))
+    rb = kernels.gate_row_bound(rows)
+    got = _gate_scores_on_the_host(language, x, w, temp, rb, tmp_path / "batch")
+    xs, ws = np.array(x.astype(mx.float32), np.float64), np.array(w, np.float64)
+    dots, size = xs @ ws.T, np.abs(xs) @ np.abs(ws).T
+    # the score's inverse: softplus^-1(s^2) = log(expm1(s^2)), the dot over temp (all under 20 here)
+    assert np.all(np.abs(dots / temp) < 20)
+    back = np.log(np.expm1(got.astype(np.float64) ** 2)) * temp
+    assert np.all(np.abs(back - dots) <= D * 2.0 ** -24 * size + 1e-5 * np.maximum(1.0, np.abs(dots)))
+    alone = _gate_scores_on_the_host(language, x[:1], w, temp, kernels.gate_row_bound(1), tmp_path / "alone")
+    assert kernels.gate_row_bound(1) == 1 and (rows == 1 or rb > 1)
+    assert np.array_equal(alone[0].view(np.uint32), got[0].view(np.uint32))
+
+
 @pytest.mark.parametrize("language", ["metal", "cuda"])
 def test_rms_norm_pair_gives_two_rms_norms_bits_on_the_host(language, tmp_path):
     """rms_norm_pair (q_norm and the rotated kv_norm in one launch) on the host: each output the

@@ -225,6 +225,7 @@ CASES = {
     "fp4_quant_index": (FP4_QUANT, {"x": "float32", "n": "int32"}, {"y": "float32"},
                         {"T": "float32", "BLOCK": 32, "SCALE_E4M3": 0}),
     "moe_gate_scores": (MOE_GATE_SCORES, *MOE_GATE_SCORES_IO, {"T": "bfloat16", "RB": 8, "D": 5120}),
+    "moe_gate_scores_one_row": (MOE_GATE_SCORES, *MOE_GATE_SCORES_IO, {"T": "bfloat16", "RB": 1, "D": 5120}),
     "moe_gate_scores_tiny": (MOE_GATE_SCORES, *MOE_GATE_SCORES_IO, {"T": "float32", "RB": 16, "D": 64}),
     "fp8_gemv": _gemv_case(RB=8, T=4, C=32),
     "fp8_gemv_16_rows": _gemv_case(RB=16, T=4, C=256),
