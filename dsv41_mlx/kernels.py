@@ -632,9 +632,13 @@ def rms_norm_reference(x: mx.array, weight: mx.array, eps: float) -> mx.array:
 def rms_norm_fits(x: mx.array, impl: str | None = None, quantized: bool = False, rotated: bool = False) -> bool:
     """Whether the RMSNorm kernel runs for x: a GPU, bfloat16 or float32, and for the
     quantised or rotated forms a last axis of whole FP8 blocks (32)."""
-    impl = impl or backend()
-    return (impl != "mlx" and x.dtype in (mx.bfloat16, mx.float32) and x.size > 0
-            and not ((quantized or rotated) and x.shape[-1] % 32))
+    return x.size > 0 and _norm_rows_fit(x.dtype, x.shape[-1], impl, quantized or rotated)
+
+
+def _norm_rows_fit(dtype: mx.Dtype, width: int, impl: str | None, whole_blocks: bool) -> bool:
+    """rms_norm_fits' terms for rows of `width` values: a GPU, bfloat16 or float32, and where
+    whole_blocks (the quantised or rotated forms) whole FP8 blocks (32)."""
+    return (impl or backend()) != "mlx" and dtype in (mx.bfloat16, mx.float32) and not (whole_blocks and width % 32)
 
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float, impl: str | None = None,
@@ -681,13 +685,35 @@ def rms_norm_pair(x: mx.array, weight: mx.array, x2: mx.array, weight2: mx.array
     if not rms_norm_pair_fits(x, x2, impl):
         raise ValueError(f"rms_norm_pair takes two bfloat16/float32 inputs [S, D] and [S, D2] of whole 32-blocks on a "
                          f"GPU, got {x.dtype} {x.shape} and {x2.dtype} {x2.shape} on {impl}")
-    (S, D), D2 = x.shape, x2.shape[1]
+    return _rms_norm_pair(x, weight, x2, 0, weight2, x.shape, x2.shape, eps, quantize_to, quantize_to2, rope2, impl)
+
+
+def rms_norm_halves(both: mx.array, rows: int, split: int, weight: mx.array, weight2: mx.array, eps: float,
+                    quantize_to: mx.Dtype, quantize_to2: mx.Dtype, rope2: tuple[mx.array, mx.array, int],
+                    impl: str | None = None) -> tuple[mx.array, mx.array]:
+    """rms_norm_pair of fp8_gemv_pair's two products as they lie in its output `both` (pair_halves'
+    views, the same bits), read there: no views made, four operations fewer a layer than
+    pair_halves and rms_norm_pair. Where fp8_gemv_pair ran, this fits."""
+    impl = impl or backend()
+    n = both.size // rows if rows > 0 else 0
+    first, second = (rows, split), (rows, n - split)
+    if not (both.ndim == 1 and both.size == rows * n and 0 < split < n
+            and all(_norm_rows_fit(both.dtype, w, impl, True) for w in (split, n - split))):
+        raise ValueError(f"rms_norm_halves takes fp8_gemv_pair's output of {rows} rows split at {split} on a GPU, "
+                         f"got {both.dtype} {both.shape} on {impl}")
+    return _rms_norm_pair(both, weight, both, rows * split, weight2, first, second, eps, quantize_to, quantize_to2,
+                          rope2, impl)
+
+
+def _rms_norm_pair(x, weight, x2, start2, weight2, shape, shape2, eps, quantize_to, quantize_to2, rope2, impl):
+    """rms_norm_pair's launch: x2's rows from element start2 of x2 on."""
+    (S, D), D2 = shape, shape2[1]
     cos, sin, dims = rope2
     y, y2 = _compiled(RMS_NORM_PAIR, impl)(
-        inputs=[x, weight.astype(mx.float32), x2, weight2.astype(mx.float32), _float32s(eps), _int32s(S, D, D2), cos,
-                sin],
+        inputs=[x, weight.astype(mx.float32), x2, weight2.astype(mx.float32), _float32s(eps),
+                _int32s(S, D, D2, start2), cos, sin],
         template=[("T", x.dtype), ("O", quantize_to), ("O2", quantize_to2), ("QUANT", 1), ("ROPE", dims)],
-        grid=(2 * S * 256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[x.shape, x2.shape],
+        grid=(2 * S * 256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[shape, shape2],
         output_dtypes=[quantize_to, quantize_to2])
     return y, y2
 
@@ -976,10 +1002,11 @@ def fp8_gemv_pair(x: mx.array, w: mx.array, scales: mx.array, split: int, impl: 
                   init_value: float | None = None, real_rows: int | None = None) -> tuple[mx.array, mx.array]:
     """Two dense FP8 GEMMs of one input in one launch (attention's wq_a and wkv, both fed the
     layer's quantised input): w [N, K/4] (scales [N, K/32]) the two `mxfp8` matrices stacked,
-    the first `split` rows one -> (x [S, K] through the first: bf16 [S, split], through the
-    second: [S, N - split]), each the bits fp8_gemv gives for its own matrix (the kernel's
-    SPLIT: it writes the two apart, so both are row-contiguous views of its output). x is
-    fed as it is (no quantize_input); real_rows as fp8_gemv's. Only where fp8_gemv_pair_fits."""
+    the first `split` rows one -> both products in one bf16 array [S * N]: x [S, K] through the
+    first matrix ([S, split], row by row), then through the second ([S, N - split]), each the
+    bits fp8_gemv gives for its own matrix (the kernel's SPLIT writes the two apart).
+    pair_halves views them as two arrays; rms_norm_halves reads them where they lie. x is fed
+    as it is (no quantize_input); real_rows as fp8_gemv's. Only where fp8_gemv_pair_fits."""
     impl = impl or backend()
     if not fp8_gemv_pair_fits(x, w, split, impl):
         raise ValueError(f"fp8_gemv_pair takes x [<= {DECODE_MAX_ROWS}, K] and two stacked matrices w [N, K/4] split "
@@ -992,7 +1019,14 @@ def fp8_gemv_pair(x: mx.array, w: mx.array, scales: mx.array, split: int, impl: 
                                       _constant(mx.bfloat16, 0.0)],
                      rows, 1, N, (S,), init_value, False, gemv_threads_per_output(K, N), 0,
                      [("AP", 0), ("SPLIT", split)], (S * N,))
-    return y[: S * split].reshape(S, split), y[S * split:].reshape(S, N - split)
+    return y
+
+
+def pair_halves(both: mx.array, rows: int, split: int) -> tuple[mx.array, mx.array]:
+    """fp8_gemv_pair's output as its two products: row-contiguous views [rows, split] and
+    [rows, N - split]."""
+    n = both.size // rows
+    return both[: rows * split].reshape(rows, split), both[rows * split:].reshape(rows, n - split)
 
 
 def head_logits_reference(x: mx.array, w: mx.array) -> mx.array:

@@ -793,9 +793,17 @@ class Attention(nn.Module):
     def queries_and_latent_kv(self, xq: mx.array, rope: tuple, rope_in_kernel: bool = False,
                               real: int | None = None) -> tuple[mx.array, mx.array, mx.array]:
         """queries' (q, qr) and latent_kv's keys from one input, the same bits as the two
-        methods. On a GPU wq_a and wkv run in one launch (Fp8Linear.quantized_pair), and so do
-        q_norm and kv_norm (kernels.rms_norm_pair)."""
-        a, kv = self.wq_a_wkv.quantized_pair(xq, self.q_lora_rank, real)
+        methods. On a GPU wq_a and wkv run in one launch (kernels.fp8_gemv_pair), and q_norm
+        and kv_norm in one more, which reads the two products where that launch put them
+        (kernels.rms_norm_halves: no views of them)."""
+        pair, split = self.wq_a_wkv, self.q_lora_rank
+        if self.q_norm.eps == self.kv_norm.eps and kernels.fp8_gemv_pair_fits(xq, pair.weight, split):
+            both = kernels.fp8_gemv_pair(xq, pair.weight, pair.scales, split, real_rows=real)
+            qr, keys = kernels.rms_norm_halves(both, xq.shape[0], split, self.q_norm.weight, self.kv_norm.weight,
+                                               self.kv_norm.eps, gemm_input_dtype(), both.dtype,
+                                               self._latent_rope(rope))
+            return self._queries(qr, rope, rope_in_kernel, real), qr, keys
+        a, kv = pair.quantized_pair(xq, split, real)
         if not (kernels.rms_norm_pair_fits(a, kv) and self.q_norm.eps == self.kv_norm.eps):
             qr = self.q_norm.quantized(a)
             return self._queries(qr, rope, rope_in_kernel, real), qr, self.latent_kv_of(kv, rope)

@@ -172,7 +172,8 @@ class Fp8Linear(nn.Module):
         """Both stacked matrices' products, rows .. split and split .., in one launch where
         kernels.fp8_gemv_pair fits (a decode or verify step on a GPU), else one each."""
         if kernels.fp8_gemv_pair_fits(xq, self.weight, split):
-            return kernels.fp8_gemv_pair(xq, self.weight, self.scales, split, real_rows=real)
+            both = kernels.fp8_gemv_pair(xq, self.weight, self.scales, split, real_rows=real)
+            return kernels.pair_halves(both, xq.shape[0], split)
         return self.quantized_rows(xq, 0, split, real), self.quantized_rows(xq, split, None, real)
 
 

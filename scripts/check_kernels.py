@@ -27,7 +27,8 @@ bound of another fp32 summation order of MLX's fp32-fed gather_qmm; a row
 alone equals the row among 8 and among 16; with fewer real rows than rows, the
 real rows the same bits and the padding zeros.
 rms_norm_pair: q_norm and the rotated kv_norm in one launch at the release's widths and
-small ones, 1..16 rows: each output the bits of rms_norm's kernel on its input alone.
+small ones, 1..16 rows: each output the bits of rms_norm's kernel on its input alone, also
+read from one array holding both inputs (rms_norm_halves, as the model feeds it).
 fp8_gemv_pair: attention's wq_a and wkv stacked (one launch for both) at the flash-shaped
 model's shapes and a ragged one, 1..16 rows, outputs poisoned: each part the same bits
 as fp8_gemv on its own rows of the stack; padded, the real rows the same and zeros after.
@@ -96,8 +97,9 @@ from dsv41_mlx.kernels import (TILE, TOP_K, backend, fp8_rows_tiles, fp8_rows_to
                                ring_write, ring_write_reference)
 from dsv41_mlx.kernels import (SwiGLU, act_quant_fp8, fp4_experts, fp4_quant, fp8_gemv, fp8_gemv_pair,
                                fp8_gemv_pair_fits, hc_input, hc_post_input, head_logits, head_logits_reference,
-                               moe_gate, moe_gate_reference, padding_zeroed, parts_added, rms_norm, rms_norm_pair,
-                               rms_norm_reference, sparse_attention_rows, swiglu_pairs)
+                               moe_gate, moe_gate_reference, padding_zeroed, pair_halves, parts_added, rms_norm,
+                               rms_norm_halves, rms_norm_pair, rms_norm_reference, sparse_attention_rows,
+                               swiglu_pairs)
 from dsv41_mlx.quant import fp4_fake_quant_reference, fp8_fake_quant_reference, quantize_fp8_tiles_mx
 
 POISON = -12345.0
@@ -422,11 +424,12 @@ def check_fp8_gemv_pair(impl: str, seed: int) -> list[str]:
                 problems.append(f"{name}: does not fit")
                 continue
             want = (fp8_gemv(x, w[:split], s[:split], impl=impl), fp8_gemv(x, w[split:], s[split:], impl=impl))
-            got = fp8_gemv_pair(x, w, s, split, impl=impl, init_value=POISON)
+            got = pair_halves(fp8_gemv_pair(x, w, s, split, impl=impl, init_value=POISON), rows, split)
             if not all(mx.array_equal(a, b).item() for a, b in zip(got, want)):
                 problems.append(f"{name}: not the bits of fp8_gemv on each matrix")
             for real in (1, rows - 2) if rows >= 8 else ():
-                padded = fp8_gemv_pair(x, w, s, split, impl=impl, init_value=POISON, real_rows=real)
+                padded = pair_halves(fp8_gemv_pair(x, w, s, split, impl=impl, init_value=POISON, real_rows=real),
+                                     rows, split)
                 if not all(mx.array_equal(p[:real], b[:real]).item() and not p[real:].any().item()
                            for p, b in zip(padded, want)):
                     problems.append(f"{name}: with {real} real rows, not the same real rows and zeros after them")
@@ -1001,7 +1004,8 @@ def check_rms_norm_pair(impl: str, seed: int) -> list[str]:
     """rms_norm_pair (attention's q_norm and rotated kv_norm in one launch) at the release's
     widths (1280; 512 with 64 rotated features, YaRN tables at random positions) and small
     ones, 1..16 rows, the first output in the GEMMs' input dtype: each output the bits of
-    rms_norm's kernel on its input alone."""
+    rms_norm's kernel on its input alone; and rms_norm_halves, the two inputs one after the
+    other in one array (as fp8_gemv_pair writes them), the same bits."""
     from dsv41_mlx.quant import gemm_input_dtype
 
     rng = np.random.default_rng(seed)
@@ -1019,6 +1023,10 @@ def check_rms_norm_pair(impl: str, seed: int) -> list[str]:
             for part, a, b in zip(("first", "second"), got, want):
                 if a.dtype != b.dtype or bits_differ(a, b):
                     problems.append(f"rms_norm_pair {D}+{D2} rows={rows}: the {part} output is not rms_norm's bits")
+            both = mx.concatenate([x.reshape(-1), x2.reshape(-1)])
+            halves = rms_norm_halves(both, rows, D, w, w2, 1e-6, gemm_input_dtype(), mx.bfloat16, rope2, impl=impl)
+            if any(bits_differ(a, b) for a, b in zip(halves, want)):
+                problems.append(f"rms_norm_halves {D}+{D2} rows={rows}: not rms_norm_pair's bits")
     return problems
 
 

@@ -220,8 +220,9 @@ print(json.dumps({"times": next(iter(res["layers"].values())), "calls": calls}))
 def test_count_ops_counts_the_gpu_path_with_its_kernels():
     """scripts/count_ops.py builds a decode step as a GPU runs it (the custom kernels stubbed,
     one operation each) on the CPU: every layer's attention through the attention kernel and
-    its wq_a and wkv through one fp8_gemv_pair and their norms through one rms_norm_pair, every MoE through the router kernels, and
-    nothing of the patch left behind."""
+    its wq_a and wkv through one fp8_gemv_pair and their norms through one rms_norm_pair (reading
+    the pair's output as it lies: a plain layer makes no views), every MoE through the router
+    kernels, and nothing of the patch left behind."""
     res = _in_own_process("""
 import json, sys
 sys.path.insert(0, "scripts")
@@ -252,6 +253,8 @@ print(json.dumps(res))
     assert res["restored"]
     for kind in ("ratio 1", "ratio 2"):  # a plain layer's casts all fuse into compiled kernels
         assert res["names_per_kind"][kind].get("AsType", 0) == 0, res["names_per_kind"][kind]
+        # and it makes no views: the norms read wq_a's and wkv's products where the pair put them
+        assert res["views_per_kind"][kind] == [0], (kind, res["names_per_kind"][kind])
     # a decode step's one real row: every FP8 and FP4 GEMM kernel quantises its input itself
     assert "act_quant_fp8" not in calls, calls
     for kind, names in res["names_per_kind"].items():

@@ -521,7 +521,8 @@ def test_moe_gate_scores_runs_its_spec_on_the_host(language, rows, tmp_path):
 @pytest.mark.parametrize("language", ["metal", "cuda"])
 def test_rms_norm_pair_gives_two_rms_norms_bits_on_the_host(language, tmp_path):
     """rms_norm_pair (q_norm and the rotated kv_norm in one launch) on the host: each output the
-    bits of rms_norm's kernel run on that input alone (quantised; the second rotated), the
+    bits of rms_norm's kernel run on that input alone (quantised; the second rotated), also
+    with both inputs in one array (x2's rows from an offset into it), the
     shared row code (rms_norm_row) reached through both bodies; and rms_norm's rotated,
     quantised rows against the spec: model.rotate of the spec's norm, then act_quant."""
     from dsv41_mlx.model import rotate
@@ -553,12 +554,23 @@ def test_rms_norm_pair_gives_two_rms_norms_bits_on_the_host(language, tmp_path):
     workdir.mkdir()
     pair = run(kernels.RMS_NORM_PAIR, language, {
         "x": ("bfloat16", _bf16_bits(x)), "w": ("float32", np.array(w)), "x2": ("bfloat16", _bf16_bits(x2)),
-        "w2": ("float32", np.array(w2)), "eps": ("float32", eps), "sizes": ("int32", np.array([S, D, D2])),
+        "w2": ("float32", np.array(w2)), "eps": ("float32", eps), "sizes": ("int32", np.array([S, D, D2, 0])),
         "rope_cos": ("float32", cos), "rope_sin": ("float32", sin)},
         {"y": ("bfloat16", S * D), "y2": ("bfloat16", S * D2)},
         {"T": "bfloat16", "O": "bfloat16", "O2": "bfloat16", "QUANT": 1, "ROPE": R}, 2 * S, workdir)
     q, kv = single(x, w, 0, "q"), single(x2, w2, R, "kv")
     assert np.array_equal(pair["y"], q) and np.array_equal(pair["y2"], kv)
+    # both inputs in one array, x2's rows after x's (fp8_gemv_pair's output; kernels.rms_norm_halves)
+    workdir = tmp_path / "halves"
+    workdir.mkdir()
+    both = np.concatenate([_bf16_bits(x), _bf16_bits(x2)])
+    halves = run(kernels.RMS_NORM_PAIR, language, {
+        "x": ("bfloat16", both), "w": ("float32", np.array(w)), "x2": ("bfloat16", both),
+        "w2": ("float32", np.array(w2)), "eps": ("float32", eps), "sizes": ("int32", np.array([S, D, D2, S * D])),
+        "rope_cos": ("float32", cos), "rope_sin": ("float32", sin)},
+        {"y": ("bfloat16", S * D), "y2": ("bfloat16", S * D2)},
+        {"T": "bfloat16", "O": "bfloat16", "O2": "bfloat16", "QUANT": 1, "ROPE": R}, 2 * S, workdir)
+    assert np.array_equal(halves["y"], q) and np.array_equal(halves["y2"], kv)
     normed = kernels.rms_norm_reference(x2, w2, 1e-6)
     pairs = (S, D2 // 2, 2)
     rotated = rotate(normed, mx.array(cos).reshape(pairs), mx.array(sin).reshape(pairs),

@@ -310,7 +310,7 @@ def test_metal_source_type_checks(case, rows, tmp_path):
     ("rms_norm", ("w, D, eps[0], rope_cos", "w, D, eps, rope_cos")),  # a pointer for a float
     ("rms_norm_quantised", ("threadgroup float partial[8];", "threadgroup float partial[8]")),  # no semicolon
     ("rms_norm_rope_quantised", ("y + ulong(row) * D, partial,", "y + ulong(row) * D, partial[0],")),  # a float for a pointer
-    ("rms_norm_pair", ("(x2 + ulong(row) * D2, w2, D2,", "(x2 + ulong(row) * D2, D2,")),  # an argument short
+    ("rms_norm_pair", ("(x2 + start2 + ulong(row) * D2, w2, D2,", "(x2 + start2 + ulong(row) * D2, D2,")),  # an argument short
     ("sparse_attention", ("threadgroup float denom[G];", "threadgroup float denom[G]")),  # no semicolon
     ("fp8_gemv", ("gemv_warp_totals<T, RB>(&acc[0][0], partial,", "gemv_warp_totals<T, RB>(acc, partial,")),  # wrong type
     ("fp4_experts", ("E2M1_HALF(codes >> 4)", "E2M1_HALF(codes >> 4, 1)")),  # bad macro call
@@ -378,7 +378,7 @@ def test_cuda_source_compiles(case):
     ("fp4_quant_kv", ("const float mag = fabsf(q);", "const float mag = fabsf(q)")),  # no semicolon
     ("rms_norm", ("w, D, eps[0], rope_cos", "w, D, eps, rope_cos")),  # a pointer for a float
     ("rms_norm_rope_quantised", ("y + (size_t)row * D, partial);", "y + (size_t)row * D, partial[0]);")),  # float for pointer
-    ("rms_norm_pair", ("(x2 + (size_t)row * D2, w2, D2,", "(x2 + (size_t)row * D2, D2,")),  # an argument short
+    ("rms_norm_pair", ("(x2 + start2 + (size_t)row * D2, w2, D2,", "(x2 + start2 + (size_t)row * D2, D2,")),  # an argument short
     ("sparse_attention", ("denom[g] = total + expf(sink[h0 + g] - row_max);",
                           "denom[g] = total + expf(sinks[h0 + g]);")),  # misspelt variable
     ("sparse_attention", ("v * rope_cos[s * D + d] +", "v * rope_cos +")),  # float times a pointer
@@ -691,8 +691,8 @@ def test_pair_check_passes_two_launches_and_flags_a_wrong_pair(monkeypatch, fixt
     def pair(x, w, s, split, impl=None, init_value=None, real_rows=None, shift=0, padding=False):
         rows = slice(split - shift, w.shape[0] - shift)
         real = None if padding else real_rows
-        return (kernels.fp8_gemv_reference(x, w[:split], s[:split], real_rows=real),
-                kernels.fp8_gemv_reference(x, w[rows], s[rows], real_rows=real))
+        return mx.concatenate([kernels.fp8_gemv_reference(x, w[:split], s[:split], real_rows=real).reshape(-1),
+                               kernels.fp8_gemv_reference(x, w[rows], s[rows], real_rows=real).reshape(-1)])
 
     monkeypatch.setattr(check, "fp8_gemv_pair", pair)
     assert check.check_fp8_gemv_pair("mlx", seed=1) == []
@@ -704,7 +704,8 @@ def test_pair_check_passes_two_launches_and_flags_a_wrong_pair(monkeypatch, fixt
 
 def test_rms_norm_pair_check_passes_two_norms_and_flags_a_wrong_pair(monkeypatch):
     """scripts/check_kernels.py's rms_norm_pair check: a pair that is rms_norm on each input
-    passes; one that rotates neither, or scales the second input's weights, fails."""
+    passes; one that rotates neither, or scales the second input's weights, fails; and
+    rms_norm_halves taking its second input from the wrong place in the array fails."""
     from dsv41_mlx.model import rotate
     from dsv41_mlx.quant import fp8_fake_quant_reference
 
@@ -723,12 +724,22 @@ def test_rms_norm_pair_check_passes_two_norms_and_flags_a_wrong_pair(monkeypatch
         return norm(x, w, eps, quantize_to=q1), norm(x2, w2 * 1.01 if weights else w2, eps, quantize_to=q2,
                                                       rope=None if unrotated else rope2)
 
+    def halves(both, rows, split, w, w2, eps, q1, q2, rope2, impl=None, start2=None):
+        x, x2 = kernels.pair_halves(both, rows, split)
+        if start2 is not None:  # the second input read from the wrong place in `both`
+            x2 = both[start2: start2 + x2.size].reshape(x2.shape)
+        return pair(x, w, x2, w2, eps, q1, q2, rope2)
+
     monkeypatch.setattr(check, "rms_norm", norm)
     monkeypatch.setattr(check, "rms_norm_pair", pair)
+    monkeypatch.setattr(check, "rms_norm_halves", halves)
     assert check.check_rms_norm_pair("mlx", seed=2) == []
     for broken in ({"unrotated": True}, {"weights": "scaled"}):
         monkeypatch.setattr(check, "rms_norm_pair", lambda *a, kw=broken, **k: pair(*a, **k, **kw))
         assert any("second output" in p for p in check.check_rms_norm_pair("mlx", seed=2)), broken
+    monkeypatch.setattr(check, "rms_norm_pair", pair)
+    monkeypatch.setattr(check, "rms_norm_halves", lambda *a, **k: halves(*a, **k, start2=0))
+    assert any("rms_norm_halves" in p for p in check.check_rms_norm_pair("mlx", seed=2))
 
 
 def test_epilogue_check_passes_the_spec_and_flags_a_wrong_epilogue(monkeypatch):
@@ -1363,7 +1374,7 @@ def test_fp8_mma_takes_the_array_it_waits_for_and_its_tile_rows(monkeypatch):
 
 def test_wq_a_and_wkv_run_as_one_launch_that_writes_them_apart(monkeypatch):
     """fp8_gemv_pair fits the release's stacked wq_a + wkv (5120 -> 1280 + 512) on a GPU: one
-    fp8_gemv launch with SPLIT at wq_a's rows, each part a [rows, outputs] view of its output,
+    fp8_gemv launch with SPLIT at wq_a's rows, each part (pair_halves) a [rows, outputs] view of its output,
     with the C each matrix gets alone (256). Not on the CPU, not for a matrix on the matrix
     unit, not where a part alone would take another C (another summation order), not for a
     split inside a thread group's outputs."""
@@ -1391,7 +1402,7 @@ def test_wq_a_and_wkv_run_as_one_launch_that_writes_them_apart(monkeypatch):
         return run
 
     monkeypatch.setattr(kernels, "_compiled", compiled)
-    a, kv = kernels.fp8_gemv_pair(x, w, s, 1280, impl="cuda", real_rows=1)
+    a, kv = kernels.pair_halves(kernels.fp8_gemv_pair(x, w, s, 1280, impl="cuda", real_rows=1), 8, 1280)
     (name, template, grid, shape), = seen
     assert name == "fp8_gemv" and shape == (8 * 1792,) and grid == 1792 // 4 * 256
     assert {k: template[k] for k in ("RB", "T", "C", "QX", "SW", "AP", "SPLIT")} == {
