@@ -999,7 +999,7 @@ def fp8_gemv_pair_fits(x: mx.array, w: mx.array, split: int, impl: str | None = 
 
 
 def fp8_gemv_pair(x: mx.array, w: mx.array, scales: mx.array, split: int, impl: str | None = None,
-                  init_value: float | None = None, real_rows: int | None = None) -> tuple[mx.array, mx.array]:
+                  init_value: float | None = None, real_rows: int | None = None) -> mx.array:
     """Two dense FP8 GEMMs of one input in one launch (attention's wq_a and wkv, both fed the
     layer's quantised input): w [N, K/4] (scales [N, K/32]) the two `mxfp8` matrices stacked,
     the first `split` rows one -> both products in one bf16 array [S * N]: x [S, K] through the
