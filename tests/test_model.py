@@ -672,11 +672,12 @@ def test_padded_forwards_compute_their_real_rows_alone(padded_model, golden, mon
 
 def test_attention_projects_and_norms_through_the_pair_launches(padded_model, golden, monkeypatch):
     """On a GPU a decode or verify step's attention makes wq_a's and wkv's products in one
-    launch (kernels.fp8_gemv_pair, split at q_lora_rank) and their norms in another
-    (kernels.rms_norm_pair: q_norm quantised as wq_b takes it, kv_norm rotated and quantised
-    as the window keeps it). With the two pairs their specs (the single GEMMs and norms) and
-    every other kernel on its spec, padded decode steps are the CPU path's bits (logits,
-    features and cache), and each layer of each forward launched each pair once."""
+    launch (kernels.fp8_gemv_pair, split at q_lora_rank, both in its one output) and their
+    norms in another that reads them there (kernels.rms_norm_halves: q_norm quantised as wq_b
+    takes it, kv_norm rotated and quantised as the window keeps it). With the two launches
+    their specs (the single GEMMs and norms) and every other kernel on its spec, padded decode
+    steps are the CPU path's bits (logits, features and cache), and each layer of each forward
+    launched each once."""
     from dsv41_mlx import kernels
     from dsv41_mlx.model import rotate
     from dsv41_mlx.quant import fp8_fake_quant_reference
@@ -691,10 +692,11 @@ def test_attention_projects_and_norms_through_the_pair_launches(padded_model, go
 
     def gemv_pair(x, w, s, split, impl=None, real_rows=None):
         pairs.append((x.shape, split, real_rows))
-        return tuple(kernels.fp8_gemv_reference(x, w[rows], s[rows], real_rows=real_rows)
-                     for rows in (slice(0, split), slice(split, None)))
+        return mx.concatenate([kernels.fp8_gemv_reference(x, w[rows], s[rows], real_rows=real_rows).reshape(-1)
+                               for rows in (slice(0, split), slice(split, None))])
 
-    def norm_pair(x, w, x2, w2, eps, quantize_to, quantize_to2, rope2, impl=None):
+    def norm_halves(both, rows, split, w, w2, eps, quantize_to, quantize_to2, rope2, impl=None):
+        x, x2 = kernels.pair_halves(both, rows, split)
         norms.append((x.shape, x2.shape, quantize_to, quantize_to2))
         cos, sin, dims = rope2
         S, D = x2.shape
@@ -707,8 +709,7 @@ def test_attention_projects_and_norms_through_the_pair_launches(padded_model, go
     _gpu_dispatch_with_specs(monkeypatch, model, lambda *args, impl=None: spec(*args))
     monkeypatch.setattr(kernels, "fp8_gemv_pair_fits", lambda x, w, split, impl=None: True)
     monkeypatch.setattr(kernels, "fp8_gemv_pair", gemv_pair)
-    monkeypatch.setattr(kernels, "rms_norm_pair_fits", lambda x, x2, impl=None: True)
-    monkeypatch.setattr(kernels, "rms_norm_pair", norm_pair)
+    monkeypatch.setattr(kernels, "rms_norm_halves", norm_halves)
     got = [model.decode(rest[start: start + 3], kernel) for start in range(0, len(rest), 3)]
     for (want_logits, want_feats), (logits, feats) in zip(want, got):
         assert mx.array_equal(want_logits, logits).item() and mx.array_equal(want_feats, feats).item()
