@@ -797,14 +797,15 @@ class Attention(nn.Module):
         and kv_norm in one more, which reads the two products where that launch put them
         (kernels.rms_norm_halves: no views of them)."""
         pair, split = self.wq_a_wkv, self.q_lora_rank
-        if self.q_norm.eps == self.kv_norm.eps and kernels.fp8_gemv_pair_fits(xq, pair.weight, split):
+        one_eps = self.q_norm.eps == self.kv_norm.eps  # (the pair launches take one)
+        if one_eps and kernels.fp8_gemv_pair_fits(xq, pair.weight, split):
             both = kernels.fp8_gemv_pair(xq, pair.weight, pair.scales, split, real_rows=real)
             qr, keys = kernels.rms_norm_halves(both, xq.shape[0], split, self.q_norm.weight, self.kv_norm.weight,
                                                self.kv_norm.eps, gemm_input_dtype(), both.dtype,
                                                self._latent_rope(rope))
             return self._queries(qr, rope, rope_in_kernel, real), qr, keys
         a, kv = pair.quantized_pair(xq, split, real)
-        if not (kernels.rms_norm_pair_fits(a, kv) and self.q_norm.eps == self.kv_norm.eps):
+        if not (one_eps and kernels.rms_norm_pair_fits(a, kv)):
             qr = self.q_norm.quantized(a)
             return self._queries(qr, rope, rope_in_kernel, real), qr, self.latent_kv_of(kv, rope)
         qr, keys = kernels.rms_norm_pair(a, self.q_norm.weight, kv, self.kv_norm.weight, self.kv_norm.eps,

@@ -7,7 +7,8 @@
 // [rows, D2] float32 (ROPE 0: neither read, placeholders). eps [1] float32 (both norms'),
 // sizes [4] int32 = (rows, D, D2, where x2's rows start in x2: 0, or rows * D where x2 is
 // x's buffer and its rows follow x's, as fp8_gemv_pair writes wq_a's and wkv's products:
-// kernels.rms_norm_halves). Threadgroups 0 .. rows - 1 take x's rows, the next rows x2's. QUANT 1: both results FP8 fake-quantised per 32 values (D and D2 multiples of 32).
+// kernels.rms_norm_halves). Threadgroups 0 .. rows - 1 take x's rows, the next rows x2's.
+// QUANT 1: both results FP8 fake-quantised per 32 values (D and D2 multiples of 32).
 // Template constants: T, O, O2, QUANT, ROPE. 256 threads. CUDA twin: rms_norm_pair.cu.
 
 threadgroup float partial[8];  // each simdgroup's sum of squares

@@ -550,26 +550,22 @@ def test_rms_norm_pair_gives_two_rms_norms_bits_on_the_host(language, tmp_path):
             "sizes": ("int32", np.array([S, n])), "rope_cos": ("float32", tables[0]), "rope_sin": ("float32", tables[1])},
             {"y": ("bfloat16", S * n)}, {"T": "bfloat16", "O": "bfloat16", "QUANT": 1, "ROPE": rope}, S, workdir)["y"]
 
-    workdir = tmp_path / "pair"
-    workdir.mkdir()
-    pair = run(kernels.RMS_NORM_PAIR, language, {
-        "x": ("bfloat16", _bf16_bits(x)), "w": ("float32", np.array(w)), "x2": ("bfloat16", _bf16_bits(x2)),
-        "w2": ("float32", np.array(w2)), "eps": ("float32", eps), "sizes": ("int32", np.array([S, D, D2, 0])),
-        "rope_cos": ("float32", cos), "rope_sin": ("float32", sin)},
-        {"y": ("bfloat16", S * D), "y2": ("bfloat16", S * D2)},
-        {"T": "bfloat16", "O": "bfloat16", "O2": "bfloat16", "QUANT": 1, "ROPE": R}, 2 * S, workdir)
+    def pair_run(x_bits, x2_bits, start2, name):  # rms_norm_pair, x2's rows from element start2 of x2
+        workdir = tmp_path / name
+        workdir.mkdir()
+        return run(kernels.RMS_NORM_PAIR, language, {
+            "x": ("bfloat16", x_bits), "w": ("float32", np.array(w)), "x2": ("bfloat16", x2_bits),
+            "w2": ("float32", np.array(w2)), "eps": ("float32", eps), "sizes": ("int32", np.array([S, D, D2, start2])),
+            "rope_cos": ("float32", cos), "rope_sin": ("float32", sin)},
+            {"y": ("bfloat16", S * D), "y2": ("bfloat16", S * D2)},
+            {"T": "bfloat16", "O": "bfloat16", "O2": "bfloat16", "QUANT": 1, "ROPE": R}, 2 * S, workdir)
+
     q, kv = single(x, w, 0, "q"), single(x2, w2, R, "kv")
+    pair = pair_run(_bf16_bits(x), _bf16_bits(x2), 0, "pair")
     assert np.array_equal(pair["y"], q) and np.array_equal(pair["y2"], kv)
     # both inputs in one array, x2's rows after x's (fp8_gemv_pair's output; kernels.rms_norm_halves)
-    workdir = tmp_path / "halves"
-    workdir.mkdir()
     both = np.concatenate([_bf16_bits(x), _bf16_bits(x2)])
-    halves = run(kernels.RMS_NORM_PAIR, language, {
-        "x": ("bfloat16", both), "w": ("float32", np.array(w)), "x2": ("bfloat16", both),
-        "w2": ("float32", np.array(w2)), "eps": ("float32", eps), "sizes": ("int32", np.array([S, D, D2, S * D])),
-        "rope_cos": ("float32", cos), "rope_sin": ("float32", sin)},
-        {"y": ("bfloat16", S * D), "y2": ("bfloat16", S * D2)},
-        {"T": "bfloat16", "O": "bfloat16", "O2": "bfloat16", "QUANT": 1, "ROPE": R}, 2 * S, workdir)
+    halves = pair_run(both, both, S * D, "halves")
     assert np.array_equal(halves["y"], q) and np.array_equal(halves["y2"], kv)
     normed = kernels.rms_norm_reference(x2, w2, 1e-6)
     pairs = (S, D2 // 2, 2)
