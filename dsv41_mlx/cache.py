@@ -194,6 +194,9 @@ class ModelCache:
     def __init__(self, layers: list[LayerCache]):
         self.layers = layers
         self.tokens: list[int] = []  # every token id fed so far (engram n-grams read the tail)
+        # the engram rows' buffers of this sequence's forwards built before their tokens are
+        # known, by row count (engram.StagedRows, Model.decode_ahead)
+        self.staged_rows: dict = {}
 
     @property
     def offset(self) -> int:

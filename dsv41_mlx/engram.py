@@ -160,17 +160,63 @@ def pack_rows(rows: list[tuple[np.ndarray, np.ndarray]], total: int | None = Non
     pays that once; Model.__call__ makes it before any of the forward's GPU work is queued, and
     unpack_rows' values are dequantised at the start of the forward."""
     parts = [a for pair in rows for a in pair]
-    layout, offset = [], 0
-    for a in parts:
-        shape = a.shape if total is None else (total, *a.shape[1:])
-        if shape[0] < a.shape[0]:
-            raise ValueError(f"{a.shape[0]} rows read for a forward of {shape[0]}")
-        layout.append((offset, shape))
-        offset += int(np.prod(shape))
-    flat = np.zeros(offset, np.uint8)
-    for (start, _), a in zip(layout, parts):  # a part's real rows first: row-major, row 0 first
-        flat[start: start + a.size] = a.reshape(-1)
+    layout, size = rows_layout([a.shape if total is None else (total, *a.shape[1:]) for a in parts])
+    flat = np.zeros(size, np.uint8)
+    write_rows(flat, layout, rows)
     return mx.array(flat), layout
+
+
+def rows_layout(shapes: list[tuple[int, ...]]) -> tuple[list, int]:
+    """Where parts of these shapes lie one after another in one flat uint8 buffer, row-major:
+    [(offset, shape)], and the buffer's size."""
+    layout, offset = [], 0
+    for shape in shapes:
+        layout.append((offset, tuple(shape)))
+        offset += int(np.prod(shape))
+    return layout, offset
+
+
+def write_rows(flat: np.ndarray, layout: list, rows: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    """EngramTable.read rows written into flat (uint8, rows_layout's buffer): each part's rows
+    first (row 0 first), the rest of its place zeros."""
+    parts = [a for pair in rows for a in pair]
+    if len(parts) != len(layout):
+        raise ValueError(f"{len(parts)} parts for a layout of {len(layout)}")
+    for (start, shape), a in zip(layout, parts):
+        if a.shape[1:] != shape[1:] or a.shape[0] > shape[0]:
+            raise ValueError(f"{a.shape[0]} rows read for a forward of {shape[0]}"
+                             if a.shape[1:] == shape[1:] else f"rows of shape {a.shape} for a place of {shape}")
+        end = start + int(np.prod(shape))
+        flat[start: start + a.size] = a.reshape(-1)
+        flat[start + a.size: end] = 0
+
+
+class StagedRows:
+    """One sequence's buffer for the engram rows of its forwards built before their tokens are
+    known (Model.decode_ahead, where build_ahead): an MLX array made once, which each such
+    forward's graph reads (`values`), and the host writes the rows into (`write`) once the
+    tokens are known, before it starts the forward. So the whole graph can be built while the
+    device still runs the forward before, and no host-made array is allocated at the step's
+    boundary (pack_rows says what that may cost).
+
+    The host writes into memory the device reads: a write must come after every earlier
+    forward that read the buffer has run, which holds where the tokens written were read back
+    from the forward before (each depends on all of it). Its cache keeps it, so two sequences
+    never share one."""
+
+    def __init__(self, shapes: list[tuple[int, ...]]):
+        self.layout, size = rows_layout(shapes)
+        self.packed = mx.array(np.zeros(size, np.uint8))
+        self._host = np.array(self.packed, copy=False)  # its memory, writable (unified on a Mac, managed on CUDA)
+        if not self._host.flags.writeable:
+            raise RuntimeError("this MLX does not give a writable view of an array's memory")
+
+    def values(self) -> list[mx.array]:
+        """unpack_rows' values of the buffer: new graph nodes each call, one forward's."""
+        return unpack_rows(self.packed, self.layout)
+
+    def write(self, rows: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        write_rows(self._host, self.layout, rows)
 
 
 def unpack_rows(packed: mx.array, layout: list) -> list[mx.array]:

@@ -137,22 +137,28 @@ def generate_step(model, prompt: list[int], params: SamplingParams, max_tokens: 
             yield from speculative_decode(decoder, cache, logits, features, max_tokens)
         return
     # Each step begins the next forward before reading its token back (Model.decode_ahead):
-    # the device runs the forward's first block straight after sampling the token.
+    # the device runs the forward's first block straight after sampling the token, and on a
+    # GPU the host builds the rest of it meanwhile. A finished forward is not settled (the
+    # evaluator's thread may still be starting its blocks) until the next decode_ahead, or
+    # Model.settle, before this loop waits for anything.
     ahead = None
     try:
         for n in range(max_tokens):
             position = cache.offset  # the new token's absolute position
             drawn = sample(logits[None], mx.array([position]), params)  # [1], on the device
             ahead = model.decode_ahead(drawn, cache) if n + 1 < max_tokens else None
+            if ahead is None:
+                model.settle()
             token = drawn.item()
             yield token
             if ahead is not None:
-                out, _ = ahead.finish(token)
+                out, _ = ahead.finish(token, settle=False)
                 ahead = None
                 logits = out[0, -1]
     finally:
         if ahead is not None:  # the caller stopped early (or a step failed): the begun forward abandoned
             ahead.cancel()
+        model.settle()
 
 
 def make_decoder(model, params: SamplingParams, draft: bool | None = None, verify: str | None = None,

@@ -26,7 +26,7 @@ from .cache import LayerCache, ModelCache
 from .config import ModelArgs
 from . import kernels
 from .kernels import rms_norm
-from .engram import Engram, NgramHasher, pack_rows, unpack_rows
+from .engram import Engram, NgramHasher, StagedRows, pack_rows, unpack_rows
 from .evaluator import BlockEvaluator, switched
 from .quant import Fp8Linear, fp4_fake_quant, fp8_fake_quant, fp8_input, gemm_input_dtype
 
@@ -1244,6 +1244,10 @@ class Model(nn.Module):
         # block i + 1 (evaluate_on_thread; on the H200, session 23: a one-row decode step 1.44x
         # faster on a slow host, the same on a fast one)
         self._evaluator: BlockEvaluator | None = BlockEvaluator() if on_gpu else None
+        # decode_ahead builds the whole forward while the device still runs the one before,
+        # its engram rows read into a buffer made once (engram.StagedRows) when the token is
+        # known; see decode_ahead
+        self.build_ahead = on_gpu
 
     @property
     def evaluate_on_thread(self) -> bool:
@@ -1364,16 +1368,38 @@ class Model(nn.Module):
         So the device runs block 0 straight after the work that makes t, where decode would
         leave it idle while the host reads t back and builds block 0 (docs/benchmarks.md,
         session 30: the device's first work ~1.2 ms into an 18 ms step). The same graph, the
-        same bits as decode."""
+        same bits as decode.
+
+        Where build_ahead (a GPU's default), the rest is built now as well, every block and the
+        head, and only started by finish, once t's engram rows are written into the buffer the
+        graph reads (engram.StagedRows, one per cache): the host builds a forward while the
+        device runs the one before, and at the step's boundary only reads t, hashes it, writes
+        its rows and starts the blocks built. finish(t, settle=False) then returns while the
+        evaluator's thread still starts them, for a caller whose next call is decode_ahead
+        (which settles first) or settle: generate_step's loop."""
         rows = self._decode_rows or 1
         # the forward reads t through a node of its own (same buffer): the caller waits for
         # `token` while the evaluator's thread may still be starting block 0 (evaluator.py: why
         # the two must not share an array)
         feed = mx.stop_gradient(token)
-        mx.async_eval(token, feed)  # t's work started from this thread, before the evaluator's may read it
-        forward = self._forward(feed, cache, None, False, 1, rows)
-        next(forward)  # up to where it waits for the token
-        return DecodeAhead(forward, cache, rows, self._blocks_before_tokens)
+        if not self.build_ahead:
+            mx.async_eval(token, feed)  # t's work started from this thread, before the evaluator's may read it
+            forward = self._forward(feed, cache, None, False, 1, rows)
+            next(forward)  # up to where it waits for the token
+            return DecodeAhead(forward, cache, rows, self._blocks_before_tokens)
+        forward = self._forward_built_ahead(feed, cache, rows)
+        next(forward)  # every block built, none started
+        self.settle()  # the forward before started whole: this thread may start t's work
+        mx.async_eval(token, feed)
+        forward.send(None)  # the blocks that need no tokens started; it waits for them
+        return DecodeAhead(forward, cache, rows, len(self.layers), self.settle)
+
+    def settle(self) -> None:
+        """Wait until the evaluator's thread has started everything handed to it (nothing to wait
+        for without one): before this thread evaluates, or waits for, anything a forward built
+        (DecodeAhead.finish(t, settle=False) returns without it)."""
+        if self._evaluator is not None:
+            self._evaluator.drain()
 
     @functools.cached_property
     def _blocks_before_tokens(self) -> int:
@@ -1391,17 +1417,7 @@ class Model(nn.Module):
         the evaluator's thread, with the graph built on its stream: only while building, so that
         the caller's own work while the forward waits stays on the caller's stream); the
         evaluator is drained on the way out, also where the generator is closed at its wait."""
-        start = cache.offset
-        evaluator = self._evaluator if self.overlap_build else None
-
-        def building():  # the stream the forward's graph is built on
-            return mx.stream(evaluator.stream) if evaluator is not None else contextlib.nullcontext()
-
-        def begin(*arrays: mx.array) -> None:  # start them on the device now, where overlap_build
-            if evaluator is not None:
-                evaluator.submit(*arrays)
-            elif self.overlap_build:
-                mx.async_eval(*arrays)
+        evaluator, building, begin = self._starting()
 
         def blocks(first: int, last: int, engram_values: dict[int, mx.array]) -> None:
             nonlocal h, pre
@@ -1415,9 +1431,7 @@ class Model(nn.Module):
                 if tokens is None:  # the token on each row: a view, made on the stream the forward is built on
                     ids = mx.broadcast_to(ids.astype(mx.int32).reshape(1, 1), (1, rows))
                 S = ids.shape[1]
-                positions = positions_of(start, S)
-                h, pre = hc_expand(self.embed(ids.reshape(-1)), self.args.hc_mult)  # [S, hc, dim], [S, hc]
-                shared = SharedAttention(real_rows, np.arange(start, start + S))
+                positions, h, pre, shared = self._forward_start(ids, cache, real_rows)
                 features = []
                 ahead = self._blocks_before_tokens if tokens is None else 0
                 blocks(0, ahead, {})
@@ -1425,17 +1439,88 @@ class Model(nn.Module):
                 tokens = yield
             with building():
                 blocks(ahead, len(self.layers), self._engram_values(cache, tokens, real_rows, begin))
-                x = self.norm(hc_pre(h, pre))
-                if last_logits_only:
-                    last = S if real_rows is None else real_rows
-                    x, real_rows = x[last - 1: last], None
-                logits = self.head(x, real_rows)[None]
-                feats = mx.concatenate(features, axis=-1)[None] if features else mx.zeros((1, S, 0), dtype=BF16)
+                logits, feats = self._forward_end(h, pre, features, last_logits_only, real_rows)
                 if evaluator is not None:
                     evaluator.submit(logits, feats)
         finally:
             if evaluator is not None:
                 evaluator.drain()  # before the caller evaluates anything itself
+        return logits, feats
+
+    def _forward_built_ahead(self, token: mx.array, cache: ModelCache, rows: int):
+        """decode_ahead's forward where build_ahead, as a generator: it builds every block and
+        the head from the token [1] still being computed (a forward of `rows` rows, the first
+        real, the token on each), the engram layers reading the cache's StagedRows, and starts
+        nothing (next); then starts the blocks that need no tokens (send(None)); then, sent the
+        tokens, writes their engram rows into the StagedRows, appends them to the cache, starts
+        the rest and returns (logits, features) without draining the evaluator (the caller
+        settles it). Closed or failing, it drains the evaluator on the way out."""
+        evaluator, building, begin = self._starting()
+        settled = False
+        try:
+            with building():
+                ids = mx.broadcast_to(token.astype(mx.int32).reshape(1, 1), (1, rows))
+                positions, h, pre, shared = self._forward_start(ids, cache, 1)
+                staged = self._staged_rows(cache, rows)
+                values = dict(zip(self._engram_layers, staged.values())) if staged is not None else {}
+                features, built = [], []
+                for i in range(len(self.layers)):
+                    h, pre = self.block_forward(i, h, pre, positions, cache, shared, values.get(i), 1, features)
+                    built.append((h, pre))
+                logits, feats = self._forward_end(h, pre, features, False, 1)
+            yield
+            ahead = self._blocks_before_tokens
+            for arrays in built[:ahead]:
+                begin(*arrays)
+            tokens = yield
+            if staged is not None:
+                staged.write(self._engram_reads(self.hasher(cache.tokens, tokens[:1])))
+            cache.tokens.extend(tokens)
+            if values:  # (as _engram_values: the rows first)
+                begin(*values.values())
+            for arrays in built[ahead:]:
+                begin(*arrays)
+            begin(logits, feats)
+            settled = True
+        finally:
+            if evaluator is not None and not settled:
+                evaluator.drain()
+        return logits, feats
+
+    def _starting(self):
+        """How a forward starts its blocks: (the evaluator or None, a context manager for the
+        stream its graph is built on, begin(*arrays): start them on the device now, where
+        overlap_build)."""
+        evaluator = self._evaluator if self.overlap_build else None
+
+        def building():
+            return mx.stream(evaluator.stream) if evaluator is not None else contextlib.nullcontext()
+
+        def begin(*arrays: mx.array) -> None:
+            if evaluator is not None:
+                evaluator.submit(*arrays)
+            elif self.overlap_build:
+                mx.async_eval(*arrays)
+
+        return evaluator, building, begin
+
+    def _forward_start(self, ids: mx.array, cache: ModelCache, real_rows: int | None):
+        """A forward's inputs to block 0 for ids [1, S] at positions cache.offset..: (positions, h
+        [S, hc, dim], pre [S, hc], the layers' SharedAttention)."""
+        start, S = cache.offset, ids.shape[1]
+        h, pre = hc_expand(self.embed(ids.reshape(-1)), self.args.hc_mult)
+        return positions_of(start, S), h, pre, SharedAttention(real_rows, np.arange(start, start + S))
+
+    def _forward_end(self, h, pre, features: list[mx.array], last_logits_only: bool,
+                     real_rows: int | None) -> tuple[mx.array, mx.array]:
+        """The last block's stream -> (logits [1, S or 1, V], features [1, S, F])."""
+        S = pre.shape[0]
+        x = self.norm(hc_pre(h, pre))
+        if last_logits_only:
+            last = S if real_rows is None else real_rows
+            x, real_rows = x[last - 1: last], None
+        logits = self.head(x, real_rows)[None]
+        feats = mx.concatenate(features, axis=-1)[None] if features else mx.zeros((1, S, 0), dtype=BF16)
         return logits, feats
 
     def _engram_values(self, cache: ModelCache, tokens: list[int], real_rows: int | None,
@@ -1448,23 +1533,35 @@ class Model(nn.Module):
         rows' values}."""
         real = tokens if real_rows is None else tokens[:real_rows]
         hashes = self.hasher(cache.tokens, real) if self.hasher is not None else None
-        layers, packed, layout = self._read_engram_rows(hashes, len(tokens))
+        layers = list(self._engram_layers)
+        packed, layout = pack_rows(self._engram_reads(hashes), len(tokens)) if layers else (None, [])
         cache.tokens.extend(tokens)
         values = dict(zip(layers, unpack_rows(packed, layout)))
         if values:
             begin(*values.values())
         return values
 
-    def _read_engram_rows(self, hashes: np.ndarray | None, rows: int) -> tuple[list[int], mx.array | None, list]:
-        """Every engram layer's table rows for the hashes of a forward's first rows, read on the
-        host into one array of `rows` rows (the rest zeros), before any of the forward's GPU work
-        is queued but a decode_ahead's first block (engram.pack_rows says why): the layers, the
-        array, its layout."""
-        layers = list(self._engram_layers)
-        if not layers:
-            return [], None, []
-        return layers, *pack_rows([self.layers[i].engram.table.read(hashes[:, self.hasher.layer_index(i)])
-                                   for i in layers], rows)
+    def _engram_reads(self, hashes: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Every engram layer's table rows for a forward's hashes, read on the host (EngramTable.read),
+        in layer order. A forward packs them into one array before any of its GPU work is queued
+        but a decode_ahead's first block (engram.pack_rows says why), or writes them into its
+        StagedRows."""
+        return [self.layers[i].engram.table.read(hashes[:, self.hasher.layer_index(i)]) for i in self._engram_layers]
+
+    def _staged_rows(self, cache: ModelCache, rows: int) -> StagedRows | None:
+        """The cache's StagedRows for forwards of `rows` rows (made on first use), None without
+        engram layers."""
+        if not self._engram_layers:
+            return None
+        staged = cache.staged_rows.get(rows)
+        if staged is None:
+            n_cols = (self.args.engram_max_ngram_size - 1) * self.args.engram_n_heads
+            shapes = []
+            for i in self._engram_layers:
+                table = self.layers[i].engram.table
+                shapes += [(rows, n_cols, table.codes.shape[1]), (rows, n_cols, table.scales.shape[1])]
+            staged = cache.staged_rows[rows] = StagedRows(shapes)
+        return staged
 
 
 def _result(forward, tokens: list[int] | None = None) -> tuple[mx.array, mx.array]:
@@ -1479,17 +1576,25 @@ def _result(forward, tokens: list[int] | None = None) -> tuple[mx.array, mx.arra
 
 class DecodeAhead:
     """A one-token decode forward begun before its token is on the host (Model.decode_ahead):
-    its first blocks built and started, the rest waiting for the token. `finish(t)` builds the
-    rest with the token's value t and returns decode's (logits [1, 1, V], features [1, 1, F]);
-    `cancel()` abandons it (a caller that stops before the next token) and leaves the cache as
-    it was before."""
+    its first blocks built and started, the rest waiting for the token (or built and waiting to
+    be started, where build_ahead). `finish(t)` builds or starts the rest with the token's value
+    t and returns decode's (logits [1, 1, V], features [1, 1, F]); `cancel()` abandons it (a
+    caller that stops before the next token) and leaves the cache as it was before."""
 
-    def __init__(self, forward, cache: ModelCache, rows: int, blocks_built: int):
+    def __init__(self, forward, cache: ModelCache, rows: int, blocks_built: int, settle=None):
         self._forward, self._cache, self._rows, self._built = forward, cache, rows, blocks_built
+        self._settle = settle  # (where the forward returns without draining the evaluator)
 
-    def finish(self, token: int) -> tuple[mx.array, mx.array]:
+    def finish(self, token: int, settle: bool = True) -> tuple[mx.array, mx.array]:
+        """The forward for the token's value t (read back from the token decode_ahead was given:
+        a forward built ahead reads its engram rows from a buffer the forward before read, so t
+        must come after it). settle=False: return while the evaluator's thread may still be
+        starting the forward's blocks, for a caller that builds on the result and then calls
+        decode_ahead or Model.settle before evaluating or waiting for anything."""
         forward, self._forward = self._forward, None  # (nothing left to cancel, even if this fails)
         logits, features = _result(forward, [token] * self._rows)  # the padding rows repeat it, as Model.padded's
+        if settle and self._settle is not None:
+            self._settle()
         self._cache.trim(self._rows - 1)
         return logits[:, :1], features[:, :1]
 

@@ -237,9 +237,12 @@ def test_prefill_pads_its_last_chunk_without_changing_a_bit(fixture_model):
         assert mx.array_equal(a, b).item()
 
 
-def test_sampled_replies_are_the_same_with_the_blocks_on_the_evaluators_thread(default_model):
+@pytest.mark.parametrize("built", [False, True])
+def test_sampled_replies_are_the_same_with_the_blocks_on_the_evaluators_thread(default_model, built):
     """A sampled reply with each forward's blocks started on the evaluator's thread (each next
-    forward begun before the token is read back) draws the same tokens as one without."""
+    forward begun before the token is read back; built: built whole before it, Model.build_ahead,
+    each finished forward left unsettled until the next begins) draws the same tokens as one
+    without."""
     from dsv41_mlx.generate import generate_step
     from dsv41_mlx.sampling import SamplingParams
 
@@ -248,17 +251,20 @@ def test_sampled_replies_are_the_same_with_the_blocks_on_the_evaluators_thread(d
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=3)
     want = list(generate_step(model, prompt, params, 8))
     model.overlap_build = model.evaluate_on_thread = True
+    model.build_ahead = built
     try:
         got = list(generate_step(model, prompt, params, 8))
     finally:
-        model.overlap_build = model.evaluate_on_thread = False
+        model.overlap_build = model.evaluate_on_thread = model.build_ahead = False
     assert got == want and len(set(got)) > 1
 
 
-def test_a_reply_stopped_early_abandons_its_begun_forward(default_model):
+@pytest.mark.parametrize("built", [False, True])
+def test_a_reply_stopped_early_abandons_its_begun_forward(default_model, built):
     """Plain decoding begins each next forward before it hands the caller the token
-    (Model.decode_ahead): a caller that stops after three tokens leaves nothing running, and
-    the model then replies as before, with the blocks on the evaluator's thread or not."""
+    (Model.decode_ahead; built: the whole forward built then, Model.build_ahead): a caller that
+    stops after three tokens leaves nothing running, and the model then replies as before, with
+    the blocks on the evaluator's thread or not."""
     from dsv41_mlx.generate import generate_step
     from dsv41_mlx.sampling import SamplingParams
 
@@ -266,11 +272,12 @@ def test_a_reply_stopped_early_abandons_its_begun_forward(default_model):
     prompt = tokenizer.encode("The quick brown fox")
     whole = list(generate_step(model, prompt, SamplingParams(), 6))
     model.overlap_build = model.evaluate_on_thread = True
+    model.build_ahead = built
     try:
         steps = generate_step(model, prompt, SamplingParams(), 6)
         first = [next(steps) for _ in range(3)]
         steps.close()
         again = list(generate_step(model, prompt, SamplingParams(), 6))
     finally:
-        model.overlap_build = model.evaluate_on_thread = False
+        model.overlap_build = model.evaluate_on_thread = model.build_ahead = False
     assert first == whole[:3] and again == whole

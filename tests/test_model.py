@@ -250,19 +250,23 @@ def test_blocks_evaluated_on_a_thread_change_no_bit(fixture_model, golden):
         _assert_same_state(got[2], whole[2])
 
 
+@pytest.mark.parametrize("built", [False, True])
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("threaded", [False, True])
-def test_a_decode_begun_before_its_token_is_read_changes_no_bit(fixture_model, golden, padded, threaded):
+def test_a_decode_begun_before_its_token_is_read_changes_no_bit(fixture_model, golden, padded, threaded, built):
     """Model.decode_ahead with the token still lazy (each one the previous step's greedy pick):
-    its first block built before the token is read, the rest after. Every step gives decode's
-    logits, features and cache, padded to 8 rows or not, with the blocks started on the
-    evaluator's thread or not (the caller's stream its own while the forward waits); a cancelled
-    one leaves the cache as it was (engram layers 1 and 4: block 0 alone is built ahead)."""
+    its first block built and started before the token is read, the rest built after, or
+    (built: build_ahead) built before and started after, their engram rows written into the
+    cache's StagedRows. Every step gives decode's logits, features and cache, padded to 8 rows
+    or not, with the blocks started on the evaluator's thread or not (the caller's stream its
+    own while the forward waits); a cancelled one leaves the cache as it was (engram layers 1
+    and 4: block 0 alone is started ahead)."""
     model = fixture_model
     assert model._blocks_before_tokens == 1
     ids = _ids(golden)
     model.decode_rows = 8 if padded else None
     model.overlap_build = model.evaluate_on_thread = threaded
+    model.build_ahead = built
     try:
         plain, ahead = model.make_cache(), model.make_cache()
         for c in (plain, ahead):
@@ -284,7 +288,8 @@ def test_a_decode_begun_before_its_token_is_read_changes_no_bit(fixture_model, g
         assert mx.array_equal(want, got).item()
     finally:
         model.decode_rows = None
-        model.overlap_build = model.evaluate_on_thread = False
+        model.overlap_build = model.evaluate_on_thread = model.build_ahead = False
+    assert bool(ahead.staged_rows) == built
 
 
 def test_block_evaluator_hands_its_threads_error_to_the_caller(monkeypatch):
