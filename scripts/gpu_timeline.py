@@ -243,7 +243,7 @@ def load_warm(model_path: str, rows: int, prompt_tokens: int, prefill_only: bool
     def step():
         nonlocal token, ahead
         if rows == 1:
-            out, _ = ahead.finish(token)
+            out, _ = ahead.finish(token, settle=False)  # settled by the next decode_ahead, as generate_step's
             drawn = draw(out[0, -1])
             ahead = model.decode_ahead(drawn, cache)
             token = drawn.item()
