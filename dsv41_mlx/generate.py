@@ -138,23 +138,25 @@ def generate_step(model, prompt: list[int], params: SamplingParams, max_tokens: 
         return
     # Each step begins the next forward before reading its token back (Model.decode_ahead):
     # the device runs the forward's first block straight after sampling the token, and on a
-    # GPU the host builds the rest of it meanwhile. A finished forward is not settled (the
-    # evaluator's thread may still be starting its blocks) until the next decode_ahead, or
-    # Model.settle, before this loop waits for anything.
+    # GPU the host builds the rest of it meanwhile. The token is drawn on the forwards' stream,
+    # so the evaluator's thread starts it right after the forward's blocks. A finished forward
+    # is not settled (that thread may still be starting its blocks) until the next
+    # decode_ahead, or Model.settle, before this loop waits for anything.
+    mx.eval(logits)  # (prefill's view of its last row, on this thread's stream: not the evaluator's to start)
     ahead = None
     try:
         for n in range(max_tokens):
             position = cache.offset  # the new token's absolute position
-            drawn = sample(logits[None], mx.array([position]), params)  # [1], on the device
-            ahead = model.decode_ahead(drawn, cache) if n + 1 < max_tokens else None
+            with model.forward_stream():
+                drawn = sample(logits.reshape(1, -1), mx.array([position]), params)  # [1], on the device
+            ahead = model.decode_ahead(drawn, cache, on_forward_stream=True) if n + 1 < max_tokens else None
             if ahead is None:
                 model.settle()
             token = drawn.item()
             yield token
             if ahead is not None:
-                out, _ = ahead.finish(token, settle=False)
+                logits, _ = ahead.finish(token, settle=False)  # [1, 1, V]
                 ahead = None
-                logits = out[0, -1]
     finally:
         if ahead is not None:  # the caller stopped early (or a step failed): the begun forward abandoned
             ahead.cancel()

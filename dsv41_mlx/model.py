@@ -1361,7 +1361,7 @@ class Model(nn.Module):
         # gather on the GPU and wait for it)
         return _result(self._forward(ids, cache, np.asarray(ids)[0].tolist(), last_logits_only, real_rows))
 
-    def decode_ahead(self, token: mx.array, cache: ModelCache) -> DecodeAhead:
+    def decode_ahead(self, token: mx.array, cache: ModelCache, on_forward_stream: bool = False) -> DecodeAhead:
         """decode([t], cache) begun while the token t (token: int [1], as sampling.sample makes it)
         is still being computed: the forward's first block, which reads no engram, is built and
         started on the device at once, and the rest waits for t on the host (DecodeAhead.finish).
@@ -1376,7 +1376,10 @@ class Model(nn.Module):
         device runs the one before, and at the step's boundary only reads t, hashes it, writes
         its rows and starts the blocks built. finish(t, settle=False) then returns while the
         evaluator's thread still starts them, for a caller whose next call is decode_ahead
-        (which settles first) or settle: generate_step's loop."""
+        (which settles it) or settle: generate_step's loop. on_forward_stream: the token was
+        drawn under forward_stream(), so the evaluator's thread starts its work straight after
+        the forward before's blocks, before the host builds this forward (otherwise this thread
+        starts it once the thread has started them all, after the build)."""
         rows = self._decode_rows or 1
         # the forward reads t through a node of its own (same buffer): the caller waits for
         # `token` while the evaluator's thread may still be starting block 0 (evaluator.py: why
@@ -1387,12 +1390,33 @@ class Model(nn.Module):
             forward = self._forward(feed, cache, None, False, 1, rows)
             next(forward)  # up to where it waits for the token
             return DecodeAhead(forward, cache, rows, self._blocks_before_tokens)
+        queued = on_forward_stream and self.overlap_build and self._evaluator is not None
+        if queued:
+            with self.forward_stream():
+                feed = mx.stop_gradient(token)
+            self._evaluator.submit(token, feed)  # after the forward before's blocks, on its thread
         forward = self._forward_built_ahead(feed, cache, rows)
-        next(forward)  # every block built, none started
-        self.settle()  # the forward before started whole: this thread may start t's work
-        mx.async_eval(token, feed)
-        forward.send(None)  # the blocks that need no tokens started; it waits for them
-        return DecodeAhead(forward, cache, rows, len(self.layers), self.settle)
+        begun = DecodeAhead(forward, cache, rows, len(self.layers), self.settle, self.forward_stream)
+        try:
+            next(forward)  # every block built, none started
+            if not queued:
+                self.settle()  # the forward before started whole: this thread may start t's work
+                mx.async_eval(token, feed)
+            forward.send(None)  # the blocks that need no tokens started; it waits for them
+            if queued:
+                self.settle()  # (the caller then waits for t: the thread must be done with it)
+        except BaseException:
+            begun.cancel()
+            raise
+        return begun
+
+    def forward_stream(self):
+        """A context manager: the stream forwards build their graphs on (the evaluator's, where
+        overlap_build starts their blocks on its thread; else the caller's own). What is built
+        under it from a forward's outputs may be handed to that thread: decode_ahead's
+        on_forward_stream."""
+        evaluator = self._evaluator if self.overlap_build else None
+        return mx.stream(evaluator.stream) if evaluator is not None else contextlib.nullcontext()
 
     def settle(self) -> None:
         """Wait until the evaluator's thread has started everything handed to it (nothing to wait
@@ -1493,16 +1517,13 @@ class Model(nn.Module):
         overlap_build)."""
         evaluator = self._evaluator if self.overlap_build else None
 
-        def building():
-            return mx.stream(evaluator.stream) if evaluator is not None else contextlib.nullcontext()
-
         def begin(*arrays: mx.array) -> None:
             if evaluator is not None:
                 evaluator.submit(*arrays)
             elif self.overlap_build:
                 mx.async_eval(*arrays)
 
-        return evaluator, building, begin
+        return evaluator, self.forward_stream, begin
 
     def _forward_start(self, ids: mx.array, cache: ModelCache, real_rows: int | None):
         """A forward's inputs to block 0 for ids [1, S] at positions cache.offset..: (positions, h
@@ -1581,9 +1602,11 @@ class DecodeAhead:
     t and returns decode's (logits [1, 1, V], features [1, 1, F]); `cancel()` abandons it (a
     caller that stops before the next token) and leaves the cache as it was before."""
 
-    def __init__(self, forward, cache: ModelCache, rows: int, blocks_built: int, settle=None):
+    def __init__(self, forward, cache: ModelCache, rows: int, blocks_built: int, settle=None,
+                 stream=contextlib.nullcontext):
         self._forward, self._cache, self._rows, self._built = forward, cache, rows, blocks_built
         self._settle = settle  # (where the forward returns without draining the evaluator)
+        self._stream = stream  # the stream its outputs' first rows are taken on (the forward's)
 
     def finish(self, token: int, settle: bool = True) -> tuple[mx.array, mx.array]:
         """The forward for the token's value t (read back from the token decode_ahead was given:
@@ -1596,7 +1619,8 @@ class DecodeAhead:
         if settle and self._settle is not None:
             self._settle()
         self._cache.trim(self._rows - 1)
-        return logits[:, :1], features[:, :1]
+        with self._stream():
+            return logits[:, :1], features[:, :1]
 
     def cancel(self) -> None:
         if self._forward is None:  # finished (or failed finishing)
