@@ -1,5 +1,7 @@
 """Behaviour of the target model's forward and caches on the fixture checkpoint."""
 
+import contextlib
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -250,7 +252,7 @@ def test_blocks_evaluated_on_a_thread_change_no_bit(fixture_model, golden):
         _assert_same_state(got[2], whole[2])
 
 
-@pytest.mark.parametrize("built", [False, True])
+@pytest.mark.parametrize("built", [False, True, "queued"])
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("threaded", [False, True])
 def test_a_decode_begun_before_its_token_is_read_changes_no_bit(fixture_model, golden, padded, threaded, built):
@@ -259,26 +261,32 @@ def test_a_decode_begun_before_its_token_is_read_changes_no_bit(fixture_model, g
     (built: build_ahead) built before and started after, their engram rows written into the
     cache's StagedRows. Every step gives decode's logits, features and cache, padded to 8 rows
     or not, with the blocks started on the evaluator's thread or not (the caller's stream its
-    own while the forward waits); a cancelled one leaves the cache as it was (engram layers 1
-    and 4: block 0 alone is started ahead)."""
+    own while the forward waits); queued: built, each token drawn on the forwards' stream and
+    started by the evaluator's thread (on_forward_stream, generate_step's way), each forward
+    finished unsettled. A cancelled one leaves the cache as it was (engram layers 1 and 4:
+    block 0 alone is started ahead)."""
     model = fixture_model
     assert model._blocks_before_tokens == 1
     ids = _ids(golden)
     model.decode_rows = 8 if padded else None
     model.overlap_build = model.evaluate_on_thread = threaded
-    model.build_ahead = built
+    model.build_ahead = bool(built)
+    queued = built == "queued"
     try:
         plain, ahead = model.make_cache(), model.make_cache()
         for c in (plain, ahead):
             logits, _ = model(mx.array([ids[:41]], dtype=mx.int32), c)
         callers = mx.default_stream(mx.default_device())
         for _ in range(4):
-            token = mx.argmax(logits[0, -1:], axis=-1)  # [1], not yet computed
-            begun = model.decode_ahead(token, ahead)
+            with model.forward_stream() if queued else contextlib.nullcontext():
+                token = mx.argmax(logits[0, -1:], axis=-1)  # [1], not yet computed
+            begun = model.decode_ahead(token, ahead, on_forward_stream=queued)
             assert mx.default_stream(mx.default_device()) == callers  # (not the evaluator's, while it waits)
             t = token.item()
+            logits, features = begun.finish(t, settle=not queued)
+            if queued:  # (what generate_step's next decode_ahead does before it waits for anything)
+                model.settle()
             want, want_f = model.decode([t], plain)
-            logits, features = begun.finish(t)
             assert mx.array_equal(want, logits).item() and mx.array_equal(want_f, features).item()
             _assert_same_state(plain, ahead)
         model.decode_ahead(mx.argmax(logits[0, -1:], axis=-1), ahead).cancel()
@@ -289,7 +297,7 @@ def test_a_decode_begun_before_its_token_is_read_changes_no_bit(fixture_model, g
     finally:
         model.decode_rows = None
         model.overlap_build = model.evaluate_on_thread = model.build_ahead = False
-    assert bool(ahead.staged_rows) == built
+    assert bool(ahead.staged_rows) == bool(built)
 
 
 def test_block_evaluator_hands_its_threads_error_to_the_caller(monkeypatch):
