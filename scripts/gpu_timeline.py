@@ -232,20 +232,22 @@ def load_warm(model_path: str, rows: int, prompt_tokens: int, prefill_only: bool
             propose()
         return propose
     logits, _ = prefill(model, prompt, cache)
+    mx.eval(logits)
 
-    def draw(logits):  # generate_step's greedy draw: [1] on the device
-        return sample(logits[None], mx.array([cache.offset]), SamplingParams())
+    def draw(logits):  # generate_step's greedy draw: [1] on the device, on the forwards' stream
+        with model.forward_stream():
+            return sample(logits.reshape(1, -1), mx.array([cache.offset]), SamplingParams())
 
     drawn = draw(logits)
-    ahead = model.decode_ahead(drawn, cache) if rows == 1 else None
+    ahead = model.decode_ahead(drawn, cache, on_forward_stream=True) if rows == 1 else None
     token = drawn.item()
 
     def step():
         nonlocal token, ahead
         if rows == 1:
             out, _ = ahead.finish(token, settle=False)  # settled by the next decode_ahead, as generate_step's
-            drawn = draw(out[0, -1])
-            ahead = model.decode_ahead(drawn, cache)
+            drawn = draw(out)
+            ahead = model.decode_ahead(drawn, cache, on_forward_stream=True)
             token = drawn.item()
             return
         out, _ = model.decode([token] * rows, cache)

@@ -68,7 +68,8 @@ def test_a_steps_kernels_listed_in_order(timeline):
 
 def test_one_row_steps_run_as_generate_runs_them(timeline, fixture_dir, monkeypatch):
     """load_warm's one-row step: the greedy tokens generate_step hands out, each forward begun
-    before its token is read back (decode_ahead), one position a step."""
+    before its token is read back (decode_ahead, the token drawn on the forwards' stream),
+    one position a step."""
     import dsv41_mlx
     from dsv41_mlx.generate import generate_step
     from dsv41_mlx.sampling import SamplingParams
@@ -79,16 +80,17 @@ def test_one_row_steps_run_as_generate_runs_them(timeline, fixture_dir, monkeypa
     seen = []
     real_decode_ahead = type(model).decode_ahead
 
-    def spy(self, token, cache):
-        seen.append((int(token.item()), cache.offset))
-        return real_decode_ahead(self, token, cache)
+    def spy(self, token, cache, on_forward_stream=False):
+        seen.append((int(token.item()), cache.offset, on_forward_stream))
+        return real_decode_ahead(self, token, cache, on_forward_stream)
 
     monkeypatch.setattr(type(model), "decode_ahead", spy)
     step = timeline.load_warm(str(fixture_dir), 1, len(prompt))
     for _ in range(3):
         step()
-    assert [t for t, _ in seen] == expected[: len(seen)] and len(seen) == 8  # the first, 4 untimed, 3 steps
-    assert [offset for _, offset in seen] == list(range(len(prompt), len(prompt) + 8))
+    assert [t for t, _, _ in seen] == expected[: len(seen)] and len(seen) == 8  # the first, 4 untimed, 3 steps
+    assert [offset for _, offset, _ in seen] == list(range(len(prompt), len(prompt) + 8))
+    assert all(queued for _, _, queued in seen)  # each token drawn on the forwards' stream, as generate_step's
 
 
 def test_prefill_steps_prefill_the_prompt_into_an_empty_cache(timeline, fixture_dir, monkeypatch):
