@@ -1454,7 +1454,6 @@ class Model(nn.Module):
             with building():
                 if tokens is None:  # the token on each row: a view, made on the stream the forward is built on
                     ids = mx.broadcast_to(ids.astype(mx.int32).reshape(1, 1), (1, rows))
-                S = ids.shape[1]
                 positions, h, pre, shared = self._forward_start(ids, cache, real_rows)
                 features = []
                 ahead = self._blocks_before_tokens if tokens is None else 0
