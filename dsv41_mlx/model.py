@@ -1384,16 +1384,15 @@ class Model(nn.Module):
         # the forward reads t through a node of its own (same buffer): the caller waits for
         # `token` while the evaluator's thread may still be starting block 0 (evaluator.py: why
         # the two must not share an array)
-        feed = mx.stop_gradient(token)
+        queued = self.build_ahead and on_forward_stream and self.overlap_build and self._evaluator is not None
+        with self.forward_stream() if queued else contextlib.nullcontext():
+            feed = mx.stop_gradient(token)
         if not self.build_ahead:
             mx.async_eval(token, feed)  # t's work started from this thread, before the evaluator's may read it
             forward = self._forward(feed, cache, None, False, 1, rows)
             next(forward)  # up to where it waits for the token
             return DecodeAhead(forward, cache, rows, self._blocks_before_tokens)
-        queued = on_forward_stream and self.overlap_build and self._evaluator is not None
         if queued:
-            with self.forward_stream():
-                feed = mx.stop_gradient(token)
             self._evaluator.submit(token, feed)  # after the forward before's blocks, on its thread
         forward = self._forward_built_ahead(feed, cache, rows)
         begun = DecodeAhead(forward, cache, rows, len(self.layers), self.settle, self.forward_stream)
@@ -1405,8 +1404,8 @@ class Model(nn.Module):
             forward.send(None)  # the blocks that need no tokens started; it waits for them
             if queued:
                 self.settle()  # (the caller then waits for t: the thread must be done with it)
-        except BaseException:
-            begun.cancel()
+        except BaseException:  # (the evaluator drained; the cache, as after any failed forward, not to be reused)
+            forward.close()
             raise
         return begun
 
