@@ -54,7 +54,13 @@ def fused(*parts: str):
     Each shape of the first argument (a forward's rows) gets a compiled function of its
     own: MLX finds a call's trace by comparing it with each trace of that function in
     turn, and the warm-up and prefill's chunks leave dozens; a decode step's ~240 calls
-    spent ~4% of its host time searching (docs/benchmarks.md, session 16)."""
+    spent ~4% of its host time searching (docs/benchmarks.md, session 16).
+
+    A method that raises while MLX traces it (MLX 0.32) would leave the module's weights
+    replaced by MLX's tracers: MLX puts the weights back only when the method returns, and
+    every later forward would then fail. So the traced method never raises into MLX: it
+    keeps what it raised and returns a stand-in; the call then drops that compiled function
+    (with the stand-in's trace) and raises it."""
 
     def decorate(method):
         name = f"_fused_{method.__name__}"
@@ -66,16 +72,33 @@ def fused(*parts: str):
                 by_shape = {}
                 object.__setattr__(self, name, by_shape)
             shape = getattr(args[0], "shape", None) if args else None
-            compiled = by_shape.get(shape)
-            if compiled is None:
+            entry = by_shape.get(shape)
+            if entry is None:
                 inputs = [getattr(self, p) for p in parts] if parts else self
-                compiled = by_shape[shape] = mx.compile(functools.partial(method, self), inputs=inputs)
-            return compiled(*args)
+                raised = []
+                entry = by_shape[shape] = (mx.compile(functools.partial(_traced, method, self, raised),
+                                                      inputs=inputs), raised)
+            compiled, raised = entry
+            out = compiled(*args)
+            if raised:  # (the traced method raised: its weights are back, its stand-in trace dropped)
+                del by_shape[shape]
+                raise raised.pop()
+            return out
 
         call.traces = name  # the instance attribute that holds them (tests start a forward afresh)
         return call
 
     return decorate
+
+
+def _traced(method, self, raised: list, *args):
+    """fused's method as MLX traces it: what it raises is kept in `raised`, and a stand-in
+    returned, so that MLX finishes the trace and puts the module's weights back."""
+    try:
+        return method(self, *args)
+    except BaseException as e:
+        raised.append(e)
+        return mx.array(0.0)
 
 
 @functools.lru_cache(maxsize=None)

@@ -167,6 +167,42 @@ def test_fused_methods_read_the_weights_at_every_call():
     assert mx.array_equal(second, expected).item()
 
 
+def test_a_fused_method_that_raises_while_traced_leaves_its_weights_as_they_were():
+    """A compiled method that raises while MLX traces it (here a shape it refuses) raises that
+    error to its caller, and its module's weights stay the real ones: the next calls, of
+    shapes seen before and new, give the uncompiled method's bits (MLX alone would leave
+    tracers in their place, and every later forward failing). Interrupting it the same way
+    (KeyboardInterrupt) leaves them too."""
+    import mlx.nn as nn
+
+    from dsv41_mlx.model import fused
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = mx.arange(4, dtype=mx.float32)
+            self.refuse: type[BaseException] | None = None
+
+        @fused()
+        def scale(self, x):
+            if x.shape[0] == 3 and self.refuse is not None:
+                raise self.refuse("three rows refused")
+            return x * self.weight
+
+    module = Scaled()
+    x2, x3 = mx.ones((2, 4)), mx.ones((3, 4))
+    assert mx.array_equal(module.scale(x2), x2 * module.weight).item()
+    for refused in (ValueError, KeyboardInterrupt):
+        module.refuse = refused
+        with pytest.raises(refused, match="three rows refused"):
+            module.scale(x3)
+        assert mx.array_equal(module.weight, mx.arange(4, dtype=mx.float32)).item()
+        assert mx.array_equal(module.scale(x2), x2 * module.weight).item()
+    module.refuse = None
+    assert mx.array_equal(module.scale(x3), x3 * module.weight).item()  # (traced afresh: no stand-in kept)
+    assert mx.array_equal(module.scale(mx.ones((5, 4))), mx.ones((5, 4)) * module.weight).item()
+
+
 def test_masked_picks_change_no_bit_of_the_attention():
     """The indexer pads its picks to index_topk with masked ones while the cache holds fewer
     compressed positions; the attention over them is the same bits as over the real picks."""
