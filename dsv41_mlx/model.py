@@ -1407,7 +1407,7 @@ class Model(nn.Module):
         # the forward reads t through a node of its own (same buffer): the caller waits for
         # `token` while the evaluator's thread may still be starting block 0 (evaluator.py: why
         # the two must not share an array)
-        queued = self.build_ahead and on_forward_stream and self.overlap_build and self._evaluator is not None
+        queued = self.build_ahead and on_forward_stream and self._building_evaluator is not None
         with self.forward_stream() if queued else contextlib.nullcontext():
             feed = mx.stop_gradient(token)
         if not self.build_ahead:
@@ -1437,8 +1437,14 @@ class Model(nn.Module):
         overlap_build starts their blocks on its thread; else the caller's own). What is built
         under it from a forward's outputs may be handed to that thread: decode_ahead's
         on_forward_stream."""
-        evaluator = self._evaluator if self.overlap_build else None
+        evaluator = self._building_evaluator
         return mx.stream(evaluator.stream) if evaluator is not None else contextlib.nullcontext()
+
+    @property
+    def _building_evaluator(self) -> BlockEvaluator | None:
+        """The evaluator forwards hand their blocks to as they are built: the model's, where
+        overlap_build."""
+        return self._evaluator if self.overlap_build else None
 
     def settle(self) -> None:
         """Wait until the evaluator's thread has started everything handed to it (nothing to wait
@@ -1536,7 +1542,7 @@ class Model(nn.Module):
         """How a forward starts its blocks: (the evaluator or None, a context manager for the
         stream its graph is built on, begin(*arrays): start them on the device now, where
         overlap_build)."""
-        evaluator = self._evaluator if self.overlap_build else None
+        evaluator = self._building_evaluator
 
         def begin(*arrays: mx.array) -> None:
             if evaluator is not None:
