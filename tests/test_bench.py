@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import re
 import statistics
 import sys
@@ -27,11 +28,17 @@ def test_profile_counts_fewer_operations_compiled(bench):
     assert compiled["ops_total"] < plain["ops_total"]
 
 
-def test_e2e_drafted_replies_equal_undrafted_and_mlxlm_runs_beside(bench, capsys):
+def test_e2e_drafted_replies_equal_undrafted_and_mlxlm_runs_beside(bench, monkeypatch, capsys):
     from dsv41_mlx.tiny import default_checkpoint
 
+    generate = importlib.import_module("dsv41_mlx.generate")  # (the package's `generate` is the function)
+    order, warm_up = [], generate.warm_up  # the floor's bandwidth measured once the warm-up has run
+    monkeypatch.setattr(generate, "warm_up", lambda model: order.append("warm-up") or warm_up(model))
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda: order.append("bandwidth") or 2e11)  # (test_copy_bandwidth's)
     reported = []  # what is handed over before the paired measurement, the slowest and last part
     res = bench.bench_e2e(str(default_checkpoint()), n_prompts=1, tokens=3, oracle_rate=0.56, report=reported.append)
+    assert order == ["warm-up", "bandwidth"] and res["copy_GBps"] == 200
+    assert res["floor_ms"] == pytest.approx(res["bytes_per_token_GB"] / 200 * 1e3)
     assert len(reported) == 1 and reported[0]["runs"] == res["runs"]
     assert reported[0]["paired"] == {"skipped": bench.PAIRED_LATER}
     runs = res["runs"]
@@ -323,6 +330,15 @@ print(json.dumps({"rows": [{k: r[k] for k in ("shape", "default_threads", "kerne
     assert "| FP8 GEMM | C = 32 | C = 256 |" in res["out"] and "1 of 8 rows computed" in res["out"]
     assert "| 512 -> 32 | " in res["out"] and "* the kernel's default" in res["out"]
     assert re.search(r"\| 512 -> 32 \| [-0-9.]+ \| [-0-9.]+\* \|", res["out"])
+
+
+def test_copy_bandwidth_keeps_the_best_of_its_measurements(bench, monkeypatch):
+    """The floor's ceiling: a device copy's bytes (read + write) over the fastest of `tries`
+    measurements' times, since anything else running only slows one."""
+    assert bench.copy_bandwidth(nbytes=1 << 20, tries=2) > 0  # the real copies, small
+    times = iter([4e-3, 1e-3, 2e-3])
+    monkeypatch.setattr(bench, "timed", lambda *args, **kwargs: next(times))
+    assert bench.copy_bandwidth(nbytes=1 << 20, tries=3) == 2 * (1 << 20) / 1e-3
 
 
 def test_chained_times_a_gemm_waiting_for_the_one_before(bench):
