@@ -147,8 +147,7 @@ def generate_step(model, prompt: list[int], params: SamplingParams, max_tokens: 
     try:
         for n in range(max_tokens):
             position = cache.offset  # the new token's absolute position
-            with model.forward_stream():
-                drawn = sample(logits.reshape(1, -1), mx.array([position]), params)  # [1], on the device
+            drawn = draw_token(model, logits, position, params)
             ahead = model.decode_ahead(drawn, cache, on_forward_stream=True) if n + 1 < max_tokens else None
             if ahead is None:
                 model.settle()
@@ -161,6 +160,14 @@ def generate_step(model, prompt: list[int], params: SamplingParams, max_tokens: 
         if ahead is not None:  # the caller stopped early (or a step failed): the begun forward abandoned
             ahead.cancel()
         model.settle()
+
+
+def draw_token(model, logits: mx.array, position: int, params: SamplingParams) -> mx.array:
+    """generate_step's plain token at that absolute position from a forward's last logits [V]
+    (any shape of V values): [1] on the device, drawn on the forwards' stream, as
+    Model.decode_ahead(..., on_forward_stream=True) takes it."""
+    with model.forward_stream():
+        return sample(logits.reshape(1, -1), mx.array([position]), params)
 
 
 def make_decoder(model, params: SamplingParams, draft: bool | None = None, verify: str | None = None,

@@ -202,8 +202,8 @@ def load_warm(model_path: str, rows: int, prompt_tokens: int, prefill_only: bool
     forward (its engram rows first) to the next forward's block 0. More rows: a verify-sized
     forward (Model.decode) whose token is read back before the next is built."""
     import dsv41_mlx
-    from dsv41_mlx.generate import prefill
-    from dsv41_mlx.sampling import SamplingParams, sample
+    from dsv41_mlx.generate import draw_token, prefill
+    from dsv41_mlx.sampling import SamplingParams
 
     model, _ = dsv41_mlx.load(model_path)
     prompt = prompt_of(prompt_tokens, model.args.vocab_size)
@@ -234,9 +234,8 @@ def load_warm(model_path: str, rows: int, prompt_tokens: int, prefill_only: bool
     logits, _ = prefill(model, prompt, cache)
     mx.eval(logits)
 
-    def draw(logits):  # generate_step's greedy draw: [1] on the device, on the forwards' stream
-        with model.forward_stream():
-            return sample(logits.reshape(1, -1), mx.array([cache.offset]), SamplingParams())
+    def draw(logits):  # generate_step's greedy draw
+        return draw_token(model, logits, cache.offset, SamplingParams())
 
     drawn = draw(logits)
     ahead = model.decode_ahead(drawn, cache, on_forward_stream=True) if rows == 1 else None
