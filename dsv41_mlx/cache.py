@@ -114,8 +114,8 @@ class CompressorCache:
     each in a RowBuffer.
 
     Group g covers positions [g*ratio, (g+1)*ratio). The raw rows hold the fp32
-    projections of positions [raw_start, end), enough to re-form any group that a
-    trim reopens.
+    projections of positions [raw_start, end), kv and score side by side (as the
+    compressor's one GEMM makes them), enough to re-form any group that a trim reopens.
     """
 
     GROUP_ROOM = 256  # rows of room a new buffer of groups gets, at least
@@ -124,13 +124,11 @@ class CompressorCache:
         self.ratio = ratio
         self.end = 0
         self.raw_start = 0
-        self._raw_kv = RowBuffer(TRIM_SLACK)  # [n, head_dim] fp32 (ratio > 1 only)
-        self._raw_score = RowBuffer(TRIM_SLACK)
+        self._raw = RowBuffer(TRIM_SLACK)  # [n, 2 * head_dim] fp32, kv | score (ratio > 1 only)
         self._kv = RowBuffer(self.GROUP_ROOM)  # [groups, head_dim] bf16: RoPE'd, FP4 fake-quantised
         self._index_keys = RowBuffer(self.GROUP_ROOM)  # [groups, index_head_dim] bf16
 
-    raw_kv = property(lambda self: self._raw_kv.rows)
-    raw_score = property(lambda self: self._raw_score.rows)
+    raw = property(lambda self: self._raw.rows)
     kv = property(lambda self: self._kv.rows)
     index_keys = property(lambda self: self._index_keys.rows)
     # the pooled groups' whole buffer: group g at row g (groups are never dropped at the front)
@@ -140,27 +138,33 @@ class CompressorCache:
     def n_groups(self) -> int:
         return len(self._kv)
 
-    def pending(self) -> tuple[mx.array | None, mx.array | None]:
-        """Raw rows of the unfinished group (positions [groups*ratio, end))."""
-        if self.raw_kv is None:
-            return None, None
-        first = self.n_groups * self.ratio - self.raw_start
-        return self.raw_kv[first:], self.raw_score[first:]
+    def pending(self) -> mx.array | None:
+        """Raw rows of the unfinished group (positions [groups*ratio, end)), kv | score."""
+        if self.raw is None:
+            return None
+        return self.raw[self.n_groups * self.ratio - self.raw_start:]
 
-    def append_raw(self, kv: mx.array, score: mx.array) -> None:
-        self._raw_kv.append(kv)
-        self._raw_score.append(score)
-        self.end += kv.shape[0]
+    def append_raw(self, rows: mx.array) -> mx.array:
+        """Append the raw rows [S, 2 * head_dim] of the next S positions; return the raw rows
+        of every position not yet in a group, them included (a view of the buffer they are
+        written into: no copy to join them to the pending ones)."""
+        unpooled = self._raw.append(rows)[self.n_groups * self.ratio - self.raw_start:]
+        self.end += rows.shape[0]
         # keep every row of the groups that a trim of TRIM_SLACK positions could reopen
         keep_from = max(0, (self.end - TRIM_SLACK) // self.ratio * self.ratio)
         if keep_from > self.raw_start:
-            self._raw_kv.drop_front(keep_from - self.raw_start)
-            self._raw_score.drop_front(keep_from - self.raw_start)
+            self._raw.drop_front(keep_from - self.raw_start)
             self.raw_start = keep_from
+        return unpooled
 
     def append_groups(self, kv: mx.array, index_keys: mx.array) -> None:
+        """Append new groups' kv and index keys. The kv is written depending on the keys'
+        write (mx.depends: no launch), so that whatever reads the groups (the attention, in
+        the forward that made them) computes and writes the keys too: left alone, they would
+        wait until the indexer first reads them, past index_topk groups, and that forward
+        would compute every key made before it at once."""
+        [kv] = mx.depends([kv], [self._index_keys.append(index_keys)])
         self._kv.append(kv)
-        self._index_keys.append(index_keys)
 
     def trim(self, n: int) -> None:
         end = self.end - n
@@ -168,9 +172,7 @@ class CompressorCache:
         if self.ratio > 1:
             if end < self.raw_start:
                 raise ValueError(f"cannot trim {n} positions: raw rows start at {self.raw_start}")
-            held = len(self._raw_kv)
-            self._raw_kv.drop_back(held - (end - self.raw_start))
-            self._raw_score.drop_back(held - (end - self.raw_start))
+            self._raw.drop_back(len(self._raw) - (end - self.raw_start))
         reopened = max(0, self.n_groups - groups)  # groups and their index keys are appended together
         self._kv.drop_back(reopened)
         self._index_keys.drop_back(reopened)
@@ -222,7 +224,7 @@ class ModelCache:
             arrays.append(w.keys[-min(w.window, w.end):])
             c = layer.compressor
             if c is not None:
-                arrays += [a for a in (c.kv, c.index_keys, *c.pending()) if a is not None]
+                arrays += [a for a in (c.kv, c.index_keys, c.pending()) if a is not None]
         return arrays
 
     def state(self) -> list[mx.array]:
@@ -232,7 +234,7 @@ class ModelCache:
             arrays.append(layer.window.keys)
             c = layer.compressor
             if c is not None:
-                arrays += [a for a in (c.raw_kv, c.raw_score, c.kv, c.index_keys) if a is not None]
+                arrays += [a for a in (c.raw, c.kv, c.index_keys) if a is not None]
         return [a for a in arrays if a is not None]
 
 

@@ -228,11 +228,18 @@ def unpack_rows(packed: mx.array, layout: list) -> list[mx.array]:
 @mx.compile
 def dequantize_rows(codes: mx.array, scales: mx.array) -> mx.array:
     """EngramTable.read's (codes, scales) as MLX arrays -> the rows' values, bf16 [..., dim]: each E4M3
-    code times 2^(its block's E8M0 scale - 127)."""
-    values = mx.from_fp8(codes, dtype=F32).reshape(*scales.shape, -1)
-    exps = scales.astype(mx.int32) - 127
-    values = values * mx.power(2.0, exps.astype(F32))[..., None]
-    return values.reshape(codes.shape).astype(BF16)
+    code times 2^(its block's E8M0 scale - 127). The code decoded from its bits (as mx.from_fp8
+    decodes it, which is a launch of its own: tests/test_model.py), so that the whole of it is
+    one launch: sign, then 1.mmm (0.mmm where the exponent field is 0) in eighths, times 2 to
+    the field (1 where 0) - 7 - 3, and the scale's power folded into that one power of two;
+    the codes E4M3 leaves for NaN are NaN."""
+    c, s = codes.reshape(*scales.shape, -1), scales[..., None]  # views: [..., blocks, 32], [..., blocks, 1]
+    exponent8 = c & 120  # the exponent field, times 8
+    significand = ((c & 7) + mx.where(exponent8 == 0, 0, 8)).astype(F32)
+    significand = mx.where(c >= 128, -significand, significand)
+    power = mx.maximum(exponent8, 8).astype(F32) * 0.125 + (s.astype(F32) - (7 + 3 + 127))
+    values = mx.where((c & 127) == 127, mx.nan, significand * mx.power(2.0, power))
+    return values.astype(BF16).reshape(codes.shape)
 
 
 class Engram(nn.Module):
@@ -258,19 +265,29 @@ class Engram(nn.Module):
         return gated_add(h, kv, self.q_weight, self.k_weight, self.eps)
 
 
+# which of gated_add's three sums a term belongs to, broadcast against the terms [3, S, hc, dim]
+_SUMS = mx.array(np.arange(3, dtype=np.int32).reshape(3, 1, 1, 1))
+
+
 @mx.compile
 def gated_add(h: mx.array, kv: mx.array, q_weight: mx.array, k_weight: mx.array, eps: float) -> mx.array:
     """Engram's write into the stream h [S, hc, dim]: kv [S, (hc+1)*dim] holds a key per hc
     copy and then the value; each copy adds the value times a gate from its RMS-normed dot
-    product with its key. One compiled function: its element-wise steps fuse between the
-    reductions (about 30 operations otherwise)."""
+    product with its key. One compiled function, its element-wise steps fused between the
+    reductions: six launches where the steps as written (mean, mean, sum) make thirteen. Its
+    three sums over dim (the copy's squares and the key's, for their RMS, and their weighted
+    products) are one reduction of the three terms laid side by side, which one fused
+    launch makes; each sum still runs over its own row of dim terms, as it would alone, so
+    the values are the same bits (tests/test_model.py holds the steps as written)."""
     S, hc, dim = h.shape
-    key = kv[:, : hc * dim].astype(F32).reshape(S, hc, dim)
-    value = kv[:, hc * dim:].astype(F32)
+    parts = kv.reshape(S, hc + 1, dim)
+    key, value = parts[:, :hc], parts[:, hc:]  # views [S, hc, dim], [S, 1, dim]: cast where read
     weight = q_weight.astype(F32) * k_weight.astype(F32)
-    hf = h.astype(F32)
-    rstd = mx.rsqrt(mx.mean(hf * hf, axis=-1) + eps) * mx.rsqrt(mx.mean(key * key, axis=-1) + eps)
-    dot = (hf * weight * key).sum(axis=-1) * rstd * dim ** -0.5  # [S, hc]
+    hf, kf = h.astype(F32), key.astype(F32)
+    terms = mx.where(_SUMS == 0, hf * hf, mx.where(_SUMS == 1, kf * kf, hf * weight * kf))
+    sums = terms.sum(axis=-1, keepdims=True)  # [3, S, hc, 1]
+    inv_rms = mx.rsqrt(sums[:2] * (1.0 / dim) + eps)  # (a mean is its sum times 1 / dim)
+    dot = sums[2:] * (inv_rms[:1] * inv_rms[1:]) * dim ** -0.5  # [1, S, hc, 1]
     root = mx.sqrt(mx.maximum(mx.abs(dot), 1e-6))
     gate = mx.sigmoid(mx.where(dot < 0, -root, root))  # signed square root, as in training
-    return (hf + gate[..., None] * value[:, None, :]).astype(BF16)
+    return (hf + gate.reshape(S, hc, 1) * value.astype(F32)).astype(BF16)

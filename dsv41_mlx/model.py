@@ -181,10 +181,17 @@ class Rope:
         adds views of its own. Kept for the last three positions arrays used per width, the
         latest first (a forward's, which all its layers share, and its compressed groups'
         of each ratio: SharedAttention.group_positions): one set per forward instead of one
-        per call."""
+        per call. Where the same positions' tables of a greater width are kept, views of
+        their last width / 2 pairs: the same values (the pairs before the last `dims`
+        features do not rotate), and no launch."""
         recent = self._tables.get(width, ())  # one read: a forward in another thread may replace it
         hit = next((entry for entry in recent if entry[0] is positions), None)
-        entry = hit or (positions, _rope_tables(positions, *self._per_pair(width)))
+        if hit is None:
+            wider = next((tables for w, entries in list(self._tables.items()) if w > width
+                          for kept, tables in entries if kept is positions), None)
+            tables = (_rope_tables(positions, *self._per_pair(width)) if wider is None
+                      else _last_pairs(wider, width // 2))
+        entry = hit or (positions, tables)
         self._tables[width] = (entry,) + tuple(e for e in recent if e is not hit)[:2]
         return entry[1]
 
@@ -206,14 +213,23 @@ def _rope_tables(positions: mx.array, freqs: mx.array, rotated: mx.array) -> tup
     """Rope.tables' arrays, one compiled function of element-wise steps only (they fuse):
     freqs and rotated from Rope._per_pair. The pairs' layout comes from broadcasting against
     a pair axis (exact factors 1 and +-1), not from concatenating and repeating, each of
-    which would be a launch."""
-    angles = (positions.astype(F32)[:, None] * freqs[None, :])[:, :, None]  # [S, width/2, 1]
-    cos, sin = mx.cos(angles), mx.sin(angles)
+    which would be a launch. cos and sin each compute their own angles, from views of the
+    positions taken first and spelled apart (reshape, new axes), so that each is one launch:
+    a view between two steps, or a step both share, would be a launch of its own (the
+    compiler merges equal steps)."""
+    f = freqs[None, :, None]  # [1, width/2, 1]
+    cos = mx.where(rotated, mx.cos(positions[:, None, None].astype(F32) * f), 1.0)  # cos(0) = 1 where nothing rotates
     signs = mx.array([-1.0, 1.0], dtype=F32)  # a pair's sin factors: (-sin, sin)
-    cos = mx.where(rotated, cos, 1.0)  # cos(0) = 1 already where nothing rotates: a broadcast
-    sin = mx.where(rotated, sin * signs, 0.0)  # +0 where nothing rotates, as the reference's table
+    # +0 where nothing rotates, as the reference's table
+    sin = mx.where(rotated, mx.sin(positions.reshape(-1, 1, 1).astype(F32) * f) * signs, 0.0)
     flat = (cos, sin, -sin)
     return flat + tuple(t[:, None] for t in flat) + (rotated,)
+
+
+def _last_pairs(tables: tuple[mx.array, ...], pairs: int) -> tuple[mx.array, ...]:
+    """Rope.tables' arrays narrowed to their last `pairs` pairs of features (views)."""
+    return (tuple(t[:, -pairs:] for t in tables[:3]) + tuple(t[:, :, -pairs:] for t in tables[3:6])
+            + (tables[6][-pairs:],))
 
 
 @functools.lru_cache(maxsize=None)
@@ -460,18 +476,20 @@ class Compressor(nn.Module):
 
     Ratio 1 is a plain bf16 projection. Ratio > 1 projects in fp32 (its BF16
     weights held in fp32, as the reference holds them) and keeps the rows of an
-    unfinished group in the cache until the group completes.
+    unfinished group in the cache until the group completes. Its two projections,
+    wkv and wgate, are one weight (wkv's rows, then wgate's: checkpoint.stack_wkv_wgate),
+    so that one GEMM makes both.
     Returns the new latents (bf16, normed, before RoPE) and their group ids.
     """
 
     def __init__(self, args: ModelArgs, ratio: int):
         super().__init__()
         self.ratio = ratio
-        self.wkv = Linear(args.hidden_size, args.head_dim)
-        if ratio > 1:
-            self.wgate = Linear(args.hidden_size, args.head_dim)
-            for proj in (self.wkv, self.wgate):
-                proj.weight = proj.weight.astype(F32)  # widened at load
+        if ratio == 1:
+            self.wkv = Linear(args.hidden_size, args.head_dim)
+        else:
+            self.wkv_wgate = Linear(args.hidden_size, 2 * args.head_dim)
+            self.wkv_wgate.weight = self.wkv_wgate.weight.astype(F32)  # widened at load
         self.norm = RMSNorm(args.head_dim, args.rms_norm_eps)
 
     def __call__(self, x: mx.array, state) -> tuple[mx.array | None, int]:
@@ -479,28 +497,35 @@ class Compressor(nn.Module):
         if self.ratio == 1:
             state.end += x.shape[0]
             return self.norm(self.wkv(x)), first_group
-        xf = x.astype(F32)
-        kv = xf @ self.wkv.weight.T
-        score = xf @ self.wgate.weight.T
-        pending_kv, pending_score = state.pending()
-        state.append_raw(kv, score)
-        if pending_kv is not None and pending_kv.shape[0]:
-            kv = mx.concatenate([pending_kv, kv])
-            score = mx.concatenate([pending_score, score])
-        n_full = kv.shape[0] // self.ratio
+        # kv | score of the new positions, then of every position not in a group yet, the
+        # unfinished group's before them, read where the cache has written them
+        rows = state.append_raw(x.astype(F32) @ self.wkv_wgate.weight.T)
+        n_full = rows.shape[0] // self.ratio
         if n_full == 0:
             return None, first_group
-        kv = kv[: n_full * self.ratio].reshape(n_full, self.ratio, -1)
-        score = score[: n_full * self.ratio].reshape(n_full, self.ratio, -1)
-        return self.norm(pooled(kv, score)), first_group
+        groups = rows[: n_full * self.ratio].reshape(n_full, self.ratio, -1)
+        width = groups.shape[2] // 2
+        return self.norm(pooled(groups[..., :width], groups[..., width:])), first_group
 
 
 @mx.compile
 def pooled(kv: mx.array, score: mx.array) -> mx.array:
     """Each full group's rows kv [G, ratio, D] weighted by the softmax of their scores over the
     group (fp32) and summed, in bf16. Compiled: the softmax over a middle axis is several
-    operations, whose element-wise steps fuse."""
-    return (kv * mx.softmax(score, axis=1, precise=True)).sum(axis=1).astype(BF16)
+    operations, whose element-wise steps fuse.
+
+    Groups of two (the release's ratio) take the same steps written out per row: the group's
+    max, each row's exp(score - max) over their sum, the weighted rows added. Element-wise
+    only, so that all of it is one launch, where the reductions over the group axis make
+    three more and split the rest in two; and the same values, since a reduction of two
+    terms is their one addition (tests/test_model.py)."""
+    if kv.shape[1] != 2:  # (compiled per shape: a branch of the trace)
+        return (kv * mx.softmax(score, axis=1, precise=True)).sum(axis=1).astype(BF16)
+    first, second = score[:, 0], score[:, 1]
+    top = mx.maximum(first, second)
+    e_first, e_second = mx.exp(first - top), mx.exp(second - top)
+    total = e_first + e_second
+    return (kv[:, 0] * (e_first / total) + kv[:, 1] * (e_second / total)).astype(BF16)
 
 
 @mx.compile
@@ -710,9 +735,8 @@ class SharedAttention:
         forward, so made once, and so are their RoPE tables (Rope.tables keeps them by
         array)."""
         key = (first, n, ratio)
-        if key not in self._groups:
-            ids = key_ids(first + n)[first:]
-            self._groups[key] = ids if ratio == 1 else ids * ratio
+        if key not in self._groups:  # every ratio-th id from first * ratio on: a view, no launch
+            self._groups[key] = key_ids((first + n) * ratio)[first * ratio::ratio]
         return self._groups[key]
 
     def _on_host(self, positions: mx.array) -> np.ndarray:
@@ -910,7 +934,7 @@ class Attention(nn.Module):
         kv = ids = picked_mask = None
         if self.ratio:
             if self.is_kv_source:
-                self._compress(x, cache, shared)
+                self._compress(x, positions, cache, shared)
             source = caches[self.kv_source].compressor
             if self.is_index_source:
                 shared.topk = None
@@ -944,16 +968,19 @@ class Attention(nn.Module):
                                           self.rope.dims, real)
         return self.output(o, rope, True, real, onto)
 
-    def _compress(self, x: mx.array, cache: LayerCache, shared: SharedAttention) -> None:
+    def _compress(self, x: mx.array, positions: mx.array, cache: LayerCache, shared: SharedAttention) -> None:
         """Pool finished groups; store their index keys and RoPE'd FP4 compressed KV."""
         state = cache.compressor
         latent, first_group = self.compressor(x, state)
         if latent is None:
             return
-        group_pos = shared.group_positions(first_group, latent.shape[0], self.ratio)
-        index_keys = self.indexer.keys(latent, group_pos, self.rope)
+        if self.ratio == 1:  # a group per position, this forward's: their RoPE tables are the layer's
+            group_pos = positions
+        else:
+            group_pos = shared.group_positions(first_group, latent.shape[0], self.ratio)
+        # the latent's rotation first: the index keys' narrower one then takes a view of its tables
         kv = fp4_fake_quant(self.rope(latent, group_pos), 16, "e4m3")
-        state.append_groups(kv, index_keys)
+        state.append_groups(kv, self.indexer.keys(latent, group_pos, self.rope))
 
 
 # ------------------------------------------------------------------------- MoE

@@ -73,7 +73,8 @@ def census(*outputs) -> tuple[int, int, collections.Counter]:
     """(launches, views, primitive counts) of the lazy graph behind outputs (nothing is
     evaluated). A stub is one launch (its Depends); the broadcasts that make its outputs (those
     a Depends node takes in) are no views of the model's and are not counted (inside a
-    compiled method, equal broadcasts of two stubs are one node)."""
+    compiled method, equal broadcasts of two stubs are one node). A Depends of the model's
+    own (one that takes in no such broadcast) launches nothing and is not counted."""
     import re
 
     import bench
@@ -82,9 +83,11 @@ def census(*outputs) -> tuple[int, int, collections.Counter]:
     labels = dict(re.findall(r'\{ (\d+) \[label ="([^"]+)"', dot))
     ops = collections.Counter(label.split()[0] for label in labels.values())
     makes = dict((array, node) for node, array in re.findall(r'^(\d+) -> "([^"]+)"', dot, flags=re.M))
-    stub_outputs = {makes.get(array) for array, node in re.findall(r'^"([^"]+)" -> (\d+)', dot, flags=re.M)
-                    if labels.get(node) == "Depends" and labels.get(makes.get(array)) == "Broadcast"}
-    return bench.kernels(ops), sum(v for k, v in ops.items() if k in bench.VIEWS) - len(stub_outputs), ops
+    stub_feeds = [(makes.get(array), node) for array, node in re.findall(r'^"([^"]+)" -> (\d+)', dot, flags=re.M)
+                  if labels.get(node) == "Depends" and labels.get(makes.get(array)) == "Broadcast"]
+    stub_outputs, stubs = {made for made, _ in stub_feeds}, {node for _, node in stub_feeds}
+    own = sum(label == "Depends" and node not in stubs for node, label in labels.items())
+    return bench.kernels(ops) - own, sum(v for k, v in ops.items() if k in bench.VIEWS) - len(stub_outputs), ops
 
 
 def count(model_path: str | None, rows: int, prompt: int = 300) -> dict:

@@ -269,6 +269,14 @@ print(json.dumps(res))
         # RoPE's tables and the indexer's negated scores: element-wise steps fused into
         # compiled kernels, no operations of their own
         assert not {"Cos", "Sin", "Negative"} & set(names), (kind, names)
+    # a pooling compressor: its groups read from where the cache wrote their rows (no join to
+    # the pending ones) and pooled in one element-wise launch (no reductions: the one sum is
+    # the indexer's over its heads; 40 tokens are past the tiny model's unscored length)
+    source = res["names_per_kind"]["ratio 2 KV source + indexer"]
+    assert not {"Max", "Concatenate"} & set(source) and source["Sum"] == 1, source
+    # an engram layer: its rows dequantised without from_fp8, its gate's sums one reduction
+    engram = res["names_per_kind"]["engram + ratio 2 KV source + indexer"]
+    assert "FromFP8" not in engram and engram["Sum"] == 2, engram
 
 
 def test_count_ops_counts_a_stubbed_kernel_as_one_launch_and_no_views(bench):
@@ -287,6 +295,9 @@ def test_count_ops_counts_a_stubbed_kernel_as_one_launch_and_no_views(bench):
         assert count_ops.census(*outs)[:2] == (1, 0)
         # a reshape, and the add's broadcast of its scalar: two views; the stub and the add: two launches
         assert count_ops.census(outs[0].reshape(32), outs[1] + 1)[:2] == (2, 2)
+        # a Depends of the model's own (cache.CompressorCache.append_groups') launches nothing
+        [tied] = mx.depends([outs[1] + 1], [outs[0]])
+        assert count_ops.census(tied)[:2] == (2, 1)
 
 
 def test_gemms_times_every_fp8_shape(bench, monkeypatch, capsys):

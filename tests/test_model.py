@@ -223,6 +223,179 @@ def test_masked_picks_change_no_bit_of_the_attention():
     assert mx.array_equal(want, got).item()
 
 
+def test_groups_of_two_pool_as_the_softmax_over_the_group_in_one_launch():
+    """pooled's groups of two (the release's ratio) take the spec's steps written out per row,
+    element-wise: the same bits as the softmax over the group axis and the sum over it (signs
+    of zero included), as one compiled kernel with no reduction; other ratios take the spec."""
+    import sys
+
+    from dsv41_mlx.model import pooled
+
+    sys.path.insert(0, "scripts")
+    import bench
+
+    def spec(kv, score):
+        return (kv * mx.softmax(score, axis=1, precise=True)).sum(axis=1).astype(mx.bfloat16)
+
+    rng = np.random.default_rng(5)
+    for ratio, G, D, spread in ((2, 4, 64, 1.0), (2, 3, 512, 40.0), (2, 1, 8, 1e-3), (3, 2, 64, 4.0)):
+        kv = rng.standard_normal((G, ratio, D)).astype(np.float32) * 50
+        kv[0, :, :4] = 0.0  # zero rows: the sum's sign of zero
+        kv[0, 0, 4:8] = -0.0
+        kv = mx.array(kv)
+        score = mx.array(rng.standard_normal((G, ratio, D)).astype(np.float32) * spread)
+        got, want = pooled(kv, score), spec(kv, score)
+        assert mx.array_equal(got.view(mx.uint16), want.view(mx.uint16)).item(), (ratio, G, D)
+    ops = bench.graph_ops(pooled(mx.ones((4, 2, 64)) + 0, mx.ones((4, 2, 64)) + 0))
+    assert not {"Sum", "Max"} & set(ops)
+    assert sum(n for op, n in ops.items() if op.startswith("Compiled")) == 1, ops
+
+
+def test_engram_rows_dequantise_in_one_launch_as_from_fp8_decodes_them():
+    """engram.dequantize_rows decodes E4M3 codes from their bits: every code (NaN codes
+    included) at scales around the tables', the same bits as mx.from_fp8's values times the
+    scale's power of two, in one launch where that takes four."""
+    import sys
+
+    from dsv41_mlx.engram import dequantize_rows
+
+    sys.path.insert(0, "scripts")
+    import bench
+
+    def from_fp8(codes, scales):
+        values = mx.from_fp8(codes, dtype=mx.float32).reshape(*scales.shape, -1)
+        values = values * mx.power(2.0, (scales.astype(mx.int32) - 127).astype(mx.float32))[..., None]
+        return values.reshape(codes.shape).astype(mx.bfloat16)
+
+    codes = mx.array(np.tile(np.arange(256, dtype=np.uint8), 6).reshape(3, 2, 256))
+    rng = np.random.default_rng(2)
+    for scales in [np.full((3, 2, 8), s, np.uint8) for s in (100, 120, 127, 131, 150)] + \
+            [rng.integers(105, 145, (3, 2, 8)).astype(np.uint8)]:
+        got, want = dequantize_rows(codes, mx.array(scales)), from_fp8(codes, mx.array(scales))
+        assert np.array_equal(np.array(got.view(mx.uint16)), np.array(want.view(mx.uint16))), scales[0, 0, 0]
+    scales = mx.array(np.full((3, 2, 8), 127, np.uint8))
+    mx.eval(codes, scales)
+    assert bench.kernels(bench.graph_ops(dequantize_rows(codes, scales))) == 1
+    assert bench.kernels(bench.graph_ops(mx.compile(from_fp8)(codes, scales))) == 4
+
+
+def test_engram_gate_sums_in_one_reduction_the_bits_of_the_steps_as_written():
+    """engram.gated_add's three sums over dim (two means, one sum) as one reduction of their
+    terms side by side: the same bits as the steps written one by one (the reference's), in
+    six launches where those take thirteen."""
+    import sys
+
+    from dsv41_mlx.engram import gated_add
+
+    sys.path.insert(0, "scripts")
+    import bench
+
+    f32 = mx.float32
+
+    def as_written(h, kv, q_weight, k_weight, eps):
+        S, hc, dim = h.shape
+        key = kv[:, : hc * dim].astype(f32).reshape(S, hc, dim)
+        value = kv[:, hc * dim:].astype(f32)
+        weight = q_weight.astype(f32) * k_weight.astype(f32)
+        hf = h.astype(f32)
+        rstd = mx.rsqrt(mx.mean(hf * hf, axis=-1) + eps) * mx.rsqrt(mx.mean(key * key, axis=-1) + eps)
+        dot = (hf * weight * key).sum(axis=-1) * rstd * dim ** -0.5
+        root = mx.sqrt(mx.maximum(mx.abs(dot), 1e-6))
+        gate = mx.sigmoid(mx.where(dot < 0, -root, root))
+        return (hf + gate[..., None] * value[:, None, :]).astype(mx.bfloat16)
+
+    for i, (S, hc, dim) in enumerate([(8, 4, 5120), (1, 4, 128), (3, 2, 64)]):
+        h, kv = (mx.random.normal(shape, key=mx.random.key(10 * i + j)).astype(mx.bfloat16)
+                 for j, shape in enumerate([(S, hc, dim), (S, (hc + 1) * dim)]))
+        q, k = ((1 + 0.1 * mx.random.normal((hc, dim), key=mx.random.key(10 * i + j))).astype(mx.bfloat16)
+                for j in (2, 3))
+        got, want = gated_add(h, kv, q, k, 1e-6), as_written(h, kv, q, k, 1e-6)
+        assert mx.array_equal(got.view(mx.uint16), want.view(mx.uint16)).item(), (S, hc, dim)
+    h, kv, w = mx.ones((8, 4, 64), mx.bfloat16) + 0, mx.ones((8, 5 * 64), mx.bfloat16) + 0, mx.ones((4, 64)) + 0
+    mx.eval(h, kv, w)
+    ops = bench.graph_ops(gated_add(h, kv, w, w, 1e-6))
+    assert ops["Sum"] == 1 and bench.kernels(ops) == 6, ops
+    assert bench.kernels(bench.graph_ops(mx.compile(as_written)(h, kv, w, w, 1e-6))) == 13
+
+
+def test_compressor_projects_kv_and_score_in_one_gemm_and_pools_from_its_cache(fixture_model):
+    """A pooling compressor's kv and score come from one fp32 GEMM of the stacked wkv_wgate
+    (wkv's rows first: the two GEMMs' values), written into the cache's raw rows, from which
+    its groups are read with the unfinished group's rows before them: the groups pool as the
+    two projections and the rows joined to the pending ones do."""
+    from dsv41_mlx.cache import CompressorCache
+    from dsv41_mlx.model import pooled
+
+    compressor = fixture_model.layers[2].attn.compressor
+    assert compressor.ratio == 2 and not hasattr(compressor, "wgate")
+    w = compressor.wkv_wgate.weight
+    assert w.dtype == mx.float32
+    wkv, wgate = w[: w.shape[0] // 2], w[w.shape[0] // 2:]
+    x = mx.random.normal((5, w.shape[1]), key=mx.random.key(3)).astype(mx.bfloat16)
+    state = CompressorCache(2)
+    # 3 positions: one group and a pending row; then 5 more: three groups, the first the pending row's
+    latent, first = compressor(x[:3], state)
+    assert first == 0 and latent.shape[0] == 1
+    state.append_groups(mx.zeros((1, 4)), mx.zeros((1, 4)))  # (as Attention._compress appends them)
+    assert state.pending().shape[0] == 1
+    latent, first = compressor(x, state)
+    assert first == 1 and latent.shape[0] == 3 and state.end == 8
+    rows = mx.concatenate([x[2:3], x]).astype(mx.float32)
+    kv, score = (rows @ wkv.T).reshape(3, 2, -1), (rows @ wgate.T).reshape(3, 2, -1)
+    assert mx.array_equal(latent, compressor.norm(pooled(kv, score))).item()
+    state.append_groups(mx.zeros((3, 4)), mx.zeros((3, 4)))
+    assert state.pending().shape[0] == 0
+
+
+def test_a_forward_computes_the_index_keys_of_the_groups_it_pools(fixture_model, golden):
+    """Evaluating a forward's logits also computes and writes the index keys of the groups it
+    pooled, which its indexers do not read while they pick every group: nothing is left for
+    the first forward that scores them (which would compute every key made before it)."""
+    import sys
+
+    sys.path.insert(0, "scripts")
+    import bench
+
+    ids = _ids(golden)
+    cache = fixture_model.make_cache()
+    mx.eval(fixture_model(mx.array([ids[:2]], dtype=mx.int32), cache)[0])
+    sources = [layer.compressor for layer in cache.layers if layer.compressor is not None]
+    groups = [c.n_groups for c in sources]
+    # up to index_topk (4) groups of every ratio: no indexer scores
+    assert max(c.n_groups for c in sources) + 2 <= fixture_model.args.index_topk
+    for token in ids[2:4]:
+        logits, _ = fixture_model(mx.array([[token]], dtype=mx.int32), cache)
+        mx.eval(logits)
+        for c in sources:
+            assert bench.kernels(bench.graph_ops(c.index_keys)) == 0, bench.graph_ops(c.index_keys)
+    assert all(c.n_groups > g for c, g in zip(sources, groups))  # (groups were pooled)
+
+
+def test_rope_tables_of_a_narrower_width_are_views_of_a_wider_ones():
+    """Rope.tables for positions whose tables of a greater width are kept: views of their last
+    pairs (no launch), the values of the narrower tables computed anew."""
+    import sys
+
+    from dsv41_mlx.model import Rope, _rope_tables
+
+    sys.path.insert(0, "scripts")
+    import bench
+
+    rope = Rope(16, 160000.0, 4096, 16.0)
+    positions = mx.array([3, 9, 4000])
+    wide = rope.tables(positions, 64)
+    mx.eval(wide)
+    narrow = rope.tables(positions, 32)
+    want = _rope_tables(positions, *rope._per_pair(32))
+    for got, expected in zip(narrow, want):
+        assert got.shape == expected.shape and mx.array_equal(got, expected).item()
+    assert set(bench.graph_ops(*narrow)) <= {"Slice"}
+    assert rope.tables(positions, 32) is narrow  # kept
+    fresh = mx.array([3, 9, 4000])  # other positions: computed, cos and sin a launch each
+    tables = rope.tables(fresh, 32)
+    assert "Slice" not in bench.graph_ops(*tables) and bench.kernels(bench.graph_ops(*tables[:2])) == 2
+
+
 def test_decode_steps_keep_their_shapes_as_the_compressed_cache_grows(padded_model, monkeypatch):
     """With index_topk above the compressed positions cached, each decode step still picks
     index_topk, so the compiled attention is traced once, not once per new length (in the
