@@ -228,11 +228,11 @@ def unpack_rows(packed: mx.array, layout: list) -> list[mx.array]:
 @mx.compile
 def dequantize_rows(codes: mx.array, scales: mx.array) -> mx.array:
     """EngramTable.read's (codes, scales) as MLX arrays -> the rows' values, bf16 [..., dim]: each E4M3
-    code times 2^(its block's E8M0 scale - 127). The code decoded from its bits (as mx.from_fp8
-    decodes it, which is a launch of its own: tests/test_model.py), so that the whole of it is
-    one launch: sign, then 1.mmm (0.mmm where the exponent field is 0) in eighths, times 2 to
-    the field (1 where 0) - 7 - 3, and the scale's power folded into that one power of two;
-    the codes E4M3 leaves for NaN are NaN."""
+    code times 2^(its block's E8M0 scale - 127). Each code is decoded from its bits, as
+    mx.from_fp8 decodes it (a launch of its own: tests/test_model.py), so that all of it is one
+    launch: sign s, exponent field e, mantissa m give (-1)^s (8 + m) 2^(e - 10), or
+    (-1)^s m 2^(1 - 10) where e = 0, the scale's power of two folded into that one; the two
+    codes E4M3 leaves for NaN give NaN."""
     c, s = codes.reshape(*scales.shape, -1), scales[..., None]  # views: [..., blocks, 32], [..., blocks, 1]
     exponent8 = c & 120  # the exponent field, times 8
     significand = ((c & 7) + mx.where(exponent8 == 0, 0, 8)).astype(F32)

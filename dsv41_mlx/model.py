@@ -516,9 +516,8 @@ def pooled(kv: mx.array, score: mx.array) -> mx.array:
 
     Groups of two (the release's ratio) take the same steps written out per row: the group's
     max, each row's exp(score - max) over their sum, the weighted rows added. Element-wise
-    only, so that all of it is one launch, where the reductions over the group axis make
-    three more and split the rest in two; and the same values, since a reduction of two
-    terms is their one addition (tests/test_model.py)."""
+    only, so all of it is one launch (the spec's reductions over the group axis make it six),
+    and the same values: a reduction of two terms is their one addition (tests/test_model.py)."""
     if kv.shape[1] != 2:  # (compiled per shape: a branch of the trace)
         return (kv * mx.softmax(score, axis=1, precise=True)).sum(axis=1).astype(BF16)
     first, second = score[:, 0], score[:, 1]
