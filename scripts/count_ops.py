@@ -11,8 +11,9 @@ count is the step's kernel launches as MLX would issue them. The stubs take any
 shape, so the GEMV kernels' shape terms are dropped and a small checkpoint's
 GEMMs count as the release's do. Views (reshapes, slices, broadcasts, ...) are
 counted apart: they launch nothing, but each is an operation MLX evaluates.
-Prints both per layer kind and for the whole step, and how many times each
-kernel was called. On the CPU an RMSNorm outside the kernels counts as its three
+Prints both per layer kind and for the whole step, how many times each
+kernel was called, and the launches the step left unevaluated in the cache (which a
+later forward would run). On the CPU an RMSNorm outside the kernels counts as its three
 operations, where a GPU runs one.
 """
 
@@ -116,7 +117,10 @@ def count(model_path: str | None, rows: int, prompt: int = 300) -> dict:
     with gpu_path_with_stub_kernels(calls):
         logits = bench.decode_by_layer(model, 7, cache, on_layer)
         launches, views, _ = census(logits)
-    return {"total": total + launches, "views": total_views + views, "per_kind": per_kind,
+        mx.eval(logits)
+        # what the step wrote into the cache but left unevaluated: a later forward would run it
+        left = census(*cache.state())[0]
+    return {"total": total + launches, "views": total_views + views, "left_in_cache": left, "per_kind": per_kind,
             "views_per_kind": views_per_kind, "kernel_calls": dict(calls),
             "names_per_kind": {kind: dict(c) for kind, c in names.items()}}
 
@@ -135,7 +139,8 @@ def main() -> int:
         views = res["views_per_kind"][kind]
         print(f"| {kind} | {len(counts)} | {', '.join(map(str, sorted(set(counts))))} | "
               f"{', '.join(map(str, sorted(set(views))))} |")
-    print(f"\nper decode step: {res['total']} launches, {res['views']} views; kernel calls: {res['kernel_calls']}")
+    print(f"\nper decode step: {res['total']} launches, {res['views']} views, {res['left_in_cache']} launches left "
+          f"unevaluated in the cache; kernel calls: {res['kernel_calls']}")
     return 0
 
 

@@ -239,6 +239,8 @@ from dsv41_mlx import kernels
 from dsv41_mlx.tiny import default_checkpoint
 from dsv41_mlx.config import ModelArgs
 res = count_ops.count(str(default_checkpoint()), rows=8, prompt=40)
+# a context the indexers pick whole (fewer groups than index_topk): they read no index keys
+res["unscored_left_in_cache"] = count_ops.count(str(default_checkpoint()), rows=8, prompt=6)["left_in_cache"]
 res["restored"] = kernels.backend() == "mlx" and kernels.device_backend() == "mlx"
 args = ModelArgs.from_dict(json.loads((default_checkpoint() / "config.json").read_text()))
 res["engram"] = sorted(args.engram_layer_ids)
@@ -258,6 +260,8 @@ print(json.dumps(res))
     assert entered_folded and calls["fp8_mma_hc"] == layers + len(entered_folded)
     assert "hc_post_mix" not in calls
     assert 0 < res["total"] < 200 * layers and res["views"] > 0
+    # the step computes all it writes into the cache, the index keys too where no indexer reads them
+    assert res["left_in_cache"] == res["unscored_left_in_cache"] == 0
     assert res["restored"]
     for kind in ("ratio 1", "ratio 2"):  # a plain layer's casts all fuse into compiled kernels
         assert res["names_per_kind"][kind].get("AsType", 0) == 0, res["names_per_kind"][kind]
