@@ -394,6 +394,13 @@ def test_rope_tables_of_a_narrower_width_are_views_of_a_wider_ones():
     fresh = mx.array([3, 9, 4000])  # other positions: computed, cos and sin a launch each
     tables = rope.tables(fresh, 32)
     assert "Slice" not in bench.graph_ops(*tables) and bench.kernels(bench.graph_ops(*tables[:2])) == 2
+    # each computing its own angles: the bits of one set of angles shared
+    freqs, rotated = rope._per_pair(32)
+    angles = (fresh.astype(mx.float32)[:, None] * freqs[None, :])[:, :, None]
+    cos = mx.where(rotated, mx.cos(angles), 1.0)
+    sin = mx.where(rotated, mx.sin(angles) * mx.array([-1.0, 1.0]), 0.0)
+    for got, want in zip(tables[:3], (cos, sin, -sin)):
+        assert mx.array_equal(got.view(mx.uint32), want.view(mx.uint32)).item()
 
 
 def test_decode_steps_keep_their_shapes_as_the_compressed_cache_grows(padded_model, monkeypatch):
