@@ -708,6 +708,18 @@ class SharedAttention:
         self._visible: dict[int, mx.array] = {}
         self._groups: dict[tuple[int, int, int], mx.array] = {}
         self._picks: dict[tuple[int, int, int], tuple[mx.array, mx.array]] = {}
+        # what the forward's positions alone decide and its layers compute (RoPE tables, the
+        # unscored picks): a forward built ahead starts them before its token is read
+        # (Model._forward_built_ahead), off the path from that read to the first engram layer
+        self.early: list[mx.array] = []
+
+    def rope_tables(self, rope: Rope, positions: mx.array, width: int) -> tuple[mx.array, ...]:
+        """rope.tables(positions, width), its cos and sin (what every rotation with them reads)
+        noted in `early` the first time."""
+        tables = rope.tables(positions, width)
+        if not any(a is tables[0] for a in self.early):
+            self.early += tables[:2]
+        return tables
 
     def visible(self, positions: mx.array, ratio: int) -> mx.array:
         """How many compressed groups of `ratio` positions each row may see [S] int32 (the
@@ -726,6 +738,7 @@ class SharedAttention:
         key = (n, pick_ids.size, id(visible))
         if key not in self._picks:
             self._picks[key] = every_pick_arrays(pick_ids, key_ids(n)[n - 1:], visible)
+            self.early += self._picks[key]
         return self._picks[key]
 
     def group_positions(self, first: int, n: int, ratio: int) -> mx.array:
@@ -914,7 +927,7 @@ class Attention(nn.Module):
         """xq: x through quant.fp8_input, where the caller has it already. onto: the output goes
         into that stream (output's onto)."""
         S = x.shape[0]
-        rope = self.rope.tables(positions, self.head_dim)
+        rope = shared.rope_tables(self.rope, positions, self.head_dim)
         xq = fp8_input(x) if xq is None else xq
         # the attention kernel (rows that gather their own windows, on a GPU) takes q unrotated:
         # decided from the shapes it will have, before q exists
@@ -978,7 +991,7 @@ class Attention(nn.Module):
         else:
             group_pos = shared.group_positions(first_group, latent.shape[0], self.ratio)
         # the latent's rotation first: the index keys' narrower one then takes a view of its tables
-        kv = fp4_fake_quant(self.rope(latent, group_pos), 16, "e4m3")
+        kv = fp4_fake_quant(Rope.apply(latent, shared.rope_tables(self.rope, group_pos, latent.shape[-1])), 16, "e4m3")
         state.append_groups(kv, self.indexer.keys(latent, group_pos, self.rope))
 
 
@@ -1549,6 +1562,7 @@ class Model(nn.Module):
             ahead = self._blocks_before_tokens
             for arrays in built[:ahead]:
                 begin(*arrays)
+            begin(*shared.early)
             tokens = yield
             if staged is not None:
                 staged.write(self._engram_reads(self.hasher(cache.tokens, tokens[:1])))

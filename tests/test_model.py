@@ -516,6 +516,41 @@ def test_a_decode_begun_before_its_token_is_read_changes_no_bit(fixture_model, g
     assert bool(ahead.staged_rows) == bool(built)
 
 
+def test_a_forward_built_ahead_starts_what_its_positions_decide_before_its_token(fixture_model, golden,
+                                                                                 monkeypatch):
+    """A decode_ahead built ahead starts, with its blocks before the token, the arrays that its
+    positions alone decide (SharedAttention.early: the RoPE tables' cos and sin of the forward's
+    positions and of its new groups, the unscored picks), so that they run before the token is
+    read, not in the blocks after it; the same logits as decode."""
+    from dsv41_mlx import model as model_module
+
+    model = fixture_model
+    made, started = [], []
+    init = model_module.SharedAttention.__init__
+    monkeypatch.setattr(model_module.SharedAttention, "__init__",
+                        lambda self, *a, **k: (init(self, *a, **k), made.append(self))[0])
+    async_eval = mx.async_eval
+    monkeypatch.setattr(mx, "async_eval", lambda *arrays: (started.extend(arrays), async_eval(*arrays))[1])
+    ids = _ids(golden)
+    model.decode_rows, model.overlap_build, model.build_ahead = 8, True, True
+    try:
+        plain, ahead = model.make_cache(), model.make_cache()
+        for c in (plain, ahead):
+            logits, _ = model(mx.array([ids[:6]], dtype=mx.int32), c)
+        token = mx.argmax(logits[0, -1:], axis=-1)
+        begun = model.decode_ahead(token, ahead)
+        early = made[-1].early
+        # the window's and the compressed layers' tables of the positions, the new groups', the picks
+        assert len(early) >= 6
+        assert all(any(a is b for b in started) for a in early)
+        logits, _ = begun.finish(token.item())
+        want, _ = model.decode([token.item()], plain)
+        assert mx.array_equal(want, logits).item()
+    finally:
+        model.decode_rows = None
+        model.overlap_build = model.build_ahead = False
+
+
 def test_block_evaluator_hands_its_threads_error_to_the_caller(monkeypatch):
     """What the thread's mx.async_eval raises comes out of the next drain, on the caller's
     thread; the evaluator then runs again."""
