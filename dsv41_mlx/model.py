@@ -710,7 +710,8 @@ class SharedAttention:
         self._picks: dict[tuple[int, int, int], tuple[mx.array, mx.array]] = {}
         # what the forward's positions alone decide and its layers compute (RoPE tables, the
         # unscored picks): a forward built ahead starts them before its token is read
-        # (Model._forward_built_ahead), off the path from that read to the first engram layer
+        # (Model._forward_built_ahead), while the device would wait for the token anyway,
+        # rather than in the blocks that read them, after it
         self.early: list[mx.array] = []
 
     def rope_tables(self, rope: Rope, positions: mx.array, width: int) -> tuple[mx.array, ...]:
@@ -991,7 +992,8 @@ class Attention(nn.Module):
         else:
             group_pos = shared.group_positions(first_group, latent.shape[0], self.ratio)
         # the latent's rotation first: the index keys' narrower one then takes a view of its tables
-        kv = fp4_fake_quant(Rope.apply(latent, shared.rope_tables(self.rope, group_pos, latent.shape[-1])), 16, "e4m3")
+        tables = shared.rope_tables(self.rope, group_pos, latent.shape[-1])
+        kv = fp4_fake_quant(Rope.apply(latent, tables), 16, "e4m3")
         state.append_groups(kv, self.indexer.keys(latent, group_pos, self.rope))
 
 
