@@ -405,15 +405,8 @@ def sanitize(name: str) -> str:
 
 
 def declared_floats(model) -> dict[str, mx.Dtype]:
-    """Each floating-point parameter of the model with the dtype the model declares for it;
-    a compressor's wkv and wgate, stacked at load into its wkv_wgate (stack_wkv_wgate), each
-    with that one's."""
-    floats = {name: v.dtype for name, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)}
-    for name, dtype in list(floats.items()):
-        if ".compressor.wkv_wgate." in name:
-            for part in ("wkv", "wgate"):
-                floats[name.replace(".wkv_wgate.", f".{part}.")] = dtype
-    return floats
+    """Each floating-point parameter of the model with the dtype the model declares for it."""
+    return {name: v.dtype for name, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)}
 
 
 def stack_gate_up(params: dict[str, mx.array]) -> None:
@@ -437,15 +430,6 @@ def stack_wq_a_wkv(params: dict[str, mx.array]) -> None:
         kv_name = name.replace(".attn.wq_a.", ".attn.wkv.")
         params[name.replace(".attn.wq_a.", ".attn.wq_a_wkv.")] = mx.concatenate(
             [params.pop(name), params.pop(kv_name)], axis=0)
-
-
-def stack_wkv_wgate(params: dict[str, mx.array]) -> None:
-    """Replace each pooling compressor's wkv and wgate (ratio > 1: those with a wgate) by
-    wkv_wgate: wkv's rows, then wgate's, so that one GEMM makes both (model.Compressor).
-    Each output is its own row of weights."""
-    for name in [n for n in params if ".compressor.wgate." in n]:
-        kv_name = name.replace(".wgate.", ".wkv.")
-        params[name.replace(".wgate.", ".wkv_wgate.")] = mx.concatenate([params.pop(kv_name), params.pop(name)])
 
 
 def load_weights(model, model_dir: Path, where: dict[str, Path], progress: bool = False) -> None:
@@ -484,7 +468,6 @@ def load_weights(model, model_dir: Path, where: dict[str, Path], progress: bool 
         params[name] = mx.stack([per_expert[e] for e in range(len(per_expert))])
     stack_gate_up(params)
     stack_wq_a_wkv(params)
-    stack_wkv_wgate(params)
     # a float tensor the model declares wider than the file stores it (the router's gate, the
     # compressors' projections: fp32 math on every call) is widened once here, exactly,
     # rather than on every call

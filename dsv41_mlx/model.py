@@ -476,20 +476,18 @@ class Compressor(nn.Module):
 
     Ratio 1 is a plain bf16 projection. Ratio > 1 projects in fp32 (its BF16
     weights held in fp32, as the reference holds them) and keeps the rows of an
-    unfinished group in the cache until the group completes. Its two projections,
-    wkv and wgate, are one weight (wkv's rows, then wgate's: checkpoint.stack_wkv_wgate),
-    so that one GEMM makes both.
+    unfinished group in the cache until the group completes.
     Returns the new latents (bf16, normed, before RoPE) and their group ids.
     """
 
     def __init__(self, args: ModelArgs, ratio: int):
         super().__init__()
         self.ratio = ratio
-        if ratio == 1:
-            self.wkv = Linear(args.hidden_size, args.head_dim)
-        else:
-            self.wkv_wgate = Linear(args.hidden_size, 2 * args.head_dim)
-            self.wkv_wgate.weight = self.wkv_wgate.weight.astype(F32)  # widened at load
+        self.wkv = Linear(args.hidden_size, args.head_dim)
+        if ratio > 1:
+            self.wgate = Linear(args.hidden_size, args.head_dim)
+            for proj in (self.wkv, self.wgate):
+                proj.weight = proj.weight.astype(F32)  # widened at load
         self.norm = RMSNorm(args.head_dim, args.rms_norm_eps)
 
     def __call__(self, x: mx.array, state) -> tuple[mx.array | None, int]:
@@ -497,9 +495,12 @@ class Compressor(nn.Module):
         if self.ratio == 1:
             state.end += x.shape[0]
             return self.norm(self.wkv(x)), first_group
-        # kv | score of the new positions, then of every position not in a group yet, the
-        # unfinished group's before them, read where the cache has written them
-        rows = state.append_raw(x.astype(F32) @ self.wkv_wgate.weight.T)
+        # kv | score of the new positions (two GEMMs: as one of twice the outputs, cuBLAS took a
+        # split-K kernel six times as long as the two together on an H100, session 44), then of
+        # every position not in a group yet, the unfinished group's before them, read where
+        # the cache has written them
+        xf = x.astype(F32)
+        rows = state.append_raw(mx.concatenate([xf @ self.wkv.weight.T, xf @ self.wgate.weight.T], axis=1))
         n_full = rows.shape[0] // self.ratio
         if n_full == 0:
             return None, first_group

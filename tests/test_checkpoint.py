@@ -196,13 +196,7 @@ def test_load_fixture_puts_every_tensor_into_the_model(loaded, fixture_tensors):
             n_fp8 += 1
         else:
             key = sanitize(name)
-            # a pooling compressor's (ratio > 1) wkv and wgate are the first and the second
-            # half of the model's wkv_wgate
-            stacked = key.replace(".wkv.", ".wkv_wgate.").replace(".wgate.", ".wkv_wgate.")
-            if ".compressor.wkv_wgate." in stacked and stacked in params:
-                half = params[stacked].shape[0] // 2
-                key, rows = stacked, (slice(0, half) if ".wkv." in name else slice(half, None))
-            got = params[key][rows]
+            got = params[key]
             want = bf16_to_f32(stored) if dtype == "BF16" else stored
             if dtype == "BF16" and got.dtype != mx.float32:
                 assert got.dtype == mx.bfloat16, name
@@ -663,25 +657,13 @@ def test_bf16_tensors_the_model_computes_in_fp32_are_widened_once_and_counted_so
     headers = shard_headers(ckpt)
     where = check_tensors(model.args, headers)
     params = dict(tree_flatten(model.parameters()))
-
-    def loaded(name):
-        """The model's values of checkpoint tensor `name`: its parameter, or (a pooling
-        compressor's wkv and wgate) its rows of their stack, wkv's first."""
-        stacked = sanitize(name).replace(".wkv.", ".wkv_wgate.").replace(".wgate.", ".wkv_wgate.")
-        if ".compressor.wkv_wgate." not in stacked or stacked not in params:
-            return params[sanitize(name)]
-        half = params[stacked].shape[0] // 2
-        return params[stacked][:half] if ".wkv." in name else params[stacked][half:]
-
-    widened = [n for n in where if headers[where[n]][n]["dtype"] == "BF16" and loaded(n).dtype == mx.float32]
-    assert {"layers.0.ffn.gate.weight", "layers.2.attn.compressor.wkv.weight",
-            "layers.2.attn.compressor.wgate.weight"} <= set(widened)
-    assert "layers.5.attn.compressor.wkv.weight" not in widened  # ratio 1: a bf16 projection
+    widened = [n for n in where if headers[where[n]][n]["dtype"] == "BF16" and params[sanitize(n)].dtype == mx.float32]
+    assert {"layers.0.ffn.gate.weight", "layers.2.attn.compressor.wgate.weight"} <= set(widened)
     assert params["head.weight"].dtype == mx.bfloat16  # kept as stored: model.Head reads it so
     extra = 0
     for name in widened:
         stored = mx.load(str(where[name]))[name]
-        assert mx.array_equal(stored.astype(mx.float32), loaded(name)).item(), name
+        assert mx.array_equal(stored.astype(mx.float32), params[sanitize(name)]).item(), name
         extra += stored.nbytes
     declared = checkpoint.declared_floats(Model(model.args))
     assert checkpoint.resident_bytes(headers, where, declared) == checkpoint.resident_bytes(headers, where) + extra

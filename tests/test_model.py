@@ -318,20 +318,19 @@ def test_engram_gate_sums_in_one_reduction_the_bits_of_the_steps_as_written():
     assert bench.kernels(bench.graph_ops(mx.compile(as_written)(h, kv, w, w, 1e-6))) == 13
 
 
-def test_compressor_projects_kv_and_score_in_one_gemm_and_pools_from_its_cache(fixture_model):
-    """A pooling compressor's kv and score come from one fp32 GEMM of the stacked wkv_wgate
-    (wkv's rows first: the two GEMMs' values), written into the cache's raw rows, from which
-    its groups are read with the unfinished group's rows before them: the groups pool as the
-    two projections and the rows joined to the pending ones do."""
+def test_compressor_pools_its_groups_from_where_its_cache_wrote_their_rows(fixture_model):
+    """A pooling compressor's kv and score (its two fp32 GEMMs, side by side) are written into
+    the cache's raw rows, from which its groups are read with the unfinished group's rows
+    before them: the groups pool as the two projections and the rows joined to the pending
+    ones do."""
     from dsv41_mlx.cache import CompressorCache
     from dsv41_mlx.model import pooled
 
     compressor = fixture_model.layers[2].attn.compressor
-    assert compressor.ratio == 2 and not hasattr(compressor, "wgate")
-    w = compressor.wkv_wgate.weight
-    assert w.dtype == mx.float32
-    wkv, wgate = w[: w.shape[0] // 2], w[w.shape[0] // 2:]
-    x = mx.random.normal((5, w.shape[1]), key=mx.random.key(3)).astype(mx.bfloat16)
+    assert compressor.ratio == 2
+    wkv, wgate = compressor.wkv.weight, compressor.wgate.weight
+    assert wkv.dtype == wgate.dtype == mx.float32
+    x = mx.random.normal((5, wkv.shape[1]), key=mx.random.key(3)).astype(mx.bfloat16)
     state = CompressorCache(2)
     # 3 positions: one group and a pending row; then 5 more: three groups, the first the pending row's
     latent, first = compressor(x[:3], state)
