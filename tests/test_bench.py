@@ -273,11 +273,12 @@ print(json.dumps(res))
         # RoPE's tables and the indexer's negated scores: element-wise steps fused into
         # compiled kernels, no operations of their own
         assert not {"Cos", "Sin", "Negative"} & set(names), (kind, names)
-    # a pooling compressor: its groups read from where the cache wrote their rows (no join to
-    # the pending ones) and pooled in one element-wise launch (no reductions: the one sum is
-    # the indexer's over its heads; 40 tokens are past the tiny model's unscored length)
+    # a pooling compressor: its groups read from where the cache wrote their rows (one join, of
+    # its two GEMMs' outputs; none to the pending rows) and pooled in one element-wise launch (no
+    # reductions: the one sum is the indexer's over its heads; 40 tokens are past the tiny
+    # model's unscored length)
     source = res["names_per_kind"]["ratio 2 KV source + indexer"]
-    assert not {"Max", "Concatenate"} & set(source) and source["Sum"] == 1, source
+    assert "Max" not in source and source["Concatenate"] == 1 and source["Sum"] == 1, source
     # an engram layer: its rows dequantised without from_fp8, its gate's sums one reduction
     engram = res["names_per_kind"]["engram + ratio 2 KV source + indexer"]
     assert "FromFP8" not in engram and engram["Sum"] == 2, engram
