@@ -114,8 +114,8 @@ class CompressorCache:
     each in a RowBuffer.
 
     Group g covers positions [g*ratio, (g+1)*ratio). The raw rows hold the fp32
-    projections of positions [raw_start, end), kv and score side by side (as the
-    compressor's one GEMM makes them), enough to re-form any group that a trim reopens.
+    projections of positions [raw_start, end), kv and score side by side (the compressor's
+    two GEMMs' outputs joined), enough to re-form any group that a trim reopens.
     """
 
     GROUP_ROOM = 256  # rows of room a new buffer of groups gets, at least
@@ -148,7 +148,8 @@ class CompressorCache:
         """Append the raw rows [S, 2 * head_dim] of the next S positions; return the raw rows
         of every position not yet in a group, them included (a view of the buffer they are
         written into: no copy to join them to the pending ones)."""
-        unpooled = self._raw.append(rows)[self.n_groups * self.ratio - self.raw_start:]
+        self._raw.append(rows)
+        unpooled = self.pending()  # (before the rows a trim no longer needs are dropped)
         self.end += rows.shape[0]
         # keep every row of the groups that a trim of TRIM_SLACK positions could reopen
         keep_from = max(0, (self.end - TRIM_SLACK) // self.ratio * self.ratio)

@@ -185,14 +185,13 @@ class Rope:
         their last width / 2 pairs: the same values (the pairs before the last `dims`
         features do not rotate), and no launch."""
         recent = self._tables.get(width, ())  # one read: a forward in another thread may replace it
-        hit = next((entry for entry in recent if entry[0] is positions), None)
-        if hit is None:
+        entry = next((e for e in recent if e[0] is positions), None)
+        if entry is None:
             wider = next((tables for w, entries in list(self._tables.items()) if w > width
                           for kept, tables in entries if kept is positions), None)
-            tables = (_rope_tables(positions, *self._per_pair(width)) if wider is None
-                      else _last_pairs(wider, width // 2))
-        entry = hit or (positions, tables)
-        self._tables[width] = (entry,) + tuple(e for e in recent if e is not hit)[:2]
+            entry = positions, (_rope_tables(positions, *self._per_pair(width)) if wider is None
+                                else _last_pairs(wider, width // 2))
+        self._tables[width] = (entry,) + tuple(e for e in recent if e is not entry)[:2]
         return entry[1]
 
     def _per_pair(self, width: int) -> tuple[mx.array, mx.array]:
@@ -495,10 +494,10 @@ class Compressor(nn.Module):
         if self.ratio == 1:
             state.end += x.shape[0]
             return self.norm(self.wkv(x)), first_group
-        # kv | score of the new positions (two GEMMs: as one of twice the outputs, cuBLAS took a
-        # split-K kernel six times as long as the two together on an H100, session 44), then of
-        # every position not in a group yet, the unfinished group's before them, read where
-        # the cache has written them
+        # kv | score of the new positions (two GEMMs: as one of twice the outputs, cuBLAS ran a
+        # 152 us split-K kernel on an H100 in session 44, where the two took 22-27 us at once in
+        # session 43's H200 timeline), then of every position not in a group yet, the
+        # unfinished group's before them, read where the cache has written them
         xf = x.astype(F32)
         rows = state.append_raw(mx.concatenate([xf @ self.wkv.weight.T, xf @ self.wgate.weight.T], axis=1))
         n_full = rows.shape[0] // self.ratio
