@@ -11,7 +11,7 @@ import logging
 import sys
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Container, Iterator
 
 import mlx.core as mx
 
@@ -124,9 +124,16 @@ def _warm_up_ingest(model) -> None:
 
 def generate_step(model, prompt: list[int], params: SamplingParams, max_tokens: int,
                   prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                  decoder: SpeculativeDecoder | None = None) -> Iterator[int]:
+                  decoder: SpeculativeDecoder | None = None,
+                  stop: Container[int] = ()) -> Iterator[int]:
     """Yield up to max_tokens new token ids: plain decoding (one target forward per
-    token), or speculative rounds through `decoder`."""
+    token), or speculative rounds through `decoder`. A token in `stop` (stream_generate
+    passes the tokenizer's end-of-sequence ids) is yielded last: nothing is computed after it.
+
+    Plain decoding starts the next token's forward before it yields a token, so whatever the
+    caller does with it (detokenizing, printing, streaming it) overlaps the device's work.
+    The caller must not evaluate the model's arrays (its cache, weights, outputs) while it
+    holds a token: the model's evaluator thread may still be starting that forward."""
     if not prompt:
         raise ValueError("the prompt is empty")
     cache = model.make_cache()
@@ -134,14 +141,16 @@ def generate_step(model, prompt: list[int], params: SamplingParams, max_tokens: 
     logits, features = prefill(model, prompt, cache, prefill_chunk, keep)
     if decoder is not None:
         if max_tokens > 0:
-            yield from speculative_decode(decoder, cache, logits, features, max_tokens)
+            yield from speculative_decode(decoder, cache, logits, features, max_tokens, stop)
         return
     # Each step begins the next forward before reading its token back (Model.decode_ahead):
     # the device runs the forward's first block straight after sampling the token, and on a
     # GPU the host builds the rest of it meanwhile. The token is drawn on the forwards' stream,
-    # so the evaluator's thread starts it right after the forward's blocks. A finished forward
-    # is not settled (that thread may still be starting its blocks) until the next
-    # decode_ahead, or Model.settle, before this loop waits for anything.
+    # so the evaluator's thread starts its work straight after the forward's blocks. The
+    # token's forward is started (finish) before the token is yielded: the device waits for
+    # the host from the token's read to there (its engram rows), not for the caller too. A
+    # finished forward is not settled (that thread may still be starting its blocks) until
+    # the next decode_ahead, or Model.settle, before this loop waits for anything.
     mx.eval(logits)  # (prefill's view of its last row, on this thread's stream: not the evaluator's to start)
     ahead = None
     try:
@@ -152,12 +161,14 @@ def generate_step(model, prompt: list[int], params: SamplingParams, max_tokens: 
             if ahead is None:
                 model.settle()
             token = drawn.item()
-            yield token
-            if ahead is not None:
+            if ahead is not None and token not in stop:
                 logits, _ = ahead.finish(token, settle=False)  # [1, 1, V]
                 ahead = None
+            yield token
+            if token in stop:
+                return
     finally:
-        if ahead is not None:  # the caller stopped early (or a step failed): the begun forward abandoned
+        if ahead is not None:  # a stop token, or the caller stopped early: the begun forward abandoned
             ahead.cancel()
         model.settle()
 
@@ -222,7 +233,7 @@ def _responses(model, tokenizer, ids, params, max_tokens, prefill_chunk, decoder
     mx.reset_peak_memory()
     tic = time.perf_counter()
     prompt_tps = 0.0
-    steps = generate_step(model, ids, params, max_tokens, prefill_chunk, decoder)
+    steps = generate_step(model, ids, params, max_tokens, prefill_chunk, decoder, tokenizer.eos_token_ids)
     for n, token in enumerate(steps, start=1):
         if n == 1:
             prompt_tps = len(ids) / (time.perf_counter() - tic)

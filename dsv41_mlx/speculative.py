@@ -24,7 +24,7 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Container, Iterator
 
 import mlx.core as mx
 
@@ -323,8 +323,9 @@ class SpeculativeDecoder:
 
 
 def speculative_decode(decoder: SpeculativeDecoder, cache: ModelCache, last_logits: mx.array,
-                       features: mx.array, max_tokens: int) -> Iterator[int]:
-    """Yield up to max_tokens tokens after a prefilled prompt.
+                       features: mx.array, max_tokens: int, stop: Container[int] = ()) -> Iterator[int]:
+    """Yield up to max_tokens tokens after a prefilled prompt; a token in `stop` is the last
+    (its round is not carried on).
 
     last_logits [V]: the prompt's last row; features [n, 3*dim]: the prompt's
     newest n rows (n >= min(window, prompt length)), ingested first. The
@@ -336,8 +337,12 @@ def speculative_decode(decoder: SpeculativeDecoder, cache: ModelCache, last_logi
     anchor = sample(last_logits[None], mx.array([cache.offset]), decoder.params).item()
     yield anchor
     produced = 1
+    if anchor in stop:
+        return
     while produced < max_tokens:
         for token in decoder.round(cache, draft_cache, anchor, max_tokens - produced):
             yield token
             produced += 1
+            if token in stop:
+                return
         anchor = token

@@ -281,3 +281,55 @@ def test_a_reply_stopped_early_abandons_its_begun_forward(default_model, built):
     finally:
         model.overlap_build = model.evaluate_on_thread = model.build_ahead = False
     assert first == whole[:3] and again == whole
+
+
+@pytest.mark.parametrize("built", [False, True])
+def test_plain_decoding_starts_a_tokens_forward_before_handing_the_token_out(default_model, monkeypatch, built):
+    """Each token's forward is started (DecodeAhead.finish) before the caller gets the token, so
+    what the caller does with it overlaps the device's work; the last token starts none."""
+    from dsv41_mlx import model as model_module
+    from dsv41_mlx.generate import generate_step
+    from dsv41_mlx.sampling import SamplingParams
+
+    finished, real = [], model_module.DecodeAhead.finish
+
+    def finish(self, token, settle=True):
+        finished.append(token)
+        return real(self, token, settle)
+
+    monkeypatch.setattr(model_module.DecodeAhead, "finish", finish)
+    model, tokenizer = default_model
+    model.overlap_build = model.evaluate_on_thread = True
+    model.build_ahead = built
+    try:
+        seen = [(t, list(finished)) for t in generate_step(model, tokenizer.encode("The quick brown fox"),
+                                                            SamplingParams(), 6)]
+    finally:
+        model.overlap_build = model.evaluate_on_thread = model.build_ahead = False
+    tokens = [t for t, _ in seen]
+    assert [started for _, started in seen] == [tokens[:k + 1] for k in range(5)] + [tokens[:5]]
+
+
+def test_a_stop_token_is_the_last_and_nothing_is_computed_after_it(default_model, monkeypatch):
+    """generate_step(stop=...) yields the first stop token and ends there, plain (no forward
+    started for it) and drafted alike."""
+    from dsv41_mlx import model as model_module
+    from dsv41_mlx.generate import generate_step, make_decoder
+    from dsv41_mlx.sampling import SamplingParams
+
+    model, tokenizer = default_model
+    prompt, params = tokenizer.encode("The quick brown fox"), SamplingParams()
+    whole = list(generate_step(model, prompt, params, 10))
+    k = next(i for i in range(2, len(whole)) if whole[i] not in whole[:i])  # the stop token's first place
+    finished, real = [], model_module.DecodeAhead.finish
+
+    def finish(self, token, settle=True):
+        finished.append(token)
+        return real(self, token, settle)
+
+    monkeypatch.setattr(model_module.DecodeAhead, "finish", finish)
+    assert list(generate_step(model, prompt, params, 10, stop={whole[k]})) == whole[:k + 1]
+    assert finished == whole[:k]
+    decoder = make_decoder(model, params, draft=True)
+    assert decoder is not None
+    assert list(generate_step(model, prompt, params, 10, decoder=decoder, stop={whole[k]})) == whole[:k + 1]
