@@ -100,13 +100,19 @@ class BlockEvaluator:
             raise RuntimeError("this BlockEvaluator is closed")
         self._jobs.put(arrays)
 
-    def drain(self) -> None:
-        """Wait until everything submitted has been started; raise what the thread raised."""
+    def mark(self) -> threading.Event:
+        """An event the thread sets once it has started everything submitted before this call
+        (drain(mark) waits for it: what comes later may still be starting)."""
         if self._closed:
             raise RuntimeError("this BlockEvaluator is closed")
         done = threading.Event()
         self._jobs.put(done)
-        done.wait()
+        return done
+
+    def drain(self, mark: threading.Event | None = None) -> None:
+        """Wait until everything submitted has been started (up to `mark`, where given); raise
+        what the thread raised."""
+        (mark or self.mark()).wait()
         if self._error is not None:
             error, self._error = self._error, None
             raise error

@@ -145,6 +145,7 @@ FP4_EXPERTS = KernelSpec("fp4_experts", ("x", "xs", "w", "scales", "ids", "sizes
                          "fp4_experts.metal", "fp4_experts.cu", twin_headers=("fp8_lane", "bf16_lane", "gemv_lane", "mma_x"))
 MMA_X_PREP = KernelSpec("mma_x_prep", ("x", "sizes"), ("xh", "xs"), "mma_x_prep.metal", "mma_x_prep.cu",
                         twin_headers=("fp8_lane", "bf16_lane", "gemv_lane", "mma_x"))
+ROWS_GATE = KernelSpec("rows_gate", ("flag",), ("out",), "rows_gate.metal", "rows_gate.cu", header_files=())
 
 
 # MLX 0.32's CUDA backend hashes a custom kernel's whole text (its header and body, 2-12 KB
@@ -1356,3 +1357,32 @@ def mma_column_groups(rows: int) -> int:
     most once a row), 2 above. A row's bits do not depend on it: each column of a
     matrix-unit product is summed on its own."""
     return 1 if rows <= 8 else 2
+
+
+# ------------------------------------------------------------------- rows_gate
+
+# How many times rows_gate reads the host's flag before it gives up: on CUDA a read and a
+# 256 ns sleep, so some seconds; the host releases a gate within a fraction of a millisecond of
+# reading the token (Model._forward_built_ahead), and a gate that gives up is reported.
+GATE_SPINS = 1 << 24
+
+
+def rows_gate_fits() -> bool:
+    """Whether a forward's launches may be queued behind rows_gate, waiting on the device for
+    the host's engram rows: on CUDA (measured there, docs/benchmarks.md, session 45). Not on
+    Metal yet: a Mac must first show that a running kernel sees the CPU's write to shared
+    memory, and what it gains; there the forward's blocks are started once the rows are
+    written, as without the gate."""
+    return backend() == "cuda"
+
+
+def rows_gate(flag: mx.array) -> mx.array:
+    """One launch that holds whatever is queued after it (and reads its output) until the host
+    releases it through flag (uint32 [3], engram.StagedRows; rows_gate.metal says how) ->
+    uint32 [2]: (1 if it gave up waiting, else 0; the release count it saw)."""
+    if flag.dtype != mx.uint32 or flag.shape != (3,):
+        raise ValueError(f"rows_gate: the flag must be uint32 [3]; got {flag.dtype} {flag.shape}")
+    kernel = _compiled(ROWS_GATE, backend())
+    (out,) = kernel(inputs=[flag], template=[("SPINS", GATE_SPINS)], grid=(32, 1, 1), threadgroup=(32, 1, 1),
+                    output_shapes=[(2,)], output_dtypes=[mx.uint32])
+    return out

@@ -1312,6 +1312,9 @@ class Model(nn.Module):
         # its engram rows read into a buffer made once (engram.StagedRows) when the token is
         # known; see decode_ahead
         self.build_ahead = on_gpu
+        # ... and starts all of it before the token is known, the engram rows read behind a
+        # gate on the device that the host opens once it has written them (kernels.rows_gate)
+        self.gate_rows = kernels.rows_gate_fits()
 
     @property
     def evaluate_on_thread(self) -> bool:
@@ -1458,6 +1461,7 @@ class Model(nn.Module):
             return DecodeAhead(forward, cache, rows, self._blocks_before_tokens)
         if queued:
             self._evaluator.submit(token, feed)  # after the forward before's blocks, on its thread
+            token_started = self._evaluator.mark()
         forward = self._forward_built_ahead(feed, cache, rows)
         begun = DecodeAhead(forward, cache, rows, len(self.layers), self.settle, self.forward_stream)
         try:
@@ -1465,9 +1469,9 @@ class Model(nn.Module):
             if not queued:
                 self.settle()  # the forward before started whole: this thread may start t's work
                 mx.async_eval(token, feed)
-            forward.send(None)  # the blocks that need no tokens started; it waits for them
-            if queued:
-                self.settle()  # (the caller then waits for t: the thread must be done with it)
+            forward.send(None)  # the blocks that need no tokens started (all of them, where gated)
+            if queued:  # the caller then waits for t: the thread must be done with t's work (not with the blocks)
+                self._evaluator.drain(token_started)
         except BaseException:  # (the evaluator drained; the cache, as after any failed forward, not to be reused)
             forward.close()
             raise
@@ -1546,15 +1550,23 @@ class Model(nn.Module):
         nothing (next); then starts the blocks that need no tokens (send(None)); then, sent the
         tokens, writes their engram rows into the StagedRows, appends them to the cache, starts
         the rest and returns (logits, features) without draining the evaluator (the caller
-        settles it). Closed or failing, it drains the evaluator on the way out."""
+        settles it). Closed or failing, it drains the evaluator on the way out.
+
+        Gated (gate_rows, where kernels.rows_gate_fits): the engram rows are read behind a gate
+        (StagedRows.gate), and send(None) starts every block: the device waits at the gate until
+        the host, sent the tokens, has written the rows and released it, and the evaluator's
+        thread has queued the forward's launches meanwhile. A gate begun is released however
+        the generator ends (closed: the forward runs on the rows before, its results dropped)."""
         evaluator, building, begin = self._starting()
-        settled = False
+        settled = gate_begun = False
+        staged = None
         try:
             with building():
                 ids = mx.broadcast_to(token.astype(mx.int32).reshape(1, 1), (1, rows))
                 positions, h, pre, shared = self._forward_start(ids, cache, 1)
                 staged = self._staged_rows(cache, rows)
-                values = dict(zip(self._engram_layers, staged.values())) if staged is not None else {}
+                gate = staged.gate() if staged is not None and self.gate_rows else None
+                values = dict(zip(self._engram_layers, staged.values(gate))) if staged is not None else {}
                 features, built = [], []
                 for i in range(len(self.layers)):
                     h, pre = self.block_forward(i, h, pre, positions, cache, shared, values.get(i), 1, features)
@@ -1565,17 +1577,25 @@ class Model(nn.Module):
             for arrays in built[:ahead]:
                 begin(*arrays)
             begin(*shared.early)
+            rest = ([tuple(values.values())] if values else []) + built[ahead:] + [(logits, feats)]  # the rows first
+            if gate is not None:  # queued on the device now, behind the gate, rather than after the rows' write
+                gate_begun = True
+                for arrays in rest:
+                    begin(*arrays)
+                rest = []
             tokens = yield
             if staged is not None:
                 staged.write(self._engram_reads(self.hasher(cache.tokens, tokens[:1])))
             cache.tokens.extend(tokens)
-            if values:  # (as _engram_values: the rows first)
-                begin(*values.values())
-            for arrays in built[ahead:]:
+            if gate_begun:
+                gate_begun = False
+                staged.release()
+            for arrays in rest:
                 begin(*arrays)
-            begin(logits, feats)
             settled = True
         finally:
+            if gate_begun:  # abandoned, or failed, with its gate begun: the device goes on (on the rows before)
+                staged.release(check=False)
             if evaluator is not None and not settled:
                 evaluator.drain()
         return logits, feats
@@ -1639,18 +1659,18 @@ class Model(nn.Module):
         return [self.layers[i].engram.table.read(hashes[:, self.hasher.layer_index(i)]) for i in self._engram_layers]
 
     def _staged_rows(self, cache: ModelCache, rows: int) -> StagedRows | None:
-        """The cache's StagedRows for forwards of `rows` rows (made on first use), None without
-        engram layers."""
+        """The cache's StagedRows for forwards of `rows` rows (made on first use, with a gate
+        where gate_rows), None without engram layers."""
         if not self._engram_layers:
             return None
         staged = cache.staged_rows.get(rows)
-        if staged is None:
+        if staged is None or (self.gate_rows and staged.flag is None):
             n_cols = (self.args.engram_max_ngram_size - 1) * self.args.engram_n_heads
             shapes = []
             for i in self._engram_layers:
                 table = self.layers[i].engram.table
                 shapes += [(rows, n_cols, table.codes.shape[1]), (rows, n_cols, table.scales.shape[1])]
-            staged = cache.staged_rows[rows] = StagedRows(shapes)
+            staged = cache.staged_rows[rows] = StagedRows(shapes, gated=self.gate_rows)
         return staged
 
 

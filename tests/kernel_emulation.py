@@ -43,8 +43,9 @@ def metal_host_text(metal: str) -> str:
 
 
 def unit(spec, language: str, inputs: dict[str, str], outputs: dict[str, tuple[str, int]],
-         template: dict[str, int | str], groups: int) -> str:
-    """The C++ translation unit: inputs/outputs name -> dtype (outputs with their sizes)."""
+         template: dict[str, int | str], groups: int, read_back: tuple[str, ...] = ()) -> str:
+    """The C++ translation unit: inputs/outputs name -> dtype (outputs with their sizes);
+    read_back: inputs written out after the run as well (a kernel that writes into an input)."""
     types = C_TYPES[language]
     params = [f"const {types[t]}* {n}" for n, t in inputs.items()] + [f"{types[t]}* {n}" for n, (t, _) in outputs.items()]
     if language == "metal":
@@ -65,23 +66,28 @@ def unit(spec, language: str, inputs: dict[str, str], outputs: dict[str, tuple[s
     lines += [f"  std::vector<{types[t]}> {n}_v({size});" for n, (t, size) in outputs.items()]
     args = ", ".join(f"{n}_v.data()" for n in list(inputs) + list(outputs))
     lines.append(f"  {run_grid}({groups}, [&] {{ kernel_body({args}); }});")
+    written = {**outputs, **{n: (None, f"{n}_v.size()") for n in read_back}}
     lines += [f'  {{ FILE* f = std::fopen("{n}.out", "wb"); std::fwrite({n}_v.data(), sizeof({n}_v[0]), {size}, f); '
-              "std::fclose(f); }" for n, (t, size) in outputs.items()]
+              "std::fclose(f); }" for n, (t, size) in written.items()]
     return "\n".join(lines + ["  return 0;", "}"]) + "\n"
 
 
 def run(spec, language: str, inputs: dict[str, tuple[str, np.ndarray]], outputs: dict[str, tuple[str, int]],
-        template: dict[str, int | str], groups: int, workdir: Path) -> dict[str, np.ndarray]:
+        template: dict[str, int | str], groups: int, workdir: Path,
+        read_back: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
     """Build and run `spec`'s body in `language` ('metal' or 'cuda') on the host: inputs name
     -> (dtype, array), outputs name -> (dtype, element count); returns the outputs as flat
-    numpy arrays (bfloat16 as their uint16 bits)."""
+    numpy arrays (bfloat16 as their uint16 bits), and the inputs named in read_back as the
+    kernel left them."""
     for n, (t, a) in inputs.items():
         np.ascontiguousarray(a, dtype=NP_TYPES[t]).tofile(workdir / f"{n}.bin")
     source = workdir / "kernel.cpp"
-    source.write_text(unit(spec, language, {n: t for n, (t, _) in inputs.items()}, outputs, template, groups))
+    source.write_text(unit(spec, language, {n: t for n, (t, _) in inputs.items()}, outputs, template, groups,
+                           read_back))
     build = subprocess.run([clang(), "-std=c++20", "-O1", "-pthread", "-w", str(source), "-o", str(workdir / "kernel")],
                            capture_output=True, text=True)
     if build.returncode:
         raise RuntimeError(f"the host build of {spec.name} ({language}) failed:\n{build.stderr[-3000:]}")
     subprocess.run([str(workdir / "kernel")], cwd=workdir, check=True, timeout=300)
-    return {n: np.fromfile(workdir / f"{n}.out", dtype=NP_TYPES[t]) for n, (t, _) in outputs.items()}
+    kinds = {**{n: t for n, (t, _) in outputs.items()}, **{n: inputs[n][0] for n in read_back}}
+    return {n: np.fromfile(workdir / f"{n}.out", dtype=NP_TYPES[t]) for n, t in kinds.items()}

@@ -573,3 +573,15 @@ def test_rms_norm_pair_gives_two_rms_norms_bits_on_the_host(language, tmp_path):
                      mx.array(np.arange(D2) >= D2 - R).reshape(pairs[1:]))
     want = _bf16_bits(fp8_fake_quant_reference(rotated))
     assert np.mean(kv == want) > 0.9 and np.count_nonzero(kv) > 0.5 * kv.size
+
+
+@pytest.mark.parametrize("language", ["metal", "cuda"])
+def test_rows_gate_takes_a_release_and_reports_giving_up(language, tmp_path):
+    """rows_gate passes a release the host made (flag[0] != flag[1]) and takes it (flag[1] =
+    flag[0]); with none to take it gives up after SPINS reads, counts that in flag[2] and says so."""
+    got = run(kernels.ROWS_GATE, language, {"flag": ("uint32", np.array([7, 6, 0]))}, {"out": ("uint32", 2)},
+              {"SPINS": 1 << 24}, 1, tmp_path, read_back=("flag",))
+    assert got["out"].tolist() == [0, 7] and got["flag"].tolist() == [7, 7, 0]
+    got = run(kernels.ROWS_GATE, language, {"flag": ("uint32", np.array([7, 7, 2]))}, {"out": ("uint32", 2)},
+              {"SPINS": 64}, 1, tmp_path, read_back=("flag",))
+    assert got["out"].tolist() == [1, 7] and got["flag"].tolist() == [7, 7, 3]

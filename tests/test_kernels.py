@@ -19,7 +19,7 @@ import pytest
 from dsv41_mlx import kernels
 from dsv41_mlx.cache import DraftCache
 from dsv41_mlx.kernels import (ACT_QUANT, FP4_EXPERTS, FP4_QUANT, FP8_GEMV, FP8_MMA, FP8_MMA_HC, FP8_ROWS, HC_INPUT, HC_MIX,
-                               HEAD_LOGITS, MMA_X_PREP,
+                               HEAD_LOGITS, MMA_X_PREP, ROWS_GATE,
                                HC_POST_MIX, HC_SPLIT, MOE_GATE_SCORES, MOE_GATE_TOPK, RING_WRITE, RMS_NORM, RMS_NORM_PAIR,
                                SPARSE_ATTENTION, TOP_K,
                                fp8_rows_top64, moe_gate, moe_gate_reference, ring_write, ring_write_reference)
@@ -261,6 +261,7 @@ CASES = {
     "head_logits": (HEAD_LOGITS, {"x": "bfloat16", "w": "bfloat16", "sizes": "int32"}, {"y": "float32"}, {"R": 8}),
     "moe_gate_topk": (MOE_GATE_TOPK, {"scores": "float32", "bias": "float32", "params": "float32", "rows": "int32"},
                       {"weights": "float32", "ids": "uint32"}, {"E": 384, "K": 6, "NORMALIZE": 1}),
+    "rows_gate": (ROWS_GATE, {"flag": "uint32"}, {"out": "uint32"}, {"SPINS": 1 << 24}),
 }
 
 @pytest.fixture(autouse=True)
@@ -293,6 +294,8 @@ def test_metal_source_type_checks(case, rows, tmp_path):
     ("fp8_rows", ("const uint odd = E4M3_ODD(words[c]);", "const uint odd = E4M3_ODD(words[c])")),  # no semicolon
     ("fp8_rows", ("simdgroup_half8x8 a;", "simdgroup_float8x8 a;")),  # type error: float tile from half memory
     ("ring_write", ("src[chunk];", "src[chunck];")),  # misspelt variable
+    ("rows_gate", ("atomic_load_explicit(&f[0], memory_order_relaxed)",
+                   "atomic_load_explicit(f[0], memory_order_relaxed)")),  # an atomic for its address
     ("hc_split", ("hc_split_row<HC, ITERS>(mix, scale, base, eps[0],", "hc_split_row<HC, ITERS>(mix, scale, eps[0],")),
     ("act_quant", ("const float v = static_cast<float>(x[idx]);", "const float v = static_cast<float>(x[idx])")),
     ("act_quant", ("fp8_fake_quant_lane(v)", "fp8_fake_quant_lane(v, 1)")),  # bad call
@@ -367,6 +370,7 @@ def test_cuda_source_compiles(case):
     ("hc_split", ("mix[k] = mixes[row * (2 + HC) * HC + k];", "mix[k] = mixes[row * (2 + HC) * HC + k]")),
     ("act_quant", ("fp8_fake_quant_lane(v)", "fp8_fake_quant_lane()")),  # bad call
     ("moe_gate_topk", ("choice[i] = neg_inf;", "choice[i] = neg_infinity;")),  # misspelt variable
+    ("rows_gate", ("__nanosleep(256);", "__nanosleep();")),  # bad call
     ("moe_gate_scores", ("acc[r] += static_cast<float>(x[min(r, rows - 1) * D + d]) * wd[k];",
                          "acc[r] += static_cast<float>(x[min(r, rows - 1) * D + d]) * wd;")),  # array for a float
     ("hc_input", ("__float2bfloat16(c)", "__float2bfloat16(c, 1)")),  # bad call

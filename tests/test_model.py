@@ -1,6 +1,7 @@
 """Behaviour of the target model's forward and caches on the fixture checkpoint."""
 
 import contextlib
+import threading
 
 import mlx.core as mx
 import numpy as np
@@ -548,6 +549,95 @@ def test_a_forward_built_ahead_starts_what_its_positions_decide_before_its_token
     finally:
         model.decode_rows = None
         model.overlap_build = model.build_ahead = False
+
+
+class _RecordingEvaluator:
+    """A BlockEvaluator that only records what it is handed (nothing is started: the caller's
+    eval computes it later, after the engram rows are written)."""
+
+    def __init__(self, events):
+        self.events, self.stream = events, mx.default_stream(mx.default_device())
+
+    def submit(self, *arrays):
+        self.events.append(("submit", arrays))
+
+    def mark(self):
+        done = threading.Event()
+        done.set()
+        return done
+
+    def drain(self, mark=None):
+        pass
+
+
+def test_a_gated_forward_is_started_whole_before_its_token_and_released_after_its_rows(fixture_model, golden,
+                                                                                      monkeypatch):
+    """gate_rows (CUDA's default): decode_ahead hands the evaluator every block and the head
+    before the token is read, the engram rows read behind a gate (kernels.rows_gate: here a
+    stand-in, the CPU having no kernels); finish writes the rows, then releases the gate, once,
+    and starts nothing more; the same logits as decode. A cancelled forward releases its gate
+    with no rows written."""
+    from dsv41_mlx import engram as engram_module, kernels as kernels_module
+
+    model = fixture_model
+    events, gates = [], []
+    monkeypatch.setattr(kernels_module, "rows_gate", lambda flag: (gates.append(flag), mx.zeros((2,), mx.uint32))[1])
+    for name in ("write", "release"):
+        method = getattr(engram_module.StagedRows, name)
+        monkeypatch.setattr(engram_module.StagedRows, name,
+                            lambda self, *a, _m=method, _n=name, **k: (events.append((_n, k)), _m(self, *a, **k))[1])
+    ids = _ids(golden)
+    recorder = _RecordingEvaluator(events)
+    model.decode_rows, model.overlap_build, model.build_ahead, model.gate_rows = 8, True, True, True
+    model._evaluator = recorder
+    try:
+        plain, ahead = model.make_cache(), model.make_cache()
+        for c in (plain, ahead):
+            logits, _ = model(mx.array([ids[:41]], dtype=mx.int32), c)
+        mx.eval(logits)
+        for _ in range(3):
+            with model.forward_stream():
+                token = mx.argmax(logits[0, -1:], axis=-1)
+            events.clear()
+            begun = model.decode_ahead(token, ahead, on_forward_stream=True)
+            jobs = [arrays for kind, arrays in events if kind == "submit"]
+            assert gates and len(events) == len(jobs)
+            # the token's, block 0's, the early arrays, the rows, every block after, the head's logits
+            assert len(jobs) == len(model.layers) + 4 and jobs[-1][0].shape == (1, 8, model.args.vocab_size)
+            t = token.item()
+            logits, features = begun.finish(t, settle=False)
+            assert [kind for kind, _ in events[len(jobs):]] == ["write", "release"]  # nothing started after the token
+            want, want_f = model.decode([t], plain)
+            assert mx.array_equal(want, logits).item() and mx.array_equal(want_f, features).item()
+            _assert_same_state(plain, ahead)
+        events.clear()
+        model.decode_ahead(mx.argmax(logits[0, -1:], axis=-1), ahead, on_forward_stream=True).cancel()
+        assert [(kind, k) for kind, k in events if kind != "submit"] == [("release", {"check": False})]
+        _assert_same_state(plain, ahead)
+        assert ahead.staged_rows[8].flag is not None
+    finally:
+        model._evaluator = None
+        model.decode_rows = None
+        model.overlap_build = model.build_ahead = model.gate_rows = False
+
+
+def test_staged_rows_release_reports_a_gate_that_gave_up():
+    """StagedRows.release counts the host's releases in flag[0]; where a gate gave up waiting
+    (flag[2], the device's count) it raises, after releasing all the same. Without a gate,
+    gate() says so."""
+    from dsv41_mlx.engram import StagedRows
+
+    staged = StagedRows([(1, 2, 4), (1, 2, 1)], gated=True)
+    staged.release()
+    staged.release()
+    assert np.array(staged.flag).tolist() == [2, 0, 0]
+    np.array(staged.flag, copy=False)[2] = 1
+    with pytest.raises(RuntimeError, match="stopped waiting for the host's engram rows"):
+        staged.release()
+    assert np.array(staged.flag).tolist()[0] == 3
+    staged.release(check=False)
+    with pytest.raises(RuntimeError, match="without a gate"):
+        StagedRows([(1, 2, 4), (1, 2, 1)]).gate()
 
 
 def test_block_evaluator_hands_its_threads_error_to_the_caller(monkeypatch):

@@ -7,6 +7,7 @@
 // tensor core's order may differ: within the float32 summation bound the tests allow). fp16
 // and bf16 conversions are done in software (host_floats.h), in place of fp16_bits.cuh's asm.
 #include <algorithm>
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -26,6 +27,8 @@ static std::barrier<>* warp_sync[8];
 static float exchange_f[8][32];
 static unsigned int exchange_u[8][32][6];
 inline void __syncthreads() { block_sync->arrive_and_wait(); }
+inline void __nanosleep(unsigned int) {}
+inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void __syncwarp(unsigned int = 0xffffffffu) { warp_sync[threadIdx.x / 32]->arrive_and_wait(); }
 inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
 inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
