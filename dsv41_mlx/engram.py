@@ -204,8 +204,8 @@ class StagedRows:
     from the forward before (each depends on all of it). Its cache keeps it, so two sequences
     never share one.
 
-    gated (where kernels.rows_gate_fits): a forward's rows may also be read behind a gate
-    (`gate`, kernels.rows_gate), so that the forward can be started before its token is known:
+    gated (where kernels.rows_gate_fits): a forward's rows may also be read through a gate
+    (values(gated=True), kernels.rows_gate), so that it can be started before its token is known:
     the device waits at the gate until the host has written the rows and `release`d it. Each
     gate begun on the device is released once, in order (a forward abandoned releases its
     gate unwritten: it runs on the rows before and its results are dropped)."""
@@ -220,19 +220,18 @@ class StagedRows:
             self._flag = _host_view(self.flag)
         self._released = 0
 
-    def values(self, gate: mx.array | None = None) -> list[mx.array]:
-        """unpack_rows' values of the buffer: new graph nodes each call, one forward's; read after
-        `gate` (a rows_gate launch's output) where given."""
-        packed = self.packed if gate is None else mx.depends([self.packed], [gate])[0]
-        return unpack_rows(packed, self.layout)
-
-    def gate(self) -> mx.array:
-        """A gate for the next forward's rows (kernels.rows_gate on this buffer's flag)."""
+    def values(self, gated: bool = False) -> list[mx.array]:
+        """unpack_rows' values of the buffer: new graph nodes each call, one forward's. gated:
+        of the rows a gate passes on once the host has released it (kernels.rows_gate), so
+        that the forward may be started before they are written."""
+        if not gated:
+            return unpack_rows(self.packed, self.layout)
         from .kernels import rows_gate
 
         if self.flag is None:
             raise RuntimeError("these StagedRows were made without a gate")
-        return rows_gate(self.flag)
+        _, passed = rows_gate(self.flag, self.packed)
+        return unpack_rows(passed, self.layout)
 
     def write(self, rows: list[tuple[np.ndarray, np.ndarray]]) -> None:
         write_rows(self._host, self.layout, rows)

@@ -145,7 +145,8 @@ FP4_EXPERTS = KernelSpec("fp4_experts", ("x", "xs", "w", "scales", "ids", "sizes
                          "fp4_experts.metal", "fp4_experts.cu", twin_headers=("fp8_lane", "bf16_lane", "gemv_lane", "mma_x"))
 MMA_X_PREP = KernelSpec("mma_x_prep", ("x", "sizes"), ("xh", "xs"), "mma_x_prep.metal", "mma_x_prep.cu",
                         twin_headers=("fp8_lane", "bf16_lane", "gemv_lane", "mma_x"))
-ROWS_GATE = KernelSpec("rows_gate", ("flag",), ("out",), "rows_gate.metal", "rows_gate.cu", header_files=())
+ROWS_GATE = KernelSpec("rows_gate", ("flag", "rows"), ("status", "out"), "rows_gate.metal", "rows_gate.cu",
+                       header_files=())
 
 
 # MLX 0.32's CUDA backend hashes a custom kernel's whole text (its header and body, 2-12 KB
@@ -1376,13 +1377,18 @@ def rows_gate_fits() -> bool:
     return backend() == "cuda"
 
 
-def rows_gate(flag: mx.array) -> mx.array:
-    """One launch that holds whatever is queued after it (and reads its output) until the host
-    releases it through flag (uint32 [3], engram.StagedRows; rows_gate.metal says how) ->
-    uint32 [2]: (1 if it gave up waiting, else 0; the release count it saw)."""
+def rows_gate(flag: mx.array, rows: mx.array) -> tuple[mx.array, mx.array]:
+    """One launch that waits on the device until the host releases it through flag (uint32
+    [3], engram.StagedRows; rows_gate.metal says how), then copies rows (uint8 [N], the
+    host-written buffer) -> (status uint32 [2]: 1 if it gave up waiting, else 0, and the
+    release count it saw; the rows as they were at the release). What reads the copy runs after
+    the release."""
     if flag.dtype != mx.uint32 or flag.shape != (3,):
         raise ValueError(f"rows_gate: the flag must be uint32 [3]; got {flag.dtype} {flag.shape}")
+    if rows.dtype != mx.uint8 or rows.ndim != 1:
+        raise ValueError(f"rows_gate: the rows must be uint8 [N]; got {rows.dtype} {rows.shape}")
     kernel = _compiled(ROWS_GATE, backend())
-    (out,) = kernel(inputs=[flag], template=[("SPINS", GATE_SPINS)], grid=(32, 1, 1), threadgroup=(32, 1, 1),
-                    output_shapes=[(2,)], output_dtypes=[mx.uint32])
-    return out
+    status, out = kernel(inputs=[flag, rows], template=[("SPINS", GATE_SPINS), ("N", rows.size)],
+                         grid=(256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[(2,), rows.shape],
+                         output_dtypes=[mx.uint32, mx.uint8])
+    return status, out

@@ -1553,7 +1553,7 @@ class Model(nn.Module):
         settles it). Closed or failing, it drains the evaluator on the way out.
 
         Gated (gate_rows, where kernels.rows_gate_fits): the engram rows are read behind a gate
-        (StagedRows.gate), and send(None) starts every block: the device waits at the gate until
+        (StagedRows.values(gated=True)), and send(None) starts every block: the device waits at the gate until
         the host, sent the tokens, has written the rows and released it, and the evaluator's
         thread has queued the forward's launches meanwhile. A gate begun is released however
         the generator ends (closed: the forward runs on the rows before, its results dropped)."""
@@ -1565,8 +1565,8 @@ class Model(nn.Module):
                 ids = mx.broadcast_to(token.astype(mx.int32).reshape(1, 1), (1, rows))
                 positions, h, pre, shared = self._forward_start(ids, cache, 1)
                 staged = self._staged_rows(cache, rows)
-                gate = staged.gate() if staged is not None and self.gate_rows else None
-                values = dict(zip(self._engram_layers, staged.values(gate))) if staged is not None else {}
+                gated = staged is not None and self.gate_rows
+                values = dict(zip(self._engram_layers, staged.values(gated))) if staged is not None else {}
                 features, built = [], []
                 for i in range(len(self.layers)):
                     h, pre = self.block_forward(i, h, pre, positions, cache, shared, values.get(i), 1, features)
@@ -1578,7 +1578,7 @@ class Model(nn.Module):
                 begin(*arrays)
             begin(*shared.early)
             rest = ([tuple(values.values())] if values else []) + built[ahead:] + [(logits, feats)]  # the rows first
-            if gate is not None:  # queued on the device now, behind the gate, rather than after the rows' write
+            if gated:  # queued on the device now, behind the gate, rather than after the rows' write
                 gate_begun = True
                 for arrays in rest:
                     begin(*arrays)

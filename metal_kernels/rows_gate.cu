@@ -1,7 +1,8 @@
-// CUDA twin of rows_gate.metal (see there for what it does): the flag read through volatile
-// (system memory order: the host writes it while this runs), a short sleep between reads.
+// CUDA twin of rows_gate.metal (see there for what it does): the flag and the rows read
+// through volatile (the host writes them while this runs), a short sleep between reads.
 
-if (blockIdx.x == 0 && threadIdx.x == 0) {
+const unsigned int t = threadIdx.x;
+if (t == 0) {
   volatile unsigned int* f = const_cast<volatile unsigned int*>(flag);
   const unsigned int seen = f[1];
   unsigned int now = f[0];
@@ -15,6 +16,10 @@ if (blockIdx.x == 0 && threadIdx.x == 0) {
   } else {
     f[2] = f[2] + 1u;
   }
-  out[0] = now == seen ? 1u : 0u;
-  out[1] = now;
+  status[0] = now == seen ? 1u : 0u;
+  status[1] = now;
+}
+__syncthreads();
+for (unsigned int i = t; i < N; i += 256) {
+  out[i] = reinterpret_cast<const volatile uint8_t*>(rows)[i];
 }

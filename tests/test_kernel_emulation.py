@@ -577,11 +577,13 @@ def test_rms_norm_pair_gives_two_rms_norms_bits_on_the_host(language, tmp_path):
 
 @pytest.mark.parametrize("language", ["metal", "cuda"])
 def test_rows_gate_takes_a_release_and_reports_giving_up(language, tmp_path):
-    """rows_gate passes a release the host made (flag[0] != flag[1]) and takes it (flag[1] =
-    flag[0]); with none to take it gives up after SPINS reads, counts that in flag[2] and says so."""
-    got = run(kernels.ROWS_GATE, language, {"flag": ("uint32", np.array([7, 6, 0]))}, {"out": ("uint32", 2)},
-              {"SPINS": 1 << 24}, 1, tmp_path, read_back=("flag",))
-    assert got["out"].tolist() == [0, 7] and got["flag"].tolist() == [7, 7, 0]
-    got = run(kernels.ROWS_GATE, language, {"flag": ("uint32", np.array([7, 7, 2]))}, {"out": ("uint32", 2)},
-              {"SPINS": 64}, 1, tmp_path, read_back=("flag",))
-    assert got["out"].tolist() == [1, 7] and got["flag"].tolist() == [7, 7, 3]
+    """rows_gate passes a release the host made (flag[0] != flag[1]), takes it (flag[1] =
+    flag[0]) and copies the rows; with none to take it gives up after SPINS reads, counts that
+    in flag[2] and says so (and copies the rows all the same)."""
+    rows = np.random.default_rng(5).integers(0, 256, 600).astype(np.uint8)
+    for flag, spins, status, after in [([7, 6, 0], 1 << 24, [0, 7], [7, 7, 0]), ([7, 7, 2], 64, [1, 7], [7, 7, 3])]:
+        got = run(kernels.ROWS_GATE, language, {"flag": ("uint32", np.array(flag)), "rows": ("uint8", rows)},
+                  {"status": ("uint32", 2), "out": ("uint8", rows.size)}, {"SPINS": spins, "N": rows.size}, 1,
+                  tmp_path, read_back=("flag",))
+        assert got["status"].tolist() == status and got["flag"].tolist() == after
+        assert np.array_equal(got["out"], rows)

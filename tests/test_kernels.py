@@ -261,7 +261,8 @@ CASES = {
     "head_logits": (HEAD_LOGITS, {"x": "bfloat16", "w": "bfloat16", "sizes": "int32"}, {"y": "float32"}, {"R": 8}),
     "moe_gate_topk": (MOE_GATE_TOPK, {"scores": "float32", "bias": "float32", "params": "float32", "rows": "int32"},
                       {"weights": "float32", "ids": "uint32"}, {"E": 384, "K": 6, "NORMALIZE": 1}),
-    "rows_gate": (ROWS_GATE, {"flag": "uint32"}, {"out": "uint32"}, {"SPINS": 1 << 24}),
+    "rows_gate": (ROWS_GATE, {"flag": "uint32", "rows": "uint8"}, {"status": "uint32", "out": "uint8"},
+                  {"SPINS": 1 << 24, "N": 4224}),
 }
 
 @pytest.fixture(autouse=True)

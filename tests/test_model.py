@@ -581,7 +581,8 @@ def test_a_gated_forward_is_started_whole_before_its_token_and_released_after_it
 
     model = fixture_model
     events, gates = [], []
-    monkeypatch.setattr(kernels_module, "rows_gate", lambda flag: (gates.append(flag), mx.zeros((2,), mx.uint32))[1])
+    monkeypatch.setattr(kernels_module, "rows_gate",
+                        lambda flag, rows: (gates.append(flag), (mx.zeros((2,), mx.uint32), rows))[1])
     for name in ("write", "release"):
         method = getattr(engram_module.StagedRows, name)
         monkeypatch.setattr(engram_module.StagedRows, name,
@@ -624,7 +625,7 @@ def test_a_gated_forward_is_started_whole_before_its_token_and_released_after_it
 def test_staged_rows_release_reports_a_gate_that_gave_up():
     """StagedRows.release counts the host's releases in flag[0]; where a gate gave up waiting
     (flag[2], the device's count) it raises, after releasing all the same. Without a gate,
-    gate() says so."""
+    values(gated=True) says so."""
     from dsv41_mlx.engram import StagedRows
 
     staged = StagedRows([(1, 2, 4), (1, 2, 1)], gated=True)
@@ -637,7 +638,7 @@ def test_staged_rows_release_reports_a_gate_that_gave_up():
     assert np.array(staged.flag).tolist()[0] == 3
     staged.release(check=False)
     with pytest.raises(RuntimeError, match="without a gate"):
-        StagedRows([(1, 2, 4), (1, 2, 1)]).gate()
+        StagedRows([(1, 2, 4), (1, 2, 1)]).values(gated=True)
 
 
 def test_block_evaluator_hands_its_threads_error_to_the_caller(monkeypatch):
