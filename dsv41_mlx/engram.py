@@ -240,6 +240,8 @@ class StagedRows:
         """Let the device past the oldest gate not yet released (after `write`, or for a forward
         abandoned). check: then raise if a gate gave up waiting (a forward then ran on rows the
         host had not written yet: the sequence's replies cannot be trusted)."""
+        if self._flag is None:
+            raise RuntimeError("these StagedRows were made without a gate")
         self._released = (self._released + 1) & 0xFFFFFFFF
         self._flag[0] = self._released
         if check and self._flag[2]:

@@ -1557,10 +1557,10 @@ class Model(nn.Module):
         the rest and returns (logits, features) without draining the evaluator (the caller
         settles it). Closed or failing, it drains the evaluator on the way out.
 
-        Gated (gate_rows, where kernels.rows_gate_fits): the engram rows are read behind a gate
-        (StagedRows.values(gated=True)), and send(None) starts every block: the device waits at the gate until
-        the host, sent the tokens, has written the rows and released it, and the evaluator's
-        thread has queued the forward's launches meanwhile. A gate begun is released however
+        Gated (gate_rows, where kernels.rows_gate_fits): the engram rows are read through a gate
+        (StagedRows.values(gated=True)), and send(None) starts every block: the device waits at
+        the gate until the host, sent the tokens, has written the rows and released it, and the
+        evaluator's thread has queued the forward's launches meanwhile. A gate begun is released however
         the generator ends (closed: the forward runs on the rows before, its results dropped)."""
         evaluator, building, begin = self._starting()
         settled = gate_begun = False

@@ -625,7 +625,7 @@ def test_a_gated_forward_is_started_whole_before_its_token_and_released_after_it
 def test_staged_rows_release_reports_a_gate_that_gave_up():
     """StagedRows.release counts the host's releases in flag[0]; where a gate gave up waiting
     (flag[2], the device's count) it raises, after releasing all the same. Without a gate,
-    values(gated=True) says so."""
+    values(gated=True) and release say so."""
     from dsv41_mlx.engram import StagedRows
 
     staged = StagedRows([(1, 2, 4), (1, 2, 1)], gated=True)
@@ -637,8 +637,10 @@ def test_staged_rows_release_reports_a_gate_that_gave_up():
         staged.release()
     assert np.array(staged.flag).tolist()[0] == 3
     staged.release(check=False)
-    with pytest.raises(RuntimeError, match="without a gate"):
-        StagedRows([(1, 2, 4), (1, 2, 1)]).values(gated=True)
+    ungated = StagedRows([(1, 2, 4), (1, 2, 1)])
+    for call in (lambda: ungated.values(gated=True), ungated.release):
+        with pytest.raises(RuntimeError, match="without a gate"):
+            call()
 
 
 def test_block_evaluator_hands_its_threads_error_to_the_caller(monkeypatch):
