@@ -1560,11 +1560,11 @@ class Model(nn.Module):
         Gated (gate_rows, where kernels.rows_gate_fits): the engram rows are read through a gate
         (StagedRows.values(gated=True)), and send(None) starts every block: the device waits at
         the gate until the host, sent the tokens, has written the rows and released it, and the
-        evaluator's thread has queued the forward's launches meanwhile. A gate begun is released however
-        the generator ends (closed: the forward runs on the rows before, its results dropped)."""
+        evaluator's thread has queued the forward's launches meanwhile. A gate begun is released
+        however the generator ends (closed: the forward runs on the rows before, its results
+        dropped)."""
         evaluator, building, begin = self._starting()
         settled = gate_begun = False
-        staged = None
         try:
             with building():
                 ids = mx.broadcast_to(token.astype(mx.int32).reshape(1, 1), (1, rows))

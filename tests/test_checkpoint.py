@@ -658,7 +658,10 @@ def test_bf16_tensors_the_model_computes_in_fp32_are_widened_once_and_counted_so
     where = check_tensors(model.args, headers)
     params = dict(tree_flatten(model.parameters()))
     widened = [n for n in where if headers[where[n]][n]["dtype"] == "BF16" and params[sanitize(n)].dtype == mx.float32]
-    assert {"layers.0.ffn.gate.weight", "layers.2.attn.compressor.wgate.weight"} <= set(widened)
+    assert {"layers.0.ffn.gate.weight", "layers.2.attn.compressor.wkv.weight",
+            "layers.2.attn.compressor.wgate.weight"} <= set(widened)
+    ratio_1 = "layers.5.attn.compressor.wkv.weight"
+    assert ratio_1 in where and ratio_1 not in widened  # ratio 1: a bf16 projection
     assert params["head.weight"].dtype == mx.bfloat16  # kept as stored: model.Head reads it so
     extra = 0
     for name in widened:
