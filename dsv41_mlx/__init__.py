@@ -10,7 +10,7 @@ import warnings
 # here, on import; a value already in the environment is kept.
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
-from .checkpoint import load  # noqa: E402 (after the environment above)
+from .io.load import load  # noqa: E402 (after the environment above)
 from .generate import generate, stream_generate  # noqa: E402
 
 # `python -m dsv41_mlx.generate` runs a module this package has already imported (for

@@ -32,6 +32,8 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 EFFORT_NAMES = {"low": 50, "high": 75, "max": 100}
 DEFAULT_EFFORT = "high"
 ROLES = ("system", "user", "assistant")
+# the error for a prompt with nothing in it: the server's 400 and the CLI's `--prompt ""` say the same
+EMPTY_PROMPT = "the prompt is empty"
 
 
 class ChatFormatError(ValueError):

@@ -16,8 +16,10 @@ from typing import Container, Iterator
 import mlx.core as mx
 
 from .cache import TRIM_SLACK, ModelCache
-from .model import indexer_scoring_length
-from .residency import wired
+from .models.attention import indexer_scoring_length
+from .runtime.options import Options
+from .runtime.residency import wired
+from .runtime.runner import Runner
 from .sampling import SamplingParams, sample
 from .speculative import VERIFY_MODES, DraftStats, SpeculativeDecoder, speculative_decode
 from .tokenizer import StreamingDetokenizer
@@ -39,7 +41,7 @@ class GenerationResponse:
     draft_stats: DraftStats | None = None  # None when drafting is off
 
 
-def prefill(model, prompt: list[int], cache: ModelCache, chunk: int = DEFAULT_PREFILL_CHUNK,
+def prefill(runner: Runner, prompt: list[int], cache: ModelCache, chunk: int = DEFAULT_PREFILL_CHUNK,
             keep_features: int = 0) -> tuple[mx.array, mx.array | None]:
     """Run the prompt through the model in chunks.
 
@@ -52,7 +54,7 @@ def prefill(model, prompt: list[int], cache: ModelCache, chunk: int = DEFAULT_PR
     """
     if chunk < 1:
         raise ValueError(f"prefill chunk must be >= 1, got {chunk}")
-    vocab = model.args.vocab_size
+    vocab = runner.args.vocab_size
     outside = next((t for t in prompt if not 0 <= t < vocab), None)
     if outside is not None:  # an embedding gather past the table reads no error, only garbage
         raise ValueError(f"token id {outside} is outside the model's vocabulary of {vocab} ids "
@@ -62,14 +64,14 @@ def prefill(model, prompt: list[int], cache: ModelCache, chunk: int = DEFAULT_PR
     for start in range(0, len(prompt), chunk):
         ids = prompt[start: start + chunk]
         rows = min(chunk, -(-len(ids) // PREFILL_ROUND) * PREFILL_ROUND)
-        logits, features = model.padded(ids, cache, rows, last_logits_only=True)
+        logits, features = runner.padded(ids, cache, rows, last_logits_only=True)
         if keep_features and start + len(ids) > first_kept:
             kept.append(features[0, max(first_kept - start, 0):])
         mx.eval(logits, kept, cache.state())
     return logits[0, -1], mx.concatenate(kept) if kept else None
 
 
-def warm_up(model, chunk: int = DEFAULT_PREFILL_CHUNK) -> float:
+def warm_up(runner: Runner, chunk: int = DEFAULT_PREFILL_CHUNK) -> float:
     """Run every shape a request's forwards take once, on scratch caches, so that no request
     pays for tracing the compiled pieces or for the GPU kernels' first use (on CUDA: seconds
     per kernel in every new process, minutes the first time on a machine while MLX builds
@@ -80,49 +82,50 @@ def warm_up(model, chunk: int = DEFAULT_PREFILL_CHUNK) -> float:
     are built per bound on their rows); and a decode or verify forward of every size past
     the context where the indexers start scoring. Returns the seconds it took."""
     tic = time.perf_counter()
-    vocab = model.args.vocab_size
+    drafter = runner.model.drafter
+    vocab = runner.args.vocab_size
     for rows in sorted(set(range(PREFILL_ROUND, chunk + 1, PREFILL_ROUND)) | {chunk}):
         for length in (rows, chunk + rows):
             prompt = [(7 * i + 3) % vocab for i in range(length)]
-            mx.eval(prefill(model, prompt, model.make_cache(), chunk)[0])
+            mx.eval(prefill(runner, prompt, runner.make_cache(), chunk)[0])
     for params in (SamplingParams(), SamplingParams(temperature=1.0)):
-        for draft in (False, True) if model.drafter is not None else (False,):
-            list(generate_step(model, prompt[:PREFILL_ROUND], params, 3, chunk, make_decoder(model, params, draft)))
-    if model.drafter is not None:
-        _warm_up_ingest(model)
-    _warm_up_scoring(model, chunk)
-    # Start MLX's buffer cache afresh. On an H200 (MLX 0.32.4, CUDA), after these forwards the
-    # allocator stopped reusing buffers (its cache stayed empty through later steps) and a
-    # decode step took 88-93 ms against 56 ms before the warm-up; after mx.clear_cache() it
-    # reused them again and a step took 58 ms. Measured, not explained (docs/benchmarks.md).
+        for draft in (False, True) if drafter is not None else (False,):
+            list(generate_step(runner, prompt[:PREFILL_ROUND], params, 3, chunk, make_decoder(runner, params, draft)))
+    if drafter is not None:
+        _warm_up_ingest(runner)
+    _warm_up_scoring(runner, chunk)
+    # Start MLX's buffer cache afresh: on an H200 (MLX 0.32.4, CUDA) the allocator stopped
+    # reusing buffers after these forwards until it was cleared (docs/results.md)
     mx.clear_cache()
     return time.perf_counter() - tic
 
 
-def _warm_up_scoring(model, chunk: int) -> None:
-    """The forwards of a context past the indexers' free picks (model.indexer_scoring_length:
-    the short warm-ups above pick every compressed position unscored): a prompt that long,
-    then a decode or verify forward of every size on it (their GEMV kernels are built per
-    bound on their rows)."""
-    vocab = model.args.vocab_size
-    cache = model.make_cache()
-    prefill(model, [(7 * i + 3) % vocab for i in range(indexer_scoring_length(model.args))], cache, chunk)
-    for n in range(1, (model.drafter.block + 2 if model.drafter is not None else 2)):
-        logits, features = model.decode([3] * n, cache)
+def _warm_up_scoring(runner: Runner, chunk: int) -> None:
+    """The forwards of a context past the indexers' free picks (indexer_scoring_length: the
+    short warm-ups above pick every compressed position unscored): a prompt that long, then a
+    decode or verify forward of every size on it (their GEMV kernels are built per bound on
+    their rows)."""
+    drafter = runner.model.drafter
+    cache = runner.make_cache()
+    prompt = [(7 * i + 3) % runner.args.vocab_size for i in range(indexer_scoring_length(runner.args))]
+    prefill(runner, prompt, cache, chunk)
+    for n in range(1, (drafter.block + 2 if drafter is not None else 2)):
+        logits, features = runner.decode([3] * n, cache)
         mx.eval(logits, features, cache.state())
         cache.trim(n)
 
 
-def _warm_up_ingest(model) -> None:
+def _warm_up_ingest(runner: Runner) -> None:
     """Every ingest a drafting round can make (1 .. block + 1 committed positions), on a
     scratch draft cache."""
-    drafter, cache = model.drafter, model.drafter.make_cache()
+    drafter = runner.model.drafter
+    cache = drafter.make_cache()
     for n in range(1, drafter.block + 2):
-        drafter.ingest(cache, mx.zeros((n, model.args.dspark_feature_dim), dtype=mx.bfloat16))
+        drafter.ingest(cache, mx.zeros((n, runner.args.dspark_feature_dim), dtype=mx.bfloat16))
         mx.eval(cache.rings)
 
 
-def generate_step(model, prompt: list[int], params: SamplingParams, max_tokens: int,
+def generate_step(runner: Runner, prompt: list[int], params: SamplingParams, max_tokens: int,
                   prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                   decoder: SpeculativeDecoder | None = None,
                   stop: Container[int] = ()) -> Iterator[int]:
@@ -133,33 +136,33 @@ def generate_step(model, prompt: list[int], params: SamplingParams, max_tokens: 
     Plain decoding starts the next token's forward before it yields a token, so whatever the
     caller does with it (detokenizing, printing, streaming it) overlaps the device's work.
     The caller must not evaluate the model's arrays (its cache, weights, outputs) while it
-    holds a token: the model's evaluator thread may still be starting that forward."""
+    holds a token: the runner's evaluator thread may still be starting that forward."""
     if not prompt:
         raise ValueError("the prompt is empty")
-    cache = model.make_cache()
+    cache = runner.make_cache()
     keep = decoder.drafter.window if decoder is not None else 0
-    logits, features = prefill(model, prompt, cache, prefill_chunk, keep)
+    logits, features = prefill(runner, prompt, cache, prefill_chunk, keep)
     if decoder is not None:
         if max_tokens > 0:
             yield from speculative_decode(decoder, cache, logits, features, max_tokens, stop)
         return
-    # Each step begins the next forward before reading its token back (Model.decode_ahead):
+    # Each step begins the next forward before reading its token back (Runner.decode_ahead):
     # the device runs the forward's first block straight after sampling the token, and on a
     # GPU the host builds the rest of it meanwhile. The token is drawn on the forwards' stream,
     # so the evaluator's thread starts its work straight after the forward's blocks. The
     # token's forward is started (finish) before the token is yielded: the device waits for
     # the host from the token's read to there (its engram rows), not for the caller too. A
     # finished forward is not settled (that thread may still be starting its blocks) until
-    # the next decode_ahead, or Model.settle, before this loop waits for anything.
+    # the next decode_ahead, or Runner.settle, before this loop waits for anything.
     mx.eval(logits)  # (prefill's view of its last row, on this thread's stream: not the evaluator's to start)
     ahead = None
     try:
         for n in range(max_tokens):
             position = cache.offset  # the new token's absolute position
-            drawn = draw_token(model, logits, position, params)
-            ahead = model.decode_ahead(drawn, cache, on_forward_stream=True) if n + 1 < max_tokens else None
+            drawn = draw_token(runner, logits, position, params)
+            ahead = runner.decode_ahead(drawn, cache, on_forward_stream=True) if n + 1 < max_tokens else None
             if ahead is None:
-                model.settle()
+                runner.settle()
             token = drawn.item()
             if ahead is not None and token not in stop:
                 logits, _ = ahead.finish(token, settle=False)  # [1, 1, V]
@@ -170,70 +173,73 @@ def generate_step(model, prompt: list[int], params: SamplingParams, max_tokens: 
     finally:
         if ahead is not None:  # a stop token, or the caller stopped early: the begun forward abandoned
             ahead.cancel()
-        model.settle()
+        runner.settle()
 
 
-def draw_token(model, logits: mx.array, position: int, params: SamplingParams) -> mx.array:
+def draw_token(runner: Runner, logits: mx.array, position: int, params: SamplingParams) -> mx.array:
     """generate_step's plain token at that absolute position from a forward's last logits [V]
     (any shape of V values): [1] on the device, drawn on the forwards' stream, as
-    Model.decode_ahead(..., on_forward_stream=True) takes it."""
-    with model.forward_stream():
+    Runner.decode_ahead(..., on_forward_stream=True) takes it."""
+    with runner.forward_stream():
         return sample(logits.reshape(1, -1), mx.array([position]), params)
 
 
-def make_decoder(model, params: SamplingParams, draft: bool | None = None, verify: str | None = None,
+def make_decoder(runner: Runner, params: SamplingParams, draft: bool | None = None, verify: str | None = None,
                  confidence: str | None = None) -> SpeculativeDecoder | None:
     """The speculative decoder these arguments ask for, or None for plain decoding.
 
     draft None = on when the checkpoint has DSpark stages. verify None = greedy
     at temperature 0, coupled above. confidence None = schedule.
     """
+    drafter = runner.model.drafter
     if draft is None:
-        draft = model.drafter is not None
+        draft = drafter is not None
     if not draft:
         if verify is not None or confidence is not None:
             raise ValueError("verify and confidence apply to drafting, which is off")
         return None
-    if model.drafter is None:
+    if drafter is None:
         raise ValueError("drafting needs DSpark stages, and this checkpoint has none")
-    if model.drafter.head == "fp8":
-        model.drafter.fp8_head  # built (and logged) before the first token, not in the middle of a reply
-    return SpeculativeDecoder(model, model.drafter, params, verify, confidence or "schedule")
+    if drafter.head == "fp8":
+        drafter.fp8_head  # built (and logged) before the first token, not in the middle of a reply
+    return SpeculativeDecoder(runner, drafter, params, verify, confidence or "schedule")
 
 
 def stream_generate(model, tokenizer, prompt: str | list[int], max_tokens: int = 256,
                     temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
                     prefill_chunk: int = DEFAULT_PREFILL_CHUNK, draft: bool | None = None,
                     verify: str | None = None, confidence: str | None = None,
-                    wire: bool = True) -> Iterator[GenerationResponse]:
+                    wire: bool = True, options: Options | None = None) -> Iterator[GenerationResponse]:
     """Generate from a prompt (text, or token ids), yielding text pieces with running stats.
 
     draft/verify/confidence: see `make_decoder` and speculative.py. Replies are
     the same with drafting on or off (greedy and coupled verification).
     wire: keep the drafter (and the target if it fits) in wired memory while
-    generating (residency.py; Metal only).
+    generating (runtime/residency.py; Metal only). options: how the forwards are
+    scheduled (default: the device's, runtime/options.py); the same replies either way.
     """
     if not isinstance(max_tokens, int) or max_tokens < 0:
         raise ValueError(f"max_tokens must be a non-negative integer, got {max_tokens!r}")
     params = SamplingParams(temperature, top_p, top_k, seed)
-    decoder = make_decoder(model, params, draft, verify, confidence)
-    stats = decoder.stats if decoder is not None else None
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     context = model.args.max_position_embeddings
     if context and len(ids) >= context:
         raise ValueError(f"the prompt is {len(ids)} tokens; this model's context is {context} tokens")
     if context:  # the reply stops where the context ends (finish reason "length")
         max_tokens = min(max_tokens, context - len(ids))
-    with wired(model, decoder.drafter if decoder is not None else None, enabled=wire):
-        yield from _responses(model, tokenizer, ids, params, max_tokens, prefill_chunk, decoder, stats)
+    with Runner(model, options) as runner:
+        decoder = make_decoder(runner, params, draft, verify, confidence)
+        stats = decoder.stats if decoder is not None else None
+        with wired(model, decoder.drafter if decoder is not None else None, enabled=wire):
+            yield from _responses(runner, tokenizer, ids, params, max_tokens, prefill_chunk, decoder, stats)
 
 
-def _responses(model, tokenizer, ids, params, max_tokens, prefill_chunk, decoder, stats):
+def _responses(runner, tokenizer, ids, params, max_tokens, prefill_chunk, decoder, stats):
     detok = StreamingDetokenizer(tokenizer)
     mx.reset_peak_memory()
     tic = time.perf_counter()
     prompt_tps = 0.0
-    steps = generate_step(model, ids, params, max_tokens, prefill_chunk, decoder, tokenizer.eos_token_ids)
+    steps = generate_step(runner, ids, params, max_tokens, prefill_chunk, decoder, tokenizer.eos_token_ids)
     for n, token in enumerate(steps, start=1):
         if n == 1:
             prompt_tps = len(ids) / (time.perf_counter() - tic)
@@ -271,44 +277,144 @@ def stats_line(r: GenerationResponse) -> str:
             f"peak memory: {r.peak_memory_gb:.3f} GB")
 
 
-def main(argv: list[str] | None = None) -> int:
-    from .checkpoint import CheckpointError, load
-    from .config import ConfigError
+DESCRIPTION = """\
+Generate a reply to a prompt with DeepSeek-V4.1 on Apple MLX; the reply streams
+to stdout, progress and the stats line (speed, peak memory) go to stderr.
+Without --model it runs a small embedded checkpoint (random weights, built on
+first use): every option works in seconds, but the replies are gibberish."""
 
-    parser = argparse.ArgumentParser(prog="python -m dsv41_mlx.generate", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="checkpoint directory or Hugging Face repo id (default: embedded tiny model)")
-    parser.add_argument("--prompt", default="Hello", help="prompt text (default: %(default)r)")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK)
+EXAMPLES = """\
+examples:
+  python -m dsv41_mlx.generate --prompt "Hello"
+  python -m dsv41_mlx.generate --model deepseek-ai/DeepSeek-V4.1-Flash \\
+      --prompt "Write a haiku about the sea" --temp 0.7 --max-tokens 100"""
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults in the help; an option whose default is None or off says in words what it does."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _finite_float(text: str) -> float:
+    import math
+
+    value = float(text)  # argparse reports a ValueError as "invalid float value"
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+_finite_float.__name__ = "float"  # argparse names the type in "invalid float value: 'x'"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m dsv41_mlx.generate", description=DESCRIPTION,
+                                     epilog=EXAMPLES, formatter_class=_HelpFormatter)
+    parser.add_argument("--model", help="checkpoint directory or Hugging Face repo id (owner/name) "
+                                        "(default: the embedded tiny model)")
+    parser.add_argument("--prompt", default="Hello", help="the prompt text")
+    parser.add_argument("--max-tokens", type=int, default=64, help="the most tokens to generate (>= 1)")
+    parser.add_argument("--temp", type=_finite_float, default=0.0, help="sampling temperature (>= 0); 0 = greedy")
+    parser.add_argument("--top-p", type=_finite_float, default=1.0,
+                        help="nucleus sampling: keep the most likely tokens up to this mass, in (0, 1]")
+    parser.add_argument("--top-k", type=int, default=0, help="keep only the k most likely tokens; 0 = all")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed, 0 to 2**31 - 1")
+    parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+                        help="prompt tokens per forward while prefilling (>= 1)")
     parser.add_argument("--draft", action=argparse.BooleanOptionalAction, default=None,
-                        help="speculative decoding with the checkpoint's DSpark drafter (default: on when it has one)")
+                        help="speculative decoding with the checkpoint's DSpark drafter "
+                             "(default: on when the checkpoint has one)")
     parser.add_argument("--verify", choices=VERIFY_MODES,
                         help="how drafts are verified (default: greedy at --temp 0, else coupled)")
     parser.add_argument("--confidence", metavar="{off,threshold:X,schedule}",
                         help="how many drafts to verify per round (default: schedule)")
     parser.add_argument("--wire", action=argparse.BooleanOptionalAction, default=True,
                         help="keep the drafter (and the target if it fits) in wired memory (Metal)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars or log lines, only the text")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress bars or log lines: only the reply and the stats lines")
+    parser.add_argument("--no-stats", action="store_true",
+                        help="no stats lines (speed, peak memory, drafting) after the reply")
+    return parser
+
+
+def _looks_like_repo_id(text: str) -> bool:
+    """What checkpoint.resolve_model_dir would download from the Hugging Face hub (owner/name)."""
+    return not text.startswith((".", "/", "~")) and text.count("/") == 1
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every argument checked before any model loads: a bad one exits (2) through parser.error,
+    with a one-line message naming it. The rules are the library's own (SamplingParams,
+    resolve_verify, ConfidencePolicy, resolve_model_dir); what needs the model (the
+    prompt against its context, drafting without a drafter) is checked once it is loaded."""
+    from pathlib import Path
+
+    from .chat import EMPTY_PROMPT
+    from .io.checkpoint import CheckpointError, resolve_model_dir
+    from .speculative import ConfidencePolicy, resolve_verify
+
+    def check(flag, fn, *fn_args, **fn_kwargs):
+        try:
+            return fn(*fn_args, **fn_kwargs)
+        except ValueError as e:
+            parser.error(f"argument {flag}: {e}")
+
+    for flag, field, value in (("--temp", "temperature", args.temp), ("--top-p", "top_p", args.top_p),
+                               ("--top-k", "top_k", args.top_k), ("--seed", "seed", args.seed)):
+        check(flag, SamplingParams, **{field: value})  # one at a time, to name the one that is wrong
+    params = SamplingParams(args.temp, args.top_p, args.top_k, args.seed)
+    if args.max_tokens < 1:
+        parser.error(f"argument --max-tokens: must be >= 1, got {args.max_tokens}")
+    if args.prefill_chunk < 1:
+        parser.error(f"argument --prefill-chunk: must be >= 1, got {args.prefill_chunk}")
+    if not args.prompt.strip():
+        parser.error(EMPTY_PROMPT)
+    if args.verify is not None:
+        check("--verify", resolve_verify, args.verify, params)
+    if args.confidence is not None:
+        check("--confidence", ConfidencePolicy.parse, args.confidence)
+    if args.draft is False and (args.verify is not None or args.confidence is not None):  # as make_decoder
+        flag = "--verify" if args.verify is not None else "--confidence"
+        parser.error(f"argument {flag}: verify and confidence apply to drafting, which is off (--no-draft)")
+    if args.model is not None and (Path(args.model).expanduser().exists() or not _looks_like_repo_id(args.model)):
+        try:
+            resolve_model_dir(args.model)  # a local path: checked, nothing downloaded
+        except CheckpointError as e:
+            parser.error(f"argument --model: {e}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .config import ConfigError
+    from .io.checkpoint import CheckpointError
+    from .io.load import load
+
+    parser = build_parser()
     args = parser.parse_args(argv)
+    check_args(parser, args)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
     try:
         model, tokenizer = load(args.model, progress=not args.quiet)
         drafting = args.draft if args.draft is not None else model.drafter is not None
         if drafting and model.drafter is not None and model.drafter.head == "fp8":
             model.drafter.build_fp8_head(progress=not args.quiet)
-        text = generate(model, tokenizer, args.prompt, verbose=not args.quiet, max_tokens=args.max_tokens,
-                        temperature=args.temp, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                        prefill_chunk=args.prefill_chunk, draft=args.draft, verify=args.verify,
-                        confidence=args.confidence, wire=args.wire)
-        if args.quiet:
-            print(text)
+        last = None
+        for last in stream_generate(model, tokenizer, args.prompt, max_tokens=args.max_tokens,
+                                    temperature=args.temp, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                                    prefill_chunk=args.prefill_chunk, draft=args.draft, verify=args.verify,
+                                    confidence=args.confidence, wire=args.wire):
+            print(last.text, end="", flush=True)
+        print()
     except (CheckpointError, ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if last is not None and not args.no_stats:
+        print(stats_line(last), file=sys.stderr)
+        if last.draft_stats is not None:
+            print(last.draft_stats.summary(), file=sys.stderr)
     return 0
 
 

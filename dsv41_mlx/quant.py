@@ -7,7 +7,7 @@ Two families live here:
   every FP8/FP4 GEMM and on cached KV / index keys;
 * weight codecs in numpy, used to build checkpoints in the release format
   (`quantize_fp8_tiles`, `quantize_fp4_rows`) and to repack release tensors
-  into MLX's `mxfp8` / `mxfp4` layouts (`fp8_tiles_to_mx`, `fp4_rows_to_mx`).
+  into MLX's `mxfp8` / `mxfp4` layouts (`fp4_rows_to_mx`; FP8's is kernels.specs.fp8_tiles_to_mx).
 
 Release storage: FP8 E4M3 codes with one E8M0 scale (byte = exponent + 127)
 per 32x32 tile; FP4 E2M1 two per byte (low nibble = even input) with one E8M0
@@ -16,15 +16,13 @@ scale per 32 inputs of a row.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
 from . import kernels
+from .kernels.specs import FP8_MAX, Fp8Matrix, e4m3_round, fp8_fake_quant_reference, pow2_ceil_scale
 
-FP8_MAX = 448.0
 FP4_MAX = 6.0
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
 # Round-to-nearest-even boundaries between consecutive E2M1 magnitudes; an exact
@@ -34,24 +32,6 @@ _E2M1_TIE_UP = (False, True, False, True, False, True, False)
 
 
 # ---------------------------------------------------------------- MLX (runtime)
-
-def pow2_ceil_scale(amax: mx.array, max_value: float) -> mx.array:
-    """2**ceil(log2(amax / max_value)) in float32, read off the IEEE bits.
-
-    `amax * fp32(1/max_value)` is rounded first, as the reference kernels do; a
-    zero mantissa means the product is already a power of two.
-    """
-    x = amax.astype(mx.float32) * mx.array(1.0 / max_value, dtype=mx.float32)
-    bits = x.view(mx.int32)
-    exponent = (bits >> 23) & 0xFF
-    ceil_log2 = exponent - 127 + ((bits & 0x7FFFFF) != 0).astype(mx.int32)
-    return ((ceil_log2 + 127) << 23).view(mx.float32)
-
-
-def _e4m3_round(x: mx.array) -> mx.array:
-    """float32 -> nearest E4M3 value (RNE, saturating at +-448), as float32."""
-    return mx.from_fp8(mx.to_fp8(x), dtype=mx.float32)
-
 
 def fp8_fake_quant(x: mx.array, block: int = 32, dtype: mx.Dtype | None = None,
                    impl: str | None = None) -> mx.array:
@@ -66,21 +46,6 @@ def fp8_fake_quant(x: mx.array, block: int = 32, dtype: mx.Dtype | None = None,
     if impl == "mlx" or block != 32 or x.shape[-1] % 32 or x.dtype not in (mx.bfloat16, mx.float32):
         return fp8_fake_quant_reference(x, block).astype(dtype)
     return kernels.act_quant_fp8(x, impl, dtype)
-
-
-@mx.compile
-def fp8_fake_quant_reference(x: mx.array, block: int = 32) -> mx.array:
-    """Pure-MLX spec: E4M3 quantise-dequantise over blocks of `block` along the last axis.
-
-    Scale per block: power of two 2**ceil(log2(amax/448)), amax floored at 1e-4
-    (the reference `act_quant` with scale_fmt ue8m0). Returns x's dtype.
-    """
-    shape = x.shape
-    g = x.astype(mx.float32).reshape(*shape[:-1], shape[-1] // block, block)
-    amax = mx.maximum(mx.abs(g).max(axis=-1, keepdims=True), 1e-4)
-    s = pow2_ceil_scale(amax, FP8_MAX)
-    y = _e4m3_round(g / s) * s
-    return y.reshape(shape).astype(x.dtype)
 
 
 def e2m1_round(v: mx.array) -> mx.array:
@@ -115,7 +80,7 @@ def fp4_fake_quant_reference(x: mx.array, block: int = 32, scale_format: str = "
     g = x.astype(mx.float32).reshape(*shape[:-1], shape[-1] // block, block)
     amax = mx.abs(g).max(axis=-1, keepdims=True)
     if scale_format == "e4m3":
-        s = _e4m3_round(mx.maximum(amax, 6 * 2.0**-9) / FP4_MAX)
+        s = e4m3_round(mx.maximum(amax, 6 * 2.0**-9) / FP4_MAX)
     elif scale_format == "e8m0":
         s = pow2_ceil_scale(mx.maximum(amax, 6 * 2.0**-126), FP4_MAX)
     else:
@@ -240,33 +205,6 @@ def fp8_linear(x: mx.array, weight: mx.array, scales: mx.array, real: int | None
     return fp8_matmul(fp8_input(x), weight, scales, real, parts=parts)
 
 
-@dataclass
-class Fp8Matrix:
-    """A weight [N, K] in the release's FP8 format: E4M3 codes, one E8M0 scale per 32x32 tile."""
-
-    codes: mx.array  # [N, K] uint8
-    scales: mx.array  # [N/32, K/32] uint8 (E8M0 bytes: scale = 2**(byte - 127))
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.codes.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.codes.nbytes + self.scales.nbytes
-
-    def dequantize(self) -> mx.array:
-        """float32 [N, K]: each code's value times its tile's scale."""
-        N, K = self.shape
-        values = mx.from_fp8(self.codes, dtype=mx.float32).reshape(N // 32, 32, K // 32, 32)
-        scale = ((self.scales.astype(mx.int32) << 23).view(mx.float32))[:, None, :, None]
-        return (values * scale).reshape(N, K)
-
-    def to_mxfp8(self) -> tuple[mx.array, mx.array]:
-        """The same bits in MLX's `mxfp8` layout (for mx.quantized_matmul)."""
-        return fp8_tiles_to_mx(self.codes, self.scales)
-
-
 def quantize_fp8_tiles_mx(w: mx.array) -> Fp8Matrix:
     """[N, K] (N, K multiples of 32) -> the release FP8 format, built on the default device.
 
@@ -369,19 +307,6 @@ def fp4_decode(packed: np.ndarray) -> np.ndarray:
     b = packed.view(np.uint8)
     table = np.concatenate([E2M1_VALUES, -E2M1_VALUES])
     return np.stack([table[b & 0xF], table[b >> 4]], axis=-1).reshape(*b.shape[:-1], -1)
-
-
-def fp8_tiles_to_mx(codes: mx.array, tile_scales: mx.array, tile: int = 32) -> tuple[mx.array, mx.array]:
-    """Release FP8 weight -> MLX `mxfp8` layout (exact).
-
-    codes uint8 [out, in] -> uint32 [out, in/4] (four codes per word, first in
-    the low byte); tile scales [ceil(out/32), in/32] -> per-row group scales
-    [out, in/32], each tile scale repeated over its 32 rows.
-    """
-    out_dim, in_dim = codes.shape
-    packed = codes.reshape(out_dim, in_dim // 4, 4).view(mx.uint32).reshape(out_dim, in_dim // 4)
-    scales = mx.repeat(tile_scales, tile, axis=0)[:out_dim]
-    return packed, scales
 
 
 def fp4_rows_to_mx(packed: mx.array) -> mx.array:

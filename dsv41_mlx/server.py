@@ -34,8 +34,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from .chat import ChatFormatError, encode_chat
+from .chat import EMPTY_PROMPT, ChatFormatError, encode_chat
 from .generate import stream_generate, warm_up
+from .runtime.runner import Runner
 from .sampling import SamplingParams
 from .speculative import VERIFY_MODES, ConfidencePolicy, resolve_verify
 
@@ -128,7 +129,7 @@ def parse_request(body, kind: str, served: str, tokenizer, context: int) -> Job:
         else:
             raise RequestError(400, "'prompt' must be a non-empty string or a list of token ids", "prompt")
     if not ids:
-        raise RequestError(400, "the prompt is empty", "prompt" if kind != "chat" else "messages")
+        raise RequestError(400, EMPTY_PROMPT, "prompt" if kind != "chat" else "messages")
     if len(ids) >= context:
         raise RequestError(400, f"the prompt is {len(ids)} tokens; this model's context is {context} tokens",
                            "messages" if kind == "chat" else "prompt", "context_length_exceeded")
@@ -347,7 +348,8 @@ def create_app(engine: Engine) -> Starlette:
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
-    from .checkpoint import CheckpointError, load
+    from .io.checkpoint import CheckpointError
+    from .io.load import load
     from .config import ConfigError
 
     parser = argparse.ArgumentParser(prog="python -m dsv41_mlx.server", description=__doc__.splitlines()[0])
@@ -369,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.warm_up:
-        log.info("warm-up: every request shape once, %.1f s", warm_up(model))
+        with Runner(model) as runner:
+            log.info("warm-up: every request shape once, %.1f s", warm_up(runner))
     engine = Engine(model, tokenizer, args.name or args.model or "dsv41-tiny")
     uvicorn.run(create_app(engine), host=args.host, port=args.port,
                 log_level="warning" if args.quiet else "info")

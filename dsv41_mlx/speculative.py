@@ -29,7 +29,8 @@ from typing import Container, Iterator
 import mlx.core as mx
 
 from .cache import DraftCache, ModelCache
-from .dspark import Drafter, Proposal, argmax_picker
+from .runtime.drafter import Drafter, Proposal, argmax_picker
+from .runtime.runner import Runner
 from .sampling import (ACCEPT, DRAFT, RESAMPLE, TARGET, SamplingParams, accept_or_resample, filtered_log_probs,
                        gumbel_noise, sample, uniform_noise)
 
@@ -120,7 +121,7 @@ def verify_cost_tokens(rows: int, vocab: int) -> list[int]:
     return [(1 + stride * j) % vocab for j in range(rows)]
 
 
-def measure_verify_costs(model, rows: int, repeats: int = 3) -> list[float]:
+def measure_verify_costs(runner: Runner, rows: int, repeats: int = 3) -> list[float]:
     """Seconds for a target forward of 1..rows rows on a cache holding one window of
     positions: T_verify(n) = costs[n-1]. Measured on a scratch cache, the least of
     `repeats` rounds that each time every row count once: a stretch of slow host (the lent
@@ -131,17 +132,17 @@ def measure_verify_costs(model, rows: int, repeats: int = 3) -> list[float]:
     to nearly the same experts, and each expert's weights are read once for all the rows
     that picked it, so they cost less (H200, session 26: six rows 27.4 against 33.0 ms for
     a real continuation) and made the schedule verify too many drafts."""
-    cache = model.make_cache()
-    vocab = model.args.vocab_size
-    warm = mx.arange(model.args.sliding_window, dtype=mx.int32)[None] % vocab
-    logits, _ = model(warm, cache, last_logits_only=True)
+    cache = runner.make_cache()
+    vocab = runner.args.vocab_size
+    warm = mx.arange(runner.args.sliding_window, dtype=mx.int32)[None] % vocab
+    logits, _ = runner(warm, cache, last_logits_only=True)
     mx.eval(logits, cache.state())
     tokens = verify_cost_tokens(rows, vocab)
     costs = [float("inf")] * rows
     for _ in range(repeats):
         for n in range(1, rows + 1):
             tic = time.perf_counter()
-            logits, feats = model.decode(tokens[:n], cache)
+            logits, feats = runner.decode(tokens[:n], cache)
             mx.eval(logits, feats, cache.state())
             costs[n - 1] = min(costs[n - 1], time.perf_counter() - tic)
             cache.trim(n)
@@ -211,14 +212,14 @@ class DraftStats:
 class SpeculativeDecoder:
     """Runs rounds for one sequence: the target cache, the drafter's rings, the mode."""
 
-    def __init__(self, model, drafter: Drafter, params: SamplingParams, verify: str | None = None,
+    def __init__(self, runner: Runner, drafter: Drafter, params: SamplingParams, verify: str | None = None,
                  confidence: str | ConfidencePolicy = "off", verify_costs: list[float] | None = None):
-        self.model, self.drafter, self.params = model, drafter, params
+        self.runner, self.drafter, self.params = runner, drafter, params
         self.verify = resolve_verify(verify, params)
         self.policy = ConfidencePolicy.parse(confidence)
         if self.policy.mode == "schedule" and verify_costs is None:
             if drafter.verify_costs is None:  # measured once per loaded model
-                drafter.verify_costs = measure_verify_costs(model, drafter.block + 1)
+                drafter.verify_costs = measure_verify_costs(runner, drafter.block + 1)
             verify_costs = drafter.verify_costs
         self.costs = verify_costs
         self.stats = DraftStats(drafter.block)
@@ -243,7 +244,7 @@ class SpeculativeDecoder:
         if self.verify == "greedy":
             return argmax_picker
         stream = TARGET if self.verify == "coupled" else DRAFT  # coupled: the very noise the target uses
-        vocab = self.model.args.vocab_size
+        vocab = self.runner.args.vocab_size
 
         def pick(logits: mx.array, k: int, candidates: mx.array | None = None) -> mx.array:
             logq = filtered_log_probs(logits[None], params)[0]
@@ -269,7 +270,7 @@ class SpeculativeDecoder:
         confidence = [sigmoid(c) for c in proposal.confidence.tolist()]  # on the host: no launch, no wait
         ell = min(self.policy.verify_length(confidence, self.round_costs()), budget - 1)
         drafts = proposal.drafts[:ell]
-        logits, features = self.model.decode([anchor] + drafts.tolist(), cache)
+        logits, features = self.runner.decode([anchor] + drafts.tolist(), cache)
         # the rows' ring rows built and started while the device still runs the forward (the
         # host waits for it next anyway): once the verdict is read, only their write is left
         ahead = self.drafter.ingest_ahead(draft_cache, features[0])

@@ -192,7 +192,7 @@ def bench_drafts(model_path: str | None, max_tokens: int, n_prompts: int) -> dic
     """FP8 vs BF16 drafter head on the benchmark prompts: proposals from identical ring
     states (teacher-forced along the plain greedy reply), then drafted replies and acceptance."""
     import dsv41_mlx
-    from dsv41_mlx.dspark import Drafter
+    from dsv41_mlx.runtime.drafter import Drafter
     from dsv41_mlx.generate import generate_step
     from dsv41_mlx.sampling import SamplingParams
     from dsv41_mlx.speculative import SpeculativeDecoder
@@ -256,8 +256,8 @@ def release_shaped_drafter_model(backbone_layers: int = 3):
     from mlx.utils import tree_unflatten
 
     from dsv41_mlx.config import ModelArgs
-    from dsv41_mlx.model import Model
-    from dsv41_mlx.tiny import TINY_TEXT_CONFIG
+    from dsv41_mlx.models.deepseek_v41 import Model
+    from dsv41_mlx.io.tiny import TINY_TEXT_CONFIG
     from scripts.make_flash_shaped import RELEASE_TEXT
 
     text = {**TINY_TEXT_CONFIG, **RELEASE_TEXT, **RELEASE_DSPARK_EXPERTS, "num_hidden_layers": backbone_layers,
@@ -286,7 +286,7 @@ def release_shaped_drafter_model(backbone_layers: int = 3):
 
 
 def bench_propose(rounds: int) -> dict:
-    from dsv41_mlx.dspark import Drafter
+    from dsv41_mlx.runtime.drafter import Drafter
 
     model = release_shaped_drafter_model()
     args = model.args
@@ -360,7 +360,7 @@ class OracleDrafter:
         return self.inner.ingest_ahead(cache, features)
 
     def propose(self, cache, anchor, pick):
-        from dsv41_mlx.dspark import Proposal
+        from dsv41_mlx.runtime.drafter import Proposal
 
         drafts = []
         for k in range(self.block):
@@ -538,11 +538,11 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float, 
     limit) has printed its tables already."""
     import dsv41_mlx
     from dsv41_mlx.generate import generate_step, prefill, warm_up
-    from dsv41_mlx.model import indexer_scoring_length
+    from dsv41_mlx.models.attention import indexer_scoring_length
     from dsv41_mlx.sampling import SamplingParams
     from dsv41_mlx.speculative import SpeculativeDecoder, measure_verify_costs
 
-    from dsv41_mlx.checkpoint import machine_memory, resolve_model_dir
+    from dsv41_mlx.io.checkpoint import machine_memory, resolve_model_dir
     from dsv41_mlx.config import ModelArgs
     from dsv41_mlx.tokenizer import load_tokenizer
     from scripts.mlxlm_baseline import MlxLmUnavailable, bench_mlxlm
@@ -758,7 +758,7 @@ def own_traces(model, store: dict):
     A layout choice (kernels.mma_loads_ahead, ...) is read while a launch is traced: a trace
     made under one variant's choices keeps them, so each variant needs traces of its own (until
     session 33 `steps` had none: every variant replayed the warm-up's traces, the package's)."""
-    from dsv41_mlx.model import fused_traces
+    from dsv41_mlx.models.layers import fused_traces
 
     modules = model.modules()
 
@@ -798,7 +798,7 @@ def bench_steps(model_path: str, variants: dict[str, dict[str, list]], tokens: i
     warm: generate.warm_up first (every shape a server's forwards take: the package's traces
     and kernels)."""
     import dsv41_mlx
-    from dsv41_mlx.checkpoint import resolve_model_dir
+    from dsv41_mlx.io.checkpoint import resolve_model_dir
     from dsv41_mlx.generate import generate_step, warm_up
     from dsv41_mlx.sampling import SamplingParams
     from dsv41_mlx.speculative import measure_verify_costs
@@ -1064,7 +1064,9 @@ def decode_by_layer(model, token: int, cache, on_layer) -> mx.array:
     where run() builds that block's outputs; returns the logits. Mirrors Model.__call__."""
     import numpy as np
 
-    from dsv41_mlx.model import SharedAttention, hc_expand, hc_pre, positions_of
+    from dsv41_mlx.models.attention import SharedAttention
+    from dsv41_mlx.models.hyper import hc_expand, hc_pre
+    from dsv41_mlx.models.layers import positions_of
 
     args = model.args
     rows = model.decode_rows or 1
@@ -1155,7 +1157,9 @@ def bench_pieces(model_path: str | None, layer_ids: list[int]) -> dict:
     import dsv41_mlx
     from dsv41_mlx import kernels
     from dsv41_mlx.generate import prefill
-    from dsv41_mlx.model import HcMixes, Rope, hc_expand, hc_post, positions_of, sparse_attention
+    from dsv41_mlx.models.hyper import HcMixes, hc_expand, hc_post
+    from dsv41_mlx.models.layers import Rope, positions_of
+    from dsv41_mlx.models.attention import sparse_attention
     from dsv41_mlx.quant import fp8_input, gemm_input_dtype
 
     model, _ = dsv41_mlx.load(model_path)

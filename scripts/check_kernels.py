@@ -227,7 +227,9 @@ def flash_args():
 def quantised_gemm_shapes() -> tuple[set, set, set]:
     """(dense mxfp8 (in, out), grouped wo_a (groups, in, out), mxfp4 experts (experts, in, out))
     of every quantised GEMM in the flash-shaped model (its dense shapes are the release's)."""
-    from dsv41_mlx.model import Attention, Fp4Stack, Model
+    from dsv41_mlx.models.attention import Attention
+    from dsv41_mlx.models.moe import Fp4Stack
+    from dsv41_mlx.models.deepseek_v41 import Model
     from dsv41_mlx.quant import Fp8Linear
 
     model = Model(flash_args())  # weights are lazy zeros: nothing is allocated
@@ -409,7 +411,8 @@ def check_fp8_gemv_pair(impl: str, seed: int) -> list[str]:
     stacked shapes and a ragged one, 1..16 rows, outputs poisoned: each part the same bits as
     fp8_gemv on its own rows of the stack (a view, as the drafter's stages run them), and
     with fewer real rows the real rows the same bits and the padding zeros."""
-    from dsv41_mlx.model import Attention, Model
+    from dsv41_mlx.models.attention import Attention
+    from dsv41_mlx.models.deepseek_v41 import Model
 
     mx.random.seed(seed)
     problems = []
@@ -679,7 +682,7 @@ def check_moe_gate(impl: str, seed: int) -> list[str]:
 
 def hc_input_spec(h, pre_in, fn, scale, base, norm_w, iters, hc_norm_eps, eps, norm_eps, quantize_to):
     """What kernels.hc_input computes, by model.HyperConnection.sublayer_input's pure-MLX path."""
-    from dsv41_mlx.model import _hc_project, hc_pre
+    from dsv41_mlx.models.hyper import _hc_project, hc_pre
 
     mixes = hc_split_reference(_hc_project(h, fn, hc_norm_eps), scale, base, h.shape[1], iters, eps)
     x = rms_norm_reference(hc_pre(h, pre_in), norm_w, norm_eps)
@@ -717,7 +720,7 @@ def check_hc_post_input(impl: str, seed: int) -> list[str]:
 
 
 def _check_sublayer_input(impl: str, seed: int, expanded: bool) -> list[str]:
-    from dsv41_mlx.model import _hc_post
+    from dsv41_mlx.models.hyper import _hc_post
 
     rng = np.random.default_rng(seed)
     problems = []
@@ -822,7 +825,8 @@ def sparse_attention_spec(q, ring, index, window_mask, kv, ids, picked_mask, sin
     output rotated back (rope: Rope.tables, which say themselves which features rotate;
     rope_dims is the kernel's copy of that); rows from real_rows on (a padded forward's
     padding) zeros."""
-    from dsv41_mlx.model import Rope, sparse_attention
+    from dsv41_mlx.models.layers import Rope
+    from dsv41_mlx.models.attention import sparse_attention
 
     q = q.reshape(q.shape[0], sink.shape[0], -1)
     picked = None if ids is None else kv[ids]
@@ -833,7 +837,7 @@ def sparse_attention_spec(q, ring, index, window_mask, kv, ids, picked_mask, sin
 def release_ropes() -> tuple:
     """The flash-shaped (release) model's attention RoPEs as model.Attention picks them:
     (a compressed layer's, YaRN; a window-only layer's, plain)."""
-    from dsv41_mlx.model import Attention
+    from dsv41_mlx.models.attention import Attention
 
     args = flash_args()
     ratios = args.compress_ratios[: args.num_hidden_layers]
@@ -959,7 +963,7 @@ def check_rms_norm(impl: str, seed: int) -> list[str]:
 
 def rotated_spec(normed: mx.array, cos: mx.array, sin: mx.array, dims: int) -> mx.array:
     """model.rotate of rows [S, D] by Rope.tables' cos and sin [S, D]: the last dims features."""
-    from dsv41_mlx.model import rotate
+    from dsv41_mlx.models.layers import rotate
 
     S, D = normed.shape
     pairs = (S, D // 2, 2)

@@ -37,10 +37,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dsv41_mlx.checkpoint import INDEX_FILE, expected_tensors, write_safetensors  # noqa: E402
+from dsv41_mlx.io.checkpoint import INDEX_FILE, expected_tensors, write_safetensors  # noqa: E402
 from dsv41_mlx.config import ModelArgs  # noqa: E402
-from dsv41_mlx.engram import bucket_primes  # noqa: E402
-from dsv41_mlx.tiny import TINY_TEXT_CONFIG, _rng, _values  # noqa: E402
+from dsv41_mlx.models.engram import bucket_primes  # noqa: E402
+from dsv41_mlx.io.tiny import TINY_TEXT_CONFIG, _rng, _values  # noqa: E402
 from dsv41_mlx.tokenizer import default_tokenizer_json  # noqa: E402
 
 RELEASE_TEXT = {

@@ -8,7 +8,7 @@ no --model is given (dsv41_mlx.tiny).
 
 import argparse
 
-from dsv41_mlx.tiny import build_checkpoint
+from dsv41_mlx.io.tiny import build_checkpoint
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

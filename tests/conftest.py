@@ -30,9 +30,20 @@ def intermediates():
 
 
 @pytest.fixture
-def padded_model(fixture_model):
-    """The fixture model in the GPU's row-invariant mode (every decode padded to 8 rows,
-    per-row window gathers), restored afterwards."""
-    fixture_model.decode_rows = 8
-    yield fixture_model
-    fixture_model.decode_rows = None
+def runner(fixture_model):
+    """The fixture model's runner with this machine's options (the CPU's: none)."""
+    from dsv41_mlx.runtime.runner import Runner
+
+    with Runner(fixture_model) as runner:
+        yield runner
+
+
+@pytest.fixture
+def padded_runner(fixture_model):
+    """The fixture model run in the GPU's row-invariant mode (every decode and verify forward
+    padded to 8 rows, per-row window gathers)."""
+    from dsv41_mlx.runtime.options import Options
+    from dsv41_mlx.runtime.runner import Runner
+
+    with Runner(fixture_model, Options(decode_rows=8)) as runner:
+        yield runner

@@ -5,9 +5,9 @@ Metal's address-space words dropped and its threadgroup arrays made static stora
 inline PTX (fp16_bits.cuh: fp16 conversions and the matrix unit's mma_m16n8k16) left out for
 the emulation's functions of the same names. The template constants become file-scope constants,
 and a main reads each input from a file, runs the grid of 256-thread threadgroups (blocks) one
-after another and writes the outputs. clang++ builds it; numpy carries the arrays. The
-type-check and the NVRTC compile (tests/test_kernels.py) catch a wrong name or type; this
-catches a wrong index, a wrong layout, a wrong fragment: the kernel's numbers against its spec.
+after another and writes the outputs. clang++ builds it (tests/compiler.py: else the clang of
+the `ziglang` test extra); numpy carries the arrays. The type-check and the NVRTC compile
+(tests/test_kernels.py) catch a wrong name or type; this catches a wrong index, a wrong layout, a wrong fragment: the kernel's numbers against its spec.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from dsv41_mlx.kernels import kernel_text
-from tests.metal_check import clang
+from tests.compiler import cxx
 
 EMULATION = Path(__file__).parent / "emulation"
 C_TYPES = {"metal": {"bfloat16": "bfloat16_t", "float32": "float", "uint32": "uint", "uint16": "uint16_t",
@@ -84,7 +84,9 @@ def run(spec, language: str, inputs: dict[str, tuple[str, np.ndarray]], outputs:
     source = workdir / "kernel.cpp"
     source.write_text(unit(spec, language, {n: t for n, (t, _) in inputs.items()}, outputs, template, groups,
                            read_back))
-    build = subprocess.run([clang(), "-std=c++20", "-O1", "-pthread", "-w", str(source), "-o", str(workdir / "kernel")],
+    if cxx() is None:
+        raise RuntimeError("no C++ compiler: install clang++ or the test extras (ziglang)")
+    build = subprocess.run([cxx(), "-std=c++20", "-O1", "-pthread", "-w", str(source), "-o", str(workdir / "kernel")],
                            capture_output=True, text=True)
     if build.returncode:
         raise RuntimeError(f"the host build of {spec.name} ({language}) failed:\n{build.stderr[-3000:]}")

@@ -7,14 +7,17 @@ parameter with that attribute, template arguments become template parameters of
 the function, and one explicit instantiation names the specialisation. We write
 the same text around our bodies and compile it with clang as C++17 against a
 small shim of the Metal language (tests/metal_shim/metal_shim.h): a misspelt
-name, a wrong type or a missing semicolon in the body fails the compile.
+name, a wrong type or a missing semicolon in the body fails the compile. The
+clang is clang++ where installed, else the one of the `ziglang` test extra
+(tests/compiler.py).
 """
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
+
+from tests.compiler import cxx
 
 SHIM = Path(__file__).parent / "metal_shim" / "metal_shim.h"
 
@@ -30,7 +33,8 @@ TYPE_NAMES = {"bool": "bool", "float32": "float", "float16": "float16_t", "bfloa
 
 
 def clang() -> str | None:
-    return shutil.which("clang++") or shutil.which("clang++-14")
+    """The clang++ command (tests/compiler.py): clang++, else zig's; None without either."""
+    return cxx()
 
 
 def wrap(name: str, body: str, header: str, inputs: dict[str, str], outputs: dict[str, str],
@@ -59,6 +63,8 @@ def syntax_check(source: str, workdir: Path) -> subprocess.CompletedProcess:
     """clang -fsyntax-only on the wrapped source; returncode 0 when it type-checks."""
     path = workdir / "kernel.metal.cpp"
     path.write_text(source)
+    if clang() is None:
+        raise RuntimeError("no C++ compiler: install clang++ or the test extras (ziglang)")
     return subprocess.run([clang(), "-std=c++17", "-fsyntax-only", "-Wno-unknown-attributes",
                            "-Wno-ignored-attributes", "-I", str(SHIM.parent), str(path)],
                           capture_output=True, text=True, timeout=120)

@@ -29,7 +29,7 @@ def test_profile_counts_fewer_operations_compiled(bench):
 
 
 def test_e2e_drafted_replies_equal_undrafted_and_mlxlm_runs_beside(bench, monkeypatch, capsys):
-    from dsv41_mlx.tiny import default_checkpoint
+    from dsv41_mlx.io.tiny import default_checkpoint
 
     generate = importlib.import_module("dsv41_mlx.generate")  # (the package's `generate` is the function)
     order, warm_up = [], generate.warm_up  # the floor's bandwidth measured once the warm-up has run
@@ -236,7 +236,7 @@ import json, sys
 sys.path.insert(0, "scripts")
 import count_ops
 from dsv41_mlx import kernels
-from dsv41_mlx.tiny import default_checkpoint
+from dsv41_mlx.io.tiny import default_checkpoint
 from dsv41_mlx.config import ModelArgs
 res = count_ops.count(str(default_checkpoint()), rows=8, prompt=40)
 # a context the indexers pick whole (fewer groups than index_topk): they read no index keys
@@ -377,7 +377,7 @@ def test_the_long_context_prompt_makes_every_index_layer_score(bench, monkeypatc
     unscored: model.Indexer.picks_everything)."""
     import dsv41_mlx
     from dsv41_mlx.generate import prefill
-    from dsv41_mlx.model import Indexer, indexer_scoring_length
+    from dsv41_mlx.models.attention import Indexer, indexer_scoring_length
 
     model, _ = dsv41_mlx.load(None)
     ids = bench.long_context_prompt([[5, 6, 7], [8, 9]], indexer_scoring_length(model.args))
@@ -442,7 +442,7 @@ def test_steps_ab_runs_each_variant_with_its_choices_and_flags_changed_replies(b
     choices come first; a variant whose replies differ from theirs is flagged; a malformed
     --variant is refused with the reason."""
     from dsv41_mlx import kernels
-    from dsv41_mlx.tiny import default_checkpoint
+    from dsv41_mlx.io.tiny import default_checkpoint
 
     real_gate, read = kernels.moe_gate, []
 

@@ -14,17 +14,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from dsv41_mlx.checkpoint import (
-    INDEX_FILE,
-    CheckpointError,
-    check_tensors,
-    expected_tensors,
-    load,
-    read_header,
-    sanitize,
-    shard_headers,
-    write_safetensors,
-)
+from dsv41_mlx.io.checkpoint import INDEX_FILE, CheckpointError, check_tensors, expected_tensors, read_header, sanitize, shard_headers, write_safetensors
+from dsv41_mlx.io.load import load
 from dsv41_mlx.config import ModelArgs
 
 FIXTURE = Path(__file__).parent / "fixtures" / "reference-v41-tiny"
@@ -253,7 +244,7 @@ def test_engram_tables_stay_memory_mapped(loaded):
 def test_packed_engram_rows_dequantise_as_each_layers_own(loaded):
     """A forward's engram rows of every layer in one array (engram.pack_rows), dequantised from
     it (unpack_rows): the bits of each layer's rows read and dequantised on their own."""
-    from dsv41_mlx.engram import dequantize_rows, pack_rows, unpack_rows
+    from dsv41_mlx.models.engram import dequantize_rows, pack_rows, unpack_rows
 
     model, _ = loaded
     rng = np.random.default_rng(0)
@@ -270,7 +261,7 @@ def test_packed_engram_rows_are_made_up_to_a_padded_forwards_rows_with_zeros(loa
     """pack_rows(.., total): rows read for a padded forward's real rows come first in each
     layer's part, the padding rows after them zeros (their values 0); fewer rows than read is an
     error naming both."""
-    from dsv41_mlx.engram import pack_rows, unpack_rows
+    from dsv41_mlx.models.engram import pack_rows, unpack_rows
 
     model, _ = loaded
     ids = {1: np.array([[3, 600]]), 4: np.array([[800, 7]])}  # one real row
@@ -288,7 +279,7 @@ def test_a_padded_forward_reads_the_engram_tables_for_its_real_rows_only(loaded,
     """A decode padded to 8 rows looks up its real rows' n-grams alone (a padding row's would be
     8x the table reads, from a memory-mapped file), with the logits, features and cache of a
     forward that is not padded."""
-    from dsv41_mlx.engram import EngramTable
+    from dsv41_mlx.models.engram import EngramTable
 
     model, _ = loaded
     read = []
@@ -624,9 +615,9 @@ def test_write_safetensors_rejects_reserved_name_and_bad_metadata(tmp_path):
 
 
 def test_a_checkpoint_larger_than_memory_is_refused_with_both_numbers(ckpt, monkeypatch):
-    import dsv41_mlx.checkpoint as checkpoint
+    import dsv41_mlx.io.checkpoint as checkpoint
 
-    from dsv41_mlx.model import Model
+    from dsv41_mlx.models.deepseek_v41 import Model
 
     monkeypatch.setattr(checkpoint, "machine_memory", lambda: 1_000_000)
     headers = shard_headers(ckpt)
@@ -637,7 +628,7 @@ def test_a_checkpoint_larger_than_memory_is_refused_with_both_numbers(ckpt, monk
 
 
 def test_resident_bytes_leave_out_the_memory_mapped_engram_tables(ckpt):
-    import dsv41_mlx.checkpoint as checkpoint
+    import dsv41_mlx.io.checkpoint as checkpoint
 
     headers = shard_headers(ckpt)
     where = check_tensors(ModelArgs.from_file(ckpt / "config.json"), headers)
@@ -650,8 +641,8 @@ def test_resident_bytes_leave_out_the_memory_mapped_engram_tables(ckpt):
 def test_bf16_tensors_the_model_computes_in_fp32_are_widened_once_and_counted_so(ckpt):
     """The head, the routers and the ratio > 1 compressors are used in fp32 on every call:
     they are widened at load (exactly) and the memory check counts them at that width."""
-    import dsv41_mlx.checkpoint as checkpoint
-    from dsv41_mlx.model import Model
+    import dsv41_mlx.io.checkpoint as checkpoint
+    from dsv41_mlx.models.deepseek_v41 import Model
 
     model, _ = load(ckpt)
     headers = shard_headers(ckpt)

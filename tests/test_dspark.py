@@ -16,7 +16,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from dsv41_mlx.cache import DraftCache
-from dsv41_mlx.dspark import Drafter
+from dsv41_mlx.runtime.drafter import Drafter
 
 TOLERANCE = 0.02  # max abs error / std of the golden tensor, as for the target
 

@@ -9,7 +9,7 @@ import pytest
 
 import dsv41_mlx
 from dsv41_mlx.generate import stream_generate
-from dsv41_mlx.tiny import build_checkpoint
+from dsv41_mlx.io.tiny import build_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +100,7 @@ def test_warm_up_runs_every_chunk_shape_then_plain_and_drafted_tokens(default_mo
     every size a round can commit into a scratch draft cache, runs a decode or verify forward
     of every size past the context where the indexers start scoring, and clears MLX's buffer
     cache."""
-    from dsv41_mlx.model import indexer_scoring_length
+    from dsv41_mlx.models.attention import indexer_scoring_length
 
     import importlib
 

@@ -167,7 +167,7 @@ def test_propose_steps_propose_from_the_prompts_rings(timeline, fixture_dir, mon
     drafts as a drafter given that prompt directly."""
     import dsv41_mlx
     import mlx.core as mx
-    from dsv41_mlx.dspark import Drafter
+    from dsv41_mlx.runtime.drafter import Drafter
     from dsv41_mlx.generate import prefill
 
     model, _ = dsv41_mlx.load(fixture_dir)

@@ -380,7 +380,7 @@ def test_fp8_mma_into_the_stream_runs_its_spec_on_the_host(language, rows, out_r
     inputs) within a bfloat16 step, every row (the padding's y zeros); each row's mix parts, its
     tiles' sums, add up to h's projection by fn and its sum of squares (within a float32 sum's
     bound, against float64)."""
-    from dsv41_mlx.model import _hc_post
+    from dsv41_mlx.models.hyper import _hc_post
     from dsv41_mlx.quant import fp8_fake_quant_reference
     from scripts.check_kernels import bf16_step_problem, random_scales, random_words
 
@@ -427,7 +427,7 @@ def test_hc_input_completes_its_parts_on_the_host(language, chunks, tmp_path):
     x, and the mixes those hc_split makes of the parts' totals (float64 here), within 2e-5;
     the padding of the last row (rows past `rows`) untouched."""
     from dsv41_mlx.kernels import hc_split_reference, rms_norm_reference
-    from dsv41_mlx.model import hc_pre
+    from dsv41_mlx.models.hyper import hc_pre
     from dsv41_mlx.quant import fp8_fake_quant_reference
     from scripts.check_kernels import bf16_step_problem
 
@@ -525,7 +525,7 @@ def test_rms_norm_pair_gives_two_rms_norms_bits_on_the_host(language, tmp_path):
     with both inputs in one array (x2's rows from an offset into it), the
     shared row code (rms_norm_row) reached through both bodies; and rms_norm's rotated,
     quantised rows against the spec: model.rotate of the spec's norm, then act_quant."""
-    from dsv41_mlx.model import rotate
+    from dsv41_mlx.models.layers import rotate
     from dsv41_mlx.quant import fp8_fake_quant_reference
 
     rng = np.random.default_rng(3)

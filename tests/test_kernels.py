@@ -711,7 +711,7 @@ def test_rms_norm_pair_check_passes_two_norms_and_flags_a_wrong_pair(monkeypatch
     """scripts/check_kernels.py's rms_norm_pair check: a pair that is rms_norm on each input
     passes; one that rotates neither, or scales the second input's weights, fails; and
     rms_norm_halves taking its second input from the wrong place in the array fails."""
-    from dsv41_mlx.model import rotate
+    from dsv41_mlx.models.layers import rotate
     from dsv41_mlx.quant import fp8_fake_quant_reference
 
     check = _check_kernels_script()
@@ -909,7 +909,7 @@ def test_hc_post_input_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatc
     """check_kernels.py's check of the sub-layer input that expands the stream itself: the
     spec (model._hc_post, then hc_input's spec) passes; a kernel whose stream is off by a bf16
     step in many values, or whose rows depend on each other, fails."""
-    from dsv41_mlx.model import _hc_post
+    from dsv41_mlx.models.hyper import _hc_post
 
     check = _check_kernels_script()
 
@@ -940,7 +940,7 @@ def test_fp8_into_stream_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypa
     them) pass; a stream off by a bf16 step, parts that miss a share of the projection, or
     rows that depend on each other fail."""
     from dsv41_mlx.kernels import hc_split_reference, rms_norm_reference
-    from dsv41_mlx.model import _hc_post, hc_pre
+    from dsv41_mlx.models.hyper import _hc_post, hc_pre
     from dsv41_mlx.quant import fp8_fake_quant_reference
 
     check = _check_kernels_script()
@@ -1029,7 +1029,7 @@ def test_attention_kernel_runs_only_where_it_fits():
     model gathers the keys and runs the spec. It decides on the queries' shape alone (the
     model asks before it makes them), and takes its rows' RoPE tables."""
     from dsv41_mlx.kernels import attention_fits, sparse_attention_rows
-    from dsv41_mlx.model import shared_rope
+    from dsv41_mlx.models.layers import shared_rope
 
     bf16 = mx.bfloat16
     assert not attention_fits((8, 64, 512), bf16, 128, 512)  # the CPU
@@ -1057,7 +1057,8 @@ def test_attention_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatch):
     or only the inverse), couples rows, computes a padded forward's padding rows, reads q
     given as [S, H * D] in another layout, or gives other bits at 8 simdgroups a threadgroup,
     fails."""
-    from dsv41_mlx.model import Rope, sparse_attention
+    from dsv41_mlx.models.layers import Rope
+    from dsv41_mlx.models.attention import sparse_attention
 
     check = _check_kernels_script()
     spec = check.sparse_attention_spec
@@ -1452,7 +1453,7 @@ def test_the_model_head_runs_head_logits_for_a_decode_or_verify_forward(monkeypa
     its row bound R from the computed rows, a padded forward's real rows passed on) for bf16 x
     of up to DECODE_MAX_ROWS rows; more rows (or no GPU) take the spec."""
     from dsv41_mlx import kernels
-    from dsv41_mlx.model import Head
+    from dsv41_mlx.models.deepseek_v41 import Head
 
     seen = []
 

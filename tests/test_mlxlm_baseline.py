@@ -10,7 +10,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 import dsv41_mlx
-from dsv41_mlx.tiny import build_checkpoint, tiny_config
+from dsv41_mlx.io.tiny import build_checkpoint, tiny_config
 
 from .scripts import load_script
 

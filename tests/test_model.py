@@ -7,6 +7,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from dsv41_mlx.runtime.options import Options
+from dsv41_mlx.runtime.runner import Runner
+
 
 def _ids(golden):
     prompt = golden["prompt_ids"][0].astype(np.int32).tolist()
@@ -72,24 +75,21 @@ def test_rejects_bad_input_shape(fixture_model):
         fixture_model(mx.array([1, 2, 3], dtype=mx.int32))
 
 
-def test_row_invariant_mode_gives_the_same_logits_and_cache(padded_model, golden):
+def test_row_invariant_mode_gives_the_same_logits_and_cache(fixture_model, padded_runner, golden):
     """Padding to 8 rows and gathering each row's window changes no bit on the CPU: a decode
     forward's logits equal the plain forward's, and the trimmed cache equals its cache."""
-    model = padded_model
-    rest, plain, padded = _two_prefilled(model, golden)
+    rest, plain, padded = _two_prefilled(fixture_model, golden)
     for start in range(0, len(rest), 3):
         chunk = rest[start: start + 3]
-        model.decode_rows = None
-        want, want_f = model(mx.array([chunk], dtype=mx.int32), plain)
-        model.decode_rows = 8
-        got, got_f = model.decode(chunk, padded)
+        want, want_f = fixture_model(mx.array([chunk], dtype=mx.int32), plain)
+        got, got_f = padded_runner.decode(chunk, padded)
         assert mx.array_equal(want, got).item() and mx.array_equal(want_f, got_f).item()
         _assert_same_state(plain, padded)
 
 
-def test_decode_refuses_more_rows_than_it_pads_to(padded_model):
+def test_decode_refuses_more_rows_than_it_pads_to(padded_runner):
     with pytest.raises(ValueError, match="at most 8 rows"):
-        padded_model.decode(list(range(9)), padded_model.make_cache())
+        padded_runner.decode(list(range(9)), padded_runner.make_cache())
 
 
 def test_compiled_forward_equals_uncompiled(fixture_model, golden):
@@ -116,7 +116,7 @@ def test_hc_split_checks_its_input():
 def test_moe_grouped_by_expert_equals_row_by_row(fixture_model, monkeypatch):
     """Prefill groups (row, expert) pairs by expert; the result is the same bits as each
     row through its own experts."""
-    import dsv41_mlx.model as model_module
+    import dsv41_mlx.models.moe as model_module
 
     moe = fixture_model.layers[3].ffn
     x = (mx.random.normal((40, fixture_model.args.hidden_size), key=mx.random.key(3))).astype(mx.bfloat16)
@@ -150,8 +150,8 @@ def test_fused_methods_read_the_weights_at_every_call():
     """A compiled method takes its module's current weights, so weights loaded after the
     first call are used (no stale trace)."""
     from dsv41_mlx.config import ModelArgs
-    from dsv41_mlx.model import Block
-    from dsv41_mlx.tiny import tiny_config
+    from dsv41_mlx.models.deepseek_v41 import Block
+    from dsv41_mlx.io.tiny import tiny_config
 
     block = Block(ModelArgs.from_dict(tiny_config()), 0)
     h = mx.random.normal((3, block.hc_attn._hc, block.attn_norm.weight.shape[0]), key=mx.random.key(1))
@@ -176,7 +176,7 @@ def test_a_fused_method_that_raises_while_traced_leaves_its_weights_as_they_were
     (KeyboardInterrupt) leaves them too."""
     import mlx.nn as nn
 
-    from dsv41_mlx.model import fused
+    from dsv41_mlx.models.layers import fused
 
     class Scaled(nn.Module):
         def __init__(self):
@@ -207,7 +207,7 @@ def test_a_fused_method_that_raises_while_traced_leaves_its_weights_as_they_were
 def test_masked_picks_change_no_bit_of_the_attention():
     """The indexer pads its picks to index_topk with masked ones while the cache holds fewer
     compressed positions; the attention over them is the same bits as over the real picks."""
-    from dsv41_mlx.model import sparse_attention
+    from dsv41_mlx.models.attention import sparse_attention
 
     key = mx.random.key(11)
     S, H, D, W, K, pad = 3, 4, 64, 16, 5, 27
@@ -230,7 +230,7 @@ def test_groups_of_two_pool_as_the_softmax_over_the_group_in_one_launch():
     of zero included), as one compiled kernel with no reduction; other ratios take the spec."""
     import sys
 
-    from dsv41_mlx.model import pooled
+    from dsv41_mlx.models.attention import pooled
 
     sys.path.insert(0, "scripts")
     import bench
@@ -258,7 +258,7 @@ def test_engram_rows_dequantise_in_one_launch_as_from_fp8_decodes_them():
     scale's power of two, in one launch where that takes four."""
     import sys
 
-    from dsv41_mlx.engram import dequantize_rows
+    from dsv41_mlx.models.engram import dequantize_rows
 
     sys.path.insert(0, "scripts")
     import bench
@@ -286,7 +286,7 @@ def test_engram_gate_sums_in_one_reduction_the_bits_of_the_steps_as_written():
     six launches where those take thirteen."""
     import sys
 
-    from dsv41_mlx.engram import gated_add
+    from dsv41_mlx.models.engram import gated_add
 
     sys.path.insert(0, "scripts")
     import bench
@@ -325,7 +325,7 @@ def test_compressor_pools_its_groups_from_where_its_cache_wrote_their_rows(fixtu
     before them: the groups pool as the two projections and the rows joined to the pending
     ones do."""
     from dsv41_mlx.cache import CompressorCache
-    from dsv41_mlx.model import pooled
+    from dsv41_mlx.models.attention import pooled
 
     compressor = fixture_model.layers[2].attn.compressor
     assert compressor.ratio == 2
@@ -376,7 +376,7 @@ def test_rope_tables_of_a_narrower_width_are_views_of_a_wider_ones():
     pairs (no launch), the values of the narrower tables computed anew."""
     import sys
 
-    from dsv41_mlx.model import Rope, _rope_tables
+    from dsv41_mlx.models.layers import Rope, _rope_tables
 
     sys.path.insert(0, "scripts")
     import bench
@@ -403,7 +403,7 @@ def test_rope_tables_of_a_narrower_width_are_views_of_a_wider_ones():
         assert mx.array_equal(got.view(mx.uint32), want.view(mx.uint32)).item()
 
 
-def test_decode_steps_keep_their_shapes_as_the_compressed_cache_grows(padded_model, monkeypatch):
+def test_decode_steps_keep_their_shapes_as_the_compressed_cache_grows(fixture_model, padded_runner, monkeypatch):
     """With index_topk above the compressed positions cached, each decode step still picks
     index_topk, so the compiled attention is traced once, not once per new length (in the
     GPU's padded decode, whose per-row windows have a fixed size too)."""
@@ -411,12 +411,11 @@ def test_decode_steps_keep_their_shapes_as_the_compressed_cache_grows(padded_mod
 
     from dsv41_mlx.generate import prefill
 
-    fixture_model = padded_model
     for layer in fixture_model.layers:
         if hasattr(layer.attn, "indexer"):
             monkeypatch.setattr(layer.attn.indexer, "topk", 64)
     cache = fixture_model.make_cache()
-    logits, _ = prefill(fixture_model, list(range(100, 140)), cache)
+    logits, _ = prefill(padded_runner, list(range(100, 140)), cache)
     traces = []
 
     def count(frame, event, arg):
@@ -425,7 +424,7 @@ def test_decode_steps_keep_their_shapes_as_the_compressed_cache_grows(padded_mod
 
     token = int(mx.argmax(logits).item())
     for step in range(8):
-        out, _ = fixture_model.decode([token], cache)
+        out, _ = padded_runner.decode([token], cache)
         token = int(mx.argmax(out[0, -1]).item())
         if step == 0:  # the first step may trace the decode shapes
             sys.setprofile(count)
@@ -437,11 +436,8 @@ def test_overlapped_build_changes_no_bit(fixture_model, golden):
     """Starting each block on the device while the next is built (the GPU default) gives
     the same logits, features and cache as building the whole forward first."""
     ids = _ids(golden)
-    fixture_model.overlap_build = True
-    try:
-        overlapped = _run(fixture_model, ids, 5)
-    finally:
-        fixture_model.overlap_build = False
+    with Runner(fixture_model, Options(overlap_build=True)) as runner:
+        overlapped = _run(runner, ids, 5)
     whole = _run(fixture_model, ids, 5)
     assert mx.array_equal(overlapped[0], whole[0]).item() and mx.array_equal(overlapped[1], whole[1]).item()
     _assert_same_state(overlapped[2], whole[2])
@@ -455,12 +451,9 @@ def test_blocks_evaluated_on_a_thread_change_no_bit(fixture_model, golden):
 
     ids = _ids(golden)
     interval = sys.getswitchinterval()
-    fixture_model.overlap_build = fixture_model.evaluate_on_thread = True
-    try:
+    with Runner(fixture_model, Options(overlap_build=True, evaluate_on_thread=True)) as runner:
         assert sys.getswitchinterval() < interval
-        threaded = _run(fixture_model, ids, 5), _run(fixture_model, ids[:6], 1)
-    finally:
-        fixture_model.overlap_build = fixture_model.evaluate_on_thread = False
+        threaded = _run(runner, ids, 5), _run(runner, ids[:6], 1)
     assert sys.getswitchinterval() == interval
     for got, chunk, n in zip(threaded, (5, 1), (len(ids), 6)):
         whole = _run(fixture_model, ids[:n], chunk)
@@ -472,7 +465,7 @@ def test_blocks_evaluated_on_a_thread_change_no_bit(fixture_model, golden):
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("threaded", [False, True])
 def test_a_decode_begun_before_its_token_is_read_changes_no_bit(fixture_model, golden, padded, threaded, built):
-    """Model.decode_ahead with the token still lazy (each one the previous step's greedy pick):
+    """Runner.decode_ahead with the token still lazy (each one the previous step's greedy pick):
     its first block built and started before the token is read, the rest built after, or
     (built: build_ahead) built before and started after, their engram rows written into the
     cache's StagedRows. Every step gives decode's logits, features and cache, padded to 8 rows
@@ -481,12 +474,11 @@ def test_a_decode_begun_before_its_token_is_read_changes_no_bit(fixture_model, g
     started by the evaluator's thread (on_forward_stream, generate_step's way), each forward
     finished unsettled. A cancelled one leaves the cache as it was (engram layers 1 and 4:
     block 0 alone is started ahead)."""
-    model = fixture_model
+    options = Options(decode_rows=8 if padded else None, overlap_build=threaded, evaluate_on_thread=threaded,
+                      build_ahead=bool(built))
+    model = Runner(fixture_model, options)
     assert model._blocks_before_tokens == 1
     ids = _ids(golden)
-    model.decode_rows = 8 if padded else None
-    model.overlap_build = model.evaluate_on_thread = threaded
-    model.build_ahead = bool(built)
     queued = built == "queued"
     try:
         plain, ahead = model.make_cache(), model.make_cache()
@@ -511,8 +503,7 @@ def test_a_decode_begun_before_its_token_is_read_changes_no_bit(fixture_model, g
         got, _ = model.decode([ids[0]], ahead)
         assert mx.array_equal(want, got).item()
     finally:
-        model.decode_rows = None
-        model.overlap_build = model.evaluate_on_thread = model.build_ahead = False
+        model.close()
     assert bool(ahead.staged_rows) == bool(built)
 
 
@@ -522,9 +513,8 @@ def test_a_forward_built_ahead_starts_what_its_positions_decide_before_its_token
     positions alone decide (SharedAttention.early: the RoPE tables' cos and sin of the forward's
     positions and of its new groups, the unscored picks), so that they run before the token is
     read, not in the blocks after it; the same logits as decode."""
-    from dsv41_mlx import model as model_module
+    from dsv41_mlx.models import attention as model_module
 
-    model = fixture_model
     made, started = [], []
     init = model_module.SharedAttention.__init__
     monkeypatch.setattr(model_module.SharedAttention, "__init__",
@@ -532,7 +522,7 @@ def test_a_forward_built_ahead_starts_what_its_positions_decide_before_its_token
     async_eval = mx.async_eval
     monkeypatch.setattr(mx, "async_eval", lambda *arrays: (started.extend(arrays), async_eval(*arrays))[1])
     ids = _ids(golden)
-    model.decode_rows, model.overlap_build, model.build_ahead = 8, True, True
+    model = Runner(fixture_model, Options(decode_rows=8, overlap_build=True, build_ahead=True))
     try:
         plain, ahead = model.make_cache(), model.make_cache()
         for c in (plain, ahead):
@@ -547,8 +537,7 @@ def test_a_forward_built_ahead_starts_what_its_positions_decide_before_its_token
         want, _ = model.decode([token.item()], plain)
         assert mx.array_equal(want, logits).item()
     finally:
-        model.decode_rows = None
-        model.overlap_build = model.build_ahead = False
+        model.close()
 
 
 class _RecordingEvaluator:
@@ -577,11 +566,10 @@ def test_a_gated_forward_is_started_whole_before_its_token_and_released_after_it
     stand-in, the CPU having no kernels); finish writes the rows, then releases the gate, once,
     and starts nothing more; the same logits as decode. A cancelled forward releases its gate
     with no rows written."""
-    from dsv41_mlx import engram as engram_module, kernels as kernels_module
+    from dsv41_mlx.runtime import staged as engram_module
 
-    model = fixture_model
     events, gates = [], []
-    monkeypatch.setattr(kernels_module, "rows_gate",
+    monkeypatch.setattr(engram_module, "rows_gate",
                         lambda flag, rows: (gates.append(flag), (mx.zeros((2,), mx.uint32), rows))[1])
     for name in ("write", "release"):
         method = getattr(engram_module.StagedRows, name)
@@ -589,7 +577,7 @@ def test_a_gated_forward_is_started_whole_before_its_token_and_released_after_it
                             lambda self, *a, _m=method, _n=name, **k: (events.append((_n, k)), _m(self, *a, **k))[1])
     ids = _ids(golden)
     recorder = _RecordingEvaluator(events)
-    model.decode_rows, model.overlap_build, model.build_ahead, model.gate_rows = 8, True, True, True
+    model = Runner(fixture_model, Options(decode_rows=8, overlap_build=True, build_ahead=True, gate_rows=True))
     model._evaluator = recorder
     try:
         plain, ahead = model.make_cache(), model.make_cache()
@@ -604,7 +592,7 @@ def test_a_gated_forward_is_started_whole_before_its_token_and_released_after_it
             jobs = [arrays for kind, arrays in events if kind == "submit"]
             assert gates and len(events) == len(jobs)
             # the token's, block 0's, the early arrays, the rows, every block after, the head's logits
-            assert len(jobs) == len(model.layers) + 4 and jobs[-1][0].shape == (1, 8, model.args.vocab_size)
+            assert len(jobs) == len(fixture_model.layers) + 4 and jobs[-1][0].shape == (1, 8, model.args.vocab_size)
             t = token.item()
             logits, features = begun.finish(t, settle=False)
             assert [kind for kind, _ in events[len(jobs):]] == ["write", "release"]  # nothing started after the token
@@ -618,15 +606,13 @@ def test_a_gated_forward_is_started_whole_before_its_token_and_released_after_it
         assert ahead.staged_rows[8].flag is not None
     finally:
         model._evaluator = None
-        model.decode_rows = None
-        model.overlap_build = model.build_ahead = model.gate_rows = False
 
 
 def test_staged_rows_release_reports_a_gate_that_gave_up():
     """StagedRows.release counts the host's releases in flag[0]; where a gate gave up waiting
     (flag[2], the device's count) it raises, after releasing all the same. Without a gate,
     values(gated=True) and release say so."""
-    from dsv41_mlx.engram import StagedRows
+    from dsv41_mlx.runtime.staged import StagedRows
 
     staged = StagedRows([(1, 2, 4), (1, 2, 1)], gated=True)
     staged.release()
@@ -646,7 +632,7 @@ def test_staged_rows_release_reports_a_gate_that_gave_up():
 def test_block_evaluator_hands_its_threads_error_to_the_caller(monkeypatch):
     """What the thread's mx.async_eval raises comes out of the next drain, on the caller's
     thread; the evaluator then runs again."""
-    from dsv41_mlx import evaluator as ev
+    from dsv41_mlx.runtime import evaluator as ev
 
     evaluator = ev.BlockEvaluator()
     try:
@@ -675,7 +661,7 @@ def test_block_evaluator_starts_at_most_batch_blocks_handed_over_together(monkey
     them, or at most `batch`, in the order they came."""
     import threading
 
-    from dsv41_mlx import evaluator as ev
+    from dsv41_mlx.runtime import evaluator as ev
 
     gate, seen = threading.Event(), []
 
@@ -709,9 +695,9 @@ def test_routed_experts_take_the_fp4_kernel_for_a_decode_steps_pairs_on_a_gpu(mo
     way the real rows' values are the spec's."""
     from dsv41_mlx import kernels
     from dsv41_mlx.config import ModelArgs
-    from dsv41_mlx.model import MoE
+    from dsv41_mlx.models.moe import MoE
     from dsv41_mlx.quant import fp8_fake_quant_reference
-    from dsv41_mlx.tiny import tiny_config
+    from dsv41_mlx.io.tiny import tiny_config
 
     from .test_kernels import act_quant_spec
 
@@ -763,7 +749,7 @@ def _fresh_traces(monkeypatch, model) -> None:
     (model.fused keeps them on the instance): a forward under a patched dispatch traces again
     and so reaches the patched kernels, whatever earlier tests traced, and its traces are
     dropped after the test."""
-    from dsv41_mlx.model import fused_traces
+    from dsv41_mlx.models.layers import fused_traces
 
     for module in model.modules():
         for name in fused_traces(type(module)):
@@ -799,7 +785,7 @@ def _gpu_dispatch_with_specs(monkeypatch, model, attention, gemv=None) -> None:
         monkeypatch.setattr(kernels, "fp8_gemv", gemv)
 
 
-def test_attention_kernel_takes_the_queries_unrotated_and_rotates_its_output_back(padded_model, golden,
+def test_attention_kernel_takes_the_queries_unrotated_and_rotates_its_output_back(fixture_model, padded_runner, golden,
                                                                                   monkeypatch):
     """On a GPU a decode or verify step's attention runs kernels.sparse_attention_rows, which
     rotates q and its output back itself: queries leaves q unrotated and output skips the
@@ -809,8 +795,8 @@ def test_attention_kernel_takes_the_queries_unrotated_and_rotates_its_output_bac
     from .test_kernels import _check_kernels_script
 
     spec = _check_kernels_script().sparse_attention_spec
-    model = padded_model
-    rest, plain, kernel = _two_prefilled(model, golden)
+    model = padded_runner
+    rest, plain, kernel = _two_prefilled(fixture_model, golden)
     want = [model.decode(rest[start: start + 3], plain) for start in range(0, len(rest), 3)]
     calls = []
 
@@ -818,11 +804,11 @@ def test_attention_kernel_takes_the_queries_unrotated_and_rotates_its_output_bac
         calls.append(args[0].shape)
         return spec(*args)
 
-    _gpu_dispatch_with_specs(monkeypatch, model, attention)
+    _gpu_dispatch_with_specs(monkeypatch, fixture_model, attention)
     got = [model.decode(rest[start: start + 3], kernel) for start in range(0, len(rest), 3)]
     # every layer through the kernel, with q as wq_b gives it, [S, H * D] (the kernel reads it as [S, H, D]), traced
     # once: inside a compiled method, whose inputs (the whole window and group buffers) kept their shapes
-    assert calls == [(8, model.args.num_attention_heads * model.args.head_dim)] * len(model.layers)
+    assert calls == [(8, model.args.num_attention_heads * model.args.head_dim)] * len(fixture_model.layers)
     for (want_logits, want_feats), (logits, feats) in zip(want, got):
         assert mx.array_equal(want_logits, logits).item() and mx.array_equal(want_feats, feats).item()
     _assert_same_state(plain, kernel)
@@ -906,7 +892,7 @@ def _sublayer_input_specs(monkeypatch, calls: list):
     recorded in `calls` (hc_post_input's hc_input too), hc_input fitting a decode or verify
     step's bf16 stream: the GPU path's sub-layer inputs. Returns hc_input's spec, unrecorded."""
     from dsv41_mlx import kernels
-    from dsv41_mlx.model import _hc_post, _hc_project, hc_pre
+    from dsv41_mlx.models.hyper import _hc_post, _hc_project, hc_pre
     from dsv41_mlx.quant import fp8_fake_quant
 
     def spec(h, pre_in, fn, scale, base, norm_w, iters, hc_norm_eps, eps, norm_eps, quantize_to):
@@ -939,7 +925,7 @@ def test_sub_layers_put_their_output_into_the_stream_through_their_last_gemm(mon
     are the plain path's bits, each GEMM put its output into the stream it ran on, with the
     mix projection of the sub-layer after it, and no launch of its own expands a stream."""
     from dsv41_mlx import kernels, load, quant
-    from dsv41_mlx.model import _hc_post
+    from dsv41_mlx.models.hyper import _hc_post
 
     from .conftest import FIXTURE
 
@@ -986,7 +972,7 @@ def test_sub_layers_put_their_output_into_the_stream_through_their_last_gemm(mon
     assert all(mx.array_equal(f, w).item() for f, w in zip(onto_fns, 3 * want_fns))
 
 
-def test_padded_forwards_compute_their_real_rows_alone(padded_model, golden, monkeypatch):
+def test_padded_forwards_compute_their_real_rows_alone(fixture_model, padded_runner, golden, monkeypatch):
     """A padded decode or verify forward on a GPU computes its real rows alone where a kernel
     can skip the padding: the FP8 GEMMs (kernels.fp8_gemv's real_rows) and the attention give
     the padding rows zeros. With those kernels their specs (zeros after the real rows), decode
@@ -999,8 +985,8 @@ def test_padded_forwards_compute_their_real_rows_alone(padded_model, golden, mon
     from .test_kernels import _check_kernels_script
 
     spec = _check_kernels_script().sparse_attention_spec
-    model = padded_model
-    rest, plain, kernel = _two_prefilled(model, golden)
+    model = padded_runner
+    rest, plain, kernel = _two_prefilled(fixture_model, golden)
     want = [model.decode(rest[start: start + 3], plain) for start in range(0, len(rest), 3)]
     told, grouped, waits = [], [], []
 
@@ -1011,22 +997,22 @@ def test_padded_forwards_compute_their_real_rows_alone(padded_model, golden, mon
         waits.append((swiglu is not None, None if after is None else (after.dtype, after.shape)))
         return kernels.fp8_gemv_reference(x, w, s, quantize_input, real_rows, swiglu, parts, groups)
 
-    _gpu_dispatch_with_specs(monkeypatch, model, lambda *args, impl=None: spec(*args), gemv)
+    _gpu_dispatch_with_specs(monkeypatch, fixture_model, lambda *args, impl=None: spec(*args), gemv)
     got = [model.decode(rest[start: start + 3], kernel) for start in range(0, len(rest), 3)]
     for (want_logits, want_feats), (logits, feats) in zip(want, got):
         assert mx.array_equal(want_logits, logits).item() and mx.array_equal(want_feats, feats).item()
     _assert_same_state(plain, kernel)
     assert told and set(told) <= {3, len(rest) % 3 or 3}  # traced once per real-row count
     # wo_a: attention's output [S, H, D] and the stacked weight as they are, read as its groups
-    assert grouped.count(model.args.o_groups) == len(model.layers) * len(set(told))
+    assert grouped.count(model.args.o_groups) == len(fixture_model.layers) * len(set(told))
     picks = [after for swiglu, after in waits if swiglu]
-    assert len(picks) == len(model.layers) * len(set(told))
+    assert len(picks) == len(fixture_model.layers) * len(set(told))
     assert all(after is not None and after[0] == mx.uint32 and after[1][1] == model.args.num_experts_per_tok
                for after in picks), picks
     assert all(after is None for swiglu, after in waits if not swiglu)
 
 
-def test_attention_projects_and_norms_through_the_pair_launches(padded_model, golden, monkeypatch):
+def test_attention_projects_and_norms_through_the_pair_launches(fixture_model, padded_runner, golden, monkeypatch):
     """On a GPU a decode or verify step's attention makes wq_a's and wkv's products in one
     launch (kernels.fp8_gemv_pair, split at q_lora_rank, both in its one output) and their
     norms in another that reads them there (kernels.rms_norm_halves: q_norm quantised as wq_b
@@ -1035,14 +1021,14 @@ def test_attention_projects_and_norms_through_the_pair_launches(padded_model, go
     steps are the CPU path's bits (logits, features and cache), and each layer of each forward
     launched each once."""
     from dsv41_mlx import kernels
-    from dsv41_mlx.model import rotate
+    from dsv41_mlx.models.layers import rotate
     from dsv41_mlx.quant import fp8_fake_quant_reference
 
     from .test_kernels import _check_kernels_script
 
     spec = _check_kernels_script().sparse_attention_spec
-    model = padded_model
-    rest, plain, kernel = _two_prefilled(model, golden)
+    model = padded_runner
+    rest, plain, kernel = _two_prefilled(fixture_model, golden)
     want = [model.decode(rest[start: start + 3], plain) for start in range(0, len(rest), 3)]
     pairs, norms = [], []
 
@@ -1062,7 +1048,7 @@ def test_attention_projects_and_norms_through_the_pair_launches(padded_model, go
         return (fp8_fake_quant_reference(kernels.rms_norm_reference(x, w, eps)).astype(quantize_to),
                 fp8_fake_quant_reference(rotated).astype(quantize_to2))
 
-    _gpu_dispatch_with_specs(monkeypatch, model, lambda *args, impl=None: spec(*args))
+    _gpu_dispatch_with_specs(monkeypatch, fixture_model, lambda *args, impl=None: spec(*args))
     monkeypatch.setattr(kernels, "fp8_gemv_pair_fits", lambda x, w, split, impl=None: True)
     monkeypatch.setattr(kernels, "fp8_gemv_pair", gemv_pair)
     monkeypatch.setattr(kernels, "rms_norm_halves", norm_halves)
@@ -1072,7 +1058,7 @@ def test_attention_projects_and_norms_through_the_pair_launches(padded_model, go
     _assert_same_state(plain, kernel)
     q_lora, head_dim, dim = model.args.q_lora_rank, model.args.head_dim, model.args.hidden_size
     # traced once per real-row count (3, then the last forward's), by every layer
-    assert len(pairs) == len(norms) == len(model.layers) * len({3, len(rest) % 3 or 3})
+    assert len(pairs) == len(norms) == len(fixture_model.layers) * len({3, len(rest) % 3 or 3})
     assert {p[:2] for p in pairs} == {((8, dim), q_lora)} and {p[2] for p in pairs} <= {3, len(rest) % 3 or 3}
     assert set(norms) == {((8, q_lora), (8, head_dim), mx.float32, mx.bfloat16)}
 
@@ -1084,10 +1070,9 @@ def test_indexer_skips_its_scores_while_it_picks_every_position(fixture_model, g
     (SharedAttention.every_pick) without scoring. A sequence decoded from its first token, as
     n grows past k (and past the candidate source's blocks), gives the same bits as with the
     scoring forced at every step: logits, features and cache; plain and padded to 8 rows."""
-    from dsv41_mlx.model import Indexer
+    from dsv41_mlx.models.attention import Indexer
 
-    model = fixture_model
-    model.decode_rows = rows
+    model = Runner(fixture_model, Options(decode_rows=rows))
     ids = _ids(golden)
     taken = []
     picks_everything = Indexer.picks_everything
@@ -1104,7 +1089,7 @@ def test_indexer_skips_its_scores_while_it_picks_every_position(fixture_model, g
         scored_cache = model.make_cache()
         scored = [model.decode(ids[s: s + 3], scored_cache) for s in range(0, len(ids), 3)]
     finally:
-        model.decode_rows = None
+        model.close()
     assert any(taken) and not all(taken)  # both regimes ran
     for (logits, feats), (want_logits, want_feats) in zip(skipping, scored):
         assert mx.array_equal(logits, want_logits).item() and mx.array_equal(feats, want_feats).item()
@@ -1116,7 +1101,8 @@ def test_shared_attention_derives_windows_and_visible_groups_from_host_positions
     window slots (the buffer rows of its positions, clipped to the rows held), which are
     masked (before the oldest key held, or outside a row's window when rows share the keys),
     and how many compressed groups each row sees; the same for a lazy mx.arange."""
-    from dsv41_mlx.model import SharedAttention, positions_of
+    from dsv41_mlx.models.attention import SharedAttention
+    from dsv41_mlx.models.layers import positions_of
 
     for positions in (positions_of(10, 3), mx.arange(10, 13)):
         shared = SharedAttention()

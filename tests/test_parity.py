@@ -15,7 +15,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dsv41_mlx.model import SharedAttention, hc_post, hc_pre
+from dsv41_mlx.models.attention import SharedAttention
+from dsv41_mlx.models.hyper import hc_post, hc_pre
 
 TOLERANCE = 0.02  # max abs error / std of the golden tensor
 

@@ -8,9 +8,9 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from dsv41_mlx import residency
+from dsv41_mlx.runtime import residency
 from dsv41_mlx.generate import stream_generate
-from dsv41_mlx.residency import drafter_bytes, plan, target_bytes, wired
+from dsv41_mlx.runtime.residency import drafter_bytes, plan, target_bytes, wired
 
 
 def test_plan_wires_the_drafter_first_then_the_target_if_it_fits():
@@ -78,7 +78,7 @@ def test_generation_is_the_same_with_residency_on_and_off(fixture_model, fake_wi
 
 def test_backends_without_wiring_say_so_once(fixture_model, caplog, monkeypatch):
     monkeypatch.setattr(residency, "_said_no_wiring", False)
-    with caplog.at_level(logging.INFO, logger="dsv41_mlx.residency"):
+    with caplog.at_level(logging.INFO, logger="dsv41_mlx.runtime.residency"):
         for _ in range(2):
             with wired(fixture_model, fixture_model.drafter) as p:
                 assert p is None

@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from dsv41_mlx.dspark import Drafter, Proposal
+from dsv41_mlx.runtime.drafter import Drafter, Proposal
+from dsv41_mlx.runtime.options import Options
+from dsv41_mlx.runtime.runner import Runner
 from dsv41_mlx.generate import generate_step, make_decoder, prefill
 from dsv41_mlx.sampling import DRAFT, SamplingParams, accept_or_resample, filtered_log_probs, gumbel_noise
 from dsv41_mlx.speculative import (ConfidencePolicy, DraftStats, SpeculativeDecoder, measure_verify_costs,
@@ -31,68 +33,67 @@ COUPLED = [SamplingParams(temperature=0.8, seed=11), SamplingParams(temperature=
            SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=15)]
 
 
-def _reply(model, prompt, params, decoder=None, max_tokens=MAX_TOKENS):
-    return list(generate_step(model, prompt, params, max_tokens, decoder=decoder))
+def _reply(runner, prompt, params, decoder=None, max_tokens=MAX_TOKENS):
+    return list(generate_step(runner, prompt, params, max_tokens, decoder=decoder))
 
 
 @pytest.fixture(scope="module")
 def plain_replies(fixture_model):
-    greedy = [_reply(fixture_model, p, GREEDY) for p in PROMPTS]
-    coupled = [_reply(fixture_model, p, params) for p, params in zip(PROMPTS, COUPLED)]
+    runner = Runner(fixture_model)
+    greedy = [_reply(runner, p, GREEDY) for p in PROMPTS]
+    coupled = [_reply(runner, p, params) for p, params in zip(PROMPTS, COUPLED)]
     return greedy, coupled
 
 
 # ------------------------------------------------------------- lossless replies
 
 @pytest.mark.parametrize("confidence", ["off", "schedule"])
-def test_drafted_greedy_reply_equals_undrafted_reply(fixture_model, plain_replies, confidence):
+def test_drafted_greedy_reply_equals_undrafted_reply(fixture_model, runner, plain_replies, confidence):
     for prompt, expected in zip(PROMPTS, plain_replies[0]):
-        decoder = SpeculativeDecoder(fixture_model, fixture_model.drafter, GREEDY, confidence=confidence)
-        assert _reply(fixture_model, prompt, GREEDY, decoder) == expected
+        decoder = SpeculativeDecoder(runner, fixture_model.drafter, GREEDY, confidence=confidence)
+        assert _reply(runner, prompt, GREEDY, decoder) == expected
         assert decoder.stats.rounds > 0
 
 
 @pytest.mark.parametrize("confidence", ["off", "schedule"])
-def test_drafted_coupled_reply_equals_undrafted_reply_for_the_same_seed(fixture_model, plain_replies, confidence):
+def test_drafted_coupled_reply_equals_undrafted_reply_for_the_same_seed(fixture_model, runner, plain_replies, confidence):
     for prompt, params, expected in zip(PROMPTS, COUPLED, plain_replies[1]):
-        decoder = SpeculativeDecoder(fixture_model, fixture_model.drafter, params, confidence=confidence)
+        decoder = SpeculativeDecoder(runner, fixture_model.drafter, params, confidence=confidence)
         assert decoder.verify == "coupled"
-        assert _reply(fixture_model, prompt, params, decoder) == expected
+        assert _reply(runner, prompt, params, decoder) == expected
 
 
-def test_bf16_drafter_head_gives_the_same_replies_as_the_fp8_one(fixture_model, plain_replies):
+def test_bf16_drafter_head_gives_the_same_replies_as_the_fp8_one(fixture_model, runner, plain_replies):
     """The tests above draft with the default FP8 head (top-64 candidates); the reference's
     BF16 head over the whole vocabulary proposes other drafts but the replies cannot change."""
     bf16 = Drafter(fixture_model, head="bf16")
     for i in (0, 3):
         for params, expected in ((GREEDY, plain_replies[0][i]), (COUPLED[i], plain_replies[1][i])):
-            decoder = SpeculativeDecoder(fixture_model, bf16, params, confidence="off")
-            assert _reply(fixture_model, PROMPTS[i], params, decoder, max_tokens=24) == expected[:24]
+            decoder = SpeculativeDecoder(runner, bf16, params, confidence="off")
+            assert _reply(runner, PROMPTS[i], params, decoder, max_tokens=24) == expected[:24]
 
 
-def test_drafted_reply_equals_undrafted_in_the_row_invariant_mode(padded_model, plain_replies):
+def test_drafted_reply_equals_undrafted_in_the_row_invariant_mode(padded_runner, plain_replies):
     """The GPU's decode path (every forward padded to 8 rows) on the CPU: replies unchanged.
-    (On the H200, scripts/check_lossless.py: 0 of 8 replies diverge padded, 8 of 8 unpadded.)"""
+    (On a GPU, scripts/check_lossless.py: 0 of 8 replies diverge padded, 8 of 8 unpadded.)"""
+    runner = padded_runner
     for i in (1, 2):
         for params, expected in ((GREEDY, plain_replies[0][i]), (COUPLED[i], plain_replies[1][i])):
-            assert list(generate_step(padded_model, PROMPTS[i], params, 24)) == expected[:24]
-            decoder = SpeculativeDecoder(padded_model, padded_model.drafter, params, confidence="off")
-            assert _reply(padded_model, PROMPTS[i], params, decoder, max_tokens=24) == expected[:24]
+            assert list(generate_step(runner, PROMPTS[i], params, 24)) == expected[:24]
+            decoder = SpeculativeDecoder(runner, runner.model.drafter, params, confidence="off")
+            assert _reply(runner, PROMPTS[i], params, decoder, max_tokens=24) == expected[:24]
 
 
-def test_drafted_reply_equals_undrafted_with_blocks_evaluated_on_a_thread(padded_model, plain_replies):
+def test_drafted_reply_equals_undrafted_with_blocks_evaluated_on_a_thread(fixture_model, plain_replies):
     """The GPU's decode path in full on the CPU: every forward padded to 8 rows and each of
-    its blocks started by the evaluator's thread while the next is built (Model's defaults on a
-    GPU): plain and drafted replies unchanged."""
-    padded_model.overlap_build = padded_model.evaluate_on_thread = True
-    try:
+    its blocks started by the evaluator's thread while the next is built (a GPU's options):
+    plain and drafted replies unchanged."""
+    with Runner(fixture_model, Options(decode_rows=8, overlap_build=True, evaluate_on_thread=True)) as runner:
         for i in (3,):
             for params, expected in ((GREEDY, plain_replies[0][i]), (COUPLED[i], plain_replies[1][i])):
-                assert list(generate_step(padded_model, PROMPTS[i], params, 24)) == expected[:24]
-                decoder = SpeculativeDecoder(padded_model, padded_model.drafter, params, confidence="off")
-                assert _reply(padded_model, PROMPTS[i], params, decoder, max_tokens=24) == expected[:24]
-    finally:
-        padded_model.overlap_build = padded_model.evaluate_on_thread = False
+                assert list(generate_step(runner, PROMPTS[i], params, 24)) == expected[:24]
+                decoder = SpeculativeDecoder(runner, fixture_model.drafter, params, confidence="off")
+                assert _reply(runner, PROMPTS[i], params, decoder, max_tokens=24) == expected[:24]
 
 
 class OracleDrafter:
@@ -123,24 +124,24 @@ class OracleDrafter:
 
 
 @pytest.mark.parametrize("which", ["greedy", "coupled"])
-def test_oracle_drafts_are_mostly_accepted_and_the_reply_is_unchanged(fixture_model, plain_replies, which):
+def test_oracle_drafts_are_mostly_accepted_and_the_reply_is_unchanged(fixture_model, runner, plain_replies, which):
     for i in (1, 4):
         params = GREEDY if which == "greedy" else COUPLED[i]
         expected = plain_replies[0 if which == "greedy" else 1][i]
         oracle = OracleDrafter(fixture_model.drafter, PROMPTS[i] + expected)
-        decoder = SpeculativeDecoder(fixture_model, oracle, params)
-        assert _reply(fixture_model, PROMPTS[i], params, decoder) == expected
+        decoder = SpeculativeDecoder(runner, oracle, params)
+        assert _reply(runner, PROMPTS[i], params, decoder) == expected
         stats = decoder.stats
         assert stats.mean_accepted > 2, stats.as_dict()
         assert stats.accepted < stats.verified  # the wrong drafts were rejected
         assert stats.rounds < MAX_TOKENS / 3
 
 
-def test_drafter_rings_hold_only_committed_positions(fixture_model, plain_replies):
+def test_drafter_rings_hold_only_committed_positions(fixture_model, runner, plain_replies):
     prompt, reply = PROMPTS[2], plain_replies[0][2][:40]
     oracle = OracleDrafter(fixture_model.drafter, prompt + reply, wrong_every=5)
-    decoder = SpeculativeDecoder(fixture_model, oracle, GREEDY)
-    assert _reply(fixture_model, prompt, GREEDY, decoder, max_tokens=len(reply)) == reply
+    decoder = SpeculativeDecoder(runner, oracle, GREEDY)
+    assert _reply(runner, prompt, GREEDY, decoder, max_tokens=len(reply)) == reply
     rings = decoder.draft_cache
     committed = (prompt + reply)[: rings.end]
     assert rings.end == len(prompt) + len(reply) - 1  # everything but the last token, not yet fed
@@ -150,7 +151,7 @@ def test_drafter_rings_hold_only_committed_positions(fixture_model, plain_replie
     assert mx.array_equal(rings.rings, expected.rings).item()
 
 
-def test_a_round_starts_its_ingest_on_the_drafter_stream_without_waiting(fixture_model, plain_replies,
+def test_a_round_starts_its_ingest_on_the_drafter_stream_without_waiting(fixture_model, runner, plain_replies,
                                                                           monkeypatch):
     """The ring writes are built on the drafter's stream and started (mx.async_eval), never
     waited for by the round that made them (the next propose reads them); the reply and the
@@ -160,14 +161,14 @@ def test_a_round_starts_its_ingest_on_the_drafter_stream_without_waiting(fixture
     prompt, reply = PROMPTS[1], plain_replies[0][1][:24]
     drafter = fixture_model.drafter
     oracle = OracleDrafter(drafter, prompt + reply)
-    decoder = SpeculativeDecoder(fixture_model, oracle, GREEDY)
+    decoder = SpeculativeDecoder(runner, oracle, GREEDY)
     streams, waited, started = [], [], []
     write = cache_module.ring_write
     monkeypatch.setattr(cache_module, "ring_write",
                         lambda *a: streams.append(mx.default_stream(mx.default_device())) or write(*a))
     monkeypatch.setattr(mx, "eval", lambda *a, e=mx.eval: waited.extend(a) or e(*a))
     monkeypatch.setattr(mx, "async_eval", lambda *a, e=mx.async_eval: started.extend(a) or e(*a))
-    assert _reply(fixture_model, prompt, GREEDY, decoder, max_tokens=len(reply)) == reply
+    assert _reply(runner, prompt, GREEDY, decoder, max_tokens=len(reply)) == reply
     assert decoder.stats.rounds >= 3 and len(streams) == decoder.stats.rounds + 1  # + the prompt's ingest
     assert all(s == drafter.stream for s in streams)
     rings = decoder.draft_cache.rings  # the last round's ingest
@@ -187,7 +188,7 @@ def test_verify_then_trim_equals_plain_decode_of_the_committed_tokens(fixture_mo
     block = model.args.dspark_block_size
 
     drafted = model.make_cache()
-    prefill(model, prompt, drafted)
+    prefill(Runner(model), prompt, drafted)
     verify_logits, _ = model(mx.array([cont[: block + 1]]), drafted)
     drafted.trim(block - accepted)
     second = cont[accepted + 1: accepted + 2 + block]
@@ -195,7 +196,7 @@ def test_verify_then_trim_equals_plain_decode_of_the_committed_tokens(fixture_mo
     drafted.trim(block - 2)
 
     plain = model.make_cache()
-    prefill(model, prompt, plain)
+    prefill(Runner(model), prompt, plain)
     committed = cont[: accepted + 1] + second[:3]
     plain_logits = [model(mx.array([[t]]), plain)[0][0, 0] for t in committed]
     _assert_same_state(plain, drafted)
@@ -271,7 +272,7 @@ def test_rejection_round_samples_the_target_distribution(fixture_model):
     model, prompt, anchor = fixture_model, PROMPTS[3], 1234
     params = SamplingParams(temperature=1.0, top_k=3)
     cache = model.make_cache()
-    _, features = prefill(model, prompt, cache, keep_features=model.args.sliding_window)
+    _, features = prefill(Runner(model), prompt, cache, keep_features=model.args.sliding_window)
     rows, _ = model(mx.array([[anchor]]), cache)
     cache.trim(1)
     target = rows[0, 0]
@@ -286,7 +287,7 @@ def test_rejection_round_samples_the_target_distribution(fixture_model):
     outcomes, accepted = [], 0
     for seed in range(300):
         params = SamplingParams(temperature=1.0, top_k=3, seed=seed)
-        decoder = SpeculativeDecoder(model, oracle, params, verify="rejection")
+        decoder = SpeculativeDecoder(Runner(model), oracle, params, verify="rejection")
         tokens = decoder.round(cache, rings, anchor, budget=2)
         outcomes.append(tokens[0])
         accepted += decoder.stats.accepted
@@ -301,9 +302,9 @@ def test_rejection_round_samples_the_target_distribution(fixture_model):
     assert chisquare(counts, expected).pvalue > 0.01
 
 
-def test_rejection_drafts_are_sampled_with_their_own_noise(fixture_model):
+def test_rejection_drafts_are_sampled_with_their_own_noise(fixture_model, runner):
     """The rejection-mode picker draws from q with the DRAFT stream, not the target's noise."""
-    decoder = SpeculativeDecoder(fixture_model, fixture_model.drafter, SamplingParams(1.0, seed=5),
+    decoder = SpeculativeDecoder(runner, fixture_model.drafter, SamplingParams(1.0, seed=5),
                                  verify="rejection")
     logits = mx.zeros((8192,))
     pick = decoder.pick(100)
@@ -337,14 +338,14 @@ def test_confidences_are_taken_on_the_host_as_mlx_takes_them():
     assert sigmoid(-800.0) == 0.0 and sigmoid(800.0) == 1.0 and sigmoid(0.0) == 0.5
 
 
-def test_schedule_counts_a_rounds_work_beyond_its_verify_forward(fixture_model):
+def test_schedule_counts_a_rounds_work_beyond_its_verify_forward(fixture_model, runner):
     """The schedule weighs a round's whole cost: the measured verify forwards plus the median
     of what the decoder's recent rounds took beyond them (a round that traced a new shape
     does not move it). A fixed part makes verifying more drafts relatively cheaper, so the
     schedule verifies more of them than on the forwards alone."""
     c = [0.9, 0.8, 0.5, 0.2, 0.1]
     forwards = [1.0, 1.6, 2.4, 3.2, 4.0, 4.8]
-    decoder = SpeculativeDecoder(fixture_model, fixture_model.drafter, GREEDY, confidence="schedule",
+    decoder = SpeculativeDecoder(runner, fixture_model.drafter, GREEDY, confidence="schedule",
                                  verify_costs=forwards)
     assert decoder.round_costs() == forwards  # no round yet
     schedule = ConfidencePolicy.parse("schedule")
@@ -352,20 +353,20 @@ def test_schedule_counts_a_rounds_work_beyond_its_verify_forward(fixture_model):
     decoder.beyond_verify.extend([1.5, 2.0, 9.0])  # three rounds' seconds beyond their forwards: the median
     assert decoder.round_costs() == pytest.approx([f + 2.0 for f in forwards])
     assert schedule.verify_length(c, decoder.round_costs()) == 2  # 2.62 / 4.4 > 2.98 / 5.2
-    off = SpeculativeDecoder(fixture_model, fixture_model.drafter, GREEDY, confidence="off")
+    off = SpeculativeDecoder(runner, fixture_model.drafter, GREEDY, confidence="off")
     assert off.round_costs() is None
 
 
-def test_schedule_rounds_record_their_time_beyond_the_forward(fixture_model):
+def test_schedule_rounds_record_their_time_beyond_the_forward(fixture_model, runner):
     """Each round of a scheduled decoder adds its time beyond its verify forward's measured
     cost; a decoder without costs records nothing."""
-    decoder = SpeculativeDecoder(fixture_model, fixture_model.drafter, GREEDY, confidence="schedule",
+    decoder = SpeculativeDecoder(runner, fixture_model.drafter, GREEDY, confidence="schedule",
                                  verify_costs=[1e-6] * (fixture_model.drafter.block + 1))
-    _reply(fixture_model, PROMPTS[0], GREEDY, decoder, max_tokens=12)
+    _reply(runner, PROMPTS[0], GREEDY, decoder, max_tokens=12)
     assert decoder.stats.rounds >= 2 and len(decoder.beyond_verify) == min(decoder.stats.rounds, 16)
     assert all(s > 0 for s in decoder.beyond_verify)
-    unscheduled = SpeculativeDecoder(fixture_model, fixture_model.drafter, GREEDY, confidence="off")
-    _reply(fixture_model, PROMPTS[0], GREEDY, unscheduled, max_tokens=12)
+    unscheduled = SpeculativeDecoder(runner, fixture_model.drafter, GREEDY, confidence="off")
+    _reply(runner, PROMPTS[0], GREEDY, unscheduled, max_tokens=12)
     assert unscheduled.stats.rounds >= 2 and not unscheduled.beyond_verify
 
 
@@ -429,7 +430,7 @@ def test_verify_mode_is_checked_against_the_temperature():
 
 
 def test_drafting_arguments_without_a_drafter_are_rejected():
-    no_drafter = types.SimpleNamespace(drafter=None)
+    no_drafter = types.SimpleNamespace(model=types.SimpleNamespace(drafter=None))
     assert make_decoder(no_drafter, GREEDY) is None
     with pytest.raises(ValueError, match="needs DSpark stages"):
         make_decoder(no_drafter, GREEDY, draft=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from dsv41_mlx.cache import DraftCache
-from dsv41_mlx.dspark import Drafter
+from dsv41_mlx.runtime.drafter import Drafter
 from dsv41_mlx.generate import generate_step
 from dsv41_mlx.sampling import SamplingParams
 from dsv41_mlx.speculative import SpeculativeDecoder

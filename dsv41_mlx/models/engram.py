@@ -18,8 +18,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .config import ModelArgs
-from .quant import Fp8Linear
+from ..config import ModelArgs
+from ..quant import Fp8Linear
 
 F32, BF16 = mx.float32, mx.bfloat16
 
@@ -151,7 +151,7 @@ class EngramTable:
 def pack_rows(rows: list[tuple[np.ndarray, np.ndarray]], total: int | None = None) -> tuple[mx.array, list]:
     """Several layers' EngramTable.read rows as one MLX array (uint8) and where each part lies.
     total: each part's rows (its first axis) made up to this many with zeros, where the reads
-    cover only a padded forward's real rows (Model._engram_values).
+    cover only a padded forward's real rows (Model.take_tokens).
 
     A forward makes them on the host, where MLX on CUDA keeps such an array in managed memory:
     the first kernel to read one pulls its pages to the GPU (on the H200 ~70-170 us a host-made
@@ -189,74 +189,6 @@ def write_rows(flat: np.ndarray, layout: list, rows: list[tuple[np.ndarray, np.n
         end = start + int(np.prod(shape))
         flat[start: start + a.size] = a.reshape(-1)
         flat[start + a.size: end] = 0
-
-
-class StagedRows:
-    """One sequence's buffer for the engram rows of its forwards built before their tokens are
-    known (Model.decode_ahead, where build_ahead): an MLX array made once, which each such
-    forward's graph reads (`values`), and the host writes the rows into (`write`) once the
-    tokens are known, before it starts the forward. So the whole graph can be built while the
-    device still runs the forward before, and no host-made array is allocated at the step's
-    boundary (pack_rows says what that may cost).
-
-    The host writes into memory the device reads: a write must come after every earlier
-    forward that read the buffer has run, which holds where the tokens written were read back
-    from the forward before (each depends on all of it). Its cache keeps it, so two sequences
-    never share one.
-
-    gated (where kernels.rows_gate_fits): a forward's rows may also be read through a gate
-    (values(gated=True), kernels.rows_gate), so that it can be started before its token is known:
-    the device waits at the gate until the host has written the rows and `release`d it. Each
-    gate begun on the device is released once, in order (a forward abandoned releases its
-    gate unwritten: it runs on the rows before and its results are dropped)."""
-
-    def __init__(self, shapes: list[tuple[int, ...]], gated: bool = False):
-        self.layout, size = rows_layout(shapes)
-        self.packed = mx.array(np.zeros(size, np.uint8))
-        self._host = _host_view(self.packed)
-        self.flag = self._flag = None
-        if gated:  # [host's releases, releases the gates took, gates that gave up] (rows_gate.metal)
-            self.flag = mx.array(np.zeros(3, np.uint32))
-            self._flag = _host_view(self.flag)
-        self._released = 0
-
-    def values(self, gated: bool = False) -> list[mx.array]:
-        """unpack_rows' values of the buffer: new graph nodes each call, one forward's. gated:
-        of the rows a gate passes on once the host has released it (kernels.rows_gate), so
-        that the forward may be started before they are written."""
-        if not gated:
-            return unpack_rows(self.packed, self.layout)
-        from .kernels import rows_gate
-
-        if self.flag is None:
-            raise RuntimeError("these StagedRows were made without a gate")
-        _, passed = rows_gate(self.flag, self.packed)
-        return unpack_rows(passed, self.layout)
-
-    def write(self, rows: list[tuple[np.ndarray, np.ndarray]]) -> None:
-        write_rows(self._host, self.layout, rows)
-
-    def release(self, check: bool = True) -> None:
-        """Let the device past the oldest gate not yet released (after `write`, or for a forward
-        abandoned). check: then raise if a gate gave up waiting (a forward then ran on rows the
-        host had not written yet: the sequence's replies cannot be trusted)."""
-        if self._flag is None:
-            raise RuntimeError("these StagedRows were made without a gate")
-        self._released = (self._released + 1) & 0xFFFFFFFF
-        self._flag[0] = self._released
-        if check and self._flag[2]:
-            raise RuntimeError(f"the device stopped waiting for the host's engram rows ({int(self._flag[2])} "
-                               "times): a forward ran on stale rows, so this reply is void; was the host "
-                               "stalled for seconds between reading a token and writing its rows?")
-
-
-def _host_view(a: mx.array) -> np.ndarray:
-    """An evaluated MLX array's memory as a writable numpy array (unified on a Mac, managed on
-    CUDA)."""
-    host = np.array(a, copy=False)
-    if not host.flags.writeable:
-        raise RuntimeError("this MLX does not give a writable view of an array's memory")
-    return host
 
 
 def unpack_rows(packed: mx.array, layout: list) -> list[mx.array]:
@@ -297,7 +229,7 @@ class Engram(nn.Module):
 
     def __call__(self, h: mx.array, rows: mx.array, real: int | None = None) -> mx.array:
         """h [S, hc, dim] bf16 and this layer's table rows for the forward's hashes, dequantised
-        [S, n_cols, dim] bf16 (Model.__call__ reads every layer's at once: pack_rows, unpack_rows)
+        [S, n_cols, dim] bf16 (Model.take_tokens reads every layer's at once: pack_rows, unpack_rows)
         -> h with the gated value added (bf16). real: the rows that matter, the first `real` (a
         padded forward's); on a GPU the others' projection comes out zeros, which leaves their h
         as it was."""

@@ -21,12 +21,11 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import mlx.core as mx
 
-if TYPE_CHECKING:  # quant imports this module
-    from .quant import Fp8Matrix
+from .specs import Fp8Matrix, fp8_fake_quant_reference
 
 TOP_K = 64  # candidates the drafter keeps per position
 TILE = 256  # outputs per threadgroup in fp8_rows (fixed in the kernel text)
@@ -35,11 +34,11 @@ MAX_ROWS = 16
 
 def _kernel_dir() -> Path:
     """metal_kernels/ of a source checkout, else the copy installed beside the package."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here.parent / "metal_kernels", here / "metal_kernels"):
+    package = Path(__file__).resolve().parent.parent
+    for candidate in (package.parent / "metal_kernels", package / "metal_kernels"):
         if (candidate / "fp8_rows.metal").exists():
             return candidate
-    raise FileNotFoundError(f"metal_kernels/ not found next to {here}")
+    raise FileNotFoundError(f"metal_kernels/ not found next to {package}")
 
 
 def kernel_text(filename: str) -> str:
@@ -172,7 +171,7 @@ def kernel_text_cache() -> Path:
     """Where included_texts writes its copies: the package's cache directory
     (`$DSV41_MLX_CACHE`, else `~/.cache/dsv41_mlx`), not a shared temporary one, where
     another user could change a copy between its check and NVRTC's read."""
-    from .tokenizer import cache_dir
+    from ..tokenizer import cache_dir
 
     return cache_dir() / "cuda-kernels"
 
@@ -839,8 +838,6 @@ def fp8_gemv_reference(x: mx.array, w: mx.array, scales: mx.array, quantize_inpu
 
 def _quantized_input(x: mx.array, quantize: bool) -> mx.array:
     """x, or x through the FP8 fake-quant spec (the GEMV kernels' QX), in x's dtype."""
-    from .quant import fp8_fake_quant_reference  # quant imports this module
-
     return fp8_fake_quant_reference(x) if quantize else x
 
 

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import numpy as np
 
+from ..config import ModelArgs
+from ..models.engram import bucket_primes
+from ..quant import quantize_fp4_rows, quantize_fp8_rows, quantize_fp8_tiles
+from ..tokenizer import cache_dir
 from .checkpoint import INDEX_FILE, expected_tensors, write_safetensors
-from .config import ModelArgs
-from .engram import bucket_primes
-from .quant import quantize_fp4_rows, quantize_fp8_rows, quantize_fp8_tiles
-from .tokenizer import cache_dir
 
 log = logging.getLogger("dsv41_mlx")
 

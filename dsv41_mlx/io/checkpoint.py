@@ -27,8 +27,10 @@ import numpy as np
 from mlx.utils import tree_flatten
 from tqdm import tqdm
 
-from .config import ModelArgs
-from .quant import fp4_rows_to_mx, fp8_tiles_to_mx
+from ..config import ModelArgs
+from ..kernels.specs import fp8_tiles_to_mx
+from ..models.engram import EngramTable
+from ..quant import fp4_rows_to_mx
 
 log = logging.getLogger("dsv41_mlx")
 
@@ -435,8 +437,6 @@ def stack_wq_a_wkv(params: dict[str, mx.array]) -> None:
 def load_weights(model, model_dir: Path, where: dict[str, Path], progress: bool = False) -> None:
     """Load every checked tensor into `model`, repacking FP8/FP4 into MLX layouts, and
     attach the engram tables as memory maps. progress: a tqdm bar over the blocks."""
-    from .engram import EngramTable
-
     shards = {}
     for path in sorted(set(where.values())):
         try:
@@ -484,36 +484,3 @@ def load_weights(model, model_dir: Path, where: dict[str, Path], progress: bool 
         if hasattr(layer, "engram"):
             w, s = f"layers.{i}.engram.embed.weight", f"layers.{i}.engram.embed.scale"
             layer.engram.table = EngramTable.from_safetensors(where[w], w, s)
-
-
-def load(path_or_repo: str | os.PathLike | None = None, progress: bool = False):
-    """(model, tokenizer) from a checkpoint directory or Hugging Face repo id.
-
-    With no argument, the embedded default: a small checkpoint in the release
-    format, generated once into the cache directory (see dsv41_mlx.tiny).
-    Refuses, before reading any weights, a checkpoint whose weights exceed the
-    machine's memory. progress: tqdm bars while loading.
-    """
-    from .model import Model
-    from .tokenizer import cached_compressed_token_map, load_tokenizer
-
-    if path_or_repo is None:
-        from .tiny import default_checkpoint
-
-        model_dir = default_checkpoint()
-    else:
-        model_dir = resolve_model_dir(path_or_repo)
-    args = ModelArgs.from_file(model_dir / "config.json")
-    headers = shard_headers(model_dir)
-    where = check_tensors(args, headers)
-    model = Model(args)  # nothing allocated until its parameters are evaluated
-    check_memory(resident_bytes(headers, where, declared_floats(model)), machine_memory(), model_dir)
-    load_weights(model, model_dir, where, progress)
-    tokenizer = load_tokenizer(model_dir)
-    if model.hasher is not None:
-        token_map, n = cached_compressed_token_map(tokenizer.path)
-        if n != args.engram_compressed_vocab_size:
-            raise CheckpointError(f"{tokenizer.path}: its compressed vocabulary has {n} ids but config.json "
-                                  f"says engram_compressed_vocab_size = {args.engram_compressed_vocab_size}")
-        model.hasher.token_map = token_map
-    return model, tokenizer

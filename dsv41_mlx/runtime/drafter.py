@@ -1,21 +1,15 @@
-"""The DSpark drafter stored in the checkpoint as `mtp.0` .. `mtp.{n-1}`.
-
-Each stage is a normal block (hyper-connections, attention, MoE with the
-drafter's expert count) whose attention reads a private ring of keys instead
-of a growing cache. Stage 0 also owns `main_proj`/`main_norm`, which turn the
-target's features into the rows the rings are filled with; the last stage
-owns the final norm, the Markov head and the confidence head.
-
-Two operations (reference `forward_spec`):
+"""The DSpark drafter at work: ingest the target's committed features into each stage's ring,
+and propose a block of drafts from an anchor (reference `forward_spec`).
 
 * `ingest`: for committed positions p, each stage writes
   `fp8q(rope_p(kv_norm(wkv(main_x_p))))` into ring slot `p % window`.
-* `propose`: from the anchor a at position P+1 (the token the target just
-  produced, not yet in its cache), the block `[a, noise x (block-1)]` at
-  positions P+1..P+block runs through the stages; every row attends to the
-  valid ring slots and to all rows of the block (non-causal). The target's
-  head gives base logits U; the Markov stage then picks drafts one by one,
-  `logits_k = U_k + W2 e_k` with `e_k = W1[x_{k-1}]`, x_0 = a.
+* `propose`: from the anchor a at position P+1 (the token the target just produced, not yet
+  in its cache), the block `[a, noise x (block-1)]` at positions P+1..P+block runs through
+  the stages (models/dspark.py); the target's head gives base logits U; the Markov stage
+  then picks drafts one by one, `logits_k = U_k + W2 e_k` with `e_k = W1[x_{k-1}]`, x_0 = a.
+
+The propose pass is built on streams of its own, and on a GPU started stage by stage from a
+thread of its own, beside the target's forwards.
 """
 
 from __future__ import annotations
@@ -28,87 +22,18 @@ from dataclasses import dataclass
 from typing import Callable
 
 import mlx.core as mx
-import mlx.nn as nn
 from tqdm import tqdm
 
-from .cache import DraftCache
-from .config import ModelArgs
+from ..cache import DraftCache
+from ..kernels import fp8_rows_top64
+from ..models.dspark import DSparkStage
+from ..models.hyper import hc_expand, hc_pre
+from ..quant import Fp8Matrix, fp8_input, quantize_fp8_tiles_mx
 from .evaluator import BlockEvaluator, switched
-from .kernels import StreamOnto, fp8_rows_top64
-from .model import Attention, Block, Linear, RMSNorm, hc_expand, hc_pre, sparse_attention
-from .quant import Fp8Linear, Fp8Matrix, fp8_input, quantize_fp8_tiles_mx
 
 log = logging.getLogger(__name__)
 
 F32, BF16 = mx.float32, mx.bfloat16
-
-
-class MarkovHead(nn.Module):
-    """Low-rank bigram correction: e_k = embed[x_{k-1}], bias_k = head @ e_k (fp32)."""
-
-    def __init__(self, vocab: int, rank: int):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, rank)
-        self.embed.weight = self.embed.weight.astype(BF16)
-        self.head = Linear(rank, vocab)
-
-    def bias(self, e: mx.array, candidates: mx.array | None = None) -> mx.array:
-        """Embeddings e [B, rank] -> logit bias [B, vocab] (or [B, n] at candidates [B, n]) in fp32."""
-        if candidates is None:
-            return e.astype(F32) @ self.head.weight.astype(F32).T
-        w = self.head.weight[candidates].astype(F32)  # [B, n, rank]
-        return (w @ e.astype(F32)[:, :, None])[..., 0]
-
-
-class ConfidenceHead(nn.Module):
-    """w . [pre-norm hidden_k ; e_k] in fp32: a logit, sigmoid gives P(draft k survives | prefix survived)."""
-
-    def __init__(self, dims: int):
-        super().__init__()
-        self.proj = Linear(dims, 1)
-
-    def __call__(self, hidden: mx.array, markov_embed: mx.array) -> mx.array:
-        x = mx.concatenate([hidden.astype(F32), markov_embed.astype(F32)], axis=-1)
-        return (x @ self.proj.weight.astype(F32).T)[..., 0]
-
-
-class DSparkAttention(Attention):
-    """Window-only attention over the stage's ring plus the block's own rows."""
-
-    side_stream: mx.Stream | None = None  # set by Drafter: where the key path runs beside the queries
-
-    def __call__(self, x: mx.array, positions: mx.array, ring: mx.array, ring_valid: mx.array,
-                 xq: mx.array | None = None,
-                 onto: StreamOnto | None = None) -> mx.array | tuple[mx.array, mx.array]:
-        """x [S, dim] block rows at `positions`; ring [window, D] bf16, ring_valid [window] bool;
-        xq: x through quant.fp8_input, where the caller has it; onto: the output goes into that
-        stream (Attention.output's onto)."""
-        S = x.shape[0]
-        rope = self.rope.tables(positions, self.head_dim)
-        xq = fp8_input(x) if xq is None else xq  # once, for both paths
-        with _on(self.side_stream):  # the key path needs only xq: it runs beside the query path
-            block_keys = self.latent_kv(xq, rope)
-        q, _ = self.queries(xq, rope)
-        keys = mx.concatenate([ring, block_keys])
-        mask = mx.broadcast_to(mx.concatenate([ring_valid, mx.ones((S,), dtype=mx.bool_)])[None], (S, keys.shape[0]))
-        o = sparse_attention(q, keys, mask, None, None, self.attn_sink, self.scale)
-        return self.output(o, rope, False, None, onto)
-
-
-class DSparkStage(Block):
-    attention_cls = DSparkAttention
-
-    def __init__(self, args: ModelArgs, stage: int):
-        super().__init__(args, args.num_hidden_layers + stage)
-        self.stage = stage
-        dim = args.hidden_size
-        if stage == 0:
-            self.main_proj = Fp8Linear(args.dspark_feature_dim, dim)
-            self.main_norm = RMSNorm(dim, args.rms_norm_eps)
-        if stage == args.num_nextn_predict_layers - 1:
-            self.norm = RMSNorm(dim, args.rms_norm_eps)
-            self.markov_head = MarkovHead(args.vocab_size, args.dspark_markov_rank)
-            self.confidence_head = ConfidenceHead(dim + args.dspark_markov_rank)
 
 
 def _on(stream: mx.Stream | None):

@@ -1,0 +1,1 @@
+"""Checkpoints: the release's safetensors format, the embedded default, loading."""

@@ -1,0 +1,1 @@
+"""The math of DeepSeek-V4.1 and its DSpark drafter, read like DeepSeek's reference."""

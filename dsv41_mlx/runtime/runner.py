@@ -1,0 +1,336 @@
+"""The runner: when a model's forwards reach the device.
+
+`Model.__call__` is the whole forward, one block after another. A Runner drives the same
+steps (Model.start, Model.block, Model.finish) and decides only when their work is started:
+each block as soon as it is built, from a thread of its own (evaluator.BlockEvaluator); a
+decode forward built, and on CUDA started, before its token is read back (decode_ahead);
+decode and verify forwards padded to one row count (Options.decode_rows). The graphs are the
+model's own, so every choice gives the same bits (tests/test_model.py, tests/test_runner.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import mlx.core as mx
+import numpy as np
+
+from ..cache import ModelCache
+from ..models.deepseek_v41 import Model
+from .evaluator import BlockEvaluator
+from .options import Options, default_options
+from .staged import StagedRows
+
+
+class Runner:
+    """Runs a Model's forwards with these Options (default: the device's, options.default_options).
+
+    A runner holds a thread where Options.evaluate_on_thread: `close` it (or use it as a
+    context manager) when done."""
+
+    def __init__(self, model: Model, options: Options | None = None):
+        self.model = model
+        self.args = model.args
+        self.options = options if options is not None else default_options(model.args)
+        self._evaluator = BlockEvaluator() if self.options.evaluate_on_thread else None
+
+    def close(self) -> None:
+        if self._evaluator is not None:
+            self._evaluator.close()
+            self._evaluator = None
+
+    def __enter__(self) -> Runner:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def decode_rows(self) -> int | None:
+        return self.options.decode_rows
+
+    def make_cache(self) -> ModelCache:
+        return self.model.make_cache()
+
+    def __call__(self, ids: mx.array, cache: ModelCache | None = None, last_logits_only: bool = False,
+                 real_rows: int | None = None) -> tuple[mx.array, mx.array]:
+        """The model's forward of ids [1, S] -> (logits [1, S, V], features [1, S, F]), its blocks
+        started as Options say."""
+        cache = cache if cache is not None else self.make_cache()
+        if ids.ndim != 2 or ids.shape[0] != 1:
+            raise ValueError(f"ids must have shape [1, n]; got {ids.shape}")
+        # ids' values on the host: where ids was made from them, no device work
+        return _result(self._forward(ids, cache, np.asarray(ids)[0].tolist(), last_logits_only, real_rows))
+
+    def decode(self, ids: list[int], cache: ModelCache) -> tuple[mx.array, mx.array]:
+        """A decode or verify forward of a few tokens: logits [1, n, V], features [1, n, F],
+        padded to Options.decode_rows rows (the padding trimmed off the cache again)."""
+        n = len(ids)
+        rows = self.options.decode_rows or n
+        if n > rows:
+            raise ValueError(f"a decode forward takes at most {rows} rows, got {n}")
+        return self.padded(ids, cache, rows)
+
+    def padded(self, ids: list[int], cache: ModelCache, rows: int,
+               last_logits_only: bool = False) -> tuple[mx.array, mx.array]:
+        """A forward of ids padded to `rows` rows (the last token repeated), the padding
+        trimmed off the cache again (rows - len(ids) <= cache.TRIM_SLACK): logits [1, n, V]
+        (or the last real row's [1, 1, V]) and features [1, n, F] of the n real rows."""
+        n = len(ids)
+        padded = mx.array([ids + [ids[-1]] * (rows - n)], dtype=mx.int32)
+        logits, features = self(padded, cache, last_logits_only, real_rows=n)
+        cache.trim(rows - n)
+        return (logits if last_logits_only else logits[:, :n]), features[:, :n]
+
+    def decode_ahead(self, token: mx.array, cache: ModelCache, on_forward_stream: bool = False) -> DecodeAhead:
+        """decode([t], cache) begun while the token t (int [1], as sampling.sample makes it) is
+        still being computed: the forward's first block, which reads no engram, is built and
+        started on the device at once, and the rest waits for t on the host
+        (DecodeAhead.finish). So the device runs block 0 straight after the work that makes t,
+        where decode would leave it idle while the host reads t back and builds block 0. The
+        same graph, the same bits as decode.
+
+        Where build_ahead, the rest is built now as well, every block and the head, and only
+        started by finish, once t's engram rows are written into the buffer the graph reads
+        (StagedRows, one per cache): the host builds a forward while the device runs the one
+        before, and at the step's boundary only reads t, hashes it, writes its rows and starts
+        the blocks built. Where gate_rows as well, the blocks are started now, the engram rows
+        read through a gate on the device that the host opens once it has written them
+        (kernels.rows_gate): at the boundary the device waits only for the host to read t, hash
+        it and write its rows. finish(t, settle=False) then returns while the evaluator's
+        thread still starts them, for a caller whose next call is decode_ahead (which settles
+        it) or settle: generate_step's loop. on_forward_stream: the token was drawn under
+        forward_stream(), so the evaluator's thread starts its work straight after the forward
+        before's blocks, before the host builds this forward."""
+        rows = self.options.decode_rows or 1
+        # the forward reads t through a node of its own (same buffer): the caller waits for
+        # `token` while the evaluator's thread may still be starting block 0 (evaluator.py: why
+        # the two must not share an array)
+        queued = self.options.build_ahead and on_forward_stream and self._building_evaluator is not None
+        with self.forward_stream() if queued else contextlib.nullcontext():
+            feed = mx.stop_gradient(token)
+        if not self.options.build_ahead:
+            mx.async_eval(token, feed)  # t's work started from this thread, before the evaluator's may read it
+            forward = self._forward(feed, cache, None, False, 1, rows)
+            next(forward)  # up to where it waits for the token
+            return DecodeAhead(forward, cache, rows, self._blocks_before_tokens)
+        if queued:
+            self._evaluator.submit(token, feed)  # after the forward before's blocks, on its thread
+            token_started = self._evaluator.mark()
+        forward = self._forward_built_ahead(feed, cache, rows)
+        begun = DecodeAhead(forward, cache, rows, len(self.model.layers), self.settle, self.forward_stream)
+        try:
+            next(forward)  # every block built, none started
+            if not queued:
+                self.settle()  # the forward before started whole: this thread may start t's work
+                mx.async_eval(token, feed)
+            forward.send(None)  # the blocks that need no tokens started (all of them, where gated)
+            if queued:  # the caller then waits for t: the thread must be done with t's work (not with the blocks)
+                self._evaluator.drain(token_started)
+        except BaseException:  # (the evaluator drained; the cache, as after any failed forward, not to be reused)
+            forward.close()
+            raise
+        return begun
+
+    def forward_stream(self):
+        """A context manager: the stream forwards build their graphs on (the evaluator's, where
+        overlap_build starts their blocks on its thread; else the caller's own). What is built
+        under it from a forward's outputs may be handed to that thread: decode_ahead's
+        on_forward_stream."""
+        evaluator = self._building_evaluator
+        return mx.stream(evaluator.stream) if evaluator is not None else contextlib.nullcontext()
+
+    def settle(self) -> None:
+        """Wait until the evaluator's thread has started everything handed to it (nothing to wait
+        for without one): before this thread evaluates, or waits for, anything a forward built
+        (DecodeAhead.finish(t, settle=False) returns without it)."""
+        if self._evaluator is not None:
+            self._evaluator.drain()
+
+    @property
+    def _building_evaluator(self) -> BlockEvaluator | None:
+        """The evaluator forwards hand their blocks to as they are built, where overlap_build."""
+        return self._evaluator if self.options.overlap_build else None
+
+    @functools.cached_property
+    def _blocks_before_tokens(self) -> int:
+        """The blocks a forward builds before it needs its tokens on the host (decode_ahead):
+        block 0, unless it has an engram (whose table rows the tokens pick)."""
+        return 0 if 0 in self.model.engram_layers else 1
+
+    def _starting(self):
+        """How a forward starts its blocks: (the evaluator or None, a context manager for the
+        stream its graph is built on, begin(*arrays): start them on the device now, where
+        overlap_build)."""
+        evaluator = self._building_evaluator
+        overlap = self.options.overlap_build
+
+        def begin(*arrays: mx.array) -> None:
+            if evaluator is not None:
+                evaluator.submit(*arrays)
+            elif overlap:
+                mx.async_eval(*arrays)
+
+        return evaluator, self.forward_stream, begin
+
+    def _forward(self, ids: mx.array, cache: ModelCache, tokens: list[int] | None, last_logits_only: bool,
+                 real_rows: int | None, rows: int = 1):
+        """A forward of positions cache.offset.., as a generator that returns (logits, features).
+        tokens: ids' values on the host; or None, where ids is a token [1] still being computed on
+        the device (decode_ahead; a forward of `rows` rows, the token on each): then it builds its
+        first _blocks_before_tokens blocks from ids alone and waits for the tokens (`tokens =
+        yield`) before the rest. Each block is started as it is built where overlap_build (on
+        the evaluator's thread, with the graph built on its stream: only while building, so that
+        the caller's own work while the forward waits stays on the caller's stream); the
+        evaluator is drained on the way out, also where the generator is closed at its wait."""
+        model = self.model
+        evaluator, building, begin = self._starting()
+        row_invariant = self.options.decode_rows is not None
+
+        def blocks(first: int, last: int, engram_rows: dict[int, mx.array]) -> None:
+            for i in range(first, last):
+                model.block(i, forward, cache, engram_rows.get(i))
+                begin(forward.h, forward.pre)
+
+        try:
+            with building():
+                if tokens is None:  # the token on each row: a view, made on the stream the forward is built on
+                    ids = mx.broadcast_to(ids.astype(mx.int32).reshape(1, 1), (1, rows))
+                forward = model.start(ids, cache, real_rows, row_invariant)
+                ahead = self._blocks_before_tokens if tokens is None else 0
+                blocks(0, ahead, {})
+            if tokens is None:
+                tokens = yield
+            with building():
+                engram_rows = model.take_tokens(cache, tokens, real_rows)
+                if engram_rows:  # they read host memory: started as early as the tokens are known
+                    begin(*engram_rows.values())
+                blocks(ahead, len(model.layers), engram_rows)
+                logits, feats = model.finish(forward, last_logits_only)
+                if evaluator is not None:
+                    evaluator.submit(logits, feats)
+        finally:
+            if evaluator is not None:
+                evaluator.drain()  # before the caller evaluates anything itself
+        return logits, feats
+
+    def _forward_built_ahead(self, token: mx.array, cache: ModelCache, rows: int):
+        """decode_ahead's forward where build_ahead, as a generator: it builds every block and
+        the head from the token [1] still being computed (a forward of `rows` rows, the first
+        real, the token on each), the engram layers reading the cache's StagedRows, and starts
+        nothing (next); then starts the blocks that need no tokens (send(None)); then, sent the
+        tokens, writes their engram rows into the StagedRows, appends them to the cache, starts
+        the rest and returns (logits, features) without draining the evaluator (the caller
+        settles it). Closed or failing, it drains the evaluator on the way out.
+
+        Gated (gate_rows): the engram rows are read through a gate (StagedRows.values(gated=True)),
+        and send(None) starts every block: the device waits at the gate until the host, sent
+        the tokens, has written the rows and released it, and the evaluator's thread has queued
+        the forward's launches meanwhile. A gate begun is released however the generator ends
+        (closed: the forward runs on the rows before, its results dropped)."""
+        model = self.model
+        evaluator, building, begin = self._starting()
+        settled = gate_begun = False
+        try:
+            with building():
+                ids = mx.broadcast_to(token.astype(mx.int32).reshape(1, 1), (1, rows))
+                forward = model.start(ids, cache, 1, self.options.decode_rows is not None)
+                staged = self._staged_rows(cache, rows)
+                gated = staged is not None and self.options.gate_rows
+                values = dict(zip(model.engram_layers, staged.values(gated))) if staged is not None else {}
+                built = []
+                for i in range(len(model.layers)):
+                    model.block(i, forward, cache, values.get(i))
+                    built.append((forward.h, forward.pre))
+                logits, feats = model.finish(forward)
+            yield
+            ahead = self._blocks_before_tokens
+            for arrays in built[:ahead]:
+                begin(*arrays)
+            begin(*forward.shared.early)
+            rest = ([tuple(values.values())] if values else []) + built[ahead:] + [(logits, feats)]  # the rows first
+            if gated:  # queued on the device now, behind the gate, rather than after the rows' write
+                gate_begun = True
+                for arrays in rest:
+                    begin(*arrays)
+                rest = []
+            tokens = yield
+            if staged is not None:
+                staged.write(model.engram_reads(cache.tokens, tokens[:1]))
+            cache.tokens.extend(tokens)
+            if gate_begun:
+                gate_begun = False
+                staged.release()
+            for arrays in rest:
+                begin(*arrays)
+            settled = True
+        finally:
+            if gate_begun:  # abandoned, or failed, with its gate begun: the device goes on (on the rows before)
+                staged.release(check=False)
+            if evaluator is not None and not settled:
+                evaluator.drain()
+        return logits, feats
+
+    def _staged_rows(self, cache: ModelCache, rows: int) -> StagedRows | None:
+        """The cache's StagedRows for forwards of `rows` rows (made on first use, with a gate
+        where gate_rows), None without engram layers."""
+        model = self.model
+        if not model.engram_layers:
+            return None
+        gate = self.options.gate_rows
+        staged = cache.staged_rows.get(rows)
+        if staged is None or (gate and staged.flag is None):
+            n_cols = (self.args.engram_max_ngram_size - 1) * self.args.engram_n_heads
+            shapes = []
+            for i in model.engram_layers:
+                table = model.layers[i].engram.table
+                shapes += [(rows, n_cols, table.codes.shape[1]), (rows, n_cols, table.scales.shape[1])]
+            staged = cache.staged_rows[rows] = StagedRows(shapes, gated=gate)
+        return staged
+
+
+def _result(forward, tokens: list[int] | None = None) -> tuple[mx.array, mx.array]:
+    """A Runner._forward generator run on to its (logits, features): started, or sent the tokens
+    it waits for. It has its tokens then, so it must not wait again."""
+    try:
+        forward.send(tokens)
+    except StopIteration as done:
+        return done.value
+    raise AssertionError("a forward waited for tokens it had been given")
+
+
+class DecodeAhead:
+    """A one-token decode forward begun before its token is on the host (Runner.decode_ahead):
+    its first blocks built and started, the rest waiting for the token (or built and waiting to
+    be started, where build_ahead). `finish(t)` builds or starts the rest with the token's value
+    t and returns decode's (logits [1, 1, V], features [1, 1, F]); `cancel()` abandons it (a
+    caller that stops before the next token) and leaves the cache as it was before."""
+
+    def __init__(self, forward, cache: ModelCache, rows: int, blocks_built: int, settle=None,
+                 stream=contextlib.nullcontext):
+        self._forward, self._cache, self._rows, self._built = forward, cache, rows, blocks_built
+        self._settle = settle  # (where the forward returns without draining the evaluator)
+        self._stream = stream  # the stream its outputs' first rows are taken on (the forward's)
+
+    def finish(self, token: int, settle: bool = True) -> tuple[mx.array, mx.array]:
+        """The forward for the token's value t (read back from the token decode_ahead was given:
+        a forward built ahead reads its engram rows from a buffer the forward before read, so t
+        must come after it). settle=False: return while the evaluator's thread may still be
+        starting the forward's blocks, for a caller that builds on the result and then calls
+        decode_ahead or Runner.settle before evaluating or waiting for anything."""
+        forward, self._forward = self._forward, None  # (nothing left to cancel, even if this fails)
+        logits, features = _result(forward, [token] * self._rows)  # the padding rows repeat it, as Runner.padded's
+        if settle and self._settle is not None:
+            self._settle()
+        self._cache.trim(self._rows - 1)
+        with self._stream():
+            return logits[:, :1], features[:, :1]
+
+    def cancel(self) -> None:
+        if self._forward is None:  # finished (or failed finishing)
+            return
+        self._forward.close()  # the evaluator drained (_forward's finally)
+        self._forward = None
+        for layer in self._cache.layers[:self._built]:  # the blocks built wrote their layers' caches
+            layer.trim(self._rows)
