@@ -16,6 +16,7 @@ from typing import Container, Iterator
 import mlx.core as mx
 
 from .cache import TRIM_SLACK, ModelCache
+from .chat import EMPTY_PROMPT
 from .models.attention import indexer_scoring_length
 from .runtime.options import Options
 from .runtime.residency import wired
@@ -138,7 +139,7 @@ def generate_step(runner: Runner, prompt: list[int], params: SamplingParams, max
     The caller must not evaluate the model's arrays (its cache, weights, outputs) while it
     holds a token: the runner's evaluator thread may still be starting that forward."""
     if not prompt:
-        raise ValueError("the prompt is empty")
+        raise ValueError(EMPTY_PROMPT)
     cache = runner.make_cache()
     keep = decoder.drafter.window if decoder is not None else 0
     logits, features = prefill(runner, prompt, cache, prefill_chunk, keep)
@@ -353,7 +354,6 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     prompt against its context, drafting without a drafter) is checked once it is loaded."""
     from pathlib import Path
 
-    from .chat import EMPTY_PROMPT
     from .io.checkpoint import CheckpointError, resolve_model_dir
     from .speculative import ConfidencePolicy, resolve_verify
 

@@ -15,7 +15,9 @@ import pytest
 from mlx.utils import tree_flatten
 
 from dsv41_mlx.io.checkpoint import INDEX_FILE, CheckpointError, check_tensors, expected_tensors, read_header, sanitize, shard_headers, write_safetensors
-from dsv41_mlx.io.load import load
+from dsv41_mlx.io.load import build_model, load
+from dsv41_mlx.runtime.options import Options
+from dsv41_mlx.runtime.runner import Runner
 from dsv41_mlx.config import ModelArgs
 
 FIXTURE = Path(__file__).parent / "fixtures" / "reference-v41-tiny"
@@ -290,14 +292,10 @@ def test_a_padded_forward_reads_the_engram_tables_for_its_real_rows_only(loaded,
     for c in (plain, padded):
         model(mx.array([ids], dtype=mx.int32), c)
     read.clear()
-    want, want_f = model.decode([5, 9], plain)
+    want, want_f = Runner(model).decode([5, 9], plain)
     assert read and all(shape[0] == 2 for shape in read)
     read.clear()
-    model.decode_rows = 8
-    try:
-        got, got_f = model.decode([5, 9], padded)
-    finally:
-        model.decode_rows = None
+    got, got_f = Runner(model, Options(decode_rows=8)).decode([5, 9], padded)
     assert read and all(shape[0] == 2 for shape in read)
     assert mx.array_equal(want, got).item() and mx.array_equal(want_f, got_f).item()
     assert plain.tokens == padded.tokens
@@ -616,13 +614,12 @@ def test_write_safetensors_rejects_reserved_name_and_bad_metadata(tmp_path):
 
 def test_a_checkpoint_larger_than_memory_is_refused_with_both_numbers(ckpt, monkeypatch):
     import dsv41_mlx.io.checkpoint as checkpoint
+    import dsv41_mlx.io.load as loading
 
-    from dsv41_mlx.models.deepseek_v41 import Model
-
-    monkeypatch.setattr(checkpoint, "machine_memory", lambda: 1_000_000)
+    monkeypatch.setattr(loading, "machine_memory", lambda: 1_000_000)
     headers = shard_headers(ckpt)
     args = ModelArgs.from_file(ckpt / "config.json")
-    needed = checkpoint.resident_bytes(headers, check_tensors(args, headers), checkpoint.declared_floats(Model(args)))
+    needed = checkpoint.resident_bytes(headers, check_tensors(args, headers), checkpoint.declared_floats(build_model(args)))
     msg = error(load, ckpt)
     assert f"weights need {needed / 1e6:.1f} MB" in msg and "this machine has 1.0 MB" in msg
 
@@ -642,7 +639,6 @@ def test_bf16_tensors_the_model_computes_in_fp32_are_widened_once_and_counted_so
     """The head, the routers and the ratio > 1 compressors are used in fp32 on every call:
     they are widened at load (exactly) and the memory check counts them at that width."""
     import dsv41_mlx.io.checkpoint as checkpoint
-    from dsv41_mlx.models.deepseek_v41 import Model
 
     model, _ = load(ckpt)
     headers = shard_headers(ckpt)
@@ -659,5 +655,5 @@ def test_bf16_tensors_the_model_computes_in_fp32_are_widened_once_and_counted_so
         stored = mx.load(str(where[name]))[name]
         assert mx.array_equal(stored.astype(mx.float32), params[sanitize(name)]).item(), name
         extra += stored.nbytes
-    declared = checkpoint.declared_floats(Model(model.args))
+    declared = checkpoint.declared_floats(build_model(model.args))
     assert checkpoint.resident_bytes(headers, where, declared) == checkpoint.resident_bytes(headers, where) + extra

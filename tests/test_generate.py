@@ -10,6 +10,8 @@ import pytest
 import dsv41_mlx
 from dsv41_mlx.generate import stream_generate
 from dsv41_mlx.io.tiny import build_checkpoint
+from dsv41_mlx.runtime.options import Options
+from dsv41_mlx.runtime.runner import Runner
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +108,9 @@ def test_warm_up_runs_every_chunk_shape_then_plain_and_drafted_tokens(default_mo
 
     generate = importlib.import_module("dsv41_mlx.generate")  # the module (the package exports a function so named)
     model, _ = default_model
+    runner = Runner(model)
     seen, runs = set(), []
-    padded, step = model.padded, generate.generate_step
+    padded, step = runner.padded, generate.generate_step
 
     def record(ids, cache, rows, last_logits_only=False):
         seen.add((rows, cache.offset > 0))
@@ -123,18 +126,18 @@ def test_warm_up_runs_every_chunk_shape_then_plain_and_drafted_tokens(default_mo
         ingested.append(features.shape[0])
         return ingest(cache, features)
 
-    decoded, decode = [], model.decode
+    decoded, decode = [], runner.decode
 
     def record_decode(ids, cache):
         decoded.append((len(ids), cache.offset >= indexer_scoring_length(model.args)))
         return decode(ids, cache)
 
-    monkeypatch.setattr(model, "padded", record)
-    monkeypatch.setattr(model, "decode", record_decode)
+    monkeypatch.setattr(runner, "padded", record)
+    monkeypatch.setattr(runner, "decode", record_decode)
     monkeypatch.setattr(generate, "generate_step", generation)
     monkeypatch.setattr(model.drafter, "ingest", record_ingest)
     model.drafter.verify_costs = None
-    assert generate.warm_up(model, chunk=40) > 0
+    assert generate.warm_up(runner, chunk=40) > 0
     assert generate.PREFILL_ROUND == 16
     assert {(r, o) for r in (16, 32, 40) for o in (False, True)} <= seen  # 16, 32: the rounds; 40: the chunk
     assert not any(r % 16 and r != 40 for r, o in seen if r > 8)  # nothing else but decode / verify rows
@@ -200,13 +203,15 @@ def test_cli_rejects_bad_drafting_flags_with_a_clear_error(cli_env, flags, messa
     assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
 
 
-def test_cli_shows_progress_bars_and_quiet_hides_everything_but_the_text(cli_env):
+def test_cli_shows_progress_bars_and_quiet_keeps_only_the_text_and_stats(cli_env):
     base = [sys.executable, "-m", "dsv41_mlx.generate", "--prompt", "Hello", "--max-tokens", "3"]
     loud = subprocess.run(base, capture_output=True, text=True, env=cli_env, timeout=300)
     quiet = subprocess.run(base + ["--quiet"], capture_output=True, text=True, env=cli_env, timeout=300)
     assert loud.returncode == quiet.returncode == 0
     assert "loading weights" in loud.stderr and "drafter FP8 head" in loud.stderr
-    assert quiet.stderr == "" and quiet.stdout.strip() == loud.stdout.strip()
+    lines = quiet.stderr.splitlines()
+    assert lines[0].startswith("prompt:") and all(line.startswith(("prompt:", "drafts:")) for line in lines)
+    assert quiet.stdout.strip() == loud.stdout.strip()
 
 
 def test_prefill_pads_its_last_chunk_without_changing_a_bit(fixture_model):
@@ -218,13 +223,14 @@ def test_prefill_pads_its_last_chunk_without_changing_a_bit(fixture_model):
     from dsv41_mlx.generate import prefill
 
     prompt = [(37 * i) % 900 + 50 for i in range(61)]
-    prefill(fixture_model, prompt[:59], fixture_model.make_cache(), chunk=32)  # traces the 32-row shape
+    runner = Runner(fixture_model)
+    prefill(runner, prompt[:59], fixture_model.make_cache(), chunk=32)  # traces the 32-row shape
     traces = []
     sys.setprofile(lambda frame, event, arg: traces.append(frame.f_code.co_name)
                    if event == "call" and frame.f_code.co_name in ("sparse_attention", "attn_input") else None)
     padded = fixture_model.make_cache()
     try:
-        got, _ = prefill(fixture_model, prompt, padded, chunk=32)
+        got, _ = prefill(runner, prompt, padded, chunk=32)
     finally:
         sys.setprofile(None)
     assert traces == []
@@ -240,7 +246,7 @@ def test_prefill_pads_its_last_chunk_without_changing_a_bit(fixture_model):
 @pytest.mark.parametrize("built", [False, True])
 def test_sampled_replies_are_the_same_with_the_blocks_on_the_evaluators_thread(default_model, built):
     """A sampled reply with each forward's blocks started on the evaluator's thread (each next
-    forward begun before the token is read back; built: built whole before it, Model.build_ahead,
+    forward begun before the token is read back; built: built whole before it, Options.build_ahead,
     each finished forward left unsettled until the next begins) draws the same tokens as one
     without."""
     from dsv41_mlx.generate import generate_step
@@ -249,20 +255,16 @@ def test_sampled_replies_are_the_same_with_the_blocks_on_the_evaluators_thread(d
     model, tokenizer = default_model
     prompt = tokenizer.encode("The quick brown fox")
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=3)
-    want = list(generate_step(model, prompt, params, 8))
-    model.overlap_build = model.evaluate_on_thread = True
-    model.build_ahead = built
-    try:
-        got = list(generate_step(model, prompt, params, 8))
-    finally:
-        model.overlap_build = model.evaluate_on_thread = model.build_ahead = False
+    want = list(generate_step(Runner(model), prompt, params, 8))
+    with Runner(model, Options(overlap_build=True, evaluate_on_thread=True, build_ahead=built)) as runner:
+        got = list(generate_step(runner, prompt, params, 8))
     assert got == want and len(set(got)) > 1
 
 
 @pytest.mark.parametrize("built", [False, True])
 def test_a_reply_stopped_early_abandons_its_begun_forward(default_model, built):
     """Plain decoding begins each next forward before it hands the caller the token
-    (Model.decode_ahead; built: the whole forward built then, Model.build_ahead): a caller that
+    (Runner.decode_ahead; built: the whole forward built then, Options.build_ahead): a caller that
     stops after three tokens leaves nothing running, and the model then replies as before, with
     the blocks on the evaluator's thread or not."""
     from dsv41_mlx.generate import generate_step
@@ -270,16 +272,12 @@ def test_a_reply_stopped_early_abandons_its_begun_forward(default_model, built):
 
     model, tokenizer = default_model
     prompt = tokenizer.encode("The quick brown fox")
-    whole = list(generate_step(model, prompt, SamplingParams(), 6))
-    model.overlap_build = model.evaluate_on_thread = True
-    model.build_ahead = built
-    try:
-        steps = generate_step(model, prompt, SamplingParams(), 6)
+    whole = list(generate_step(Runner(model), prompt, SamplingParams(), 6))
+    with Runner(model, Options(overlap_build=True, evaluate_on_thread=True, build_ahead=built)) as runner:
+        steps = generate_step(runner, prompt, SamplingParams(), 6)
         first = [next(steps) for _ in range(3)]
         steps.close()
-        again = list(generate_step(model, prompt, SamplingParams(), 6))
-    finally:
-        model.overlap_build = model.evaluate_on_thread = model.build_ahead = False
+        again = list(generate_step(runner, prompt, SamplingParams(), 6))
     assert first == whole[:3] and again == whole
 
 
@@ -287,8 +285,8 @@ def test_a_reply_stopped_early_abandons_its_begun_forward(default_model, built):
 def test_plain_decoding_starts_a_tokens_forward_before_handing_the_token_out(default_model, monkeypatch, built):
     """Each token's forward is started (DecodeAhead.finish) before the caller gets the token, so
     what the caller does with it overlaps the device's work; the last token starts none."""
-    from dsv41_mlx import model as model_module
     from dsv41_mlx.generate import generate_step
+    from dsv41_mlx.runtime import runner as model_module
     from dsv41_mlx.sampling import SamplingParams
 
     finished, real = [], model_module.DecodeAhead.finish
@@ -299,13 +297,9 @@ def test_plain_decoding_starts_a_tokens_forward_before_handing_the_token_out(def
 
     monkeypatch.setattr(model_module.DecodeAhead, "finish", finish)
     model, tokenizer = default_model
-    model.overlap_build = model.evaluate_on_thread = True
-    model.build_ahead = built
-    try:
-        seen = [(t, list(finished)) for t in generate_step(model, tokenizer.encode("The quick brown fox"),
+    with Runner(model, Options(overlap_build=True, evaluate_on_thread=True, build_ahead=built)) as runner:
+        seen = [(t, list(finished)) for t in generate_step(runner, tokenizer.encode("The quick brown fox"),
                                                             SamplingParams(), 6)]
-    finally:
-        model.overlap_build = model.evaluate_on_thread = model.build_ahead = False
     tokens = [t for t, _ in seen]
     assert [started for _, started in seen] == [tokens[:k + 1] for k in range(5)] + [tokens[:5]]
 
@@ -313,11 +307,12 @@ def test_plain_decoding_starts_a_tokens_forward_before_handing_the_token_out(def
 def test_a_stop_token_is_the_last_and_nothing_is_computed_after_it(default_model, monkeypatch):
     """generate_step(stop=...) yields the first stop token and ends there, plain (no forward
     started for it) and drafted alike."""
-    from dsv41_mlx import model as model_module
     from dsv41_mlx.generate import generate_step, make_decoder
+    from dsv41_mlx.runtime import runner as model_module
     from dsv41_mlx.sampling import SamplingParams
 
     model, tokenizer = default_model
+    model = Runner(model)
     prompt, params = tokenizer.encode("The quick brown fox"), SamplingParams()
     whole = list(generate_step(model, prompt, params, 10))
     k = next(i for i in range(2, len(whole)) if whole[i] not in whole[:i])  # the stop token's first place

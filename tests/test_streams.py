@@ -6,6 +6,7 @@ import mlx.core as mx
 
 from dsv41_mlx.cache import DraftCache
 from dsv41_mlx.runtime.drafter import Drafter
+from dsv41_mlx.runtime.runner import Runner
 from dsv41_mlx.generate import generate_step
 from dsv41_mlx.sampling import SamplingParams
 from dsv41_mlx.speculative import SpeculativeDecoder
@@ -39,8 +40,9 @@ class Recording:
 
 def _run(model, drafter, params):
     rec = Recording(drafter)
-    decoder = SpeculativeDecoder(model, rec, params, confidence="off")
-    tokens = list(generate_step(model, PROMPT, params, 40, decoder=decoder))
+    runner = Runner(model)
+    decoder = SpeculativeDecoder(runner, rec, params, confidence="off")
+    tokens = list(generate_step(runner, PROMPT, params, 40, decoder=decoder))
     return tokens, rec.proposals
 
 
