@@ -129,9 +129,8 @@ def measure_verify_costs(runner: Runner, rows: int, repeats: int = 3) -> list[fl
     repeats of one count after another let it skew one count against the others.
 
     The rows are distinct tokens, as a round's drafts are: rows of one repeated token route
-    to nearly the same experts, and each expert's weights are read once for all the rows
-    that picked it, so they cost less (H200, session 26: six rows 27.4 against 33.0 ms for
-    a real continuation) and made the schedule verify too many drafts."""
+    to nearly the same experts, whose weights are then read once for all of them, so they
+    cost less and the schedule would verify too many drafts."""
     cache = runner.make_cache()
     vocab = runner.args.vocab_size
     warm = mx.arange(runner.args.sliding_window, dtype=mx.int32)[None] % vocab
@@ -231,8 +230,7 @@ class SpeculativeDecoder:
         forwards (self.costs, on a short scratch cache) plus the median of what this
         decoder's last 16 rounds took beyond them (propose, read-backs, ingest, a longer
         cache; the median, because a round that traces a new shape takes far longer).
-        Session 15 found rounds ~14 ms dearer than the forward alone (docs/benchmarks.md):
-        without that part the schedule verified too few drafts."""
+        Without that part the schedule verifies too few drafts."""
         if self.costs is None:
             return None
         extra = statistics.median(self.beyond_verify) if self.beyond_verify else 0.0

@@ -1,4 +1,4 @@
-"""Benchmarks. Prints markdown tables (the form docs/benchmarks.md keeps) and, with --json, the numbers.
+"""Benchmarks. Prints markdown tables (the form docs/results.md keeps) and, with --json, the numbers.
 
     python scripts/bench.py head               # FP8 head kernel vs BF16 / mxfp8 matmul at 129280 x 5120
     python scripts/bench.py drafts [--model M] # FP8 vs BF16 drafter head: changed drafts, acceptance
@@ -23,13 +23,16 @@ Runs unchanged on Metal, CUDA and the CPU.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
+import dataclasses
 import datetime
 import hashlib
 import json
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -104,8 +107,8 @@ def chained(gemm, x0: mx.array, links: int = 40, reps: int = 3) -> float:
 def host_probe_ms(reps: int = 5) -> float:
     """A fixed piece of pure-Python work (no MLX), the median of reps timings, in ms: how fast
     the host's CPU runs right now. On the lent H200 (a virtual machine) it ran 1.3-1.45x slower
-    in episodes of tens of decode steps, during which the host's side of a step slowed alike
-    (docs/benchmarks.md, session 10); e2e takes it around every prompt so that a slow run shows."""
+    in episodes of tens of decode steps, during which the host's side of a step slowed alike;
+    e2e takes it around every prompt so that a slow run shows."""
     times = []
     for _ in range(reps):
         tic, total = time.perf_counter(), 0
@@ -119,12 +122,11 @@ def copy_bandwidth(nbytes: int = 1 << 30, tries: int = COPY_TRIES) -> float:
     """Bytes per second of a device copy (read + write), the ceiling the floors are computed from:
     the best of `tries` measurements, each the median of 5 evaluations of 5 copies. Something
     else on the device or host only slows a measurement, so the best is the steadiest ceiling:
-    on the H200 (docs/benchmarks.md, session 43) one e2e measured 3125 GB/s once, where nine
-    measurements in another process gave 3531-3657, and single evaluations 2504-3654."""
+    on the H200 one e2e measured 3125 GB/s once, where nine measurements in another process
+    gave 3531-3657, and single evaluations 2504-3654."""
     a = mx.random.uniform(shape=(nbytes // 4,))
     mx.eval(a)
     t = min(timed(lambda i: a + float(i), calls=5, reps=5) for _ in range(tries))
-    del a
     return 2 * nbytes / t
 
 
@@ -192,8 +194,9 @@ def bench_drafts(model_path: str | None, max_tokens: int, n_prompts: int) -> dic
     """FP8 vs BF16 drafter head on the benchmark prompts: proposals from identical ring
     states (teacher-forced along the plain greedy reply), then drafted replies and acceptance."""
     import dsv41_mlx
-    from dsv41_mlx.runtime.drafter import Drafter
     from dsv41_mlx.generate import generate_step
+    from dsv41_mlx.runtime.drafter import Drafter
+    from dsv41_mlx.runtime.runner import Runner
     from dsv41_mlx.sampling import SamplingParams
     from dsv41_mlx.speculative import SpeculativeDecoder
 
@@ -205,26 +208,27 @@ def bench_drafts(model_path: str | None, max_tokens: int, n_prompts: int) -> dic
     out = {"prompts": len(texts), "max_tokens": max_tokens}
     acceptance = {h: [0, 0] for h in heads}
     identical = True
-    for text in texts:
-        ids = tokenizer.encode(text)
-        reply = list(generate_step(model, ids, params, max_tokens, decoder=None))
-        _, features = model(mx.array([ids + reply[:-1]], dtype=mx.int32))
-        rings = {h: d.make_cache() for h, d in heads.items()}
-        for h, d in heads.items():
-            d.ingest(rings[h], features[0, : len(ids)])
-        for t, anchor in enumerate(reply[:-1]):
-            proposals = {h: d.propose(rings[h], anchor) for h, d in heads.items()}
-            a, b = (proposals[h].drafts.tolist() for h in ("bf16", "fp8"))
-            changed += sum(x != y for x, y in zip(a, b))
-            total += len(a)
+    with Runner(model) as runner:
+        for text in texts:
+            ids = tokenizer.encode(text)
+            reply = list(generate_step(runner, ids, params, max_tokens, decoder=None))
+            _, features = runner(mx.array([ids + reply[:-1]], dtype=mx.int32))
+            rings = {h: d.make_cache() for h, d in heads.items()}
             for h, d in heads.items():
-                d.ingest(rings[h], features[0, len(ids) + t: len(ids) + t + 1])
-        for h, d in heads.items():
-            decoder = SpeculativeDecoder(model, d, params, confidence="off")
-            drafted = list(generate_step(model, ids, params, max_tokens, decoder=decoder))
-            identical &= drafted == reply
-            acceptance[h][0] += decoder.stats.accepted
-            acceptance[h][1] += decoder.stats.verified
+                d.ingest(rings[h], features[0, : len(ids)])
+            for t, anchor in enumerate(reply[:-1]):
+                proposals = {h: d.propose(rings[h], anchor) for h, d in heads.items()}
+                a, b = (proposals[h].drafts.tolist() for h in ("bf16", "fp8"))
+                changed += sum(x != y for x, y in zip(a, b))
+                total += len(a)
+                for h, d in heads.items():
+                    d.ingest(rings[h], features[0, len(ids) + t: len(ids) + t + 1])
+            for h, d in heads.items():
+                decoder = SpeculativeDecoder(runner, d, params, confidence="off")
+                drafted = list(generate_step(runner, ids, params, max_tokens, decoder=decoder))
+                identical &= drafted == reply
+                acceptance[h][0] += decoder.stats.accepted
+                acceptance[h][1] += decoder.stats.verified
     out.update(changed=changed, total=total, identical=identical,
                acceptance={h: a / max(v, 1) for h, (a, v) in acceptance.items()},
                accepted={h: a for h, (a, _) in acceptance.items()})
@@ -256,7 +260,7 @@ def release_shaped_drafter_model(backbone_layers: int = 3):
     from mlx.utils import tree_unflatten
 
     from dsv41_mlx.config import ModelArgs
-    from dsv41_mlx.models.deepseek_v41 import Model
+    from dsv41_mlx.io.load import build_model
     from dsv41_mlx.io.tiny import TINY_TEXT_CONFIG
     from scripts.make_flash_shaped import RELEASE_TEXT
 
@@ -268,7 +272,7 @@ def release_shaped_drafter_model(backbone_layers: int = 3):
     args = ModelArgs.from_dict({"model_type": "deepseek_v41", "text_config": text,
                                 "quantization_config": {"quant_method": "fp8", "weight_block_size": [32, 32],
                                                         "scale_fmt": "ue8m0", "expert_dtype": "fp4"}})
-    model = Model(args)
+    model = build_model(args)
     new = []
     for name, v in tree_flatten(model.parameters()):
         if v.dtype == mx.uint32 and name.endswith("weight"):  # packed FP8 / FP4 codes
@@ -395,7 +399,7 @@ def decode_bytes(model, rows: int = 1) -> tuple[float, float]:
                 experts += per_expert * experts_taken(n_experts, k, rows)
             else:
                 total += v.nbytes
-    head = model.head.weight.nbytes  # the release's BF16 head, read as it is stored (model.Head)
+    head = model.head.weight.nbytes  # the release's BF16 head, read as it is stored (deepseek_v41.Head)
     total += experts + head + rows * model.embed.weight.nbytes // args.vocab_size
     return total, experts
 
@@ -441,26 +445,26 @@ def paired_skip_reason(asked: bool, mlxlm: dict, memory: int | None) -> str | No
     return None
 
 
-def decode_rate(model, ids: list[int], params, tokens: int, decoder=None) -> float:
+def decode_rate(runner, ids: list[int], params, tokens: int, decoder=None) -> float:
     """Tokens a second of one reply (generate.generate_step), its prefill and first token left
     out of the rate."""
     from dsv41_mlx.generate import generate_step
 
-    steps = generate_step(model, ids, params, tokens, decoder=decoder)
+    steps = generate_step(runner, ids, params, tokens, decoder=decoder)
     next(steps)
     tic = time.perf_counter()
     n = len(list(steps))
     return n / (time.perf_counter() - tic)
 
 
-def prefill_rate(model, ids: list[int]) -> float:
+def prefill_rate(runner, ids: list[int]) -> float:
     """Prompt tokens a second of one prefill on a fresh cache through its first token (the
     greedy pick read back), as scripts/mlxlm_baseline.greedy times mlx-lm's."""
     from dsv41_mlx.generate import prefill
 
     mx.synchronize()
     tic = time.perf_counter()
-    logits, _ = prefill(model, ids, model.make_cache())
+    logits, _ = prefill(runner, ids, runner.make_cache())
     mx.argmax(logits).item()
     return len(ids) / (time.perf_counter() - tic)
 
@@ -486,7 +490,7 @@ def interleaved(ours, theirs, prompts: int, rounds: int = 2) -> dict:
             "host_probe_ms": statistics.median(probes)}
 
 
-def paired_speedup(model, ids_list: list[list[int]], tokens: int, make_decoder, rounds: int = 2) -> dict:
+def paired_speedup(runner, ids_list: list[list[int]], tokens: int, make_decoder, rounds: int = 2) -> dict:
     """A speculative decoder's speed-up over plain greedy decode, the two interleaved prompt by
     prompt (interleaved; as paired_plain_decode pairs ours with mlx-lm): prompt i decoded
     through make_decoder(i) (a fresh decoder) and plainly; tok_s the decoder's, plain_tok_s
@@ -494,13 +498,13 @@ def paired_speedup(model, ids_list: list[list[int]], tokens: int, make_decoder, 
     from dsv41_mlx.sampling import SamplingParams
 
     res = interleaved(
-        lambda i: decode_rate(model, ids_list[i], SamplingParams(), tokens, decoder=make_decoder(i)),
-        lambda i: decode_rate(model, ids_list[i], SamplingParams(), tokens), len(ids_list), rounds)
+        lambda i: decode_rate(runner, ids_list[i], SamplingParams(), tokens, decoder=make_decoder(i)),
+        lambda i: decode_rate(runner, ids_list[i], SamplingParams(), tokens), len(ids_list), rounds)
     res["plain_tok_s"] = res.pop("their_tok_s")
     return res
 
 
-def paired_plain_decode(model, model_path, ids_list: list[list[int]], tokens: int, rounds: int = 2) -> dict:
+def paired_plain_decode(runner, model_path, ids_list: list[list[int]], tokens: int, rounds: int = 2) -> dict:
     """Plain greedy decode of ours and of mlx-lm interleaved prompt by prompt (interleaved),
     both models loaded; tok_s ours, mlxlm_tok_s mlx-lm's. Then their prefills through the
     first token the same way (prefill_rate; every prompt seen before by both): "prefill", the
@@ -520,11 +524,11 @@ def paired_plain_decode(model, model_path, ids_list: list[list[int]], tokens: in
             _, seconds, _ = greedy(theirs, ids_list[i], 1)
             return len(ids_list[i]) / seconds
 
-        res = interleaved(lambda i: decode_rate(model, ids_list[i], SamplingParams(), tokens), mlxlm,
+        res = interleaved(lambda i: decode_rate(runner, ids_list[i], SamplingParams(), tokens), mlxlm,
                           len(ids_list), rounds)
-        res["prefill"] = interleaved(lambda i: prefill_rate(model, ids_list[i]), mlxlm_prefill, len(ids_list), rounds)
+        res["prefill"] = interleaved(lambda i: prefill_rate(runner, ids_list[i]), mlxlm_prefill, len(ids_list), rounds)
     finally:
-        del theirs
+        theirs = None  # (the closures' reference too: dropped before the cache is cleared)
         mx.clear_cache()
     for r in (res, res["prefill"]):
         r["mlxlm_tok_s"] = r.pop("their_tok_s")
@@ -539,6 +543,7 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float, 
     import dsv41_mlx
     from dsv41_mlx.generate import generate_step, prefill, warm_up
     from dsv41_mlx.models.attention import indexer_scoring_length
+    from dsv41_mlx.runtime.runner import Runner
     from dsv41_mlx.sampling import SamplingParams
     from dsv41_mlx.speculative import SpeculativeDecoder, measure_verify_costs
 
@@ -568,150 +573,153 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float, 
     model, _ = dsv41_mlx.load(model_path)
     out["load_s"] = time.perf_counter() - tic
 
-    # prefill: first the warm-up a server runs before serving (generate.warm_up: every chunk
-    # shape once, a few tokens of each kind), so that the GPU kernels are built and loaded and the compiled
-    # pieces traced before anything is timed (on CUDA: seconds of NVRTC per kernel the first
-    # time on a machine, and seconds of loading in every new process); then every prompt (new
-    # lengths: what a served request sees), then every prompt again
-    out["host_probe_ms"] = host_probe_ms()
-    out["warm_up_s"] = warm_up(model)
-    print(f"  warm-up (generate.warm_up, kernel builds and loads included): {out['warm_up_s']:.1f} s", flush=True)
-    # the floor: measured once the device has been working (the warm-up), not straight after the load
-    bw = copy_bandwidth()
-    out["copy_GBps"] = bw / 1e9
-    step_bytes, expert_bytes = decode_bytes(model)
-    out.update(bytes_per_token_GB=step_bytes / 1e9, routed_expert_GB=expert_bytes / 1e9,
-               floor_ms=step_bytes / bw * 1e3)
-    for key in ("prefill_tok_s", "prefill_seen_tok_s"):
-        tic, n = time.perf_counter(), 0
-        for ids in ids_list:
-            logits, _ = prefill(model, ids, model.make_cache())
-            mx.eval(logits)
-            n += len(ids)
-        out[key] = n / (time.perf_counter() - tic)
-    print(f"  prefill: {out['prefill_tok_s']:.1f} tok/s, prompts seen before {out['prefill_seen_tok_s']:.1f}",
-          flush=True)
+    with Runner(model) as runner:
+        # prefill: first the warm-up a server runs before serving (generate.warm_up: every chunk
+        # shape once, a few tokens of each kind), so that the GPU kernels are built and loaded and the compiled
+        # pieces traced before anything is timed (on CUDA: seconds of NVRTC per kernel the first
+        # time on a machine, and seconds of loading in every new process); then every prompt (new
+        # lengths: what a served request sees), then every prompt again
+        out["host_probe_ms"] = host_probe_ms()
+        out["warm_up_s"] = warm_up(runner)
+        print(f"  warm-up (generate.warm_up, kernel builds and loads included): {out['warm_up_s']:.1f} s", flush=True)
+        # the floor: measured once the device has been working (the warm-up), not straight after the load
+        bw = copy_bandwidth()
+        out["copy_GBps"] = bw / 1e9
+        step_bytes, expert_bytes = decode_bytes(model)
+        out.update(bytes_per_token_GB=step_bytes / 1e9, routed_expert_GB=expert_bytes / 1e9,
+                   floor_ms=step_bytes / bw * 1e3)
+        for key in ("prefill_tok_s", "prefill_seen_tok_s"):
+            tic, n = time.perf_counter(), 0
+            for ids in ids_list:
+                logits, _ = prefill(runner, ids, runner.make_cache())
+                mx.eval(logits)
+                n += len(ids)
+            out[key] = n / (time.perf_counter() - tic)
+        print(f"  prefill: {out['prefill_tok_s']:.1f} tok/s, prompts seen before {out['prefill_seen_tok_s']:.1f}",
+              flush=True)
 
-    # verify forwards of 1..6 rows on a cache holding one window
-    out["verify_ms"] = [c * 1e3 for c in measure_verify_costs(model, model.args.dspark_block_size + 1)]
-    out["verify_floor_ms"] = [decode_bytes(model, rows)[0] / bw * 1e3 for rows in range(1, len(out["verify_ms"]) + 1)]
-    # a plain decode step without the generation loop around it (the forward, then the greedy
-    # token read back), beside the loop's own rate below: what the loop adds per token
-    cache = model.make_cache()
-    logits, _ = prefill(model, ids_list[0], cache)
-    token, steps = int(mx.argmax(logits).item()), []
-    for _ in range(9):
+        # verify forwards of 1..6 rows on a cache holding one window
+        out["verify_ms"] = [c * 1e3 for c in measure_verify_costs(runner, model.args.dspark_block_size + 1)]
+        out["verify_floor_ms"] = [decode_bytes(model, rows)[0] / bw * 1e3
+                                  for rows in range(1, len(out["verify_ms"]) + 1)]
+        # a plain decode step without the generation loop around it (the forward, then the greedy
+        # token read back), beside the loop's own rate below: what the loop adds per token
+        cache = runner.make_cache()
+        logits, _ = prefill(runner, ids_list[0], cache)
+        token, steps = int(mx.argmax(logits).item()), []
+        for _ in range(9):
+            tic = time.perf_counter()
+            out_logits, _ = runner.decode([token], cache)
+            token = int(mx.argmax(out_logits[0, -1]).item())
+            steps.append(time.perf_counter() - tic)
+        out["bare_step_ms"] = statistics.median(steps[1:]) * 1e3
+
+        # plain greedy decode after a prompt long enough that every index layer scores its picks:
+        # the prompts above are short enough that each indexer picks every compressed position
+        # without scoring (Indexer.picks_everything), which a long context does not
+        long_ids = long_context_prompt(ids_list, indexer_scoring_length(model.args))
+        steps = generate_step(runner, long_ids, SamplingParams(), tokens)
+        next(steps)  # prefill and the first token stay out of the rate
         tic = time.perf_counter()
-        out_logits, _ = model.decode([token], cache)
-        token = int(mx.argmax(out_logits[0, -1]).item())
-        steps.append(time.perf_counter() - tic)
-    out["bare_step_ms"] = statistics.median(steps[1:]) * 1e3
+        produced = len(list(steps))
+        out["long_context"] = {"prompt_tokens": len(long_ids), "tok_s": produced / (time.perf_counter() - tic),
+                               "host_probe_ms": host_probe_ms()}
+        print(f"  plain greedy after a {len(long_ids)}-token prompt: {out['long_context']['tok_s']:.2f} tok/s",
+              flush=True)
 
-    # plain greedy decode after a prompt long enough that every index layer scores its picks:
-    # the prompts above are short enough that each indexer picks every compressed position
-    # without scoring (model.Indexer.picks_everything), which a long context does not
-    long_ids = long_context_prompt(ids_list, indexer_scoring_length(model.args))
-    steps = generate_step(model, long_ids, SamplingParams(), tokens)
-    next(steps)  # prefill and the first token stay out of the rate
-    tic = time.perf_counter()
-    produced = len(list(steps))
-    out["long_context"] = {"prompt_tokens": len(long_ids), "tok_s": produced / (time.perf_counter() - tic),
-                           "host_probe_ms": host_probe_ms()}
-    print(f"  plain greedy after a {len(long_ids)}-token prompt: {out['long_context']['tok_s']:.2f} tok/s", flush=True)
+        runs = {}
+        greedy, coupled = SamplingParams(), SamplingParams(temperature=0.8, seed=7)
 
-    runs = {}
-    greedy, coupled = SamplingParams(), SamplingParams(temperature=0.8, seed=7)
+        def oracle_decoder(p, seq, confidence="off", verify_costs=None):  # drafts right at oracle_rate on seq
+            return SpeculativeDecoder(runner, OracleDrafter(model.drafter, seq, oracle_rate, seed=len(seq)), p,
+                                      confidence=confidence, verify_costs=verify_costs)
 
-    def oracle_decoder(p, seq, confidence="off", verify_costs=None):  # drafts right at oracle_rate on seq
-        return SpeculativeDecoder(model, OracleDrafter(model.drafter, seq, oracle_rate, seed=len(seq)), p,
-                                  confidence=confidence, verify_costs=verify_costs)
+        for label, params, make in [
+            ("plain greedy", greedy, None),
+            ("plain coupled", coupled, None),
+            ("drafted greedy", greedy, lambda p, seq: SpeculativeDecoder(runner, model.drafter, p, confidence="off")),
+            ("drafted coupled", coupled, lambda p, seq: SpeculativeDecoder(runner, model.drafter, p, confidence="off")),
+            (f"oracle {oracle_rate:.2f} greedy", greedy, oracle_decoder),
+            # the same drafts, each round verifying the number of them the schedule policy picks from
+            # the drafter's confidence and the verify costs measured above
+            (f"oracle {oracle_rate:.2f} greedy, schedule", greedy,
+             lambda p, seq: oracle_decoder(p, seq, confidence="schedule",
+                                           verify_costs=[ms / 1e3 for ms in out["verify_ms"]])),
+        ]:
+            elapsed, produced, replies, stats, oracle, step_s = 0.0, 0, [], [], [0, 0], []
+            probes = [host_probe_ms()]
+            warm = time.perf_counter()  # a short untimed run first: kernel builds and compile traces
+            list(generate_step(runner, ids_list[0], params, 4, decoder=make(params, ids_list[0]) if make else None))
+            print(f"  {label}: warm-up {time.perf_counter() - warm:.1f} s", flush=True)
+            for i, ids in enumerate(ids_list):
+                reference = runs.get("plain greedy", {}).get("replies", [None] * len(ids_list))[i]
+                decoder = make(params, ids + (reference or [])) if make else None
+                steps = generate_step(runner, ids, params, tokens, decoder=decoder)
+                first = next(steps)  # prefill and the first token stay out of the decode rate
+                rest, stamps = [], [time.perf_counter()]
+                for token in steps:
+                    stamps.append(time.perf_counter())
+                    rest.append(token)
+                elapsed += time.perf_counter() - stamps[0]
+                if make is None:  # plain decoding hands out a token a step: each step's time
+                    step_s.append([b - a for a, b in zip(stamps, stamps[1:])])
+                produced += len(rest)
+                probes.append(host_probe_ms())
+                replies.append([first] + rest)
+                if decoder is not None:
+                    stats.append(decoder.stats.as_dict())
+                if isinstance(getattr(decoder, "drafter", None), OracleDrafter):
+                    oracle = [oracle[0] + decoder.drafter.right, oracle[1] + decoder.drafter.made]
+                print(f"  {label}, prompt {i}: {len(rest)} tokens in {stamps[-1] - stamps[0]:.1f} s", flush=True)
+            run = {"tok_s": produced / elapsed, "replies": replies, "hash": reply_hash(replies),
+                   "host_probe_ms": statistics.median(probes)}
+            if stats:
+                run["proposed"] = sum(s["proposed"] for s in stats)
+                run["accepted"] = sum(s["accepted"] for s in stats)
+                run["verified"] = sum(s["verified"] for s in stats)
+                run["propose_ms"] = statistics.mean(s["propose_ms_per_round"] for s in stats)
+                run["ingest_ms"] = statistics.mean(s["ingest_ms_per_round"] for s in stats)
+                run["verify_ms"] = statistics.mean(s["verify_ms_per_round"] for s in stats)
+                run["rounds"] = sum(s["rounds"] for s in stats)
+            if oracle[1]:
+                run["oracle_right_rate"] = oracle[0] / oracle[1]  # the rate its draws realised
+            if step_s:
+                run["steps"] = step_summary(step_s)
+            runs[label] = run
+            print(f"  {label}: {run['tok_s']:.2f} tok/s", flush=True)
+        oracle_run = runs[f"oracle {oracle_rate:.2f} greedy"]
+        out["oracle_budget"] = oracle_budget(oracle_rate, 1e3 / runs["plain greedy"]["tok_s"], out["verify_ms"],
+                                             out["verify_floor_ms"], oracle_run["propose_ms"] + oracle_run["ingest_ms"],
+                                             ORACLE_TARGET)
+        references = runs["plain greedy"]["replies"]
+        for run in runs.values():
+            del run["replies"]
+        out["runs"] = runs
 
-    for label, params, make in [
-        ("plain greedy", greedy, None),
-        ("plain coupled", coupled, None),
-        ("drafted greedy", greedy, lambda p, seq: SpeculativeDecoder(model, model.drafter, p, confidence="off")),
-        ("drafted coupled", coupled, lambda p, seq: SpeculativeDecoder(model, model.drafter, p, confidence="off")),
-        (f"oracle {oracle_rate:.2f} greedy", greedy, oracle_decoder),
-        # the same drafts, each round verifying the number of them the schedule policy picks from
-        # the drafter's confidence and the verify costs measured above
-        (f"oracle {oracle_rate:.2f} greedy, schedule", greedy,
-         lambda p, seq: oracle_decoder(p, seq, confidence="schedule",
-                                       verify_costs=[ms / 1e3 for ms in out["verify_ms"]])),
-    ]:
-        elapsed, produced, replies, stats, oracle, step_s = 0.0, 0, [], [], [0, 0], []
-        probes = [host_probe_ms()]
-        warm = time.perf_counter()  # a short untimed run first: kernel builds and compile traces
-        list(generate_step(model, ids_list[0], params, 4, decoder=make(params, ids_list[0]) if make else None))
-        print(f"  {label}: warm-up {time.perf_counter() - warm:.1f} s", flush=True)
-        for i, ids in enumerate(ids_list):
-            reference = runs.get("plain greedy", {}).get("replies", [None] * len(ids_list))[i]
-            decoder = make(params, ids + (reference or [])) if make else None
-            steps = generate_step(model, ids, params, tokens, decoder=decoder)
-            first = next(steps)  # prefill and the first token stay out of the decode rate
-            rest, stamps = [], [time.perf_counter()]
-            for token in steps:
-                stamps.append(time.perf_counter())
-                rest.append(token)
-            elapsed += time.perf_counter() - stamps[0]
-            if make is None:  # plain decoding hands out a token a step: each step's time
-                step_s.append([b - a for a, b in zip(stamps, stamps[1:])])
-            produced += len(rest)
-            probes.append(host_probe_ms())
-            replies.append([first] + rest)
-            if decoder is not None:
-                stats.append(decoder.stats.as_dict())
-            if isinstance(getattr(decoder, "drafter", None), OracleDrafter):
-                oracle = [oracle[0] + decoder.drafter.right, oracle[1] + decoder.drafter.made]
-            print(f"  {label}, prompt {i}: {len(rest)} tokens in {stamps[-1] - stamps[0]:.1f} s", flush=True)
-        run = {"tok_s": produced / elapsed, "replies": replies, "hash": reply_hash(replies),
-               "host_probe_ms": statistics.median(probes)}
-        if stats:
-            run["proposed"] = sum(s["proposed"] for s in stats)
-            run["accepted"] = sum(s["accepted"] for s in stats)
-            run["verified"] = sum(s["verified"] for s in stats)
-            run["propose_ms"] = statistics.mean(s["propose_ms_per_round"] for s in stats)
-            run["ingest_ms"] = statistics.mean(s["ingest_ms_per_round"] for s in stats)
-            run["verify_ms"] = statistics.mean(s["verify_ms_per_round"] for s in stats)
-            run["rounds"] = sum(s["rounds"] for s in stats)
-        if oracle[1]:
-            run["oracle_right_rate"] = oracle[0] / oracle[1]  # the rate its draws realised
-        if step_s:
-            run["steps"] = step_summary(step_s)
-        runs[label] = run
-        print(f"  {label}: {run['tok_s']:.2f} tok/s", flush=True)
-    oracle_run = runs[f"oracle {oracle_rate:.2f} greedy"]
-    out["oracle_budget"] = oracle_budget(oracle_rate, 1e3 / runs["plain greedy"]["tok_s"], out["verify_ms"],
-                                         out["verify_floor_ms"], oracle_run["propose_ms"] + oracle_run["ingest_ms"],
-                                         ORACLE_TARGET)
-    references = runs["plain greedy"]["replies"]
-    for run in runs.values():
-        del run["replies"]
-    out["runs"] = runs
+        # the oracle against plain greedy interleaved prompt by prompt: the runs above are minutes
+        # apart, and each met the host's speed of its own moment; every draft verified, then the
+        # schedule policy (what generate and the server use by default)
+        out["paired_oracle"] = paired_speedup(runner, ids_list, tokens,
+                                              lambda i: oracle_decoder(greedy, ids_list[i] + references[i]))
+        print(f"  paired oracle: {out['paired_oracle']}", flush=True)
+        costs = [ms / 1e3 for ms in out["verify_ms"]]
+        out["paired_oracle_schedule"] = paired_speedup(
+            runner, ids_list, tokens,
+            lambda i: oracle_decoder(greedy, ids_list[i] + references[i], confidence="schedule", verify_costs=costs))
+        print(f"  paired oracle, schedule: {out['paired_oracle_schedule']}", flush=True)
 
-    # the oracle against plain greedy interleaved prompt by prompt: the runs above are minutes
-    # apart, and each met the host's speed of its own moment; every draft verified, then the
-    # schedule policy (what generate and the server use by default)
-    out["paired_oracle"] = paired_speedup(model, ids_list, tokens,
-                                          lambda i: oracle_decoder(greedy, ids_list[i] + references[i]))
-    print(f"  paired oracle: {out['paired_oracle']}", flush=True)
-    costs = [ms / 1e3 for ms in out["verify_ms"]]
-    out["paired_oracle_schedule"] = paired_speedup(
-        model, ids_list, tokens,
-        lambda i: oracle_decoder(greedy, ids_list[i] + references[i], confidence="schedule", verify_costs=costs))
-    print(f"  paired oracle, schedule: {out['paired_oracle_schedule']}", flush=True)
-
-    # ours and mlx-lm interleaved prompt by prompt (both loaded): the ratio above compares runs
-    # minutes apart, and the host's speed drifts (docs/benchmarks.md, session 10)
-    skipped = paired_skip_reason(paired, out["mlxlm"], machine_memory())
-    if report is not None and not skipped:
-        report({**out, "paired": {"skipped": PAIRED_LATER}})
-    out["paired"] = {"skipped": skipped} if skipped else paired_plain_decode(model, model_path, ids_list, tokens)
-    print(f"  paired plain decode: {out['paired']}", flush=True)
-    return out
+        # ours and mlx-lm interleaved prompt by prompt (both loaded): the ratio above compares runs
+        # minutes apart, and the host's speed drifts
+        skipped = paired_skip_reason(paired, out["mlxlm"], machine_memory())
+        if report is not None and not skipped:
+            report({**out, "paired": {"skipped": PAIRED_LATER}})
+        out["paired"] = {"skipped": skipped} if skipped else paired_plain_decode(runner, model_path, ids_list, tokens)
+        print(f"  paired plain decode: {out['paired']}", flush=True)
+        return out
 
 
 PAIRED_LATER = "measured after this table, printed below it"
-ORACLE_TARGET = 1.8  # drafted decode at the oracle rate against plain decode: the benchmark issue's target
+ORACLE_TARGET = 1.8  # drafted decode at the oracle rate against plain decode: the speed-up aimed at
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, list]]:
@@ -752,12 +760,12 @@ def variant_choice(rules: list, package):
 
 @contextlib.contextmanager
 def own_traces(model, store: dict):
-    """Inside: the model's fused methods (model.fused: mx.compile'd, each module's traces kept on
+    """Inside: the model's fused methods (layers.fused: mx.compile'd, each module's traces kept on
     it, one a shape) use the traces in `store`, and trace afresh where it has none; on the way
     out the traces made or used inside go back into `store` and the model's own are restored.
     A layout choice (kernels.mma_loads_ahead, ...) is read while a launch is traced: a trace
-    made under one variant's choices keeps them, so each variant needs traces of its own (until
-    session 33 `steps` had none: every variant replayed the warm-up's traces, the package's)."""
+    made under one variant's choices keeps them, so each variant needs traces of its own (else
+    every variant would replay the warm-up's traces, the package's)."""
     from dsv41_mlx.models.layers import fused_traces
 
     modules = model.modules()
@@ -800,6 +808,7 @@ def bench_steps(model_path: str, variants: dict[str, dict[str, list]], tokens: i
     import dsv41_mlx
     from dsv41_mlx.io.checkpoint import resolve_model_dir
     from dsv41_mlx.generate import generate_step, warm_up
+    from dsv41_mlx.runtime.runner import Runner
     from dsv41_mlx.sampling import SamplingParams
     from dsv41_mlx.speculative import measure_verify_costs
     from dsv41_mlx.tokenizer import load_tokenizer
@@ -821,46 +830,48 @@ def bench_steps(model_path: str, variants: dict[str, dict[str, list]], tokens: i
                 with own_traces(model, traces[name]):
                     yield
 
-    def run(ids):
-        stamps, reply = [], []
-        for t in generate_step(model, ids, SamplingParams(), tokens):
-            stamps.append(time.perf_counter())
-            reply.append(t)
-        steps = [b - a for a, b in zip(stamps, stamps[1:])][2:]
-        return statistics.median(steps) * 1e3, reply_hash(reply)
+    with Runner(model) as runner:
+        def run(ids):
+            stamps, reply = [], []
+            for t in generate_step(runner, ids, SamplingParams(), tokens):
+                stamps.append(time.perf_counter())
+                reply.append(t)
+            steps = [b - a for a, b in zip(stamps, stamps[1:])][2:]
+            return statistics.median(steps) * 1e3, reply_hash(reply)
 
-    out = {"tokens": tokens, "rounds": rounds, "prompt_tokens": [len(i) for i in ids_list], "variants": {}}
-    tic = time.perf_counter()
-    out["warm_up_s"] = warm_up(model) if warm else 0.0
-    if warm:  # (minutes on a GPU whose kernel cache is cold: say so before the variants' own)
-        print(f"  warm-up: {out['warm_up_s']:.1f} s", flush=True)
-    for name in variants:  # each variant's kernels built and its traces made before anything is timed
-        start = time.perf_counter()
-        with use(name):
-            for ids in ids_list:
-                run(ids[:64])
-                run(ids)
-            if verify_rows:  # (on CUDA without the warm-up, a variant's first verify forwards build kernels)
-                measure_verify_costs(model, verify_rows, repeats=1)
-        out["variants"][name] = {"choices": {c: [[w, x] for w, x in rules] for c, rules in variants[name].items()},
-                                 "step_ms": [[] for _ in ids_list], "hashes": set(),
-                                 "verify_ms": []}
-        print(f"  {name}: traced and its kernels built, untimed, in {time.perf_counter() - start:.1f} s", flush=True)
-    out["warm_s"] = time.perf_counter() - tic
-    names = list(variants)
-    for r in range(rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            res = out["variants"][name]
+        out = {"tokens": tokens, "rounds": rounds, "prompt_tokens": [len(i) for i in ids_list], "variants": {}}
+        tic = time.perf_counter()
+        out["warm_up_s"] = warm_up(runner) if warm else 0.0
+        if warm:  # (minutes on a GPU whose kernel cache is cold: say so before the variants' own)
+            print(f"  warm-up: {out['warm_up_s']:.1f} s", flush=True)
+        for name in variants:  # each variant's kernels built and its traces made before anything is timed
+            start = time.perf_counter()
             with use(name):
-                for i, ids in enumerate(ids_list):
-                    ms, digest = run(ids)
-                    res["step_ms"][i].append(ms)
-                    res["hashes"].add((i, digest))
-                if verify_rows:
-                    res["verify_ms"].append([c * 1e3 for c in measure_verify_costs(model, verify_rows, repeats=1)])
-            print(f"  round {r} {name}: " + ", ".join(f"{m[-1]:.2f}" for m in res["step_ms"]) + " ms a step"
-                  + (f", verify {res['verify_ms'][-1][-1]:.2f} ms at {verify_rows} rows" if verify_rows else ""),
+                for ids in ids_list:
+                    run(ids[:64])
+                    run(ids)
+                if verify_rows:  # (on CUDA without the warm-up, a variant's first verify forwards build kernels)
+                    measure_verify_costs(runner, verify_rows, repeats=1)
+            out["variants"][name] = {"choices": {c: [[w, x] for w, x in rules] for c, rules in variants[name].items()},
+                                     "step_ms": [[] for _ in ids_list], "hashes": set(),
+                                     "verify_ms": []}
+            print(f"  {name}: traced and its kernels built, untimed, in {time.perf_counter() - start:.1f} s",
                   flush=True)
+        out["warm_s"] = time.perf_counter() - tic
+        names = list(variants)
+        for r in range(rounds):
+            for name in (names if r % 2 == 0 else names[::-1]):
+                res = out["variants"][name]
+                with use(name):
+                    for i, ids in enumerate(ids_list):
+                        ms, digest = run(ids)
+                        res["step_ms"][i].append(ms)
+                        res["hashes"].add((i, digest))
+                    if verify_rows:
+                        res["verify_ms"].append([c * 1e3 for c in measure_verify_costs(runner, verify_rows, repeats=1)])
+                print(f"  round {r} {name}: " + ", ".join(f"{m[-1]:.2f}" for m in res["step_ms"]) + " ms a step"
+                      + (f", verify {res['verify_ms'][-1][-1]:.2f} ms at {verify_rows} rows" if verify_rows else ""),
+                      flush=True)
     base = out["variants"]["kernels"]
     for name, res in out["variants"].items():
         res["median_ms"] = [statistics.median(m) for m in res["step_ms"]]
@@ -1039,11 +1050,8 @@ def graph_dot(*outputs) -> str:
         return f.read()
 
 
-def graph_ops(*outputs) -> "collections.Counter":
+def graph_ops(*outputs) -> collections.Counter:
     """Primitive counts of the lazy graph behind outputs (nothing is evaluated)."""
-    import collections
-    import re
-
     labels = re.findall(r'label\s*=\s*"([^"]+)"', graph_dot(*outputs))
     return collections.Counter(label.split()[0] for label in labels)
 
@@ -1059,31 +1067,22 @@ def layer_kind(layer) -> str:
         f"ratio {attn.ratio}" + (" KV source" if attn.is_kv_source else "") + (" + indexer" if attn.is_index_source else ""))
 
 
-def decode_by_layer(model, token: int, cache, on_layer) -> mx.array:
-    """One decode step (padded as Model.decode pads it), calling on_layer(i, run) for each block,
-    where run() builds that block's outputs; returns the logits. Mirrors Model.__call__."""
-    import numpy as np
-
-    from dsv41_mlx.models.attention import SharedAttention
-    from dsv41_mlx.models.hyper import hc_expand, hc_pre
-    from dsv41_mlx.models.layers import positions_of
-
-    args = model.args
-    rows = model.decode_rows or 1
+def decode_by_layer(model, token: int, cache, on_layer, decode_rows: int | None = None) -> mx.array:
+    """One decode step of `token` through the model's steps (Model.start, take_tokens, block,
+    finish), padded as Runner.decode pads it under Options(decode_rows=decode_rows) (each row
+    over its own window where set), calling on_layer(i, run) for each block, where run()
+    builds block i and returns its outputs (the stream, the next pre-mix) and on_layer
+    returns them; returns the logits."""
+    rows = decode_rows or 1
     tokens = [token] * rows
-    start = cache.offset
-    positions = positions_of(start, rows)
-    # the tokens taken in as Model.__call__ takes them (the engram rows read for the real row);
-    # it starts their dequantisation before the first block, here each engram layer's run holds its own
-    engram_values = model._engram_values(cache, tokens, 1, lambda *arrays: None)
-    h, pre = hc_expand(model.embed(mx.array(tokens, dtype=mx.int32)), args.hc_mult)
-    shared = SharedAttention(real_rows=1, positions=np.arange(start, start + rows))
-    for i, layer in enumerate(model.layers):
-        def run(i=i, layer=layer, h=h, pre=pre):  # h: an array, or the previous block's Expansion or Folded
-            # (Model.__call__ also taps the DSpark features: not the step's graph)
-            return model.block_forward(i, h, pre, positions, cache, shared, engram_values.get(i), 1)
-        h, pre = on_layer(i, run)
-    logits = model.head(model.norm(hc_pre(h, pre)))
+    forward = model.start(mx.array([tokens], dtype=mx.int32), cache, 1, decode_rows is not None)
+    engram_rows = model.take_tokens(cache, tokens, 1)
+    for i in range(len(model.layers)):
+        def run(i=i):
+            model.block(i, forward, cache, engram_rows.get(i))
+            return forward.h, forward.pre
+        forward.h, forward.pre = on_layer(i, run)
+    logits, _ = model.finish(forward)
     cache.trim(rows - 1)
     return logits
 
@@ -1093,13 +1092,17 @@ def bench_profile(model_path: str | None, steps: int) -> dict:
     device, each layer's time (evaluated one at a time) and the whole step's."""
     import dsv41_mlx
     from dsv41_mlx.generate import prefill
+    from dsv41_mlx.runtime.options import default_options
+    from dsv41_mlx.runtime.runner import Runner
 
     model, _ = dsv41_mlx.load(model_path)
-    out = {"layers": [layer_kind(layer) for layer in model.layers], "rows": model.decode_rows or 1}
+    options = default_options(model.args)
+    out = {"layers": [layer_kind(layer) for layer in model.layers], "rows": options.decode_rows or 1}
     for compiled in (True, False):
         (mx.enable_compile if compiled else mx.disable_compile)()
         cache = model.make_cache()
-        prefill(model, list(range(100, 100 + 256)), cache)
+        with Runner(model, options) as runner:
+            prefill(runner, list(range(100, 100 + 256)), cache)
         ops, times = [], [[] for _ in model.layers]
 
         def count(i, run):  # each layer's inputs are evaluated: its graph is its own operations
@@ -1108,7 +1111,7 @@ def bench_profile(model_path: str | None, steps: int) -> dict:
             mx.eval(h, pre)
             return h, pre
 
-        logits = decode_by_layer(model, 7, cache, count)
+        logits = decode_by_layer(model, 7, cache, count, options.decode_rows)
         total = sum(ops) + kernels(graph_ops(logits))
 
         def timed_layer(i, run):
@@ -1123,22 +1126,20 @@ def bench_profile(model_path: str | None, steps: int) -> dict:
         for step in range(steps + 1):
             if step == 1:  # the first step warms up
                 times = [[] for _ in model.layers]
-            mx.eval(decode_by_layer(model, 11 + step, cache, timed_layer))
-        default_overlap = model.overlap_build
+            mx.eval(decode_by_layer(model, 11 + step, cache, timed_layer, options.decode_rows))
         step_ms, build_ms = {}, {}
-        for overlap in (False, True):  # blocks run as they are built (Model.overlap_build) or not
-            model.overlap_build = overlap
+        for overlap in (False, True):  # blocks started as they are built (Options.overlap_build) or not
             step_ms[overlap], build_ms[overlap] = [], []
-            for step in range(steps + 1):
-                mx.synchronize()
-                tic = time.perf_counter()
-                logits, _ = model.decode([21 + step], cache)
-                built = time.perf_counter()
-                mx.eval(logits)
-                mx.synchronize()
-                step_ms[overlap].append((time.perf_counter() - tic) * 1e3)
-                build_ms[overlap].append((built - tic) * 1e3)
-        model.overlap_build = default_overlap
+            with Runner(model, dataclasses.replace(options, overlap_build=overlap)) as runner:
+                for step in range(steps + 1):
+                    mx.synchronize()
+                    tic = time.perf_counter()
+                    logits, _ = runner.decode([21 + step], cache)
+                    built = time.perf_counter()
+                    mx.eval(logits)
+                    mx.synchronize()
+                    step_ms[overlap].append((time.perf_counter() - tic) * 1e3)
+                    build_ms[overlap].append((built - tic) * 1e3)
         out["compiled" if compiled else "uncompiled"] = {
             "ops_total": total, "ops_per_layer": ops, "step_ms": statistics.median(step_ms[False][1:]),
             "build_ms": statistics.median(build_ms[False][1:]),
@@ -1157,15 +1158,17 @@ def bench_pieces(model_path: str | None, layer_ids: list[int]) -> dict:
     import dsv41_mlx
     from dsv41_mlx import kernels
     from dsv41_mlx.generate import prefill
+    from dsv41_mlx.models.attention import sparse_attention
     from dsv41_mlx.models.hyper import HcMixes, hc_expand, hc_post
     from dsv41_mlx.models.layers import Rope, positions_of
-    from dsv41_mlx.models.attention import sparse_attention
     from dsv41_mlx.quant import fp8_input, gemm_input_dtype
+    from dsv41_mlx.runtime.runner import Runner
 
     model, _ = dsv41_mlx.load(model_path)
     cache = model.make_cache()
-    prefill(model, list(range(100, 356)), cache)
-    rows = model.decode_rows or 1
+    with Runner(model) as runner:
+        prefill(runner, list(range(100, 356)), cache)
+        rows = runner.options.decode_rows or 1
     positions = positions_of(cache.offset, rows)
     h, pre = hc_expand(model.embed(mx.array([7] * rows)), model.args.hc_mult)
     out = {"rows": rows, "gemms_fed": str(gemm_input_dtype()).rsplit(".", 1)[-1], "layers": {}}
@@ -1222,8 +1225,8 @@ def bench_pieces(model_path: str | None, layer_ids: list[int]) -> dict:
         }
         if kernels.hc_input_fits(h):
             pieces["sub-layer input, hc_input kernel"] = lambda i: kernels.hc_input(
-                h, pre, hc.fn, hc.scale, hc.base, layer.attn_norm.weight, hc._iters, hc._norm_eps, hc._eps,
-                layer.attn_norm.eps, gemm_input_dtype())
+                h, pre, hc.fn, hc.scale, hc.base, layer.attn_norm.weight, model.args.hc_sinkhorn_iters,
+                model.args.rms_norm_eps, model.args.hc_eps, layer.attn_norm.eps, gemm_input_dtype())
         if rope_in_kernel:
             pieces["attention, sparse_attention kernel"] = lambda i: kernels.sparse_attention_rows(
                 q, ring, index, mask, kv, picks, picked_mask, attn.attn_sink, attn.scale, rope, attn.rope.dims)
@@ -1286,7 +1289,7 @@ def bench_gemms(rows: int = 8, experts: int = 24, dim: int = 5120, inter: int = 
             lambda v, i: kernels.fp4_experts(v, *up, ids), xb) * 1e3
         out["routed_chained"][f"routed down ({inter} -> {dim}), fp4_experts"] = chained(
             lambda v, i: kernels.fp4_experts(v, *down, ids), hb) * 1e3
-    del w13, s13, w2, s2
+    w13 = s13 = w2 = s2 = up = down = None  # the routed stacks freed before the FP8 GEMMs' copies are made
 
     dense, grouped, _ = quantised_gemm_shapes()
     shapes = [(1, d_in, d_out) for d_in, d_out in sorted(dense)] + sorted(grouped)
@@ -1323,7 +1326,7 @@ def bench_gemms(rows: int = 8, experts: int = 24, dim: int = 5120, inter: int = 
             row["quantizing_kernel_chained_ms"] = chained(
                 lambda v, i: kernels.fp8_gemv(v, *ws[i % copies], quantize_input=True), xq) * 1e3
         out["fp8"].append(row)
-        del ws
+        ws = None  # freed before the next shape's copies are made
     return out
 
 
@@ -1598,7 +1601,7 @@ def print_profile(env: dict, res: dict, model: str) -> None:
           f"building the graph in Python), {c['ops_total']} operations; uncompiled (`mx.disable_compile`) "
           f"{u['step_ms']:.1f} ms ({u['build_ms']:.1f} building), {u['ops_total']} operations "
           f"(operations exclude views); with each block started on the device as soon as it is built "
-          f"(`Model.overlap_build`): compiled {c['overlapped_step_ms']:.1f} ms, uncompiled "
+          f"(`Options.overlap_build`): compiled {c['overlapped_step_ms']:.1f} ms, uncompiled "
           f"{u['overlapped_step_ms']:.1f} ms\n")
     print("| layer kind | layers | ops per layer | ms per layer | us per op | ops uncompiled | ms uncompiled |")
     print("|---|---|---|---|---|---|---|")

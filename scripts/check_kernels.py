@@ -53,11 +53,11 @@ same experts as the spec (but where the k-th and (k+1)-th biased scores are
 within float32 noise), weights within 1e-5; a row alone equals the same row
 among others.
 hc_input: a sub-layer's input from the stream at hc 4, dim 5120, rows 1..16, against
-model.HyperConnection.sublayer_input's pure-MLX composition: x within a bf16 step
+hyper.HyperConnection.sublayer_input's pure-MLX composition: x within a bf16 step
 (equal in 99% of values), the mixes within 2e-5; a row alone equals the row among
 others.
 hc_post_input: the same with the stream expanded inside the kernel from the previous
-sub-layer's output (model.hc_post's spec): the stream within a bf16 step of hc_post's
+sub-layer's output (hyper.hc_post's spec): the stream within a bf16 step of hc_post's
 (equal in 99%), the rest as hc_input's against the spec of the kernel's own stream.
 fp8_into_stream: wo_b and the shared expert's w2 (parts added) putting their output into
 the stream (fp8_mma_hc), rows 1..16 with a padding row: the stream the same bits as
@@ -69,11 +69,11 @@ spec's casts around MLX's RMSNorm: bf16 within a bf16 step (equal in 99%), fp32
 within 1e-6; a row alone equals the row among others; the quantised form bit for
 bit the FP8 fake-quant of the kernel's own norm.
 rms_norm_rope: its rotated form (the window keys' norm, RoPE and FP8 fake-quant), widths
-128 and 512, 64 rotated features: within a bf16 step of model.rotate of the kernel's own
+128 and 512, 64 rotated features: within a bf16 step of layers.rotate of the kernel's own
 norm (equal in 99%); quantised, bit for bit act_quant of that; a row alone the same.
 sparse_attention: a decode forward's attention at 64 heads x 512, a 128-key window
 and 512 picks (or none), rows 1..16 at random positions, masked keys and rows with
-none visible, against the query RoPE, model.sparse_attention on gathered keys and
+none visible, against the query RoPE, attention.sparse_attention on gathered keys and
 the inverse RoPE (the release's 64 rotated features, YaRN on compressed layers):
 each row-head within 1% of its largest value, 0.1% on average; a row alone equals
 the row among others; with fewer real rows than rows, the real rows the same bits
@@ -227,12 +227,12 @@ def flash_args():
 def quantised_gemm_shapes() -> tuple[set, set, set]:
     """(dense mxfp8 (in, out), grouped wo_a (groups, in, out), mxfp4 experts (experts, in, out))
     of every quantised GEMM in the flash-shaped model (its dense shapes are the release's)."""
+    from dsv41_mlx.io.load import build_model
     from dsv41_mlx.models.attention import Attention
     from dsv41_mlx.models.moe import Fp4Stack
-    from dsv41_mlx.models.deepseek_v41 import Model
     from dsv41_mlx.quant import Fp8Linear
 
-    model = Model(flash_args())  # weights are lazy zeros: nothing is allocated
+    model = build_model(flash_args())  # the DSpark stages too; weights are lazy zeros: nothing is allocated
     dense, grouped, experts = set(), set(), set()
     for _, m in model.named_modules():
         if isinstance(m, Fp8Linear):
@@ -370,7 +370,7 @@ def check_fp8_gemv(impl: str, seed: int) -> list[str]:
     ones, 1..16 rows, outputs poisoned before the launch: every value within the bound of
     another float32 summation order (`gemm_agreement`); a row alone the same bits as among
     others, at 8 rows and at 16 (row bounds RB 8 and 16 against RB 1); a dense GEMM's 2-D form the same
-    bits as one group, a grouped one's stacked form (model.Attention.output's) the same bits as
+    bits as one group, a grouped one's stacked form (attention.Attention.output's) the same bits as
     its [S, G, K] form; asked for fewer real rows (a padded forward), those the same bits and
     the rest zeros."""
     mx.random.seed(seed)
@@ -411,13 +411,13 @@ def check_fp8_gemv_pair(impl: str, seed: int) -> list[str]:
     stacked shapes and a ragged one, 1..16 rows, outputs poisoned: each part the same bits as
     fp8_gemv on its own rows of the stack (a view, as the drafter's stages run them), and
     with fewer real rows the real rows the same bits and the padding zeros."""
+    from dsv41_mlx.io.load import build_model
     from dsv41_mlx.models.attention import Attention
-    from dsv41_mlx.models.deepseek_v41 import Model
 
     mx.random.seed(seed)
     problems = []
     stacks = {(m.wq_a_wkv.weight.shape[1] * 4, m.wq_a_wkv.weight.shape[0], m.q_lora_rank)
-              for _, m in Model(flash_args()).named_modules() if isinstance(m, Attention)}
+              for _, m in build_model(flash_args()).named_modules() if isinstance(m, Attention)}
     for d_in, d_out, split in sorted(stacks) + [(512, 96, 64)]:
         w, s = random_words((d_out, d_in // 4)), random_scales((d_out, d_in // 32))
         for rows in CHECK_ROWS:
@@ -681,10 +681,12 @@ def check_moe_gate(impl: str, seed: int) -> list[str]:
 
 
 def hc_input_spec(h, pre_in, fn, scale, base, norm_w, iters, hc_norm_eps, eps, norm_eps, quantize_to):
-    """What kernels.hc_input computes, by model.HyperConnection.sublayer_input's pure-MLX path."""
-    from dsv41_mlx.models.hyper import _hc_project, hc_pre
+    """What kernels.hc_input computes, by hyper.HyperConnection.sublayer_input's pure-MLX path."""
+    from dsv41_mlx.models.hyper import hc_pre
 
-    mixes = hc_split_reference(_hc_project(h, fn, hc_norm_eps), scale, base, h.shape[1], iters, eps)
+    hf = h.reshape(h.shape[0], -1).astype(mx.float32)  # the stream projected to its mixes, RMS-scaled
+    projected = (hf @ fn.T) * mx.rsqrt(mx.mean(hf * hf, axis=-1, keepdims=True) + hc_norm_eps)
+    mixes = hc_split_reference(projected, scale, base, h.shape[1], iters, eps)
     x = rms_norm_reference(hc_pre(h, pre_in), norm_w, norm_eps)
     return (x, fp8_fake_quant_reference(x).astype(quantize_to), *mixes)
 
@@ -711,7 +713,7 @@ def check_hc_input(impl: str, seed: int) -> list[str]:
 
 def check_hc_post_input(impl: str, seed: int) -> list[str]:
     """hc_post_input (the stream expanded from the previous sub-layer's output inside the
-    sub-layer input's first launch) against model.hc_post then hc_input's spec, as
+    sub-layer input's first launch) against hyper.hc_post then hc_input's spec, as
     check_hc_input: the new stream h within one bf16 step of hc_post's in every value and equal
     in at least 99% of them (a multiply and an add may fuse differently); the rest against the
     spec of the kernel's own h, with check_hc_input's tolerances; a row alone equals the same
@@ -720,7 +722,7 @@ def check_hc_post_input(impl: str, seed: int) -> list[str]:
 
 
 def _check_sublayer_input(impl: str, seed: int, expanded: bool) -> list[str]:
-    from dsv41_mlx.models.hyper import _hc_post
+    from dsv41_mlx.models.hyper import HcMixes, hc_post
 
     rng = np.random.default_rng(seed)
     problems = []
@@ -737,7 +739,7 @@ def _check_sublayer_input(impl: str, seed: int, expanded: bool) -> list[str]:
             comb = mx.array(rng.uniform(0, 1, (rows, hc, hc)).astype(np.float32))
             inputs = (y, h, post, comb, pre_in)
             got_h, *got = hc_post_input(*inputs, *args, impl=impl)
-            problem = bf16_step_problem(got_h, _hc_post(y, h, post, comb))
+            problem = bf16_step_problem(got_h, hc_post(y, h, HcMixes(pre_in, post, comb)))
             if problem:
                 problems.append(f"{name} rows={rows} h: {problem}")
             want = hc_input_spec(got_h, pre_in, *args)
@@ -777,7 +779,7 @@ def check_fp8_into_stream(impl: str, seed: int) -> list[str]:
     row's y zeros), against two launches of the other kernels on the same inputs: fp8_gemv's
     output y put into the stream by hc_post_input. The stream h the same bits (fp8_mma's y
     and hc_post_mix's arithmetic, hc_expand), so it meets the spec as those two do (checks
-    fp8_gemv and hc_post_input; against model.hc_post of fp8_gemv_reference's y directly, a
+    fp8_gemv and hc_post_input; against hyper.hc_post of fp8_gemv_reference's y directly, a
     few values of h lie more than a bf16 step apart: where y's sum nearly cancels, the two
     orders of its float32 sums differ by many ulps, within fp8_gemv's bound). Then
     hc_input_from_parts of the kernel's mix parts against hc_input's spec of h, with
@@ -820,7 +822,7 @@ def check_fp8_into_stream(impl: str, seed: int) -> list[str]:
 
 def sparse_attention_spec(q, ring, index, window_mask, kv, ids, picked_mask, sink, scale, rope, rope_dims,
                           real_rows=None):
-    """What kernels.sparse_attention_rows computes, by model.Attention's pure-MLX path: q
+    """What kernels.sparse_attention_rows computes, by attention.Attention's pure-MLX path: q
     ([S, H, D], or [S, H * D] with H from sink) rotated, the attention over gathered keys, its
     output rotated back (rope: Rope.tables, which say themselves which features rotate;
     rope_dims is the kernel's copy of that); rows from real_rows on (a padded forward's
@@ -835,7 +837,7 @@ def sparse_attention_spec(q, ring, index, window_mask, kv, ids, picked_mask, sin
 
 
 def release_ropes() -> tuple:
-    """The flash-shaped (release) model's attention RoPEs as model.Attention picks them:
+    """The flash-shaped (release) model's attention RoPEs as attention.Attention picks them:
     (a compressed layer's, YaRN; a window-only layer's, plain)."""
     from dsv41_mlx.models.attention import Attention
 
@@ -962,7 +964,7 @@ def check_rms_norm(impl: str, seed: int) -> list[str]:
 
 
 def rotated_spec(normed: mx.array, cos: mx.array, sin: mx.array, dims: int) -> mx.array:
-    """model.rotate of rows [S, D] by Rope.tables' cos and sin [S, D]: the last dims features."""
+    """layers.rotate of rows [S, D] by Rope.tables' cos and sin [S, D]: the last dims features."""
     from dsv41_mlx.models.layers import rotate
 
     S, D = normed.shape
@@ -975,7 +977,7 @@ def check_rms_norm_rope(impl: str, seed: int) -> list[str]:
     """The RMSNorm kernel's rotated form (the window keys' norm, RoPE and FP8 fake-quant in
     one launch) at the latent's width 512 and at 128, the release's 64 rotated features and
     YaRN tables (the flash-shaped config's) at random positions, decode to prefill rows:
-    against model.rotate of the kernel's own norm (the norm is check_rms_norm's), within one
+    against layers.rotate of the kernel's own norm (the norm is check_rms_norm's), within one
     bf16 step and equal in at least 99% of values (a multiply and an add may fuse differently
     from MLX's); the quantised form bit for bit act_quant of the kernel's own rotated norm; a
     row alone equals the same row among others. Tolerances set before any GPU run."""

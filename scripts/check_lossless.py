@@ -2,13 +2,14 @@
 
     python scripts/check_lossless.py [--model M] [--prompts 6] [--tokens 32]
 
-Greedy and coupled sampling, drafting on vs off, with the model's row-invariant
-decode padding (the default on GPUs) and, for comparison, without it.
+Greedy and coupled sampling, drafting on vs off, with the device's row-invariant
+decode padding (Options.decode_rows, the default on GPUs) and, for comparison, without it.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -16,6 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import dsv41_mlx  # noqa: E402
 from dsv41_mlx.generate import generate_step  # noqa: E402
+from dsv41_mlx.runtime.options import default_options  # noqa: E402
+from dsv41_mlx.runtime.runner import Runner  # noqa: E402
 from dsv41_mlx.sampling import SamplingParams  # noqa: E402
 from dsv41_mlx.speculative import SpeculativeDecoder  # noqa: E402
 
@@ -28,21 +31,21 @@ def main() -> int:
     args = parser.parse_args()
     model, _ = dsv41_mlx.load(args.model)
     prompts = [[(97 * i + 31 * j) % 8000 + 100 for j in range(5 + 7 * i)] for i in range(args.prompts)]
-    default_rows = model.decode_rows
+    options = default_options(model.args)
     failures = 0
-    for rows in dict.fromkeys([default_rows, None]):
-        model.decode_rows = rows
-        for name, params in (("greedy", SamplingParams()), ("coupled", SamplingParams(temperature=0.8, seed=3))):
-            diverged = 0
-            for ids in prompts:
-                plain = list(generate_step(model, ids, params, args.tokens))
-                decoder = SpeculativeDecoder(model, model.drafter, params, confidence="off")
-                drafted = list(generate_step(model, ids, params, args.tokens, decoder=decoder))
-                diverged += plain != drafted
-            label = f"padded to {rows} rows" if rows else "unpadded"
-            print(f"{name:8s} {label:18s}: {diverged} of {len(prompts)} replies differ with drafting on")
-            if rows == default_rows:
-                failures += diverged
+    for rows in dict.fromkeys([options.decode_rows, None]):
+        with Runner(model, dataclasses.replace(options, decode_rows=rows)) as runner:
+            for name, params in (("greedy", SamplingParams()), ("coupled", SamplingParams(temperature=0.8, seed=3))):
+                diverged = 0
+                for ids in prompts:
+                    plain = list(generate_step(runner, ids, params, args.tokens))
+                    decoder = SpeculativeDecoder(runner, model.drafter, params, confidence="off")
+                    drafted = list(generate_step(runner, ids, params, args.tokens, decoder=decoder))
+                    diverged += plain != drafted
+                label = f"padded to {rows} rows" if rows else "unpadded"
+                print(f"{name:8s} {label:18s}: {diverged} of {len(prompts)} replies differ with drafting on")
+                if rows == options.decode_rows:
+                    failures += diverged
     print("LOSSLESS" if not failures else f"{failures} DIVERGENT REPLIES in the default mode")
     return 1 if failures else 0
 

@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import dsv41_mlx  # noqa: E402
 from dsv41_mlx import kernels  # noqa: E402
 from dsv41_mlx.generate import prefill  # noqa: E402
+from dsv41_mlx.runtime.runner import Runner  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -96,9 +97,9 @@ def count(model_path: str | None, rows: int, prompt: int = 300) -> dict:
 
     model, _ = dsv41_mlx.load(model_path)
     cache = model.make_cache()
-    prefill(model, [100 + (7 * i) % 900 for i in range(prompt)], cache)  # on the machine's own path
+    with Runner(model) as runner:  # on the machine's own path
+        prefill(runner, [100 + (7 * i) % 900 for i in range(prompt)], cache)
     calls = collections.Counter()
-    model.decode_rows = rows
     per_kind, views_per_kind, names = {}, {}, {}
     total = total_views = 0
 
@@ -115,7 +116,7 @@ def count(model_path: str | None, rows: int, prompt: int = 300) -> dict:
         return h, pre
 
     with gpu_path_with_stub_kernels(calls):
-        logits = bench.decode_by_layer(model, 7, cache, on_layer)
+        logits = bench.decode_by_layer(model, 7, cache, on_layer, decode_rows=rows)
         launches, views, _ = census(logits)
         mx.eval(logits)
         # what the step wrote into the cache but left unevaluated: a later forward would run it

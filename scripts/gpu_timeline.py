@@ -15,7 +15,7 @@ bench.py's oracle drafter (the reply's own tokens, each right at the rate 0.56),
 verified (after two untimed ones), cut into rounds at each verify forward's head: where a
 round's GPU time goes between one verify forward and the next (round_summary).
 
-Runs a few decode steps (each padded as Model.decode pads it) under PyTorch's
+Runs a few decode steps (each padded as Runner.decode pads it) under PyTorch's
 profiler: CUPTI records every kernel the process launches, MLX's included, with
 its name and its start and end on the GPU. Prints how long the GPU was busy per
 step against the step's wall time, the idle gaps between kernels, and a table of
@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import re
 import sys
@@ -188,57 +189,85 @@ def prompt_of(n: int, vocab: int) -> list[int]:
     return [((i * 7919) % 50000 + 100) % vocab for i in range(n)]
 
 
+@contextlib.contextmanager
 def load_warm(model_path: str, rows: int, prompt_tokens: int, prefill_only: bool = False,
               propose_only: bool = False):
-    """The model after a prompt of prompt_tokens tokens and 4 untimed forwards of `rows` tokens
-    (kernels built and loaded, compiled pieces traced), with a function running one more.
+    """Inside: a function that runs one more forward of `rows` tokens on the model, after a
+    prompt of prompt_tokens tokens and 4 untimed forwards (kernels built and loaded, compiled
+    pieces traced), its forwards run by a Runner with the device's options.
     prefill_only: the function prefills that prompt into an empty cache instead (rows unused),
     after two untimed prefills. propose_only: the prompt's features ingested into the
     drafter's rings, the function runs one greedy propose pass from the prompt's next token
     and evaluates its drafts, logits and confidences, as SpeculativeDecoder.round does (rows
     unused; four untimed first).
     One row: a step as generate.generate_step takes it (greedy): the next forward begun before
-    the token is read back (Model.decode_ahead), so a step's kernels run from the rest of one
+    the token is read back (Runner.decode_ahead), so a step's kernels run from the rest of one
     forward (its engram rows first) to the next forward's block 0. More rows: a verify-sized
-    forward (Model.decode) whose token is read back before the next is built."""
+    forward (Runner.decode) whose token is read back before the next is built."""
     import dsv41_mlx
+    from dsv41_mlx.runtime.runner import Runner
+
+    model, _ = dsv41_mlx.load(model_path)
+    with Runner(model) as runner:
+        if prefill_only:
+            yield _prefill_step(runner, prompt_tokens)
+        elif propose_only:
+            yield _propose_step(runner, model_path, prompt_tokens)
+        else:
+            yield _decode_step(runner, rows, prompt_tokens)
+
+
+def _prefill_step(runner, prompt_tokens: int):
+    """load_warm's prefill_only function, after its two untimed runs."""
+    from dsv41_mlx.generate import prefill
+
+    prompt = prompt_of(prompt_tokens, runner.args.vocab_size)
+
+    def prefill_once():
+        logits, _ = prefill(runner, prompt, runner.make_cache())
+        mx.eval(logits)
+
+    for _ in range(2):
+        prefill_once()
+    return prefill_once
+
+
+def _propose_step(runner, model_path: str, prompt_tokens: int):
+    """load_warm's propose_only function, after its four untimed runs."""
+    from dsv41_mlx.generate import prefill
+
+    drafter = drafter_of(runner.model, model_path, "there is no propose pass to time")
+    cache = runner.make_cache()
+    logits, features = prefill(runner, prompt_of(prompt_tokens, runner.args.vocab_size), cache,
+                               keep_features=drafter.window)
+    rings = drafter.make_cache()
+    rings.end = cache.offset - features.shape[0]
+    drafter.ingest(rings, features)
+    anchor = int(mx.argmax(logits).item())
+
+    def propose():
+        proposal = drafter.propose(rings, anchor)
+        mx.eval(proposal.drafts, proposal.logits, proposal.confidence)
+
+    for _ in range(4):
+        propose()
+    return propose
+
+
+def _decode_step(runner, rows: int, prompt_tokens: int):
+    """load_warm's decode function, after its four untimed steps."""
     from dsv41_mlx.generate import draw_token, prefill
     from dsv41_mlx.sampling import SamplingParams
 
-    model, _ = dsv41_mlx.load(model_path)
-    prompt = prompt_of(prompt_tokens, model.args.vocab_size)
-    if prefill_only:
-        def prefill_once():
-            logits, _ = prefill(model, prompt, model.make_cache())
-            mx.eval(logits)
-
-        for _ in range(2):
-            prefill_once()
-        return prefill_once
-    cache = model.make_cache()
-    if propose_only:
-        drafter = drafter_of(model, model_path, "there is no propose pass to time")
-        logits, features = prefill(model, prompt, cache, keep_features=drafter.window)
-        rings = drafter.make_cache()
-        rings.end = cache.offset - features.shape[0]
-        drafter.ingest(rings, features)
-        anchor = int(mx.argmax(logits).item())
-
-        def propose():
-            proposal = drafter.propose(rings, anchor)
-            mx.eval(proposal.drafts, proposal.logits, proposal.confidence)
-
-        for _ in range(4):
-            propose()
-        return propose
-    logits, _ = prefill(model, prompt, cache)
+    cache = runner.make_cache()
+    logits, _ = prefill(runner, prompt_of(prompt_tokens, runner.args.vocab_size), cache)
     mx.eval(logits)
 
     def draw(logits):  # generate_step's greedy draw
-        return draw_token(model, logits, cache.offset, SamplingParams())
+        return draw_token(runner, logits, cache.offset, SamplingParams())
 
     drawn = draw(logits)
-    ahead = model.decode_ahead(drawn, cache, on_forward_stream=True) if rows == 1 else None
+    ahead = runner.decode_ahead(drawn, cache, on_forward_stream=True) if rows == 1 else None
     token = drawn.item()
 
     def step():
@@ -246,10 +275,10 @@ def load_warm(model_path: str, rows: int, prompt_tokens: int, prefill_only: bool
         if rows == 1:
             out, _ = ahead.finish(token, settle=False)  # settled by the next decode_ahead, as generate_step's
             drawn = draw(out)
-            ahead = model.decode_ahead(drawn, cache, on_forward_stream=True)
+            ahead = runner.decode_ahead(drawn, cache, on_forward_stream=True)
             token = drawn.item()
             return
-        out, _ = model.decode([token] * rows, cache)
+        out, _ = runner.decode([token] * rows, cache)
         token = int(mx.argmax(out[0, -1]).item())
         cache.trim(rows - 1)  # a verify-sized forward keeps one position, as a plain step does
 
@@ -266,13 +295,15 @@ def drafter_of(model, model_path: str, what: str):
     return model.drafter
 
 
+@contextlib.contextmanager
 def load_oracle(model_path: str, prompt_tokens: int, tokens: int, rate: float = 0.56):
-    """Loads the model, takes the prompt's plain greedy reply of `tokens` tokens and returns a
-    function that generates it again drafted by bench.py's OracleDrafter (the reply's own
-    tokens, each right at `rate`; every draft verified), run twice untimed first: each run
+    """Inside: loads the model, takes the prompt's plain greedy reply of `tokens` tokens and
+    gives a function that generates it again drafted by bench.py's OracleDrafter (the reply's
+    own tokens, each right at `rate`; every draft verified), run twice untimed first: each run
     checks the reply is the same and returns its decoder (its stats)."""
     import dsv41_mlx
     from dsv41_mlx.generate import generate_step
+    from dsv41_mlx.runtime.runner import Runner
     from dsv41_mlx.sampling import SamplingParams
     from dsv41_mlx.speculative import SpeculativeDecoder
     from scripts.bench import OracleDrafter
@@ -280,17 +311,18 @@ def load_oracle(model_path: str, prompt_tokens: int, tokens: int, rate: float = 
     model, _ = dsv41_mlx.load(model_path)
     drafter = drafter_of(model, model_path, "there are no rounds to time")
     prompt, greedy = prompt_of(prompt_tokens, model.args.vocab_size), SamplingParams()
-    reply = list(generate_step(model, prompt, greedy, tokens))
+    with Runner(model) as runner:
+        reply = list(generate_step(runner, prompt, greedy, tokens))
 
-    def generate():
-        decoder = SpeculativeDecoder(model, OracleDrafter(drafter, prompt + reply, rate, seed=len(prompt)), greedy)
-        if list(generate_step(model, prompt, greedy, tokens, decoder=decoder)) != reply:
-            raise AssertionError("the oracle-drafted reply differs from the plain greedy one")
-        return decoder
+        def generate():
+            decoder = SpeculativeDecoder(runner, OracleDrafter(drafter, prompt + reply, rate, seed=len(prompt)), greedy)
+            if list(generate_step(runner, prompt, greedy, tokens, decoder=decoder)) != reply:
+                raise AssertionError("the oracle-drafted reply differs from the plain greedy one")
+            return decoder
 
-    for _ in range(2):
-        generate()
-    return generate
+        for _ in range(2):
+            generate()
+        yield generate
 
 
 def under_ncu(model_path: str, rows: int, prompt_tokens: int, prefill_only: bool = False,
@@ -299,13 +331,13 @@ def under_ncu(model_path: str, rows: int, prompt_tokens: int, prefill_only: bool
     (for ncu, see the top)."""
     import ctypes
 
-    step = load_warm(model_path, rows, prompt_tokens, prefill_only, propose_only)
-    driver = ctypes.CDLL("libcuda.so.1")  # MLX links the runtime statically: the driver's calls
-    mx.synchronize()
-    driver.cuProfilerStart()
-    step()
-    mx.synchronize()
-    driver.cuProfilerStop()
+    with load_warm(model_path, rows, prompt_tokens, prefill_only, propose_only) as step:
+        driver = ctypes.CDLL("libcuda.so.1")  # MLX links the runtime statically: the driver's calls
+        mx.synchronize()
+        driver.cuProfilerStart()
+        step()
+        mx.synchronize()
+        driver.cuProfilerStop()
 
 
 def record(model_path: str, rows: int, steps: int, prompt_tokens: int = 261, prefill_only: bool = False,
@@ -313,8 +345,8 @@ def record(model_path: str, rows: int, steps: int, prompt_tokens: int = 261, pre
     """The GPU kernels of `steps` decode steps of `rows` tokens after a prompt of prompt_tokens
     tokens (prefill_only: of `steps` prefills of that prompt; propose_only: of `steps` propose
     passes after it), and the wall seconds per step under the profiler."""
-    step = load_warm(model_path, rows, prompt_tokens, prefill_only, propose_only)
-    kernels, _, wall = profiled(lambda: [step() for _ in range(steps)])
+    with load_warm(model_path, rows, prompt_tokens, prefill_only, propose_only) as step:
+        kernels, _, wall = profiled(lambda: [step() for _ in range(steps)])
     return kernels, wall / steps
 
 
@@ -335,7 +367,8 @@ def profiled(run):
 def print_rounds(model_path: str, prompt_tokens: int, tokens: int, json_path: str | None) -> int:
     """--oracle: one oracle-drafted generation under the profiler, its rounds (round_summary),
     reported by rounds_report."""
-    kernels, decoder, _ = profiled(load_oracle(model_path, prompt_tokens, tokens))
+    with load_oracle(model_path, prompt_tokens, tokens) as generate:
+        kernels, decoder, _ = profiled(generate)
     rounds = round_summary(kernels)
     report = rounds_report(rounds, decoder.stats, prompt_tokens)
     if report is None:
@@ -391,7 +424,7 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=1, help="tokens per forward (1: a decode step; up to 6: verify)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--prompt-tokens", type=int, default=261,
-                        help="context before the steps (model.indexer_scoring_length or more: every index layer "
+                        help="context before the steps (indexer_scoring_length or more: every index layer "
                              "scores; fewer: the indexers pick every position unscored)")
     parser.add_argument("--prefill", action="store_true",
                         help="time prefills of a --prompt-tokens prompt into an empty cache instead of decode steps")

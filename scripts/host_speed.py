@@ -4,16 +4,15 @@
 
 Runs plain 1-row decode steps (as `bench.py e2e`'s bare step: the forward, then the greedy
 token read back) after a 261-token prompt, the warm-up first. For each step it records the
-wall time, the host's build (until `Model.decode` returns, the blocks started on the device
+wall time, the host's build (until `Runner.decode` returns, the blocks started on the device
 as they are built), the part of the build inside `mx.async_eval` (MLX evaluating the graph)
 and `bench.host_probe_ms` (a fixed pure-Python loop, no MLX) just before it. Steps over 1.2x
 the fastest quarter's slowest are counted as slow; the two groups' means show whether a
-slow step is more work or the same work on a slower CPU (then the probe slows alike).
-Session 10 found the lent H200's host (a virtual machine) 1.25-1.45x slower in episodes of
-tens of steps this way (docs/benchmarks.md).
+slow step is more work or the same work on a slower CPU (then the probe slows alike): the
+lent H200's host (a virtual machine) showed episodes of tens of steps 1.25-1.45x slower.
 
 --thread on|off evaluates the blocks on the evaluator's thread or on the caller's
-(`Model.evaluate_on_thread`; on by default on a GPU): threaded, the async_eval time is the
+(`Options.evaluate_on_thread`; on by default on a GPU): threaded, the async_eval time is the
 evaluator's, overlapping the build, so the table has no Python column.
 
 --profile N runs the steps under cProfile as well and prints the N functions with the most
@@ -27,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import dataclasses
 import io
 import pstats
 import statistics
@@ -63,26 +63,29 @@ def measure(model_path: str | None, steps: int, profiler: cProfile.Profile | Non
     import dsv41_mlx
     from bench import host_probe_ms
     from dsv41_mlx.generate import prefill, warm_up
+    from dsv41_mlx.runtime.options import default_options
+    from dsv41_mlx.runtime.runner import Runner
 
     model, _ = dsv41_mlx.load(model_path)
+    options = default_options(model.args)
     if thread is not None:  # (on: each block started as it is built, on the CPU too)
-        model.evaluate_on_thread = thread
-        model.overlap_build = model.overlap_build or thread
-    if warm:
-        warm_up(model)
-    cache = model.make_cache()
-    logits, _ = prefill(model, [((i * 7919) % 50000 + 100) % model.args.vocab_size for i in range(261)], cache)
-    token, rows, inside = int(mx.argmax(logits).item()), [], [0.0]
-    with timed_async_eval(inside), (profiler or contextlib.nullcontext()):
-        for _ in range(steps):
-            probe, inside[0] = host_probe_ms(), 0.0
-            tic = time.perf_counter()
-            out, _ = model.decode([token], cache)
-            built = time.perf_counter()
-            token = int(mx.argmax(out[0, -1]).item())
-            rows.append({"step_ms": (time.perf_counter() - tic) * 1e3, "build_ms": (built - tic) * 1e3,
-                         "async_eval_ms": inside[0] * 1e3, "probe_ms": probe,
-                         "threaded": model.overlap_build and model.evaluate_on_thread})
+        options = dataclasses.replace(options, evaluate_on_thread=thread, overlap_build=options.overlap_build or thread)
+    threaded = options.overlap_build and options.evaluate_on_thread
+    with Runner(model, options) as runner:
+        if warm:
+            warm_up(runner)
+        cache = runner.make_cache()
+        logits, _ = prefill(runner, [((i * 7919) % 50000 + 100) % model.args.vocab_size for i in range(261)], cache)
+        token, rows, inside = int(mx.argmax(logits).item()), [], [0.0]
+        with timed_async_eval(inside), (profiler or contextlib.nullcontext()):
+            for _ in range(steps):
+                probe, inside[0] = host_probe_ms(), 0.0
+                tic = time.perf_counter()
+                out, _ = runner.decode([token], cache)
+                built = time.perf_counter()
+                token = int(mx.argmax(out[0, -1]).item())
+                rows.append({"step_ms": (time.perf_counter() - tic) * 1e3, "build_ms": (built - tic) * 1e3,
+                             "async_eval_ms": inside[0] * 1e3, "probe_ms": probe, "threaded": threaded})
     return rows[2:]  # the first steps after the prompt settle the allocator's cache
 
 
@@ -100,7 +103,7 @@ def main() -> int:
                         help="also run the steps under cProfile and print its N top functions by own time")
     parser.add_argument("--thread", choices=("on", "off"), default=None,
                         help="each block's mx.async_eval on the evaluator's thread or on the caller's "
-                             "(Model.evaluate_on_thread; default: the model's own, on where there is a GPU)")
+                             "(Options.evaluate_on_thread; default: the device's, on where there is a GPU)")
     parser.add_argument("--no-warm-up", action="store_true",
                         help="skip generate.warm_up (a quick smoke run: the first steps then also trace "
                              "the compiled pieces and, on a GPU, build kernels)")

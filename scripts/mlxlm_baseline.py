@@ -1,4 +1,4 @@
-"""mlx-lm's own DeepSeek-V4.1 port as the baseline of `scripts/bench.py e2e` (issue 7).
+"""mlx-lm's own DeepSeek-V4.1 port as the baseline of `scripts/bench.py e2e`.
 
     python scripts/mlxlm_baseline.py CHECKPOINT [--prompts 2] [--prompt-tokens 256] [--tokens 64]
 
@@ -47,6 +47,7 @@ loop nor ours does. A warm-up generation on the first prompt comes first.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import time
@@ -78,7 +79,7 @@ def require_mlxlm():
         raise MlxLmUnavailable(f"mlx-lm: version {version} is installed; the baseline needs 0.32.x")
     try:
         from mlx_lm import utils
-        from mlx_lm.models import deepseek_v41  # noqa: F401  (the architecture must be there)
+        importlib.import_module("mlx_lm.models.deepseek_v41")  # the architecture must be there
     except ImportError as e:  # mlx_lm imports transformers at the top of the package
         raise MlxLmUnavailable(f"mlx-lm: {version} cannot be imported ({e})") from None
     return utils

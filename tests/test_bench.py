@@ -33,7 +33,7 @@ def test_e2e_drafted_replies_equal_undrafted_and_mlxlm_runs_beside(bench, monkey
 
     generate = importlib.import_module("dsv41_mlx.generate")  # (the package's `generate` is the function)
     order, warm_up = [], generate.warm_up  # the floor's bandwidth measured once the warm-up has run
-    monkeypatch.setattr(generate, "warm_up", lambda model: order.append("warm-up") or warm_up(model))
+    monkeypatch.setattr(generate, "warm_up", lambda runner: order.append("warm-up") or warm_up(runner))
     # (the real measurement has a test of its own; three of 1 GiB copies take ~1.5 min on a CI core)
     monkeypatch.setattr(bench, "copy_bandwidth", lambda: order.append("bandwidth") or 2e11)
     reported = []  # what is handed over before the paired measurement, the slowest and last part
@@ -372,28 +372,30 @@ def test_chained_times_a_gemm_waiting_for_the_one_before(bench):
 
 def test_the_long_context_prompt_makes_every_index_layer_score(bench, monkeypatch):
     """bench.py e2e's long-context run: its prompt (the prompts one after another, to
-    model.indexer_scoring_length) leaves every index layer more compressed groups than its picks, so
+    indexer_scoring_length) leaves every index layer more compressed groups than its picks, so
     that each decode step scores them (the short prompts' indexers pick every position
-    unscored: model.Indexer.picks_everything)."""
+    unscored: Indexer.picks_everything)."""
     import dsv41_mlx
     from dsv41_mlx.generate import prefill
     from dsv41_mlx.models.attention import Indexer, indexer_scoring_length
+    from dsv41_mlx.runtime.runner import Runner
 
     model, _ = dsv41_mlx.load(None)
     ids = bench.long_context_prompt([[5, 6, 7], [8, 9]], indexer_scoring_length(model.args))
     assert len(ids) == indexer_scoring_length(model.args) and ids[:6] == [5, 6, 7, 8, 9, 5]
-    cache = model.make_cache()
-    prefill(model, ids, cache)
     answers = []
     picks_everything = Indexer.picks_everything
-    monkeypatch.setattr(Indexer, "picks_everything", lambda self, *a: answers.append(picks_everything(self, *a))
-                        or answers[-1])
-    model.decode([5], cache)
-    assert len(answers) == len(model.args.index_source_layer_ids) and not any(answers)
-    short = model.make_cache()
-    prefill(model, ids[:4], short)
-    answers.clear()
-    model.decode([5], short)
+    with Runner(model) as runner:
+        cache = runner.make_cache()
+        prefill(runner, ids, cache)
+        monkeypatch.setattr(Indexer, "picks_everything", lambda self, *a: answers.append(picks_everything(self, *a))
+                            or answers[-1])
+        runner.decode([5], cache)
+        assert len(answers) == len(model.args.index_source_layer_ids) and not any(answers)
+        short = runner.make_cache()
+        prefill(runner, ids[:4], short)
+        answers.clear()
+        runner.decode([5], short)
     assert answers and all(answers)
 
 

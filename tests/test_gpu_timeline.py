@@ -72,22 +72,24 @@ def test_one_row_steps_run_as_generate_runs_them(timeline, fixture_dir, monkeypa
     one position a step."""
     import dsv41_mlx
     from dsv41_mlx.generate import generate_step
+    from dsv41_mlx.runtime.runner import Runner
     from dsv41_mlx.sampling import SamplingParams
 
     model, _ = dsv41_mlx.load(fixture_dir)
     prompt = timeline.prompt_of(12, model.args.vocab_size)
-    expected = list(generate_step(model, prompt, SamplingParams(), 8))
+    with Runner(model) as runner:
+        expected = list(generate_step(runner, prompt, SamplingParams(), 8))
     seen = []
-    real_decode_ahead = type(model).decode_ahead
+    real_decode_ahead = Runner.decode_ahead
 
     def spy(self, token, cache, on_forward_stream=False):
         seen.append((int(token.item()), cache.offset, on_forward_stream))
         return real_decode_ahead(self, token, cache, on_forward_stream)
 
-    monkeypatch.setattr(type(model), "decode_ahead", spy)
-    step = timeline.load_warm(str(fixture_dir), 1, len(prompt))
-    for _ in range(3):
-        step()
+    monkeypatch.setattr(Runner, "decode_ahead", spy)
+    with timeline.load_warm(str(fixture_dir), 1, len(prompt)) as step:
+        for _ in range(3):
+            step()
     assert [t for t, _, _ in seen] == expected[: len(seen)] and len(seen) == 8  # the first, 4 untimed, 3 steps
     assert [offset for _, offset, _ in seen] == list(range(len(prompt), len(prompt) + 8))
     assert all(queued for _, _, queued in seen)  # each token drawn on the forwards' stream, as generate_step's
@@ -99,23 +101,25 @@ def test_prefill_steps_prefill_the_prompt_into_an_empty_cache(timeline, fixture_
     import dsv41_mlx
     import mlx.core as mx
     from dsv41_mlx.generate import prefill
+    from dsv41_mlx.runtime.runner import Runner
 
     model, _ = dsv41_mlx.load(fixture_dir)
     prompt = timeline.prompt_of(20, model.args.vocab_size)
-    expected, _ = prefill(model, prompt, model.make_cache())
+    with Runner(model) as runner:
+        expected, _ = prefill(runner, prompt, runner.make_cache())
     calls, outs = [], []
 
-    def spy(model, ids, cache, *args, **kw):
+    def spy(runner, ids, cache, *args, **kw):
         calls.append((list(ids), cache.offset))
-        logits, features = prefill(model, ids, cache, *args, **kw)
+        logits, features = prefill(runner, ids, cache, *args, **kw)
         outs.append(logits)
         return logits, features
 
     monkeypatch.setattr(sys.modules["dsv41_mlx.generate"], "prefill", spy)
-    step = timeline.load_warm(str(fixture_dir), 1, len(prompt), prefill_only=True)
-    assert len(calls) == 2  # the two untimed prefills
-    step()
-    step()
+    with timeline.load_warm(str(fixture_dir), 1, len(prompt), prefill_only=True) as step:
+        assert len(calls) == 2  # the two untimed prefills
+        step()
+        step()
     assert calls == [(prompt, 0)] * 4  # the whole prompt, an empty cache each time
     for logits in outs:
         assert mx.array_equal(logits, expected)
@@ -167,12 +171,14 @@ def test_propose_steps_propose_from_the_prompts_rings(timeline, fixture_dir, mon
     drafts as a drafter given that prompt directly."""
     import dsv41_mlx
     import mlx.core as mx
-    from dsv41_mlx.runtime.drafter import Drafter
     from dsv41_mlx.generate import prefill
+    from dsv41_mlx.runtime.drafter import Drafter
+    from dsv41_mlx.runtime.runner import Runner
 
     model, _ = dsv41_mlx.load(fixture_dir)
     prompt = timeline.prompt_of(20, model.args.vocab_size)
-    logits, features = prefill(model, prompt, model.make_cache(), keep_features=model.drafter.window)
+    with Runner(model) as runner:
+        logits, features = prefill(runner, prompt, runner.make_cache(), keep_features=model.drafter.window)
     rings = model.drafter.make_cache()
     rings.end = len(prompt) - features.shape[0]
     model.drafter.ingest(rings, features)
@@ -186,8 +192,8 @@ def test_propose_steps_propose_from_the_prompts_rings(timeline, fixture_dir, mon
         return proposal
 
     monkeypatch.setattr(Drafter, "propose", spy)
-    step = timeline.load_warm(str(fixture_dir), 1, len(prompt), propose_only=True)
-    step()
+    with timeline.load_warm(str(fixture_dir), 1, len(prompt), propose_only=True) as step:
+        step()
     assert len(seen) == 5 and {(a, end) for a, end, _ in seen} == {(int(mx.argmax(logits).item()), len(prompt))}
     assert all(p.drafts.tolist() == expected for _, _, p in seen)
 
@@ -204,7 +210,8 @@ def test_propose_needs_a_checkpoint_with_drafter_stages(timeline, fixture_dir, m
 
     monkeypatch.setattr(dsv41_mlx, "load", without_drafter)
     with pytest.raises(SystemExit, match="no DSpark stages"):
-        timeline.load_warm(str(fixture_dir), 1, 12, propose_only=True)
+        with timeline.load_warm(str(fixture_dir), 1, 12, propose_only=True):
+            pass
 
 
 @pytest.mark.parametrize("modes", [("--prefill", "--propose"), ("--propose", "--oracle"), ("--prefill", "--oracle")])
@@ -236,8 +243,8 @@ def test_oracle_rounds_regenerate_the_plain_reply(timeline, fixture_dir):
     oracle drafter that must give it again; every draft verified."""
     from scripts.bench import OracleDrafter
 
-    generate = timeline.load_oracle(str(fixture_dir), 20, 12)
-    decoder = generate()
+    with timeline.load_oracle(str(fixture_dir), 20, 12) as generate:
+        decoder = generate()
     assert isinstance(decoder.drafter, OracleDrafter) and decoder.policy.mode == "off"
     stats = decoder.stats
     assert stats.rounds > 1 and 0 < stats.accepted <= stats.verified  # the reply's own tokens, 0.56 of them right

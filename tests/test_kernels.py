@@ -907,14 +907,14 @@ def test_rms_norm_rope_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatc
 
 def test_hc_post_input_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatch):
     """check_kernels.py's check of the sub-layer input that expands the stream itself: the
-    spec (model._hc_post, then hc_input's spec) passes; a kernel whose stream is off by a bf16
+    spec (hyper.hc_post, then hc_input's spec) passes; a kernel whose stream is off by a bf16
     step in many values, or whose rows depend on each other, fails."""
-    from dsv41_mlx.models.hyper import _hc_post
+    from dsv41_mlx.models.hyper import HcMixes, hc_post
 
     check = _check_kernels_script()
 
     def spec(y, residual, post, comb, pre_in, *args, impl=None):
-        h = _hc_post(y, residual, post, comb)
+        h = hc_post(y, residual, HcMixes(pre_in, post, comb))
         return (h, *check.hc_input_spec(h, pre_in, *args))
 
     def h_off(*a, impl=None):
@@ -935,7 +935,7 @@ def test_hc_post_input_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatc
 
 def test_fp8_into_stream_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatch):
     """check_kernels.py's check of the GEMM that puts its output into the stream: specs of the
-    kernels it runs (the GEMM's output by fp8_gemv_reference, the stream by model._hc_post,
+    kernels it runs (the GEMM's output by fp8_gemv_reference, the stream by hyper._hc_post,
     its mix parts the whole projection in one part, the next sub-layer's input completing
     them) pass; a stream off by a bf16 step, parts that miss a share of the projection, or
     rows that depend on each other fail."""
