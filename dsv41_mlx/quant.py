@@ -103,7 +103,7 @@ class Fp8Linear(nn.Module):
         self.scales = mx.zeros((out_dims, in_dims // 32), dtype=mx.uint8)
 
     # real: the rows of x that matter, the first `real` (a padded decode or verify forward's,
-    # model.Model.padded); on a GPU the others are not computed and come out zeros
+    # Runner.padded); on a GPU the others are not computed and come out zeros
     # parts: [real, P, out] bf16 added to the product (kernels.parts_added; fp8_linear)
     def __call__(self, x: mx.array, real: int | None = None, parts: mx.array | None = None) -> mx.array:
         return fp8_linear(x, self.weight, self.scales, real, parts)
@@ -147,11 +147,10 @@ def gemm_input_dtype() -> mx.Dtype:
 
     Their inputs are FP8-rounded or bf16 activations, exact in bf16 and in fp32,
     and MLX's kernels accumulate in fp32 either way. On CUDA the bf16-fed ones run
-    1.3 to 3x faster and give the fp32-fed result rounded to bf16 but for rare
-    values, their fp32 sums taken in another order (0.06-0.9% of values on the
-    H200, most one bf16 ulp apart, sums that nearly cancel further; all within the
-    bound of fp32 reordering, which scripts/check_kernels.py checks at every shape
-    of the model). The CPU's bf16 kernels round along the way (hundreds of ulps),
+    faster and give the fp32-fed result rounded to bf16 but for rare values, their
+    fp32 sums taken in another order (most one bf16 ulp apart, sums that nearly
+    cancel further; all within the bound of fp32 reordering, which
+    scripts/check_kernels.py checks at every shape of the model). The CPU's bf16 kernels round along the way (hundreds of ulps),
     and Metal's are not yet checked on a Mac: fp32 there."""
     return mx.bfloat16 if kernels.device_backend() == "cuda" else mx.float32
 

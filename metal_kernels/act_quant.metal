@@ -8,7 +8,7 @@
 // the result rounded to T, then stored as O (float32 feeds the GEMM directly).
 // One thread per value; a SIMD group of 32 threads holds one block and takes
 // its amax with one reduction. |x / scale| <= 448 by construction, so no saturation is needed.
-// Bit for bit the spec, quant.fp8_fake_quant_reference. Template: T, O (the size
+// Bit for bit the spec, kernels.specs.fp8_fake_quant_reference. Template: T, O (the size
 // is an input, so one build serves every activation size).
 // CUDA twin: act_quant.cu.
 

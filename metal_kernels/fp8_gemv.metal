@@ -6,7 +6,7 @@
 // (exact: an FP8 fake-quantised activation, or wo_a's bf16 one). Output y: bf16
 // [out_rows, G, N]. G = 1 for a dense GEMM; wo_a's 8 groups otherwise. sizes [5] int32 =
 // (rows, N, K, G, out_rows): the first `rows` rows are computed, the rest of the out_rows
-// (a padded forward's padding, model.Model.padded) come out zeros; rows <= RB, and the
+// (a padded forward's padding, Runner.padded) come out zeros; rows <= RB, and the
 // padding rows past RB are written zeros without any sums.
 // N a multiple of (256 / C) * T, K of 32.
 //

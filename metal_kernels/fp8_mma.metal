@@ -7,7 +7,7 @@
 // E8M0 scale per row and 32 columns, scales [G, N, K / 32]. x: bf16 [rows, G, K] (exact: an
 // FP8 fake-quantised activation, or one the kernel quantises: QX). Output y: bf16
 // [out_rows, G, N]. sizes [5] int32 = (rows, N, K, G, out_rows): the first `rows` rows are
-// computed, the rest of the out_rows (a padded forward's padding, model.Model.padded) come out
+// computed, the rest of the out_rows (a padded forward's padding, Runner.padded) come out
 // zeros; 1 <= rows <= 8 NH. G = 1 for a dense GEMM (the only use: fp8_gemv_on_matrix_unit);
 // the layout also takes G matrices, threadgroup i working on matrix i / (N / 32).
 // N a multiple of 32, K of 256.

@@ -3,7 +3,7 @@
 // into the stream, as hc_post_mix would take it, so that no launch of its own expands it.
 // Each simdgroup takes rows warp, warp + 8, .., a lane each of the tile's 32 features d:
 // y[r, d] (bfloat16, the bits fp8_mma_y.metal writes; the padding rows' zeros), then the new
-// stream's HC copies h[r, c, d] = hc_expanded (hc_expand.h: model._hc_post's arithmetic, the
+// stream's HC copies h[r, c, d] = hc_expanded (hc_expand.h: hyper._hc_post's arithmetic, the
 // bits hc_post_mix gives), written out, and the tile's share of the next sub-layer's mix
 // projection: for each mix m, sum over c of h[r, c, d] * fn[m, c * N + d], and sum over c of
 // h[r, c, d]^2, each then summed over the tile's 32 features in a butterfly, into
@@ -15,9 +15,8 @@
 // GEMM). CUDA twin: fp8_mma_hc.cu.
 static_assert(TR == 32, "the mix parts are a 32-feature tile's, a lane each");
 constexpr int M = (2 + HC) * HC;
-// mixes a pass: their loads of fn are issued together, MG * HC a lane; all M at once held ~100
-// registers a thread more than the GEMM (NVRTC: 255 against 122), which halved the threadgroups
-// a core holds (CUDA; docs/benchmarks.md, session 22)
+// mixes a pass: their loads of fn are issued together, MG * HC a lane; all M at once would hold
+// about twice the GEMM's registers a thread on CUDA, halving the threadgroups a core holds
 constexpr int MG = 8;
 const uint d = n0 + lane;  // this lane's feature
 for (uint r = warp; r < uint(out_rows); r += WARPS) {

@@ -1,4 +1,4 @@
-// One value of the stream after a sub-layer, model._hc_post's arithmetic (hc_post_mix.metal and
+// One value of the stream after a sub-layer, hyper._hc_post's arithmetic (hc_post_mix.metal and
 // fp8_mma_hc.metal; CUDA twin: hc_expand.cuh): copy c of a feature of one row,
 // post_c * y + sum over i of comb[i, c] * residual[i] in float32, the sum in i order, rounded to
 // bfloat16 once. comb: the row's [HC, HC]; res: the row's residual at the feature, its HC copies

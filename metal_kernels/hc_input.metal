@@ -1,5 +1,5 @@
 // A sub-layer's input from the hyper-connection stream, a threadgroup per row (decode and
-// verify forwards), after hc_mix.metal: together what model.HyperConnection.sublayer_input
+// verify forwards), after hc_mix.metal: together what hyper.HyperConnection.sublayer_input
 // computes with about eight operations.
 //
 // h [S, HC, D] bfloat16: the stream; pre_in [S, HC] float32: the collapse weights the

@@ -1,7 +1,7 @@
 // The first half of a sub-layer's input (hc_input.metal is the second): the stream's mix
 // projection and sum of squares, split over CH chunks of each row so that a decode step's
-// few rows spread over many threadgroups (one threadgroup per row read all of fn, 2 MB at
-// the release's shape, alone: ~145 us a call on an H200).
+// few rows spread over many threadgroups (one threadgroup per row would read all of fn, 2 MB
+// at the release's shape, alone).
 //
 // h [S, HC, D] bfloat16: the stream, each row flattened to HD = HC * D values; fn [M, HD]
 // float32: the sub-layer's mix projection (M = (2 + HC) * HC); rows [1] int32 = S.

@@ -7,7 +7,7 @@
 // [M, HD] float32 (M = (2 + HC) * HC, HD = HC * D); rows [1] int32 = S.
 // Outputs: parts [S, CH, M + 1] float32 as hc_mix's; h [S, HC, D] bfloat16: copy c of the
 // new stream, h[c, d] = post[c] * y[d] + sum over i of comb[i, c] * residual[i, d], in
-// float32, the sum in i order, rounded to bfloat16 once (model._hc_post's arithmetic; a
+// float32, the sum in i order, rounded to bfloat16 once (hyper._hc_post's arithmetic; a
 // compiler may fuse a multiply and an add differently from MLX's, so h matches the spec to
 // within a bfloat16 step, not bit for bit). Each value of h is written by the one thread that
 // projects it. Template constants: D, HC, CH (HD a multiple of CH). 256 threads, S * CH

@@ -79,10 +79,10 @@ struct E4m3Codes {  // fp8_mma: two 32-bit words (8 codes) of a weight row a lan
 // STAGE (a launch that computes more than one row): the threadgroup first reads them into
 // shared memory `tile` at once, 16 bytes a read where they are 16-byte aligned, then waits
 // (__syncthreads), and the walk reads them there; otherwise straight from memory, a byte from
-// each of 8 rows a load, every lane, every block. On the H200 (session 27) the walk's own
-// scale loads had cost fp4_experts ~15% of its time at six rows; at one row, where a
-// threadgroup's walk is short, the wait before its first weight loads cost fp8_mma more than
-// it saved. K at most MMA_MAX_K (kernels.MMA_MAX_K; K a multiple of 256): `tile` holds
+// each of 8 rows a load, every lane, every block. Staging pays at more than one row, where the
+// walk's own scale loads are a large share of fp4_experts' time; at one row, where a
+// threadgroup's walk is short, the wait before its first weight loads costs fp8_mma more than
+// it saves. K at most MMA_MAX_K (kernels.MMA_MAX_K; K a multiple of 256): `tile` holds
 // MMA_MAX_K bytes, a 32-row tile's.
 constexpr unsigned int MMA_MAX_K = 8192;
 template <bool STAGE, int TR = 32, class S>

@@ -15,7 +15,7 @@ const float* we = w + (size_t)e * D;
 // Every load first, with no branch between them: a row test (r < rows) between one feature's
 // sums and the next feature's weight load kept the compiler from issuing that load early, so a
 // thread's PER weight loads went to memory one after another (NVRTC's PTX: a branch per row
-// per feature), ~35 us a call with the weights cold in a forward (session 17's timeline).
+// per feature).
 float wd[PER];
 _Pragma("unroll")
 for (int k = 0; k < PER; k++) {
@@ -28,7 +28,7 @@ for (int r = 0; r < RB; r++) {
   acc[r] = 0.0f;
 }
 _Pragma("unroll")
-for (int k = 0; k < PER; k++) {  // each row's products in feature order, as before
+for (int k = 0; k < PER; k++) {  // each row's products in feature order
   const int d = (int)tid + k * 32 * WARPS;
   if (EVEN || d < D) {
     _Pragma("unroll")

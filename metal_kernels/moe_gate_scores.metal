@@ -15,9 +15,8 @@
 // kernels.gate_row_bound), D.
 // 256 threads per threadgroup, E threadgroups. CUDA twin: moe_gate_scores.cu.
 //
-// (The first version gave each expert one simdgroup, which walked all of D alone: 160
-// dependent steps at D = 5120, ~300 us a call on an H200. Spread over a threadgroup, a
-// thread takes 20.)
+// A threadgroup, not a simdgroup, per expert: a simdgroup alone would walk all of D in 160
+// dependent steps at D = 5120; spread over a threadgroup, a thread takes 20.
 
 constexpr int WARPS = 8;
 threadgroup float partial[WARPS][RB];
@@ -33,7 +32,7 @@ const device float* we = w + ulong(e) * D;
 // Every load first, with no branch between them: a row test (r < rows) between one feature's
 // sums and the next feature's weight load kept the compiler from issuing that load early, so a
 // thread's PER weight loads went to memory one after another (on CUDA, NVRTC's PTX: a branch per
-// row per feature; ~35 us a call with the weights cold in a forward, session 17's timeline).
+// row per feature).
 float wd[PER];
 for (int k = 0; k < PER; k++) {
   const int d = int(tid) + k * 32 * WARPS;
@@ -43,7 +42,7 @@ float acc[RB];
 for (int r = 0; r < RB; r++) {
   acc[r] = 0.0f;
 }
-for (int k = 0; k < PER; k++) {  // each row's products in feature order, as before
+for (int k = 0; k < PER; k++) {  // each row's products in feature order
   const int d = int(tid) + k * 32 * WARPS;
   if (EVEN || d < D) {
     for (int r = 0; r < RB; r++) {  // rows past `rows` read the last row again: their sums are never used

@@ -7,10 +7,10 @@
 // square, each simdgroup its 32 partial sums in a butterfly, then the 8 simdgroup sums in
 // order: not the spec's order, so results match it to float32 noise; each row is computed
 // alone, the same bits in any forward.
-// ROPE > 0: then the last ROPE features rotated as model.rotate rotates them: feature d
+// ROPE > 0: then the last ROPE features rotated as layers.rotate rotates them: feature d
 // becomes v_d * rope_cos_d + v_(d^1) * rope_sin_d in float32 (its pair partner d ^ 1; the
 // sin table carries the signs), rounded to T again. rope_cos, rope_sin [rows, D] float32 are
-// model.Rope.tables' first two; D a multiple of 32. ROPE 0 reads neither (placeholders).
+// layers.Rope.tables' first two; D a multiple of 32. ROPE 0 reads neither (placeholders).
 // QUANT 1: the result also FP8 fake-quantised per 32 values (act_quant.metal, bit for bit
 // on the rounded result; D a multiple of 32), as an FP8 GEMM takes it, stored as O.
 // Template constants: T, O, QUANT, ROPE. 256 threads. The row's work: rms_norm_row.h.

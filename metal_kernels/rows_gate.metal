@@ -1,10 +1,10 @@
 // Hold what is queued behind this launch until the host has written a forward's engram rows,
 // then pass the rows on.
 //
-// A forward built before its token is known (Model.decode_ahead) reads its engram rows from a
-// buffer the host fills once the token is read back (engram.StagedRows). Its launches can be
-// queued on the device before that, each behind this one: this kernel waits until the host
-// has released the forward, then copies the rows into its output, which is what the forward
+// A forward built before its token is known (Runner.decode_ahead) reads its engram rows from a
+// buffer the host fills once the token is read back (runtime.staged.StagedRows). Its launches
+// can be queued on the device before that, each behind this one: this kernel waits until the
+// host has released the forward, then copies the rows into its output, which is what the forward
 // reads (so every launch that reads the rows depends on this one's output: a CUDA graph
 // orders launches by the buffers they share), and the device runs the forward's blocks
 // straight after the host's write instead of waiting for the host to encode them then.

@@ -1,11 +1,11 @@
 // The attention of a decode or verify forward in one launch, for rows that each gather
 // their own window (the row-invariant path): a threadgroup per (row, group of G heads).
-// What model.Attention does between its query and output projections, on keys gathered
+// What attention.Attention does between its query and output projections, on keys gathered
 // first, with about seventeen operations: the query RoPE; per head, scores q . k * scale
 // over the row's W window keys and K picked compressed keys (-inf where masked),
 // p = exp(score - max(row max, -1e30)), denominator sum(p) + exp(sink - row max), and the
 // keys weighted by p rounded to bfloat16, divided by the denominator and rounded to bfloat16
-// (model.sparse_attention's o); then the inverse RoPE of o, rounded to bfloat16 again.
+// (attention.sparse_attention's o); then the inverse RoPE of o, rounded to bfloat16 again.
 //
 // The work: a simdgroup per key for the scores, each lane taking 8-feature chunks of it (one
 // 16-byte read each) against its chunks of the G queries held in registers; for the weighted
@@ -17,9 +17,9 @@
 // compressed keys, ids [S, K] uint32: each row's picks, pmask [S, K] bool (K = 0: none);
 // sink [H] float32; rope_cos, rope_sin [S, D/2, 2] float32: each row's Rope.tables factors;
 // params [1] float32 = (scale,); rows [1] int32: the real rows, those before the padding
-// (model.Model.padded), which alone are computed; a padding row's output is zeros.
+// (Runner.padded), which alone are computed; a padding row's output is zeros.
 // Output: out [S, H, D] bfloat16.
-// RoPE as model.rotate: feature d of the last RD becomes x[d] cos[d] + x[d ^ 1] sin[d] in
+// RoPE as layers.rotate: feature d of the last RD becomes x[d] cos[d] + x[d ^ 1] sin[d] in
 // float32 (sin is negated on a pair's first feature), rounded to bfloat16; the inverse
 // takes -sin. The attention's sums run in another order than the spec's matmuls, so
 // results match it to float32 noise (a probability may round to the neighbouring

@@ -1,6 +1,4 @@
-"""Custom kernels: the drafter's FP8 vocabulary head (with a fused top-64) and
-ring write, and two that every target sub-layer runs: the hyper-connection
-split (Sinkhorn) and the FP8 activation fake-quantisation.
+"""Custom kernels (docs/kernels.md is the catalogue).
 
 Each kernel exists three ways, and one wrapper here picks:
 
@@ -70,9 +68,8 @@ def backend() -> str:
 
 @lru_cache(maxsize=None)
 def kernels_switched_off() -> bool:
-    """DSV41_MLX_KERNELS=0, read once a process: a decode step asks backend ~230 times, and
-    reading the environment each time took ~2 us (with backend's own work 3.6% of a one-row
-    step's host time on the lent H200, session 23)."""
+    """DSV41_MLX_KERNELS=0, read once a process: a decode step asks backend ~230 times, too
+    often to read the environment each time."""
     return os.environ.get("DSV41_MLX_KERNELS", "1") == "0"
 
 
@@ -149,11 +146,11 @@ ROWS_GATE = KernelSpec("rows_gate", ("flag", "rows"), ("status", "out"), "rows_g
 
 
 # MLX 0.32's CUDA backend hashes a custom kernel's whole text (its header and body, 2-12 KB
-# here) every time it launches it, to name the kernel's module: about 3 MB a decode step,
-# 6% of the step's host time (docs/benchmarks.md, session 16). So on CUDA the texts reach
-# NVRTC through `#include` of a copy on disk, and a launch hashes two short lines; each copy
-# sits in a folder named by a digest of its texts, so changed texts are new files, a new
-# kernel name and a new build. False passes the texts themselves (for comparison).
+# here) every time it launches it, to name the kernel's module: a visible share of a decode
+# step's host time. So on CUDA the texts reach NVRTC through `#include` of a copy on disk,
+# and a launch hashes two short lines; each copy sits in a folder named by a digest of its
+# texts, so changed texts are new files, a new kernel name and a new build. False passes
+# the texts themselves (for comparison).
 CUDA_TEXT_BY_INCLUDE = True
 
 
@@ -420,14 +417,14 @@ def moe_gate(x: mx.array, w: mx.array, bias: mx.array, k: int, temp: float, rout
 
 def gate_row_bound(rows: int) -> int:
     """moe_gate_scores' RB (each thread keeps a sum per row for RB rows): head_row_bound's 1, 8
-    or 16, so that a decode step's one row is summed alone, not as the first of 8 (until
-    session 41 RB was 8 at one row). A row's bits do not depend on it."""
+    or 16, so that a decode step's one row is summed alone, not as the first of 8 (the faster
+    step: docs/results.md, decode-step A/B). A row's bits do not depend on it."""
     return head_row_bound(rows)
 
 
 def computed_rows(real_rows: int | None, rows: int) -> int:
     """How many of a forward's rows a kernel that can skip padding computes: the real ones
-    (a padded forward's, model.Model.padded), or all where real_rows is None."""
+    (a padded forward's, Runner.padded), or all where real_rows is None."""
     return rows if real_rows is None else min(real_rows, rows)
 
 
@@ -466,7 +463,7 @@ def hc_input(h: mx.array, pre_in: mx.array, fn: mx.array, scale: mx.array, base:
     pre [S, hc], post [S, hc], comb [S, hc, hc]. The first launch (hc_mix) sums the mix
     projection in HC_MIX_CHUNKS chunks of each row, a threadgroup each, so that the 2 MB of
     fn are read by many threadgroups at once; the second (hc_input, a threadgroup per row)
-    does the rest. Its spec is model.HyperConnection.sublayer_input's composition of hc_pre,
+    does the rest. Its spec is hyper.HyperConnection.sublayer_input's composition of hc_pre,
     rms_norm, fp8_input, the mix projection and hc_split (scripts/check_kernels.py compares
     them); only where hc_input_fits."""
     impl = _hc_input_impl(h, impl)
@@ -483,11 +480,11 @@ def hc_post_input(y: mx.array, residual: mx.array, post: mx.array, comb: mx.arra
                   fn: mx.array, scale: mx.array, base: mx.array, norm_w: mx.array, iters: int, hc_norm_eps: float,
                   eps: float, norm_eps: float, quantize_to: mx.Dtype,
                   impl: str | None = None) -> tuple[mx.array, ...]:
-    """hc_input of the stream h = model.hc_post(y, residual, post, comb) (the previous
+    """hc_input of the stream h = hyper.hc_post(y, residual, post, comb) (the previous
     sub-layer's output y [S, dim] expanded by its mixes post [S, hc], comb [S, hc, hc] onto the
     stream residual [S, hc, dim] it ran on), in the same two launches: the first (hc_post_mix)
     computes h as it projects it and writes it out. -> (h, x, xq, pre, post, comb). Its spec is
-    model.hc_post, then hc_input's; only where hc_input_fits the residual."""
+    hyper.hc_post, then hc_input's; only where hc_input_fits the residual."""
     impl = _hc_input_impl(residual, impl)
     S, hc, dim = residual.shape
     f32 = mx.float32
@@ -535,13 +532,13 @@ def hc_input_from_parts(h: mx.array, parts: mx.array, pre_in: mx.array, scale: m
 
 ATTENTION_HEADS_PER_GROUP = 2  # heads of one row per threadgroup: each key row is read once for them
 # simdgroups a threadgroup: more shorten each one's chain of key reads in the scores and change
-# no bits (the softmax and the weighted sum run on the first 8 whatever this is). The H200 ran
-# 16 faster than 8 (docs/benchmarks.md, session 21); Metal keeps the 8 written for it, unmeasured
-# (a pipeline's thread limit there depends on its registers)
+# no bits (the softmax and the weighted sum run on the first 8 whatever this is). CUDA ran 16
+# faster than 8; Metal keeps 8, not yet timed (a pipeline's thread limit there depends on its
+# registers)
 ATTENTION_WARPS = {"cuda": 16, "metal": 8}
 # (heads, simdgroups) a threadgroup where one row is computed (a decode step), where the backend has
-# its own: on CUDA one head and 32 warps (H100, session 25: 28.5 us against 39.0 at two heads
-# and 16 warps; two heads at 32 warps do not launch). Neither count changes a bit: each head's
+# its own: on CUDA one head and 32 warps (faster than two heads and 16 warps; two heads at 32
+# warps do not launch). Neither count changes a bit: each head's
 # scores, softmax and weighted sum run alike whatever shares its threadgroup.
 ATTENTION_ONE_ROW = {"cuda": (1, 32)}
 ATTENTION_THREADGROUP_BYTES = 32 * 1024  # Apple GPUs' threadgroup memory
@@ -582,16 +579,16 @@ def sparse_attention_rows(q: mx.array, ring: mx.array, index: mx.array, window_m
                           kv: mx.array | None, ids: mx.array | None, picked_mask: mx.array | None,
                           sink: mx.array, scale: float, rope: tuple[mx.array, ...], rope_dims: int,
                           real_rows: int | None = None, impl: str | None = None) -> mx.array:
-    """model.Attention between its query and output projections, for rows that each gather
+    """attention.Attention between its query and output projections, for rows that each gather
     their own window, in one launch, without gathering the keys first: q rotated by
-    Rope.apply, model.sparse_attention, and its output rotated back (Rope.apply inverse);
+    Rope.apply, attention.sparse_attention, and its output rotated back (Rope.apply inverse);
     that composition is the spec (scripts/check_kernels.py). q [S, H, D] bf16, not rotated
     ([S, H * D] reads as [S, H, D], H from sink); ring [R, D] and index [S, W] (each row's
     window slots), window_mask [S, W]; kv [T, D], ids [S, K], picked_mask [S, K], or None
     for none; rope: Rope.tables(positions, D) of the
     S rows, whose last rope_dims features rotate (a model's constant: one build per value);
     real_rows: only the first real_rows rows are computed (default all), the rest, a padded
-    forward's padding (model.Model.padded), come out zeros. -> [S, H, D] bf16. Only where
+    forward's padding (Runner.padded), come out zeros. -> [S, H, D] bf16. Only where
     attention_fits."""
     impl = impl or backend()
     S, H = q.shape[0], sink.shape[0]
@@ -647,8 +644,8 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float, impl: str | None = None,
              rope: tuple[mx.array, mx.array, int] | None = None) -> mx.array:
     """RMSNorm over the last axis: on a GPU one launch (a threadgroup per row) for what the
     spec does in three operations (the casts around MLX's fp32 RMSNorm); the spec elsewhere.
-    rope: (cos, sin, dims), the result's last dims features then rotated as model.rotate does
-    with model.Rope.tables' cos and sin [rows, D] (GPU only). quantize_to: the result also FP8
+    rope: (cos, sin, dims), the result's last dims features then rotated as layers.rotate does
+    with layers.Rope.tables' cos and sin [rows, D] (GPU only). quantize_to: the result also FP8
     fake-quantised per 32 values and stored as this dtype, in the same launch (what
     quant.fp8_input does after the spec; GPU only). Both see rms_norm_fits."""
     impl = impl or backend()
@@ -815,7 +812,7 @@ def fp8_gemv_reference(x: mx.array, w: mx.array, scales: mx.array, quantize_inpu
     """Pure-MLX spec: x [S, G, K] through G `mxfp8` matrices w [G, N, K/4] (scales [G, N, K/32]),
     group g of every row through matrix g -> bf16 [S, G, N], accumulated in float32. (A
     gather_qmm: MLX 0.32.4's CUDA quantized_matmul does not broadcast stacked weights over
-    rows, as the H200 showed: other values from the second row on.) quantize_input: x FP8
+    rows: other values from the second row on.) quantize_input: x FP8
     fake-quantised first (quant.fp8_fake_quant). The dense form, x [..., K] through one matrix
     w [N, K/4] -> [..., N], is that of one group. real_rows: rows from there on (a padded
     forward's padding) are zeros. swiglu: w's rows a gate and an up projection, the output
@@ -875,10 +872,9 @@ def gemv_layout(rows: int) -> tuple[int, int]:
     """(RB, T) of fp8_gemv for `rows` computed rows. RB, the
     bound on rows, is the least power of two holding them, T the outputs per thread group: 4
     at one row (each x value read serves T weight rows), 2 above. A thread holds T * RB sums
-    in registers, and the fewer registers a thread holds the more threadgroups share a core:
-    on an H200 (NVRTC's register counts, session 12) fp8_gemv fits four at RB 1 to 8 this way
-    where RB 8 with T 4 fitted two. It does not change a row's bits: its sums run in the same
-    order whatever the bound or the grouping."""
+    in registers, and the fewer registers a thread holds the more threadgroups share a core
+    (RB 8 with T 4 would halve them on CUDA). It does not change a row's bits: its sums run in
+    the same order whatever the bound or the grouping."""
     rb = 1
     while rb < rows:
         rb *= 2
@@ -894,11 +890,9 @@ def gemv_threads_per_output(k: int, outputs: int = 0) -> int:
     and give a matrix of `outputs` outputs at least 256 threadgroups. A forward is a chain of
     GEMMs, each waiting for the last, so a GEMM's time is its latency: more threads per output
     put more bytes in flight at once, and a matrix of few outputs (wq_a's 1280, wkv's 512)
-    would otherwise keep most of a GPU's cores idle. The steps rule was measured on an H200 at
-    every FP8 and FP4 shape of the release (docs/benchmarks.md, session 7), the fill rule at
-    the FP8 ones (session 12); fp4_experts, whose launch holds every picked expert's
-    outputs, passes no outputs. Depends on the matrix's shape only, so each output's order of
-    additions is the same in every forward."""
+    would otherwise keep most of a GPU's cores idle. fp4_experts, whose launch holds every
+    picked expert's outputs, passes no outputs. Depends on the matrix's shape only, so each
+    output's order of additions is the same in every forward."""
     c = 32
     while c < 256 and (160 * c < k or 0 < outputs * c < GEMV_FILL):
         c *= 2
@@ -921,7 +915,7 @@ def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None
     init_value poisons the output before the launch (for checks). quantize_input: x is a bf16
     activation the kernel FP8 fake-quantises as it reads it: the bits of quant.fp8_input
     followed by this kernel, in one launch. real_rows: only the first real_rows rows are
-    computed (default all); the rest, a padded forward's padding (model.Model.padded), come
+    computed (default all); the rest, a padded forward's padding (Runner.padded), come
     out zeros, their weight reads and sums spared. threads: the threads per output (C), for
     `bench.py gemms --threads` to compare layouts; a forward keeps the default,
     gemv_threads_per_output(K, N * G), so that a sum's order depends on the matrix's shape alone.
@@ -931,7 +925,7 @@ def fp8_gemv(x: mx.array, w: mx.array, scales: mx.array, impl: str | None = None
     routed experts' outputs and the shared expert's sum, of a dense x [S, K]; P <= 16).
     after: an array the launch on the matrix unit (fp8_mma) takes as an input it never reads, so
     that it waits for it: MLX's CUDA graphs run a launch as soon as the arrays it takes are
-    written, beside any other that is ready, and `after` places this one (model.MoE: the
+    written, beside any other that is ready, and `after` places this one (moe.MoE: the
     shared expert's w13 beside the routed experts, not beside the router)."""
     impl = impl or backend()
     if not fp8_gemv_fits(x, w, impl, groups):
@@ -1078,11 +1072,9 @@ def head_logits(x: mx.array, w: mx.array, impl: str | None = None, real_rows: in
 # layout of fp4_experts: a threadgroup per 32 outputs, 8 simdgroups splitting K, the rows the
 # products' columns), where a forward's rows share each weight code's decoding; smaller ones
 # (wq_a's 1280 outputs, wkv's 512) keep fp8_gemv, whose threads per output fill the GPU. By
-# shape only, so each matrix sums in one order at every row count. On an H200 (docs/benchmarks.md,
-# session 18) a six-row verify forward's FP8 GEMMs took 6.4 ms with these on fp8_mma against
-# ~9 ms all on fp8_gemv (session 17); in a one-row forward the long ones (wo_b's 8192 inputs,
-# the shared expert's w13's 5120) take 1.05-1.2x fp8_gemv's time, which a decode step bound by
-# its host side hides.
+# shape only, so each matrix sums in one order at every row count. The matrix unit wins at a
+# verify forward's rows; at one row the long ones are a little slower than on fp8_gemv, which
+# a decode step bound by its host side hides.
 FP8_MMA_MIN_OUTPUTS = 4096
 # The matrix-unit kernels (fp8_mma, fp4_experts) stage a tile's weight scales, K bytes, in a
 # fixed threadgroup buffer (mma_x.cuh's mma_tile_scales, which holds the same MMA_MAX_K): K at
@@ -1121,14 +1113,14 @@ def fp8_into_stream(x: mx.array, w: mx.array, scales: mx.array, onto: StreamOnto
                     parts: mx.array | None = None) -> tuple[mx.array, mx.array]:
     """A sub-layer's last FP8 GEMM with its output y = fp8_gemv(x, w, scales, ..) [S, N] put into
     the hyper-connection stream in the same launch (fp8_mma_hc): -> (h, mix_parts), h [S, hc, N]
-    bf16 the new stream model.hc_post(y, onto.residual, onto.post, onto.comb) (hc_post_mix's bits
+    bf16 the new stream hyper.hc_post(y, onto.residual, onto.post, onto.comb) (hc_post_mix's bits
     for the same y), mix_parts [S, N / 32, (2 + hc) * hc + 1] float32 each tile of 32 features'
     share of h's projection by onto.fn and of its sum of squares, which hc_input_from_parts
     completes into the next sub-layer's input: a launch (hc_post_mix) a sub-layer fewer, and the
     2 MB of fn read by N / 32 threadgroups instead of HC_MIX_CHUNKS. x [S, K], quantize_input,
     real_rows and parts as fp8_gemv's (a dense GEMM without a SwiGLU); every row of h, a padded
     forward's padding included (its y zeros), as hc_post_mix makes them. The spec is
-    fp8_gemv_reference, model.hc_post and the mix projection (scripts/check_kernels.py); only
+    fp8_gemv_reference, hyper.hc_post and the mix projection (scripts/check_kernels.py); only
     where fp8_into_stream_fits."""
     impl = impl or backend()
     residual, post, comb, fn = onto  # (a compiled method hands a StreamOnto on as a plain tuple)
@@ -1157,16 +1149,12 @@ def fp8_into_stream(x: mx.array, w: mx.array, scales: mx.array, onto: StreamOnto
 # The decode path lets a GEMV kernel quantise its bf16 input (quantize_input) for a forward of
 # up to this many computed rows, and quantises it first (act_quant) for more. Each threadgroup
 # quantises every row it reads again, so that work grows with the rows while the launch it
-# saves does not: on the H200 (session 13) a 1-row decode step ran 119 launches fewer and its
-# GEMV kernels took no longer, while a 6-row verify step's kernels took 7 ms more (fp4_experts'
-# down projection 301 us a call against 207, fp8_gemv at the shared expert's and wo_b's
-# shapes 79 against 31, against 2.6 ms of act_quant saved). Either way the same bits.
+# saves does not: at one row the saved launches win, at a verify step's rows the repeated
+# work costs more than act_quant. Either way the same bits.
 QUANTIZE_IN_KERNEL_ROWS = 1
 # The matrix-unit kernels (fp8_mma, fp4_experts) quantise x a 32-column block at a time as
-# they stage it, for every row of their one column group: up to 8 rows they take it in. On
-# the H200 (session 19) a 6-row verify forward ran 124 launches fewer (every act_quant) and
-# its GPU was busy 21.1 ms against 22.3: fp8_mma quantising its input 31.3 us a call against
-# 26.9 fed, fp4_experts' down projection 63.7 against 51.6, against act_quant's 16.8 a call.
+# they stage it, for every row of their one column group: up to 8 rows they take it in, the
+# act_quant launches saved outweighing the extra work.
 QUANTIZE_IN_MMA_ROWS = 8
 
 
@@ -1288,13 +1276,10 @@ def experts_prepare_x(rows: int) -> bool:
     """Whether fp4_experts takes its x prepared by mma_x_prep (x / s and s a block, the values
     its threadgroups would compute): for more than one row. Each threadgroup (an expert's tile
     of 32 outputs: 144 of them an expert for w13) otherwise computes them again for its block
-    range; at six rows of a verify forward on the H200 (session 26, with that work left out as
-    an upper bound) w13 took 128 against 153 us, w2 80 against 108, the forward 23.1 against
-    28.2 ms. A one-row launch gained nothing there and would pay a launch more. Measured
-    (session 27, a process each way): w2 at six rows 103.7 against 109.9 us, six-row forwards
-    27.4 against 30.1 ms at the median. No bit depends on it (both twins emulated,
-    tests/test_kernel_emulation.py; on the H200 scripts/check_kernels.py fp4_experts: a row
-    alone, not prepared, the same bits as the row among 8, prepared)."""
+    range, which at a verify forward's rows costs more than a launch; at one row it does not.
+    No bit depends on it (both twins emulated, tests/test_kernel_emulation.py;
+    scripts/check_kernels.py fp4_experts: a row alone, not prepared, the same bits as the row
+    among 8, prepared)."""
     return rows > 1
 
 
@@ -1312,22 +1297,18 @@ def mma_x_prepared(x: mx.array, n: int, quantize_input: bool, impl: str) -> tupl
 def experts_loads_ahead(rows: int, k: int) -> int:
     """U of fp4_experts on CUDA for `rows` computed rows of K = k: the blocks whose weight loads a
     warp issues before it uses the first (the Metal twin stages its tiles otherwise and ignores
-    it). No bit depends on it. 2 (the fastest of 1..3 at six rows, session 17), but 1 for one
-    row of a short K (w2's 2304: nine blocks a warp). On the H200 (session 31, chained over 40
-    layers' stacks, after one-row launches stopped scanning their picks) w13 with its SwiGLU
-    (K 5120) at one row took 57.3 / 54.2 us at U 2 against 62.4 / 62.7 at U 1 (interleaved in
-    one process; 62.6 against 84-92 in another), w2 25.6 / 24.5 against 25.0 / 23.7 (session
-    25's H100 had preferred U 1 for both, before that change: w13 50.8 against 59.1 us)."""
+    it). No bit depends on it. 2 (the fastest at six rows), but 1 for one row of a short K
+    (w2's 2304: nine blocks a warp; docs/results.md, `bench.py layouts`)."""
     return 1 if rows == 1 and k < 4096 else 2
 
 
 def mma_loads_ahead(k: int, rows: int) -> int:
     """U of fp8_mma (and fp8_mma_hc) on CUDA: the 32-column blocks whose weight loads a warp
     issues before it uses the first (the Metal twin stages its tiles otherwise and ignores it).
-    No bit depends on it: each block's sums are added in the same order. 6 (the fastest at six
-    rows on long shapes, session 18), but 2 for one row of a short K (< 2048: wq_b's 1280, five
-    blocks a warp), where fewer registers a thread let more threadgroups run at once (H100,
-    session 25: 14.8 against 21.6 us; at K 2304..8192 6 stayed the fastest; `bench.py layouts`)."""
+    No bit depends on it: each block's sums are added in the same order. 6 (the fastest on long
+    shapes), but 2 for one row of a short K (< 2048: wq_b's 1280, five blocks a warp), where
+    fewer registers a thread let more threadgroups run at once (docs/results.md, `bench.py
+    layouts`)."""
     return 2 if rows == 1 and k < 2048 else 6
 
 
@@ -1335,20 +1316,14 @@ def mma_tile_rows(n: int, k: int) -> int:
     """TR of fp8_mma: the weight rows (outputs) a threadgroup takes, 32 or 16, for a GEMM of n
     outputs and k inputs (fp8_mma_hc keeps 32: its mix parts are a 32-feature tile's). No bit
     depends on it: an output's sums are the same products in the same order either way. 32:
-    16 doubles the threadgroups of a grid of few tiles (the shared expert's w13: 144 on the
-    H200's 132 cores), yet on the H200 (session 33, docs/benchmarks.md) it won none of the
-    release's shapes at one row, chained (`bench.py layouts`), nor one-row steps."""
+    16 doubles the threadgroups of a grid of few tiles, yet it won none of the release's shapes
+    at one row (docs/results.md, `bench.py layouts`), nor one-row steps."""
     return 32
 
 
 # fp4_experts runs on the matrix unit (mma.sync on CUDA, simdgroup matrices on Metal): a
-# pass's pairs are a product's columns, so an expert's codes are decoded once for up to 8 (NH
-# 1) or 16 pairs, where the scalar kernel before it (session 15) decoded them again for each
-# pair. On the H200 (session 17, docs/benchmarks.md; 24 experts, top 6, cold stacks, chained)
-# w13 with its SwiGLU / w2 took 139 / 86 us at six rows against 250 / 147, 63 / 34 at one row
-# against 48 / 38 (there x is FP8-quantised in the kernel, work repeated by each tile of 32
-# outputs); in two e2e runs of that session, a six-row verify forward took 29.3 ms with it and
-# 38.1 ms with the scalar kernel.
+# pass's pairs are a product's columns, so an expert's codes are decoded once for up to 8
+# (NH 1) or 16 pairs, not again for each pair.
 def mma_column_groups(rows: int) -> int:
     """NH of the matrix-unit kernels (fp4_experts, fp8_mma): their products' column groups
     of 8 (fp4_experts' pairs a pass, fp8_mma's rows): 1 up to 8 rows (an expert is picked at
@@ -1361,22 +1336,22 @@ def mma_column_groups(rows: int) -> int:
 
 # How many times rows_gate reads the host's flag before it gives up: on CUDA a read and a
 # 256 ns sleep, so some seconds; the host releases a gate within a fraction of a millisecond of
-# reading the token (Model._forward_built_ahead), and a gate that gives up is reported.
+# reading the token (Runner._forward_built_ahead), and a gate that gives up is reported.
 GATE_SPINS = 1 << 24
 
 
 def rows_gate_fits() -> bool:
     """Whether a forward's launches may be queued behind rows_gate, waiting on the device for
-    the host's engram rows: on CUDA (on the H200, docs/benchmarks.md, session 45: one-row steps
-    0.91x as long, the same replies). Not on Metal yet: a Mac must first show that a running
-    kernel sees the CPU's write to shared memory, and what it gains; there the forward's
-    blocks are started once the rows are written, as without the gate."""
+    the host's engram rows: on CUDA, where one-row steps run shorter with the same replies.
+    Not on Metal yet: a Mac must first show that a running kernel sees the CPU's write to
+    shared memory, and what it gains; there the forward's blocks are started once the rows
+    are written, as without the gate."""
     return backend() == "cuda"
 
 
 def rows_gate(flag: mx.array, rows: mx.array) -> tuple[mx.array, mx.array]:
     """One launch that waits on the device until the host releases it through flag (uint32
-    [3], engram.StagedRows; rows_gate.metal says how), then copies rows (uint8 [N], the
+    [3], runtime.staged.StagedRows; rows_gate.metal says how), then copies rows (uint8 [N], the
     host-written buffer) -> (status uint32 [2]: 1 if it gave up waiting, else 0, and the
     release count it saw; the rows as they were at the release). What reads the copy runs after
     the release."""

@@ -79,10 +79,9 @@ class Compressor(nn.Module):
         if self.ratio == 1:
             state.end += x.shape[0]
             return self.norm(self.wkv(x)), first_group
-        # kv | score of the new positions (two GEMMs: as one of twice the outputs, cuBLAS ran a
-        # 152 us split-K kernel on an H100 in session 44, where the two took 22-27 us at once in
-        # session 43's H200 timeline), then of every position not in a group yet, the
-        # unfinished group's before them, read where the cache has written them
+        # kv | score of the new positions (two GEMMs: as one of twice the outputs cuBLAS ran a
+        # slow split-K kernel, where the two run concurrently), then of every position not in
+        # a group yet, the unfinished group's before them, read where the cache has written them
         xf = x.astype(F32)
         rows = state.append_raw(mx.concatenate([xf @ self.wkv.weight.T, xf @ self.wgate.weight.T], axis=1))
         n_full = rows.shape[0] // self.ratio
@@ -268,7 +267,7 @@ class SharedAttention:
                  row_invariant: bool = False):
         self.real_rows = real_rows  # rows before a padded forward's padding (None: all are real)
         self.row_invariant = row_invariant
-        # the forward's positions on the host (Model.__call__'s), read instead of the positions
+        # the forward's positions on the host (Model.start's), read instead of the positions
         # window and visible are given (positions_of says why); None: those, read back
         self.positions = positions
         self.topk: tuple[mx.array, mx.array] | None = None  # ids [S, k], valid [S, k]
@@ -482,7 +481,7 @@ class Attention(nn.Module):
             o = mx.gather_qmm(o.astype(gemm_input_dtype()), w, s, lhs_indices=pairs, rhs_indices=groups,
                               transpose=True, mode="mxfp8").reshape(S, -1)
         else:  # a prompt's chunk: the rows sorted by group, so that MLX runs each group's as one GEMM
-            # (as (row, group) pairs it ran a matrix-vector product each: 7x as long on the H200)
+            # (as (row, group) pairs it ran a matrix-vector product each, several times as long)
             o = o.reshape(S, self.n_groups, -1).astype(gemm_input_dtype()).transpose(1, 0, 2)  # [groups, S, in]
             o = mx.gather_qmm(o.reshape(self.n_groups * S, 1, -1), w, s, rhs_indices=mx.repeat(groups, S),
                               transpose=True, mode="mxfp8", sorted_indices=True)

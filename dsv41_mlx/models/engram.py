@@ -154,11 +154,11 @@ def pack_rows(rows: list[tuple[np.ndarray, np.ndarray]], total: int | None = Non
     cover only a padded forward's real rows (Model.take_tokens).
 
     A forward makes them on the host, where MLX on CUDA keeps such an array in managed memory:
-    the first kernel to read one pulls its pages to the GPU (on the H200 ~70-170 us a host-made
-    array, a kernel in the middle of a step included), and its buffer may first be moved out
-    of MLX's cache of device buffers with a copy that waits for the device. One array a forward
-    pays that once; Model.__call__ makes it before any of the forward's GPU work is queued, and
-    unpack_rows' values are dequantised at the start of the forward."""
+    the first kernel to read one pulls its pages to the GPU (a stall even in the middle of a
+    step), and its buffer may first be moved out of MLX's cache of device buffers with a copy
+    that waits for the device. One array a forward pays that once; Model.__call__ makes it
+    before any of the forward's GPU work is queued, and unpack_rows' values are dequantised at
+    the start of the forward."""
     parts = [a for pair in rows for a in pair]
     layout, size = rows_layout([a.shape if total is None else (total, *a.shape[1:]) for a in parts])
     flat = np.zeros(size, np.uint8)

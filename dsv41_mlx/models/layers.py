@@ -36,8 +36,8 @@ def fused(*parts: str):
 
     Each shape of the first argument (a forward's rows) gets a compiled function of its
     own: MLX finds a call's trace by comparing it with each trace of that function in
-    turn, and the warm-up and prefill's chunks leave dozens; a decode step's ~240 calls
-    spent ~4% of its host time searching (docs/benchmarks.md, session 16).
+    turn, and the warm-up and prefill's chunks leave dozens, which each of a decode step's
+    ~240 calls would search.
 
     A method that raises while MLX traces it (MLX 0.32) would leave the module's weights
     replaced by MLX's tracers: MLX puts the weights back only when the method returns, and
@@ -241,10 +241,9 @@ _ids = mx.array(np.arange(1024, dtype=np.int32))
 def positions_of(start: int, n: int) -> mx.array:
     """Positions start .. start + n - 1 [n] int32: a view of key_ids' array, so no launch and
     no memory of its own. An array made on the host each forward would cost more on CUDA: MLX
-    keeps it in managed memory, which the first kernel to read it pulls to the GPU page by page
-    (on the H200 the Rope tables' cast of such positions took 67-128 us, 2.5 from the view), and its
-    buffer may come from MLX's cache of device buffers and be moved to managed memory first,
-    with a copy that waits for the device. SharedAttention reads a forward's positions on the
+    keeps it in managed memory, which the first kernel to read it pulls to the GPU page by
+    page, and its buffer may come from MLX's cache of device buffers and be moved to managed
+    memory first, with a copy that waits for the device. SharedAttention reads a forward's positions on the
     host from a numpy copy of its own (reading these back would move their memory again)."""
     return key_ids(start + n)[start:]
 

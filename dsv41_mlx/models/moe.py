@@ -123,7 +123,7 @@ class MoE(nn.Module):
         """x [N, dim] bf16 -> [N, dim] bf16. x8: x through quant.fp8_input, where the caller has it.
         onto: the output goes into that stream (Expert's onto): -> (h, mix_parts).
 
-        rows: only the first `rows` rows are real (a padded decode forward, Model.decode);
+        rows: only the first `rows` rows are real (a padded decode forward, Runner.padded);
         the others get the shared expert alone. Each (row, expert) pair is its own
         product, so a real row's output is the same bits whatever the padding, and
         the padding reads no expert weights of its own."""
@@ -144,8 +144,7 @@ class MoE(nn.Module):
         # shared expert alone (zeros on a GPU). Its w13 waits for the router's picks (`after`):
         # a CUDA graph runs it as soon as its input is ready, and beside the router's two small
         # launches, which a one-row step waits on, it slowed them; beside the routed experts'
-        # GEMMs it is hidden (one-row steps A/B'd on the H200, the same replies: docs/benchmarks.md,
-        # session 33).
+        # GEMMs it is hidden.
         return self.shared_experts(x8, rows, y, onto, after=ids)
 
     def _routed_rows(self, x8: mx.array, weights: mx.array, ids: mx.array, real: int) -> mx.array:

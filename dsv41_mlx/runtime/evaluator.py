@@ -1,12 +1,11 @@
 """A thread that starts each block's evaluation while the caller builds the next block.
 
-On the lent H200 (docs/benchmarks.md, session 23) a one-row decode step spent about half of
-its host time building the blocks' graphs (Python and the compiled methods' replays) and
-half inside `mx.async_eval` (MLX encoding each kernel and committing the work), one after
-the other on one thread, and on a slow host the GPU waited for them. `mx.async_eval`
-releases the GIL while MLX encodes, so a second thread can encode block i while the first
-builds block i + 1: 1.44x a step on a slow host, no change on a fast one (where the GPU
-already set the pace).
+A decode step spends about half of its host time building the blocks' graphs (Python and
+the compiled methods' replays) and half inside `mx.async_eval` (MLX encoding each kernel
+and committing the work), one after the other on one thread, and on a slow host the GPU
+waits for them. `mx.async_eval` releases the GIL while MLX encodes, so a second thread can
+encode block i while the first builds block i + 1 (on a fast host the GPU already sets the
+pace).
 
 MLX lets a stream be used from one thread only, except streams made by
 `mx.new_thread_unsafe_stream`, which any thread may evaluate as long as two threads never
@@ -20,25 +19,18 @@ are the same as with `mx.async_eval` on the caller's thread: the same bits
 Meanwhile the caller may wait for an array of its own stream, but not for one the handed
 graph reads: MLX's wait (`item()`, `eval`) and the thread's `mx.async_eval` both drop a
 finished input's event, and on one array from two threads at once that is a race (a CI run
-hung in it, session 40). Model.decode_ahead therefore gives its forward its own node
+hung in it). Runner.decode_ahead therefore gives its forward its own node
 (`mx.stop_gradient`, no copy) of the token the caller then reads.
 
 Where the thread falls behind, it starts the blocks handed over meanwhile together (at most
-`batch` of them): MLX commits (on CUDA, updates and launches a graph of) the work of each
-`mx.async_eval` call, a tenth of a step's host time when each block was one. A large batch
-starts late, though: on the H200 (session 24), with the caller building faster than the
-thread encoded, the thread took up to ~20 blocks at once and the GPU sat idle for up to
-~1.5 ms before that batch's first graph launch. Hence at most BATCH: on an H100 (session 25,
-one-row steps, caps interleaved) 2 gave a median step of 18.5 ms, 3 18.8, 1 19.2, 5 19.3 and
-no cap 21.6.
+`batch` of them): each `mx.async_eval` call pays for a commit of its work (on CUDA, a
+graph updated and launched). A large batch starts late, though: the GPU sits idle until its
+first graph launch. Hence at most BATCH (2 gave the shortest one-row steps).
 
 A thread waiting for the GIL gets it only when the holder yields it, which a busy Python
 thread does every `sys.getswitchinterval()` (5 ms by default): longer than a block takes
 to build. The evaluator therefore asks for a short interval while it runs forwards
-(SWITCH_INTERVAL), restored when the last evaluator is closed. On the H200 (session 35, one-row
-steps, intervals interleaved in one process) 10 us stepped 0.986x as long as 50 us (9 of 10 runs
-faster), 3 us 0.982x (6 of 10), 200 us 1.13x; on a second machine 50 us took 1.046x as long as
-10 us (7 of 8 runs slower).
+(SWITCH_INTERVAL), restored when the last evaluator is closed.
 """
 
 from __future__ import annotations
@@ -130,7 +122,7 @@ class BlockEvaluator:
 
 def switched(evaluator: BlockEvaluator | None, on: bool) -> BlockEvaluator | None:
     """An owner's evaluator after turning it on (a new one where there was none) or off (closed):
-    what the owner keeps (Model.evaluate_on_thread, Drafter.evaluate_on_thread)."""
+    what the owner keeps (Drafter.evaluate_on_thread)."""
     if on and evaluator is None:
         return BlockEvaluator()
     if not on and evaluator is not None:
