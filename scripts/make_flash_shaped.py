@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 from dsv41_mlx.io.checkpoint import INDEX_FILE, expected_tensors, write_safetensors  # noqa: E402
 from dsv41_mlx.config import ModelArgs  # noqa: E402
 from dsv41_mlx.models.engram import bucket_primes  # noqa: E402
-from dsv41_mlx.io.tiny import TINY_TEXT_CONFIG, _rng, _values  # noqa: E402
+from dsv41_mlx.io.tiny import TINY_TEXT_CONFIG, tensor_rng, tensor_values  # noqa: E402
 from dsv41_mlx.tokenizer import default_tokenizer_json  # noqa: E402
 
 RELEASE_TEXT = {
@@ -110,7 +110,7 @@ def tensor(name: str, dtype: str, shape: tuple[int, ...], rng) -> dict[str, tupl
         packed = rng.integers(0, 256, size=shape, dtype=np.uint8).view(np.int8)
         scales = np.full((shape[0], shape[1] * 2 // 32), _scale_byte(3.0, shape[1] * 2), np.uint8)
         return {name: ("I8", packed), stem + "scale": ("F8_E8M0", scales)}
-    return {name: (dtype, _values(name, shape, rng).astype(np.float32).reshape(shape))}
+    return {name: (dtype, tensor_values(name, shape, rng).astype(np.float32).reshape(shape))}
 
 
 def shard_of(name: str) -> str:
@@ -128,7 +128,7 @@ def _write_shard(path: Path, items: list, seed: int) -> tuple[int, list[str]]:
     which process writes them): (payload bytes, tensor names)."""
     tensors = {}
     for name, dtype, shape in items:
-        tensors.update(tensor(name, dtype, shape, _rng(seed, name)))
+        tensors.update(tensor(name, dtype, shape, tensor_rng(seed, name)))
     return write_safetensors(path, tensors), list(tensors)
 
 

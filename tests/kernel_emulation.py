@@ -28,6 +28,13 @@ C_TYPES = {"metal": {"bfloat16": "bfloat16_t", "float32": "float", "uint32": "ui
                     "uint8": "uint8_t", "int32": "int"}}
 NP_TYPES = {"bfloat16": np.uint16, "float32": np.float32, "uint32": np.uint32, "uint16": np.uint16, "uint8": np.uint8,
             "int32": np.int32}
+# Functions an emulation header defines in the global namespace for libstdc++ (GCC's, clang++'s
+# on Linux) that libc++ (zig's clang, macOS) declares there already: its <math.h> has `using
+# std::__math::fma` and `isnan`, and a definition beside a using-declaration does not compile.
+# With libc++ the header's own is renamed away (it calls std's, as the library's does).
+LIBCXX_CLASHES = {"metal": {"fma": ("float", "float a, float b, float c", "a, b, c")},
+                  "cuda": {"isnan": ("bool", "float v", "v")}}
+HEADERS = ("algorithm", "atomic", "barrier", "cmath", "cstdint", "cstdio", "cstring", "thread", "vector")
 
 
 def metal_host_text(metal: str) -> str:
@@ -54,7 +61,13 @@ def unit(spec, language: str, inputs: dict[str, str], outputs: dict[str, tuple[s
     else:  # fp16_bits.cuh (inline PTX) left out: cuda_emu.h has its functions
         header = spec.header("cuda").replace(kernel_text("fp16_bits.cuh"), "")
         body, run_grid = spec.source("cuda"), "run_blocks"
-    lines = [f'#include "{EMULATION / (language + "_emu.h")}"', "#include <cstdio>"]
+    clashes = LIBCXX_CLASHES[language]
+    lines = [f"#include <{h}>" for h in HEADERS]  # (before the renames, which must not reach them)
+    lines += ["#ifdef _LIBCPP_VERSION", "namespace std {"]
+    lines += [f"inline {r} dsv41_emu_{f}({p}) {{ return {f}({a}); }}" for f, (r, p, a) in clashes.items()]
+    lines += ["}"] + [f"#define {f} dsv41_emu_{f}" for f in clashes] + ["#endif"]
+    lines += [f'#include "{EMULATION / (language + "_emu.h")}"']
+    lines += ["#ifdef _LIBCPP_VERSION"] + [f"#undef {f}" for f in clashes] + ["#endif"]
     lines += [f"using {k} = {types[v]};" if isinstance(v, str) else f"constexpr int {k} = {v};"
               for k, v in template.items()]  # a type parameter ('bfloat16', ...) or an int constant
     lines += [header, "void kernel_body(" + ", ".join(params) + ") {", body, "}"]

@@ -111,12 +111,14 @@ def tiny_config() -> dict:
     }
 
 
-def _rng(seed: int, name: str) -> np.random.Generator:
+def tensor_rng(seed: int, name: str) -> np.random.Generator:
+    """Each tensor's own random generator, from the seed and its name (the bytes then do not
+    depend on the order tensors are written in)."""
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     return np.random.default_rng(int.from_bytes(digest[:8], "little"))
 
 
-def _values(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+def tensor_values(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
     """Float values for one tensor, scaled so activations stay O(1) through the stack."""
     leaf = name.rsplit(".", 1)[-1]
     if "norm" in name or leaf in ("q_weight", "k_weight"):
@@ -147,19 +149,19 @@ def build_checkpoint(out_dir: str | Path, seed: int = 0, config: dict | None = N
         if dtype == "F8_E8M0":
             continue  # written with its weight
         shard = shards["model-00002-of-00002.safetensors" if name.startswith("mtp.") else "model-00001-of-00002.safetensors"]
-        rng = _rng(seed, name)
+        rng = tensor_rng(seed, name)
         stem = name[: -len("weight")]
         if dtype == "F8_E4M3":
-            w = _values(name, shape, rng)
+            w = tensor_values(name, shape, rng)
             codes, scales = quantize_fp8_rows(w) if ".engram.embed." in name else quantize_fp8_tiles(w)
             shard[name] = ("F8_E4M3", codes)
             shard[stem + "scale"] = ("F8_E8M0", scales)
         elif dtype == "I8":  # packed FP4: two inputs per byte
-            packed, scales = quantize_fp4_rows(_values(name, (shape[0], shape[1] * 2), rng))
+            packed, scales = quantize_fp4_rows(tensor_values(name, (shape[0], shape[1] * 2), rng))
             shard[name] = ("I8", packed)
             shard[stem + "scale"] = ("F8_E8M0", scales)
         else:
-            shard[name] = (dtype, _values(name, shape, rng).astype(np.float32).reshape(shape))
+            shard[name] = (dtype, tensor_values(name, shape, rng).astype(np.float32).reshape(shape))
     weight_map, total = {}, 0
     for file_name, tensors in shards.items():
         total += write_safetensors(out_dir / file_name, tensors)
