@@ -13,11 +13,11 @@ from dsv41_mlx.quant import (
     fp4_fake_quant,
     fp4_rows_to_mx,
     fp8_fake_quant,
-    fp8_tiles_to_mx,
     pow2_ceil_scale,
     quantize_fp4_rows,
     quantize_fp8_tiles,
 )
+from dsv41_mlx.kernels.specs import fp8_tiles_to_mx
 
 # ------------------------------------------------------------------ references
 
