@@ -50,33 +50,68 @@ class Block(nn.Module):
     def __call__(self, h: mx.array | Expansion | Folded, pre: mx.array, positions: mx.array, *attn_args,
                  rows: int | None = None, expand: bool = True,
                  next_fn: mx.array | None = None) -> tuple[mx.array | Expansion | Folded, mx.array]:
-        """h [S, hc, dim] bf16, or the previous block's Expansion or Folded; pre [S, hc] -> (h, pre
-        for the next block). rows: how many of the S rows are real (the rest pad a decode forward).
-        expand=False: h is returned as an Expansion of the MoE's output, for the next block, or,
-        given the next block's attention mix projection next_fn (its hc_attn.fn) and where
-        kernels.fp8_into_stream_fits, as a Folded: the MoE's last GEMM put its output into the
-        stream and began the next block's mixes. The attention's output goes into the stream
-        the same way where it fits (else the MoE's input kernel expands it): on a GPU a
-        sub-layer output is expanded by no launch of its own, but where a block's output meets
-        an engram layer or ends the forward."""
+        """h [S, hc, dim] bf16 (or the previous block's output left unexpanded), pre [S, hc] ->
+        (the stream after this block, the pre-mix the next block collapses it with).
+        attn_args: the attention's caches (the target's) or ring (a DSpark stage's). rows: how
+        many of the S rows are real (the rest pad the forward). expand=False: the stream is
+        handed on unexpanded (an Expansion, or with the next block's mix projection next_fn a
+        Folded), for the next block's first kernel to expand (hyper.py)."""
+        h, x, xq, mix = self._attention_input(h, pre)
+        y = self.attn(x, positions, *attn_args, xq=xq, onto=self._onto(self.attn.wo_b, h, mix, self.hc_ffn.fn))
+        h, x, xq, mix = self._ffn_input(y, h, mix)
+        y = self._ffn(x, rows, xq, None if expand else self._onto(self.ffn.shared_experts.w2, h, mix, next_fn))
+        return self._output(y, h, mix, expand), mix.pre
+
+    # Below: how a sub-layer's input and output meet the stream. Where the kernels fit (a GPU's
+    # decode and verify rows), a sub-layer's last GEMM writes its output into the stream itself
+    # and begins the next sub-layer's mixes (kernels.fp8_into_stream, a Folded), or the next
+    # sub-layer's first kernel expands it as it reads it (an Expansion): either way the values
+    # of hc_post, then hc_pre and the norm, as the reference writes them.
+
+    def _attention_input(self, h, pre: mx.array) -> tuple[mx.array, mx.array, mx.array, HcMixes]:
+        """(the stream h whole, the attention's normed input x, x through fp8_input, this
+        sub-layer's mixes) from the stream in whichever form the block before left it."""
         if isinstance(h, Folded):
-            x, xq, *attn_mix = self.folded_attn_input(*h, pre)
-            h = h.h
-        elif isinstance(h, Expansion):
-            h, x, xq, *attn_mix = self.expanded_attn_input(*h, pre)
-        else:
-            x, xq, *attn_mix = self.attn_input(h, pre)
-        if kernels.fp8_into_stream_fits(self.attn.wo_b.weight, h):
-            h, parts = self.attn(x, positions, *attn_args, xq=xq,
-                                 onto=kernels.StreamOnto(h, attn_mix[1], attn_mix[2], self.hc_ffn.fn))
-            x, xq, *ffn_mix = self.folded_ffn_input(h, parts, attn_mix[0])
-        else:
-            x = self.attn(x, positions, *attn_args, xq=xq)
-            h, x, xq, *ffn_mix = self.ffn_input(x, h, *attn_mix)
-        if not expand and next_fn is not None and kernels.fp8_into_stream_fits(self.ffn.shared_experts.w2.weight, h):
-            return Folded(*self.ffn(x, rows, xq, kernels.StreamOnto(h, ffn_mix[1], ffn_mix[2], next_fn))), ffn_mix[0]
-        out = Expansion(self.ffn(x, rows, xq), h, *ffn_mix[1:])
-        return (out.value() if expand else out), ffn_mix[0]
+            x, xq, *mix = self.folded_attn_input(*h, pre)
+            return h.h, x, xq, HcMixes(*mix)
+        if isinstance(h, Expansion):
+            h, x, xq, *mix = self.expanded_attn_input(*h, pre)
+            return h, x, xq, HcMixes(*mix)
+        x, xq, *mix = self.attn_input(h, pre)
+        return h, x, xq, HcMixes(*mix)
+
+    def _onto(self, last: nn.Module, h: mx.array, mix: HcMixes,
+              next_fn: mx.array | None) -> kernels.StreamOnto | None:
+        """Where the sub-layer's last GEMM `last` writes its output into the stream h itself,
+        with the next sub-layer's mix projection next_fn begun (kernels.fp8_into_stream): the
+        stream and this sub-layer's post and comb mixes; else None."""
+        if next_fn is None or not kernels.fp8_into_stream_fits(last.weight, h):
+            return None
+        return kernels.StreamOnto(h, mix.post, mix.comb, next_fn)
+
+    def _ffn_input(self, y, h: mx.array, mix: HcMixes) -> tuple[mx.array, mx.array, mx.array, HcMixes]:
+        """The attention's output y expanded into the stream (where y is the stream already, with
+        the MoE's mix parts: the attention wrote it there), and the MoE's input from it:
+        (h, x, xq, mixes)."""
+        if isinstance(y, tuple):
+            h, parts = y
+            x, xq, *ffn_mix = self.folded_ffn_input(h, parts, mix.pre)
+            return h, x, xq, HcMixes(*ffn_mix)
+        h, x, xq, *ffn_mix = self.ffn_input(y, h, mix.pre, mix.post, mix.comb)
+        return h, x, xq, HcMixes(*ffn_mix)
+
+    def _ffn(self, x: mx.array, rows: int | None, xq: mx.array, onto: kernels.StreamOnto | None):
+        """The MoE of x (xq: x through fp8_input), into the stream where onto says so."""
+        return self.ffn(x, rows, xq) if onto is None else self.ffn(x, rows, xq, onto)
+
+    @staticmethod
+    def _output(y, h: mx.array, mix: HcMixes, expand: bool) -> mx.array | Expansion | Folded:
+        """The block's output: the stream the MoE wrote y into (a Folded), or y to expand onto
+        h (an Expansion), expanded now where expand."""
+        if isinstance(y, tuple):
+            return Folded(*y)
+        out = Expansion(y, h, mix.post, mix.comb)
+        return out.value() if expand else out
 
     @fused("hc_attn", "attn_norm")
     def attn_input(self, h: mx.array, pre: mx.array) -> tuple[mx.array, ...]:
