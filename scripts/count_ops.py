@@ -29,12 +29,12 @@ import mlx.core as mx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
 import dsv41_mlx  # noqa: E402
 from dsv41_mlx import kernels  # noqa: E402
 from dsv41_mlx.generate import prefill  # noqa: E402
 from dsv41_mlx.runtime.runner import Runner  # noqa: E402
+from scripts.benchmarks.harness import VIEWS, decode_by_layer, graph_dot, launches, layer_kind  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -79,9 +79,7 @@ def census(*outputs) -> tuple[int, int, collections.Counter]:
     own (one that takes in no such broadcast) launches nothing and is not counted."""
     import re
 
-    import bench
-
-    dot = bench.graph_dot(*outputs)
+    dot = graph_dot(*outputs)
     labels = dict(re.findall(r'\{ (\d+) \[label ="([^"]+)"', dot))
     ops = collections.Counter(label.split()[0] for label in labels.values())
     makes = dict((array, node) for node, array in re.findall(r'^(\d+) -> "([^"]+)"', dot, flags=re.M))
@@ -89,12 +87,10 @@ def census(*outputs) -> tuple[int, int, collections.Counter]:
                   if labels.get(node) == "Depends" and labels.get(makes.get(array)) == "Broadcast"]
     stub_outputs, stubs = {made for made, _ in stub_feeds}, {node for _, node in stub_feeds}
     own = sum(label == "Depends" and node not in stubs for node, label in labels.items())
-    return bench.kernels(ops) - own, sum(v for k, v in ops.items() if k in bench.VIEWS) - len(stub_outputs), ops
+    return launches(ops) - own, sum(v for k, v in ops.items() if k in VIEWS) - len(stub_outputs), ops
 
 
 def count(model_path: str | None, rows: int, prompt: int = 300) -> dict:
-    import bench
-
     model, _ = dsv41_mlx.load(model_path)
     cache = model.make_cache()
     with Runner(model) as runner:  # on the machine's own path
@@ -107,7 +103,7 @@ def count(model_path: str | None, rows: int, prompt: int = 300) -> dict:
         nonlocal total, total_views
         h, pre = run()
         launches, views, ops = census(h, pre)
-        kind = bench.layer_kind(model.layers[i])
+        kind = layer_kind(model.layers[i])
         per_kind.setdefault(kind, []).append(launches)
         views_per_kind.setdefault(kind, []).append(views)
         names.setdefault(kind, collections.Counter()).update(ops)
@@ -116,7 +112,7 @@ def count(model_path: str | None, rows: int, prompt: int = 300) -> dict:
         return h, pre
 
     with gpu_path_with_stub_kernels(calls):
-        logits = bench.decode_by_layer(model, 7, cache, on_layer, decode_rows=rows)
+        logits = decode_by_layer(model, 7, cache, on_layer, decode_rows=rows)
         launches, views, _ = census(logits)
         mx.eval(logits)
         # what the step wrote into the cache but left unevaluated: a later forward would run it

@@ -11,9 +11,9 @@ untimed ones of the same length. --propose times the DSpark drafter's propose pa
 "step" one proposal from the prompt's rings, evaluated as a speculative round does
 (SpeculativeDecoder.round), after four untimed ones. --oracle times speculative rounds
 instead: the prompt's plain greedy reply, then a generation of --tokens tokens drafted by
-bench.py's oracle drafter (the reply's own tokens, each right at the rate 0.56), every draft
-verified (after two untimed ones), cut into rounds at each verify forward's head: where a
-round's GPU time goes between one verify forward and the next (round_summary).
+the benchmarks' oracle drafter (the reply's own tokens, each right at the rate 0.56), every
+draft verified (after two untimed ones), cut into rounds at each verify forward's head: where
+a round's GPU time goes between one verify forward and the next (round_summary).
 
 Runs a few decode steps (each padded as Runner.decode pads it) under PyTorch's
 profiler: CUPTI records every kernel the process launches, MLX's included, with
@@ -298,15 +298,15 @@ def drafter_of(model, model_path: str, what: str):
 @contextlib.contextmanager
 def load_oracle(model_path: str, prompt_tokens: int, tokens: int, rate: float = 0.56):
     """Inside: loads the model, takes the prompt's plain greedy reply of `tokens` tokens and
-    gives a function that generates it again drafted by bench.py's OracleDrafter (the reply's
-    own tokens, each right at `rate`; every draft verified), run twice untimed first: each run
-    checks the reply is the same and returns its decoder (its stats)."""
+    gives a function that generates it again drafted by the benchmarks' OracleDrafter (the
+    reply's own tokens, each right at `rate`; every draft verified), run twice untimed first:
+    each run checks the reply is the same and returns its decoder (its stats)."""
     import dsv41_mlx
     from dsv41_mlx.generate import generate_step
     from dsv41_mlx.runtime.runner import Runner
     from dsv41_mlx.sampling import SamplingParams
     from dsv41_mlx.speculative import SpeculativeDecoder
-    from scripts.bench import OracleDrafter
+    from scripts.benchmarks.harness import OracleDrafter
 
     model, _ = dsv41_mlx.load(model_path)
     drafter = drafter_of(model, model_path, "there are no rounds to time")
@@ -431,7 +431,8 @@ def main() -> int:
     parser.add_argument("--propose", action="store_true",
                         help="time the DSpark drafter's propose passes after the prompt instead of decode steps")
     parser.add_argument("--oracle", action="store_true",
-                        help="time speculative rounds drafted by bench.py's oracle drafter instead of decode steps")
+                        help="time speculative rounds drafted by the benchmarks' oracle drafter instead of decode "
+                             "steps")
     parser.add_argument("--tokens", type=int, default=48, help="--oracle: the reply's tokens")
     parser.add_argument("--top", type=int, default=30, help="kernels to list")
     parser.add_argument("--json", default=None)

@@ -6,10 +6,11 @@ Runs plain 1-row decode steps (as `bench.py e2e`'s bare step: the forward, then 
 token read back) after a 261-token prompt, the warm-up first. For each step it records the
 wall time, the host's build (until `Runner.decode` returns, the blocks started on the device
 as they are built), the part of the build inside `mx.async_eval` (MLX evaluating the graph)
-and `bench.host_probe_ms` (a fixed pure-Python loop, no MLX) just before it. Steps over 1.2x
-the fastest quarter's slowest are counted as slow; the two groups' means show whether a
-slow step is more work or the same work on a slower CPU (then the probe slows alike): the
-lent H200's host (a virtual machine) showed episodes of tens of steps 1.25-1.45x slower.
+and the benchmarks' `host_probe_ms` (a fixed pure-Python loop, no MLX) just before it. Steps
+over 1.2x the fastest quarter's slowest are counted as slow; the two groups' means show
+whether a slow step is more work or the same work on a slower CPU (then the probe slows
+alike): the lent H200's host (a virtual machine) showed episodes of tens of steps 1.25-1.45x
+slower.
 
 --thread on|off evaluates the blocks on the evaluator's thread or on the caller's
 (`Options.evaluate_on_thread`; on by default on a GPU): threaded, the async_eval time is the
@@ -38,7 +39,6 @@ import mlx.core as mx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
 
 @contextlib.contextmanager
@@ -61,7 +61,7 @@ def timed_async_eval(total: list[float]):
 def measure(model_path: str | None, steps: int, profiler: cProfile.Profile | None = None,
             thread: bool | None = None, warm: bool = True) -> list[dict]:
     import dsv41_mlx
-    from bench import host_probe_ms
+    from scripts.benchmarks.harness import host_probe_ms
     from dsv41_mlx.generate import prefill, warm_up
     from dsv41_mlx.runtime.options import default_options
     from dsv41_mlx.runtime.runner import Runner

@@ -1,9 +1,11 @@
 """The C++ compiler the tests use: clang++ where it is on PATH, else the clang inside the
 `ziglang` wheel (a test extra), so that `pip install -e ".[test]"` is all a machine needs.
 
-`cxx()` is one executable that takes clang++'s command line (the Metal type-check, the host
-emulation of the kernels and tests/test_kernels.py call it so). For zig that is a small
-script, written once into zig's cache folder, which runs `zig c++` with:
+`cxx()` gives one executable that takes clang++'s command line (the Metal type-check, the
+host emulation of the kernels and tests/test_kernels.py call it so). zig's clang comes with
+libc++ (as macOS's does), not GCC's libstdc++: tests/kernel_emulation.py minds the difference.
+For zig the executable is a small script, written once into zig's cache folder, which runs
+`zig c++` with:
 - `-mcpu=baseline`: zig builds for the machine's own CPU by default (FMA where it has it,
   so float results that vary from machine to machine); clang++ builds for the baseline;
 - `-fsyntax-only` done as a compile to a throw-away object: zig 0.17's `c++` reports a

@@ -1,4 +1,7 @@
-"""The repository's scripts/ as modules, for the tests that call into them."""
+"""The repository's scripts/ as modules, for the tests that call into them. The scripts'
+packages (scripts/benchmarks/, scripts/kernel_checks/) import as any package does, as
+scripts.benchmarks.<module>: the scripts import them so too, and a test patches a name on
+the module that looks it up."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""scripts/bench.py runs on the CPU on the embedded checkpoint, and what it reports holds."""
+"""scripts/bench.py's benchmarks (scripts/benchmarks/) run on the CPU on the embedded checkpoint,
+and what they report holds."""
 
 from __future__ import annotations
 
@@ -10,38 +11,33 @@ import sys
 import mlx.core as mx
 import pytest
 
+from scripts.benchmarks import e2e, gemms, harness, layouts, profile, propose, steps
+
 from .scripts import SCRIPTS, load_script
 
-SCRIPT = SCRIPTS / "bench.py"
 
-
-@pytest.fixture(scope="module")
-def bench():
-    return load_script("bench")
-
-
-def test_profile_counts_fewer_operations_compiled(bench):
-    res = bench.bench_profile(None, steps=1)
+def test_profile_counts_fewer_operations_compiled():
+    res = profile.bench_profile(None, steps=1)
     compiled, plain = res["compiled"], res["uncompiled"]
     assert len(compiled["ops_per_layer"]) == len(res["layers"]) == len(compiled["layer_ms"])
     assert all(n > 0 for n in compiled["ops_per_layer"])
     assert compiled["ops_total"] < plain["ops_total"]
 
 
-def test_e2e_drafted_replies_equal_undrafted_and_mlxlm_runs_beside(bench, monkeypatch, capsys):
+def test_e2e_drafted_replies_equal_undrafted_and_mlxlm_runs_beside(monkeypatch, capsys):
     from dsv41_mlx.io.tiny import default_checkpoint
 
     generate = importlib.import_module("dsv41_mlx.generate")  # (the package's `generate` is the function)
     order, warm_up = [], generate.warm_up  # the floor's bandwidth measured once the warm-up has run
     monkeypatch.setattr(generate, "warm_up", lambda runner: order.append("warm-up") or warm_up(runner))
     # (the real measurement has a test of its own; three of 1 GiB copies take ~1.5 min on a CI core)
-    monkeypatch.setattr(bench, "copy_bandwidth", lambda: order.append("bandwidth") or 2e11)
+    monkeypatch.setattr(e2e, "copy_bandwidth", lambda: order.append("bandwidth") or 2e11)
     reported = []  # what is handed over before the paired measurement, the slowest and last part
-    res = bench.bench_e2e(str(default_checkpoint()), n_prompts=1, tokens=3, oracle_rate=0.56, report=reported.append)
+    res = e2e.bench_e2e(str(default_checkpoint()), n_prompts=1, tokens=3, oracle_rate=0.56, report=reported.append)
     assert order == ["warm-up", "bandwidth"] and res["copy_GBps"] == 200
     assert res["floor_ms"] == pytest.approx(res["bytes_per_token_GB"] / 200 * 1e3)
     assert len(reported) == 1 and reported[0]["runs"] == res["runs"]
-    assert reported[0]["paired"] == {"skipped": bench.PAIRED_LATER}
+    assert reported[0]["paired"] == {"skipped": e2e.PAIRED_LATER}
     runs = res["runs"]
     assert runs["drafted greedy"]["hash"] == runs["plain greedy"]["hash"]
     assert runs["drafted coupled"]["hash"] == runs["plain coupled"]["hash"]
@@ -72,7 +68,7 @@ def test_e2e_drafted_replies_equal_undrafted_and_mlxlm_runs_beside(bench, monkey
     floors = res["verify_floor_ms"]  # 1..6 rows: more rows take more experts
     assert len(floors) == len(res["verify_ms"]) == 6 and all(a < b for a, b in zip(floors, floors[1:]))
     assert [b["drafts"] for b in res["oracle_budget"]] == [1, 2, 3, 4, 5]
-    bench.print_e2e(bench.environment(), res, "tiny")
+    e2e.print_e2e(harness.environment(), res, "tiny")
     printed = capsys.readouterr().out
     assert "| drafts verified | rows | tokens a round | verify budget ms |" in printed
     last = res["oracle_budget"][-1]
@@ -95,23 +91,23 @@ def test_e2e_drafted_replies_equal_undrafted_and_mlxlm_runs_beside(bench, monkey
     assert f"plain greedy, its steps (ms): median {runs['plain greedy']['steps']['median_ms']:.2f} " in printed
 
 
-def test_verify_floors_count_each_expert_once_for_the_rows_that_take_it(bench, fixture_model):
+def test_verify_floors_count_each_expert_once_for_the_rows_that_take_it(fixture_model):
     model = fixture_model
-    one, one_experts = bench.decode_bytes(model)
-    six, six_experts = bench.decode_bytes(model, rows=6)
+    one, one_experts = harness.decode_bytes(model)
+    six, six_experts = harness.decode_bytes(model, rows=6)
     n_experts, k = model.args.moe_shape(0)
-    taken = bench.experts_taken(n_experts, k, 6)
-    assert bench.experts_taken(n_experts, k, 1) == k and k < taken < n_experts
+    taken = harness.experts_taken(n_experts, k, 6)
+    assert harness.experts_taken(n_experts, k, 1) == k and k < taken < n_experts
     assert six_experts == pytest.approx(one_experts * taken / k)
     embed_row = model.embed.weight.nbytes // model.args.vocab_size
     assert six - six_experts - 5 * embed_row == pytest.approx(one - one_experts)  # the dense weights read once
-    assert bench.experts_taken(24, 6, 6) == pytest.approx(24 * (1 - 0.75 ** 6))
+    assert harness.experts_taken(24, 6, 6) == pytest.approx(24 * (1 - 0.75 ** 6))
 
 
-def test_oracle_budget_gives_each_verify_what_the_target_leaves_it(bench):
+def test_oracle_budget_gives_each_verify_what_the_target_leaves_it():
     """At rate 0.5 one draft yields 1.5 tokens a round, two 1.75: at 10 ms a plain step and
     1.5x, rounds of 10 and 11.67 ms, less 1 ms of propose and ingest."""
-    rows = bench.oracle_budget(0.5, 10.0, [10.0, 12.0, 14.0], [2.0, 3.0, 3.5], round_ms=1.0, target=1.5)
+    rows = e2e.oracle_budget(0.5, 10.0, [10.0, 12.0, 14.0], [2.0, 3.0, 3.5], round_ms=1.0, target=1.5)
     assert [r["drafts"] for r in rows] == [1, 2]
     assert [r["tokens"] for r in rows] == pytest.approx([1.5, 1.75])
     assert [r["verify_budget_ms"] for r in rows] == pytest.approx([9.0, 1.75 * 10 / 1.5 - 1])
@@ -123,27 +119,27 @@ def test_oracle_budget_gives_each_verify_what_the_target_leaves_it(bench):
     assert [r["extra_floor_ms"] for r in rows] == pytest.approx([1.0, 1.5])
     # every forward at its floor: 1.5 tokens in a 3 ms round against 2 ms a plain step
     assert [r["at_floor"] for r in rows] == pytest.approx([1.5 * 2 / 3, 1.75 * 2 / 3.5])
-    assert bench.oracle_budget(0.5, 1.0, [10.0, 12.0], [2.0, 3.0], round_ms=5.0, target=1.5)[0][
+    assert e2e.oracle_budget(0.5, 1.0, [10.0, 12.0], [2.0, 3.0], round_ms=5.0, target=1.5)[0][
         "needed_fraction"] == float("inf")  # the round's own work already over its budget
 
 
-def test_propose_table_sets_each_form_beside_the_serial_pass(bench, capsys):
+def test_propose_table_sets_each_form_beside_the_serial_pass(capsys):
     res = {"rounds": 4, "drafter_GB": 1.5, "propose_serial_ms": 4.0, "propose_concurrent_ms": 5.0,
            "propose_thread_ms": 3.0, "ingest_1_ms": 1.0, "ingest_6_ms": 1.2}
-    bench.print_propose(bench.environment(), res)
+    propose.print_propose(harness.environment(), res)
     assert "| 4.000 | 5.000 | 1.25 | 3.000 | 0.75 | 1.000 | 1.200 |" in capsys.readouterr().out
 
 
-def test_step_summary_separates_the_typical_step_from_slow_ones(bench):
+def test_step_summary_separates_the_typical_step_from_slow_ones():
     """Two prompts' steps (seconds): the median and mean over all, each prompt's first, the
     slowest, and what the steps over 1.5x the median add a prompt beyond it."""
-    st = bench.step_summary([[0.050, 0.010, 0.010, 0.010], [0.010, 0.010, 0.030, 0.010]])
+    st = e2e.step_summary([[0.050, 0.010, 0.010, 0.010], [0.010, 0.010, 0.030, 0.010]])
     assert st["median_ms"] == pytest.approx(10) and st["mean_ms"] == pytest.approx(17.5)
     assert st["first_ms"] == pytest.approx([50, 10]) and st["max_ms"] == pytest.approx(50)
     assert st["slow_excess_ms"] == pytest.approx((40 + 20) / 2)
 
 
-def test_environment_names_the_commit_and_says_when_the_files_differ(bench, tmp_path, monkeypatch):
+def test_environment_names_the_commit_and_says_when_the_files_differ(tmp_path, monkeypatch):
     """The table's commit is COMMIT where set, else git's short hash, with "-dirty" where the
     files differ from it (a device's copy of a checkout once answered a stale commit)."""
     import subprocess
@@ -155,30 +151,30 @@ def test_environment_names_the_commit_and_says_when_the_files_differ(bench, tmp_
     (tmp_path / "f.txt").write_text("a\n")
     git("add", "f.txt")
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "one")
-    monkeypatch.setattr(bench, "ROOT", tmp_path)
+    monkeypatch.setattr(harness, "ROOT", tmp_path)
     monkeypatch.delenv("COMMIT", raising=False)
-    clean = bench.environment()["commit"]
+    clean = harness.environment()["commit"]
     assert re.fullmatch(r"[0-9a-f]{7}", clean)
     (tmp_path / "f.txt").write_text("b\n")
-    assert bench.environment()["commit"] == clean + "-dirty"
+    assert harness.environment()["commit"] == clean + "-dirty"
     monkeypatch.setenv("COMMIT", "abc1234")
-    assert bench.environment()["commit"] == "abc1234"
+    assert harness.environment()["commit"] == "abc1234"
 
 
-def test_paired_decode_runs_only_where_both_models_fit(bench):
+def test_paired_decode_runs_only_where_both_models_fit():
     base = {"weights_GB": 28.0}
-    assert bench.paired_skip_reason(True, base, None) is None  # memory not known
-    assert bench.paired_skip_reason(True, base, 150 * 10**9) is None
-    assert bench.paired_skip_reason(True, base, 64 * 10**9) == "both models need ~84 GB, the device has 64 GB"
-    assert bench.paired_skip_reason(False, base, None) == "--no-paired"
-    assert bench.paired_skip_reason(True, {"unavailable": "mlx-lm: not installed"}, None) == "mlx-lm: not installed"
+    assert e2e.paired_skip_reason(True, base, None) is None  # memory not known
+    assert e2e.paired_skip_reason(True, base, 150 * 10**9) is None
+    assert e2e.paired_skip_reason(True, base, 64 * 10**9) == "both models need ~84 GB, the device has 64 GB"
+    assert e2e.paired_skip_reason(False, base, None) == "--no-paired"
+    assert e2e.paired_skip_reason(True, {"unavailable": "mlx-lm: not installed"}, None) == "mlx-lm: not installed"
 
 
-def test_oracle_drafts_are_right_at_its_rate(bench, fixture_model):
+def test_oracle_drafts_are_right_at_its_rate(fixture_model):
     """The oracle drafter's drafts equal the continuation at the rate it stands for, and it
     counts how often its draws did."""
     sequence = list(range(1000, 1000 + 4000))
-    oracle = bench.OracleDrafter(fixture_model.drafter, sequence, 0.56, seed=3)
+    oracle = harness.OracleDrafter(fixture_model.drafter, sequence, 0.56, seed=3)
     cache = oracle.make_cache()
     right = made = 0
     for end in range(0, 3000, oracle.block):
@@ -192,6 +188,44 @@ def test_oracle_drafts_are_right_at_its_rate(bench, fixture_model):
     assert mx.allclose(confidence, mx.full(confidence.shape, 0.56)).item()
 
 
+def test_oracle_without_a_rate_misses_every_kth_position(fixture_model):
+    """Without a rate the oracle's draft is wrong exactly at the positions a multiple of
+    wrong_every (the right token + 1), its confidence that share right, and its logits all on
+    the drafts themselves (rejection sampling reads q of the draft as 1)."""
+    sequence = list(range(1000, 1000 + 40))
+    oracle = harness.OracleDrafter(fixture_model.drafter, sequence, wrong_every=5)
+    cache = oracle.make_cache()
+    cache.end = 7  # drafts for positions 8..12: 10 is a multiple of 5
+    proposal = oracle.propose(cache, 0, None)
+    assert proposal.drafts.tolist() == [1008, 1009, 1011, 1011, 1012]
+    assert (oracle.right, oracle.made) == (4, 5)
+    assert mx.allclose(mx.sigmoid(proposal.confidence), mx.full((5,), 0.8)).item()
+    assert proposal.candidates[:, 0].tolist() == proposal.drafts.tolist() and proposal.logits.shape == (5, 1)
+
+
+def test_bench_runs_the_named_benchmark_and_writes_its_json(monkeypatch, tmp_path, capsys):
+    """scripts/bench.py: each benchmark its subcommand, with its own arguments; the named one
+    runs and prints its table, and --json writes the run's environment and its numbers."""
+    import json
+
+    from scripts.benchmarks import head
+
+    bench = load_script("bench")
+    assert list(bench.BENCHMARKS) == ["head", "drafts", "e2e", "profile", "pieces", "gemms", "layouts", "steps",
+                                      "propose"]
+    res = {"copy_GBps": 100.0, "fp8_head_GB": 0.5, "build_s": 0.1, "rows": [
+        {"rows": 3, "bf16_ms": 2.0, "mxfp8_qmm_ms": 1.5, "kernel_ms": 1.0, "kernel_top64_ms": 1.1, "floor_ms": 0.5}]}
+    asked = []
+    monkeypatch.setattr(head, "bench_head", lambda *args: asked.append(args) or res)
+    out = tmp_path / "head.json"
+    monkeypatch.setattr(sys, "argv", ["bench.py", "head", "--vocab", "4096", "--rows", "3", "--json", str(out)])
+    assert bench.main() == 0
+    assert asked == [(4096, 5120, [3])]
+    assert "### FP8 drafter head, 4096 x 5120 (" in capsys.readouterr().out
+    written = json.loads(out.read_text())
+    assert written["head"] == res and set(written["env"]) == {"date", "device", "backend", "mlx", "commit"}
+
+
 def _in_own_process(code: str) -> dict:
     """Run code (which prints one JSON line last) in a fresh interpreter: the GPU path's stubbed
     kernels get traced into MLX's compiled functions, whose traces this process must not reuse."""
@@ -199,7 +233,7 @@ def _in_own_process(code: str) -> dict:
     import subprocess
 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                         cwd=SCRIPT.parent.parent)
+                         cwd=SCRIPTS.parent)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -209,12 +243,12 @@ def test_pieces_times_each_decode_kernel_beside_its_spec_on_a_gpu():
     beside the MLX operations they stand for; here on the CPU with the GPU path's kernels
     stubbed (scripts/count_ops.py), so the rows and the calls that fill them are checked."""
     res = _in_own_process("""
-import collections, json, sys
-sys.path.insert(0, "scripts")
-import bench, count_ops
+import collections, json
+from scripts import count_ops
+from scripts.benchmarks import pieces
 calls = collections.Counter()
 with count_ops.gpu_path_with_stub_kernels(calls):
-    res = bench.bench_pieces(None, [3])
+    res = pieces.bench_pieces(None, [3])
 print(json.dumps({"times": next(iter(res["layers"].values())), "calls": calls}))
 """)
     times, calls = res["times"], res["calls"]
@@ -232,9 +266,8 @@ def test_count_ops_counts_the_gpu_path_with_its_kernels():
     the pair's output as it lies: a plain layer makes no views), every MoE through the router
     kernels, and nothing of the patch left behind."""
     res = _in_own_process("""
-import json, sys
-sys.path.insert(0, "scripts")
-import count_ops
+import json
+from scripts import count_ops
 from dsv41_mlx import kernels
 from dsv41_mlx.io.tiny import default_checkpoint
 from dsv41_mlx.config import ModelArgs
@@ -284,7 +317,7 @@ print(json.dumps(res))
     assert "FromFP8" not in engram and engram["Sum"] == 2, engram
 
 
-def test_count_ops_counts_a_stubbed_kernel_as_one_launch_and_no_views(bench):
+def test_count_ops_counts_a_stubbed_kernel_as_one_launch_and_no_views():
     """A stubbed kernel is one launch whatever its outputs; their broadcasts are not counted
     as the model's views, and a real view on top of them is."""
     import collections
@@ -305,16 +338,16 @@ def test_count_ops_counts_a_stubbed_kernel_as_one_launch_and_no_views(bench):
         assert count_ops.census(tied)[:2] == (2, 1)
 
 
-def test_gemms_times_every_fp8_shape(bench, monkeypatch, capsys):
+def test_gemms_times_every_fp8_shape(monkeypatch, capsys):
     """`bench.py gemms` times MLX's FP8 GEMM at each of the model's shapes (here two small ones,
     on the CPU, where fp8_gemv does not run) beside the routed experts, and prints the table."""
-    monkeypatch.setattr("scripts.check_kernels.quantised_gemm_shapes", lambda: ({(256, 64)}, {(2, 512, 32)}, set()))
-    res = bench.bench_gemms(rows=3, experts=4, dim=256, inter=64, cache_bytes=1 << 16)
+    monkeypatch.setattr(gemms, "quantised_gemm_shapes", lambda: ({(256, 64)}, {(2, 512, 32)}, set()))
+    res = gemms.bench_gemms(rows=3, experts=4, dim=256, inter=64, cache_bytes=1 << 16)
     assert [r["shape"] for r in res["fp8"]] == ["256 -> 64", "2 x 512 -> 32"]
     assert all(r["mlx_ms"] > 0 and "kernel_ms" not in r for r in res["fp8"]) and len(res["routed"]) == 4
     assert all("mlx_chained_ms" in r for r in res["fp8"]) and len(res["routed_chained"]) == 2
     assert set(res["routed_chained"]) <= set(res["routed"])
-    bench.print_gemms(bench.environment(), res)
+    gemms.print_gemms(harness.environment(), res)
     out = capsys.readouterr().out
     assert "| 2 x 512 -> 32 |" in out and "chained" in out
 
@@ -325,17 +358,16 @@ def test_gemms_sweeps_the_gemv_layouts_on_a_gpu():
     the kernel's default marked; here on the CPU with the GPU path's kernels stubbed
     (scripts/count_ops.py)."""
     res = _in_own_process("""
-import collections, contextlib, io, json, sys
-sys.path.insert(0, "scripts")
-import bench, count_ops
-import scripts.check_kernels as check
-check.quantised_gemm_shapes = lambda: ({(256, 64), (512, 32)}, set(), set())
-bench.copy_bandwidth = lambda: 1e11  # its 1 GiB copies take half a minute on a CI core, and say nothing here
+import collections, contextlib, io, json
+from scripts import count_ops
+from scripts.benchmarks import gemms, harness
+gemms.quantised_gemm_shapes = lambda: ({(256, 64), (512, 32)}, set(), set())
+gemms.copy_bandwidth = lambda: 1e11  # its 1 GiB copies take half a minute on a CI core, and say nothing here
 with count_ops.gpu_path_with_stub_kernels(collections.Counter()):
-    res = bench.bench_gemms(rows=8, experts=4, dim=256, inter=64, cache_bytes=1 << 16, real=1, threads=(32, 256))
+    res = gemms.bench_gemms(rows=8, experts=4, dim=256, inter=64, cache_bytes=1 << 16, real=1, threads=(32, 256))
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        bench.print_gemms(bench.environment(), res)
+        gemms.print_gemms(harness.environment(), res)
 print(json.dumps({"rows": [{k: r[k] for k in ("shape", "default_threads", "kernel_chained_ms_by_threads")}
                            for r in res["fp8"]], "real": res["real"], "out": out.getvalue()}))
 """)
@@ -349,28 +381,28 @@ print(json.dumps({"rows": [{k: r[k] for k in ("shape", "default_threads", "kerne
     assert re.search(r"\| 512 -> 32 \| [-0-9.]+ \| [-0-9.]+\* \|", res["out"])
 
 
-def test_copy_bandwidth_keeps_the_best_of_its_measurements(bench, monkeypatch):
+def test_copy_bandwidth_keeps_the_best_of_its_measurements(monkeypatch):
     """The floor's ceiling: a device copy's bytes (read + write) over the fastest of `tries`
     measurements' times, since anything else running only slows one."""
-    assert bench.copy_bandwidth(nbytes=1 << 20, tries=2) > 0  # the real copies, small
+    assert harness.copy_bandwidth(nbytes=1 << 20, tries=2) > 0  # the real copies, small
     times = iter([4e-3, 1e-3, 2e-3])
-    monkeypatch.setattr(bench, "timed", lambda *args, **kwargs: next(times))
-    assert bench.copy_bandwidth(nbytes=1 << 20, tries=3) == 2 * (1 << 20) / 1e-3
+    monkeypatch.setattr(harness, "timed", lambda *args, **kwargs: next(times))
+    assert harness.copy_bandwidth(nbytes=1 << 20, tries=3) == 2 * (1 << 20) / 1e-3
 
 
-def test_chained_times_a_gemm_waiting_for_the_one_before(bench):
+def test_chained_times_a_gemm_waiting_for_the_one_before():
     """`chained` charges a GEMM its latency in a chain: each link's input depends on the last
     link's output, and the chain's own element-wise links are subtracted, so a GEMM that is
     slower per call costs more per link, and nothing (up to noise) costs about zero."""
     x = mx.random.normal((4, 1, 512))
     w_small, w_big = mx.random.normal((512, 64)), mx.random.normal((512, 4096))
     mx.eval(x, w_small, w_big)
-    small = bench.chained(lambda v, i: v[:, 0] @ w_small, x, links=20, reps=5)
-    big = bench.chained(lambda v, i: (v[:, 0] @ w_big) @ w_big.T, x, links=20, reps=5)
+    small = harness.chained(lambda v, i: v[:, 0] @ w_small, x, links=20, reps=5)
+    big = harness.chained(lambda v, i: (v[:, 0] @ w_big) @ w_big.T, x, links=20, reps=5)
     assert big > small and big > 0
 
 
-def test_the_long_context_prompt_makes_every_index_layer_score(bench, monkeypatch):
+def test_the_long_context_prompt_makes_every_index_layer_score(monkeypatch):
     """bench.py e2e's long-context run: its prompt (the prompts one after another, to
     indexer_scoring_length) leaves every index layer more compressed groups than its picks, so
     that each decode step scores them (the short prompts' indexers pick every position
@@ -381,7 +413,7 @@ def test_the_long_context_prompt_makes_every_index_layer_score(bench, monkeypatc
     from dsv41_mlx.runtime.runner import Runner
 
     model, _ = dsv41_mlx.load(None)
-    ids = bench.long_context_prompt([[5, 6, 7], [8, 9]], indexer_scoring_length(model.args))
+    ids = e2e.long_context_prompt([[5, 6, 7], [8, 9]], indexer_scoring_length(model.args))
     assert len(ids) == indexer_scoring_length(model.args) and ids[:6] == [5, 6, 7, 8, 9, 5]
     answers = []
     picks_everything = Indexer.picks_everything
@@ -400,7 +432,7 @@ def test_the_long_context_prompt_makes_every_index_layer_score(bench, monkeypatc
 
 
 
-def test_layouts_compare_each_candidate_with_the_default_and_restore_the_choice(bench, capsys):
+def test_layouts_compare_each_candidate_with_the_default_and_restore_the_choice(capsys):
     """`bench.py layouts`: on the CPU nothing to time, said so; a candidate layout is put in
     kernels' place only while it is measured (restored after a failure too); the table gives
     each candidate's time against the default layout's and its floor, marks the default and a
@@ -408,19 +440,19 @@ def test_layouts_compare_each_candidate_with_the_default_and_restore_the_choice(
     fails to launch or changes bits."""
     from dsv41_mlx import kernels
 
-    env = bench.environment()
-    res = bench.bench_layouts((1,))
+    env = harness.environment()
+    res = layouts.bench_layouts((1,))
     assert res["cases"] == []
-    bench.print_layouts(env, res)
+    layouts.print_layouts(env, res)
     assert "nothing to time" in capsys.readouterr().out
     original = kernels.attention_layout
     with pytest.raises(RuntimeError):
-        with bench.kernels_choice("attention_layout", lambda impl, rows: (1, 32)):
+        with harness.kernels_choice("attention_layout", lambda impl, rows: (1, 32)):
             assert kernels.attention_layout("cuda", 6) == (1, 32)
             raise RuntimeError("a launch failed")
     assert kernels.attention_layout is original
     u, v = kernels.experts_loads_ahead, kernels.mma_loads_ahead  # two choices at once
-    with bench.kernels_choices({"experts_loads_ahead": lambda rows, k: 3, "mma_loads_ahead": lambda k, rows: 5}):
+    with harness.kernels_choices({"experts_loads_ahead": lambda rows, k: 3, "mma_loads_ahead": lambda k, rows: 5}):
         assert (kernels.experts_loads_ahead(6, 5120), kernels.mma_loads_ahead(5120, 6)) == (3, 5)
     assert (kernels.experts_loads_ahead, kernels.mma_loads_ahead) == (u, v)
     case = {"kernel": "fp8_mma", "shape": "1280 -> 32768", "rows": 1}
@@ -430,14 +462,14 @@ def test_layouts_compare_each_candidate_with_the_default_and_restore_the_choice(
         {**case, "layout": 2, "default": False, "us": 15.0, "same_bits": True},
         {**case, "layout": 4, "default": False, "us": 30.0, "same_bits": False},
         {**case, "layout": 8, "default": False, "error": "too many resources requested for launch"}]}
-    bench.print_layouts(env, res)
+    layouts.print_layouts(env, res)
     out = capsys.readouterr().out
     assert "| fp8_mma | 1280 -> 32768 | 1 | 6* | 20.0 | 16.5 | 1.00 | yes |" in out
     assert "| 2 | 15.0 ! | 16.5 | 0.75 | yes |" in out and "| 4 | 30.0 | 16.5 | 1.50 | NO |" in out
     assert "| 8 | fails: too many resources requested for launch |" in out and "(4000 GB/s)" in out
 
 
-def test_steps_ab_runs_each_variant_with_its_choices_and_flags_changed_replies(bench, monkeypatch, capsys):
+def test_steps_ab_runs_each_variant_with_its_choices_and_flags_changed_replies(monkeypatch, capsys):
     """`bench.py steps`: every variant decodes every prompt every round with its layout choices in
     kernels' place (and only then), read where a launch is traced: inside the model's fused
     (compiled) methods, whose traces each variant makes and keeps apart; the package's own
@@ -454,14 +486,14 @@ def test_steps_ab_runs_each_variant_with_its_choices_and_flags_changed_replies(b
         return (weights, ids) if read[-1] != 3 else (-4 * weights, ids)
 
     monkeypatch.setattr(kernels, "moe_gate", gate)
-    variants = dict(bench.parse_variant(v) for v in ("u3=experts_loads_ahead:3", "odd=mma_loads_ahead:3"))
+    variants = dict(steps.parse_variant(v) for v in ("u3=experts_loads_ahead:3", "odd=mma_loads_ahead:3"))
     assert variants == {"u3": {"experts_loads_ahead": [(None, 3)]}, "odd": {"mma_loads_ahead": [(None, 3)]}}
-    name, one_shape = bench.parse_variant("w2=mma_loads_ahead@2304/1:2,mma_loads_ahead@8192/1:4")
-    choice = bench.variant_choice(one_shape["mma_loads_ahead"], kernels.mma_loads_ahead)
+    name, one_shape = steps.parse_variant("w2=mma_loads_ahead@2304/1:2,mma_loads_ahead@8192/1:4")
+    choice = steps.variant_choice(one_shape["mma_loads_ahead"], kernels.mma_loads_ahead)
     assert (name, choice(2304, 1), choice(8192, 1)) == ("w2", 2, 4)  # only those calls
     assert choice(2304, 6) == kernels.mma_loads_ahead(2304, 6) and choice(5120, 1) == kernels.mma_loads_ahead(5120, 1)
-    assert bench.variant_label(one_shape) == "mma_loads_ahead(2304, 1) 2, mma_loads_ahead(8192, 1) 4"
-    res = bench.bench_steps(str(default_checkpoint()), variants, tokens=5, rounds=2, warm=False)
+    assert steps.variant_label(one_shape) == "mma_loads_ahead(2304, 1) 2, mma_loads_ahead(8192, 1) 4"
+    res = steps.bench_steps(str(default_checkpoint()), variants, tokens=5, rounds=2, warm=False)
     assert list(res["variants"]) == ["kernels", "u3", "odd"]
     assert 3 in read  # odd's traces made under its choice; the replies below: kept apart from the others
     assert kernels.mma_loads_ahead(5120, 6) != 3  # restored
@@ -471,15 +503,15 @@ def test_steps_ab_runs_each_variant_with_its_choices_and_flags_changed_replies(b
     progress = capsys.readouterr().out.splitlines()  # each variant's untimed runs said before the rounds
     assert [line.split(":")[0].strip() for line in progress[:3]] == ["kernels", "u3", "odd"]
     assert sum(line.lstrip().startswith("round ") for line in progress[3:]) == 2 * 3
-    bench.print_steps(bench.environment(), res, "tiny")
+    steps.print_steps(harness.environment(), res, "tiny")
     out = capsys.readouterr().out
     assert "| odd | mma_loads_ahead 3 |" in out and out.count("| NO |") == 1
     for bad in ("nochoices", "x=not_a_choice:1", "x=experts_loads_ahead:one", "x=mma_loads_ahead@k/1:2"):
         with pytest.raises(SystemExit, match="--variant"):
-            bench.parse_variant(bad)
+            steps.parse_variant(bad)
 
 
-def test_layouts_time_fp8_mma_tiles_and_loads_ahead_together(bench, monkeypatch):
+def test_layouts_time_fp8_mma_tiles_and_loads_ahead_together(monkeypatch):
     """`bench.py layouts --kernels fp8_mma`, its GPU kernel stubbed: every shape and count of rows
     launched under each tile height (kernels.mma_tile_rows) with each U, labelled TR/U, the
     package's pair marked the default."""
@@ -494,9 +526,9 @@ def test_layouts_time_fp8_mma_tiles_and_loads_ahead_together(bench, monkeypatch)
 
     monkeypatch.setattr(kernels, "backend", lambda: "cuda")
     monkeypatch.setattr(kernels, "fp8_gemv", stub)
-    monkeypatch.setattr(bench, "copy_bandwidth", lambda *a: 3.5e12)
-    monkeypatch.setattr(bench, "chained", lambda run, x0: (run(x0, 1), 1e-5)[1])
-    res = bench.bench_layouts((1, 6), which=("fp8_mma",))
+    monkeypatch.setattr(layouts, "copy_bandwidth", lambda *a: 3.5e12)
+    monkeypatch.setattr(layouts, "chained", lambda run, x0: (run(x0, 1), 1e-5)[1])
+    res = layouts.bench_layouts((1, 6), which=("fp8_mma",))
     assert len(res["cases"]) == 4 * 2 * 8 and {c["layout"] for c in res["cases"]} == {
         f"{tr}/{u}" for tr in (32, 16) for u in (2, 4, 6, 8)}
     for k in (1280, 8192, 5120, 2304):
@@ -508,7 +540,7 @@ def test_layouts_time_fp8_mma_tiles_and_loads_ahead_together(bench, monkeypatch)
     assert kernels.mma_tile_rows(4608, 5120) == 32  # restored
 
 
-def test_layouts_time_fp4_experts_loads_ahead(bench, monkeypatch):
+def test_layouts_time_fp4_experts_loads_ahead(monkeypatch):
     """`bench.py layouts --kernels fp4_experts`, its GPU kernel stubbed: w13 and w2 at each count
     of rows launched under each U (kernels.experts_loads_ahead), the package's U marked the
     default."""
@@ -524,9 +556,9 @@ def test_layouts_time_fp4_experts_loads_ahead(bench, monkeypatch):
     package_u = {(k, rows): kernels.experts_loads_ahead(rows, k) for k in (5120, 2304) for rows in (1, 6)}
     monkeypatch.setattr(kernels, "backend", lambda: "cuda")
     monkeypatch.setattr(kernels, "fp4_experts", stub)
-    monkeypatch.setattr(bench, "copy_bandwidth", lambda *a: 3.5e12)
-    monkeypatch.setattr(bench, "chained", lambda run, x0: (run(x0, 1), 1e-5)[1])
-    res = bench.bench_layouts((1, 6), which=("fp4_experts",), experts=6)
+    monkeypatch.setattr(layouts, "copy_bandwidth", lambda *a: 3.5e12)
+    monkeypatch.setattr(layouts, "chained", lambda run, x0: (run(x0, 1), 1e-5)[1])
+    res = layouts.bench_layouts((1, 6), which=("fp4_experts",), experts=6)
     assert len(res["cases"]) == 2 * 2 * 4 and {c["layout"] for c in res["cases"]} == {1, 2, 3, 4}
     for (k, rows), u in package_u.items():
         assert {uu for kk, r, uu in seen if (kk, r) == (k, rows)} == {1, 2, 3, 4}
@@ -536,7 +568,7 @@ def test_layouts_time_fp4_experts_loads_ahead(bench, monkeypatch):
     assert {key: kernels.experts_loads_ahead(key[1], key[0]) for key in package_u} == package_u  # restored
 
 
-def test_layouts_launch_fp8_mma_hc_as_a_forward_does(bench, monkeypatch):
+def test_layouts_launch_fp8_mma_hc_as_a_forward_does(monkeypatch):
     """`bench.py layouts --kernels fp8_mma_hc`, its GPU kernel stubbed: wo_b's and the shared
     expert's w2 launches get a forward's arguments (x [8, K] bf16 quantised in the kernel, the
     stream, the computed rows, the routed experts' parts added to the shared w2's), each U
@@ -556,9 +588,9 @@ def test_layouts_launch_fp8_mma_hc_as_a_forward_does(bench, monkeypatch):
 
     monkeypatch.setattr(kernels, "backend", lambda: "cuda")
     monkeypatch.setattr(kernels, "fp8_into_stream", stub)
-    monkeypatch.setattr(bench, "copy_bandwidth", lambda *a: 3.5e12)
-    monkeypatch.setattr(bench, "chained", lambda run, x0: (run(x0, 1), 1e-5)[1])
-    res = bench.bench_layouts((1, 6), which=("fp8_mma_hc",))
+    monkeypatch.setattr(layouts, "copy_bandwidth", lambda *a: 3.5e12)
+    monkeypatch.setattr(layouts, "chained", lambda run, x0: (run(x0, 1), 1e-5)[1])
+    res = layouts.bench_layouts((1, 6), which=("fp8_mma_hc",))
     assert len(res["cases"]) == 2 * 2 * 4 and all(c["kernel"] == "fp8_mma_hc" for c in res["cases"])
     for k, parts in ((8192, None), (2304, (6, 6, 5120))):
         for rows in (1, 6):

@@ -239,9 +239,9 @@ def test_rounds_cut_at_each_verify_forwards_head(timeline):
 
 
 def test_oracle_rounds_regenerate_the_plain_reply(timeline, fixture_dir):
-    """load_oracle: the prompt's plain greedy reply, then a generation drafted by bench.py's
-    oracle drafter that must give it again; every draft verified."""
-    from scripts.bench import OracleDrafter
+    """load_oracle: the prompt's plain greedy reply, then a generation drafted by the
+    benchmarks' oracle drafter that must give it again; every draft verified."""
+    from scripts.benchmarks.harness import OracleDrafter
 
     with timeline.load_oracle(str(fixture_dir), 20, 12) as generate:
         decoder = generate()

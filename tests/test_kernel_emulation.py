@@ -198,7 +198,7 @@ def test_fp8_rows_runs_its_spec_on_the_host(language, rows, tmp_path):
     each row's 64 best outputs of each tile of 256, merged as fp8_rows_top64 merges them,
     against fp8_rows_reference: the same best values, and each id's logit its value."""
     from dsv41_mlx.quant import Fp8Matrix
-    from scripts.check_kernels import random_scales, random_words
+    from scripts.benchmarks.harness import random_scales, random_words
 
     mx.random.seed(rows)
     n, k, tiles = 768, 256, 3
@@ -209,8 +209,7 @@ def test_fp8_rows_runs_its_spec_on_the_host(language, rows, tmp_path):
                                           "scales": ("uint8", np.array(w.scales))},
               {"top_vals": ("float32", rows * tiles * 64), "top_ids": ("int32", rows * tiles * 64)},
               {"R": rows, "K": k, "N": n, "TILES": tiles}, tiles, tmp_path)
-    vals, ids = kernels._best(mx.array(out["top_vals"].reshape(rows, -1)), mx.array(out["top_ids"].reshape(rows, -1)),
-                              kernels.TOP_K)
+    vals, ids = kernels._best(mx.array(out["top_vals"].reshape(rows, -1)), mx.array(out["top_ids"].reshape(rows, -1)))
     want_vals, _ = kernels.fp8_rows_reference(x, w)
     logits = np.array(x.astype(mx.float32) @ w.dequantize().T)
     vals, ids, want_vals = np.array(vals), np.array(ids), np.array(want_vals)
@@ -247,7 +246,7 @@ def _fp8_gemm_on_the_host(spec, language, rows, out_rows, qx, sw, ap, template, 
     """An FP8 GEMM kernel of fp8_gemv's inputs (fp8_gemv, fp8_mma) run on the host against
     fp8_gemv_reference: 64 outputs, 512 inputs, `rows` computed of `out_rows`."""
     from dsv41_mlx.quant import fp8_fake_quant_reference
-    from scripts.check_kernels import random_scales, random_words
+    from scripts.benchmarks.harness import random_scales, random_words
 
     mx.random.seed(rows + 2 * sw + ap)
     n, k = 64, 512
@@ -288,7 +287,7 @@ def test_fp8_gemv_pair_writes_each_matrix_apart_on_the_host(language, rows, out_
     bits of the same kernel without SPLIT (y's columns apart), the padding rows zeros. A
     launch that split nowhere would interleave the two."""
     from dsv41_mlx.quant import fp8_fake_quant_reference
-    from scripts.check_kernels import random_scales, random_words
+    from scripts.benchmarks.harness import random_scales, random_words
 
     mx.random.seed(11 + rows)
     n, k, split = 64, 512, 32
@@ -341,7 +340,7 @@ def test_fp8_mma_tiles_of_16_rows_give_the_same_bits(language, rows, out_rows, q
     give every output the bits of 32-row tiles: the same products summed in the same order
     (the padding rows zeros both ways), and so the spec's values."""
     from dsv41_mlx.quant import fp8_fake_quant_reference
-    from scripts.check_kernels import random_scales, random_words
+    from scripts.benchmarks.harness import random_scales, random_words
 
     mx.random.seed(70 + rows + sw)
     n, k = 64, 512
@@ -382,7 +381,8 @@ def test_fp8_mma_into_the_stream_runs_its_spec_on_the_host(language, rows, out_r
     bound, against float64)."""
     from dsv41_mlx.models.hyper import _hc_post
     from dsv41_mlx.quant import fp8_fake_quant_reference
-    from scripts.check_kernels import bf16_step_problem, random_scales, random_words
+    from scripts.benchmarks.harness import random_scales, random_words
+    from scripts.kernel_checks.harness import bf16_step_problem
 
     mx.random.seed(40 + rows)
     n, k, hc = 64, 512, 4
@@ -429,7 +429,7 @@ def test_hc_input_completes_its_parts_on_the_host(language, chunks, tmp_path):
     from dsv41_mlx.kernels import hc_split_reference, rms_norm_reference
     from dsv41_mlx.models.hyper import hc_pre
     from dsv41_mlx.quant import fp8_fake_quant_reference
-    from scripts.check_kernels import bf16_step_problem
+    from scripts.kernel_checks.harness import bf16_step_problem
 
     rng = np.random.default_rng(chunks)
     S, hc, d, iters = 3, 4, 64, 20
@@ -575,14 +575,13 @@ def test_rms_norm_pair_gives_two_rms_norms_bits_on_the_host(language, tmp_path):
     assert np.mean(kv == want) > 0.9 and np.count_nonzero(kv) > 0.5 * kv.size
 
 
-@pytest.mark.parametrize("language", ["metal", "cuda"])
-def test_rows_gate_takes_a_release_and_reports_giving_up(language, tmp_path):
-    """rows_gate passes a release the host made (flag[0] != flag[1]), takes it (flag[1] =
-    flag[0]) and copies the rows; with none to take it gives up after SPINS reads, counts that
-    in flag[2] and says so (and copies the rows all the same)."""
+def test_rows_gate_takes_a_release_and_reports_giving_up(tmp_path):
+    """rows_gate (CUDA only) passes a release the host made (flag[0] != flag[1]), takes it
+    (flag[1] = flag[0]) and copies the rows; with none to take it gives up after SPINS reads,
+    counts that in flag[2] and says so (and copies the rows all the same)."""
     rows = np.random.default_rng(5).integers(0, 256, 600).astype(np.uint8)
     for flag, spins, status, after in [([7, 6, 0], 1 << 24, [0, 7], [7, 7, 0]), ([7, 7, 2], 64, [1, 7], [7, 7, 3])]:
-        got = run(kernels.ROWS_GATE, language, {"flag": ("uint32", np.array(flag)), "rows": ("uint8", rows)},
+        got = run(kernels.ROWS_GATE, "cuda", {"flag": ("uint32", np.array(flag)), "rows": ("uint8", rows)},
                   {"status": ("uint32", 2), "out": ("uint8", rows.size)}, {"SPINS": spins, "N": rows.size}, 1,
                   tmp_path, read_back=("flag",))
         assert got["status"].tolist() == status and got["flag"].tolist() == after

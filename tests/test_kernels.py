@@ -8,6 +8,7 @@ scripts/check_kernels.py (through the device tool).
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -264,6 +265,8 @@ CASES = {
     "rows_gate": (ROWS_GATE, {"flag": "uint32", "rows": "uint8"}, {"status": "uint32", "out": "uint8"},
                   {"SPINS": 1 << 24, "N": 4224}),
 }
+METAL_CASES = sorted(case for case, (spec, *_) in CASES.items() if spec.metal is not None)  # rows_gate: CUDA only
+
 
 @pytest.fixture(autouse=True)
 def _compilers_present(request):
@@ -278,7 +281,7 @@ def _wrapped(case: str, body: str | None = None) -> str:
     return wrap(spec.name, body or spec.source("metal"), spec.header("metal"), inputs, outputs, template)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", METAL_CASES)
 @pytest.mark.parametrize("rows", [1, 16])
 def test_metal_source_type_checks(case, rows, tmp_path):
     spec, inputs, outputs, template = CASES[case]
@@ -295,8 +298,6 @@ def test_metal_source_type_checks(case, rows, tmp_path):
     ("fp8_rows", ("const uint odd = E4M3_ODD(words[c]);", "const uint odd = E4M3_ODD(words[c])")),  # no semicolon
     ("fp8_rows", ("simdgroup_half8x8 a;", "simdgroup_float8x8 a;")),  # type error: float tile from half memory
     ("ring_write", ("src[chunk];", "src[chunck];")),  # misspelt variable
-    ("rows_gate", ("atomic_load_explicit(&f[0], memory_order_relaxed)",
-                   "atomic_load_explicit(f[0], memory_order_relaxed)")),  # an atomic for its address
     ("hc_split", ("hc_split_row<HC, ITERS>(mix, scale, base, eps[0],", "hc_split_row<HC, ITERS>(mix, scale, eps[0],")),
     ("act_quant", ("const float v = static_cast<float>(x[idx]);", "const float v = static_cast<float>(x[idx])")),
     ("act_quant", ("fp8_fake_quant_lane(v)", "fp8_fake_quant_lane(v, 1)")),  # bad call
@@ -570,14 +571,35 @@ def act_quant_spec(x: mx.array, impl: str, dtype: mx.Dtype | None = None) -> mx.
     return fp8_fake_quant_reference(x).astype(dtype or x.dtype)
 
 
-def _check_kernels_script():
-    return load_script("check_kernels")
+def test_check_kernels_runs_the_checks_named_at_the_rows_asked(monkeypatch, capsys):
+    """scripts/check_kernels.py: on the CPU nothing to check; on a GPU the checks whose names
+    start with a NAME given, at the --rows given (kernel_checks.harness.CHECK_ROWS while they
+    run), each check's problems printed and counted, the exit status 1 where any."""
+    from scripts.kernel_checks import harness as checks_harness
+
+    script = load_script("check_kernels")
+    monkeypatch.setattr(sys, "argv", ["check_kernels.py", "--rows=1,6", "rms_norm"])
+    assert script.main() == 1 and "nothing to check" in capsys.readouterr().out
+    ran = []
+
+    def check(name, problems):
+        return lambda impl, seed: ran.append((name, impl, checks_harness.CHECK_ROWS)) or problems
+
+    monkeypatch.setattr(checks_harness, "CHECK_ROWS", checks_harness.CHECK_ROWS)  # (restored after)
+    monkeypatch.setattr(script, "backend", lambda: "metal")
+    monkeypatch.setattr(script, "CHECKS", [("rms_norm", check("rms_norm", []), 1),
+                                           ("rms_norm_pair", check("rms_norm_pair", ["2 values off"]), 2),
+                                           ("moe_gate", check("moe_gate", []), 3)])
+    assert script.main() == 1
+    assert ran == [("rms_norm", "metal", (1, 6)), ("rms_norm_pair", "metal", (1, 6))]
+    out = capsys.readouterr().out
+    assert "rms_norm: ok" in out and "rms_norm_pair: 2 values off" in out and out.endswith("1 FAILED\n")
 
 
 def test_gemm_check_flags_a_kernel_that_rounds_along_the_way(monkeypatch):
     """scripts/check_kernels.py's bf16-vs-fp32 GEMM check, here on the CPU, whose bf16-fed
     GEMMs do round along the way: it must report them (on CUDA they pass)."""
-    check = _check_kernels_script()
+    from scripts.kernel_checks import mlx_gemms as check
     monkeypatch.setattr(check, "quantised_gemm_shapes", lambda: ({(1024, 4096)}, {(2, 2048, 256)}, {(4, 2048, 256)}))
     problems, _ = check.check_gemms_bf16(seed=1, rows_list=(8,))
     assert any(p.startswith("mxfp8 1024->4096") for p in problems)
@@ -588,7 +610,7 @@ def test_gemm_agreement_allows_only_summation_order_differences():
     """The bf16-vs-fp32 GEMM comparison: a near-cancelling sum may land a few bf16 steps
     away within the fp32 summation-order bound; a value off by more than that bound, or
     many values one step off, are problems."""
-    check = _check_kernels_script()
+    from scripts.kernel_checks import harness as check
     k = 1024
     wide = mx.array(np.linspace(-40, 40, 20_000).astype(np.float32))
     magnitude = mx.full(wide.shape, 800.0)  # k products of ~0.8 in absolute value
@@ -646,7 +668,7 @@ def test_gemm_kernel_checks_pass_the_spec_and_flag_wrong_kernels(monkeypatch, ke
     and an fp4_experts that computes every row of longer inputs than its rows=."""
     from dsv41_mlx import kernels
 
-    check = _check_kernels_script()
+    check = importlib.import_module(f"scripts.kernel_checks.{kernel}")
     run = getattr(check, f"check_{kernel}")
     reference = getattr(kernels, f"{kernel}_reference")
     monkeypatch.setattr(check, "quantised_gemm_shapes", lambda: shapes)
@@ -687,7 +709,7 @@ def test_pair_check_passes_two_launches_and_flags_a_wrong_pair(monkeypatch, fixt
 
     from dsv41_mlx.config import ModelArgs
 
-    check = _check_kernels_script()
+    from scripts.kernel_checks import fp8_gemv as check
     tiny = ModelArgs.from_dict(json.loads((fixture_dir / "config.json").read_text()))
     monkeypatch.setattr(check, "flash_args", lambda: tiny)
     monkeypatch.setattr(check, "fp8_gemv_pair_fits", lambda *args: True)
@@ -714,7 +736,7 @@ def test_rms_norm_pair_check_passes_two_norms_and_flags_a_wrong_pair(monkeypatch
     from dsv41_mlx.models.layers import rotate
     from dsv41_mlx.quant import fp8_fake_quant_reference
 
-    check = _check_kernels_script()
+    from scripts.kernel_checks import rms_norm as check
 
     def norm(x, w, eps, impl=None, quantize_to=None, rope=None):  # the quantised (rotated) kernel's spec
         y = kernels.rms_norm_reference(x, w, eps)
@@ -753,7 +775,7 @@ def test_epilogue_check_passes_the_spec_and_flags_a_wrong_epilogue(monkeypatch):
     so do parts added in another order, or to the padding rows too."""
     from dsv41_mlx import kernels
 
-    check = _check_kernels_script()
+    from scripts.kernel_checks import epilogues as check
     monkeypatch.setattr(check, "quantised_gemm_shapes", lambda: ({(256, 64), (32, 256)}, set(), {(4, 256, 64)}))
     monkeypatch.setattr(check, "flash_args", lambda: type("Args", (), {"moe_intermediate_size": 32}))
 
@@ -798,7 +820,7 @@ def test_epilogue_check_passes_the_spec_and_flags_a_wrong_epilogue(monkeypatch):
 def test_gate_check_passes_the_spec_and_flags_a_wrong_router(monkeypatch):
     """scripts/check_kernels.py's router check: the spec itself passes; a router whose
     weights are off, or that picks another expert, or whose rows depend on each other, fails."""
-    check = _check_kernels_script()
+    from scripts.kernel_checks import moe_gate as check
     assert check.check_moe_gate("mlx", seed=2) == []
 
     def off_weights(x, *args, impl=None):
@@ -845,7 +867,7 @@ def test_hc_input_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatch):
     mixes are off, or whose rows depend on each other, fails."""
     from dsv41_mlx.quant import fp8_fake_quant_reference
 
-    check = _check_kernels_script()
+    from scripts.kernel_checks import hc as check
     spec = check.hc_input_spec
 
     def exact(h, pre_in, *args, impl=None):
@@ -883,7 +905,7 @@ def test_rms_norm_rope_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatc
     from dsv41_mlx.kernels import rms_norm_reference
     from dsv41_mlx.quant import fp8_fake_quant_reference
 
-    check = _check_kernels_script()
+    from scripts.kernel_checks import rms_norm as check
 
     def spec(x, w, eps, impl=None, quantize_to=None, rope=None, first=False, coupled=False):
         y = rms_norm_reference(x, w * (1 + 1e-2 * (coupled and x.shape[0] > 1)), eps)
@@ -911,7 +933,7 @@ def test_hc_post_input_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatc
     step in many values, or whose rows depend on each other, fails."""
     from dsv41_mlx.models.hyper import HcMixes, hc_post
 
-    check = _check_kernels_script()
+    from scripts.kernel_checks import hc as check
 
     def spec(y, residual, post, comb, pre_in, *args, impl=None):
         h = hc_post(y, residual, HcMixes(pre_in, post, comb))
@@ -943,8 +965,8 @@ def test_fp8_into_stream_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypa
     from dsv41_mlx.models.hyper import _hc_post, hc_pre
     from dsv41_mlx.quant import fp8_fake_quant_reference
 
-    check = _check_kernels_script()
-    monkeypatch.setattr(check, "CHECK_ROWS", (1, 5))
+    from scripts.kernel_checks import harness as checks_harness, hc as check
+    monkeypatch.setattr(checks_harness, "CHECK_ROWS", (1, 5))
 
     def gemv(x, w, s, impl=None, **kw):
         return kernels.fp8_gemv_reference(x, w, s, **kw)
@@ -1060,7 +1082,7 @@ def test_attention_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatch):
     from dsv41_mlx.models.layers import Rope
     from dsv41_mlx.models.attention import sparse_attention
 
-    check = _check_kernels_script()
+    from scripts.kernel_checks import harness as checks_harness, sparse_attention as check
     spec = check.sparse_attention_spec
 
     def no_sink(q, ring, index, wmask, kv, ids, pmask, sink, *rest, impl=None):
@@ -1096,7 +1118,7 @@ def test_attention_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatch):
 
     monkeypatch.setattr(check, "sparse_attention_rows", lambda *a, impl=None: spec(*a))
     assert check.check_sparse_attention("mlx", seed=4) == []
-    monkeypatch.setattr(check, "CHECK_ROWS", (8,))  # a padded forward's rows: every fault shows there
+    monkeypatch.setattr(checks_harness, "CHECK_ROWS", (8,))  # a padded forward's rows: every fault shows there
     for broken, message in ((no_sink, "off by"), (shifted_slot, "off by"), (no_rope, "off by"),
                             (no_inverse_rope, "off by"), (coupled_rows, "alone differs"),
                             (padding_computed, "zeros after them"), (flat_q_misread, "q as [S, H * D]"),
@@ -1112,7 +1134,7 @@ def test_rms_norm_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatch):
     from dsv41_mlx.kernels import rms_norm_reference
     from dsv41_mlx.quant import fp8_fake_quant_reference
 
-    check = _check_kernels_script()
+    from scripts.kernel_checks import rms_norm as check
 
     def kernel_like(norm):  # a norm as the kernel computes it, with the quantised form on top
         def run(x, w, eps, impl=None, quantize_to=None):
@@ -1163,7 +1185,7 @@ def test_fp4_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatch):
     breaks the E2M1 ties the other way, or drops the E4M3 scale's rounding, fails."""
     from dsv41_mlx.quant import fp4_fake_quant_reference
 
-    check = _check_kernels_script()
+    from scripts.kernel_checks import fake_quant as check
 
     def spec(x, block, e4m3, impl=None):
         return fp4_fake_quant_reference(x, block, "e4m3" if e4m3 else "e8m0")
@@ -1245,7 +1267,8 @@ def test_gemv_threads_per_output_default_by_shape_and_can_be_set_for_benchmarks(
     from dsv41_mlx import kernels
 
     threads = kernels.gemv_threads_per_output
-    assert [threads(5120), threads(8192), threads(15360)] == [32, 64, 128]  # steps alone (fp4_experts)
+    # outputs enough to fill the GPU at any C: the steps alone decide
+    assert [threads(5120, 32768), threads(8192, 32768), threads(15360, 32768)] == [32, 64, 128]
     assert [threads(5120, 512), threads(5120, 1280), threads(5120, 4608)] == [256, 256, 64]  # wkv, wq_a, w13
     assert [threads(1280, 32768), threads(4096, 8 * 1024), threads(15360, 5120)] == [32, 32, 128]
     seen = []

@@ -228,12 +228,10 @@ def test_groups_of_two_pool_as_the_softmax_over_the_group_in_one_launch():
     """pooled's groups of two (the release's ratio) take the spec's steps written out per row,
     element-wise: the same bits as the softmax over the group axis and the sum over it (signs
     of zero included), as one compiled kernel with no reduction; other ratios take the spec."""
-    import sys
 
     from dsv41_mlx.models.attention import pooled
 
-    sys.path.insert(0, "scripts")
-    import bench
+    from scripts.benchmarks import harness as bench
 
     def spec(kv, score):
         return (kv * mx.softmax(score, axis=1, precise=True)).sum(axis=1).astype(mx.bfloat16)
@@ -256,12 +254,10 @@ def test_engram_rows_dequantise_in_one_launch_as_from_fp8_decodes_them():
     """engram.dequantize_rows decodes E4M3 codes from their bits: every code (NaN codes
     included) at scales around the tables', the same bits as mx.from_fp8's values times the
     scale's power of two, in one launch where that takes four."""
-    import sys
 
     from dsv41_mlx.models.engram import dequantize_rows
 
-    sys.path.insert(0, "scripts")
-    import bench
+    from scripts.benchmarks import harness as bench
 
     def from_fp8(codes, scales):
         values = mx.from_fp8(codes, dtype=mx.float32).reshape(*scales.shape, -1)
@@ -276,20 +272,18 @@ def test_engram_rows_dequantise_in_one_launch_as_from_fp8_decodes_them():
         assert np.array_equal(np.array(got.view(mx.uint16)), np.array(want.view(mx.uint16))), scales[0, 0, 0]
     scales = mx.array(np.full((3, 2, 8), 127, np.uint8))
     mx.eval(codes, scales)
-    assert bench.kernels(bench.graph_ops(dequantize_rows(codes, scales))) == 1
-    assert bench.kernels(bench.graph_ops(mx.compile(from_fp8)(codes, scales))) == 4
+    assert bench.launches(bench.graph_ops(dequantize_rows(codes, scales))) == 1
+    assert bench.launches(bench.graph_ops(mx.compile(from_fp8)(codes, scales))) == 4
 
 
 def test_engram_gate_sums_in_one_reduction_the_bits_of_the_steps_as_written():
     """engram.gated_add's three sums over dim (two means, one sum) as one reduction of their
     terms side by side: the same bits as the steps written one by one (the reference's), in
     six launches where those take thirteen."""
-    import sys
 
     from dsv41_mlx.models.engram import gated_add
 
-    sys.path.insert(0, "scripts")
-    import bench
+    from scripts.benchmarks import harness as bench
 
     f32 = mx.float32
 
@@ -315,8 +309,8 @@ def test_engram_gate_sums_in_one_reduction_the_bits_of_the_steps_as_written():
     h, kv, w = mx.ones((8, 4, 64), mx.bfloat16) + 0, mx.ones((8, 5 * 64), mx.bfloat16) + 0, mx.ones((4, 64)) + 0
     mx.eval(h, kv, w)
     ops = bench.graph_ops(gated_add(h, kv, w, w, 1e-6))
-    assert ops["Sum"] == 1 and bench.kernels(ops) == 6, ops
-    assert bench.kernels(bench.graph_ops(mx.compile(as_written)(h, kv, w, w, 1e-6))) == 13
+    assert ops["Sum"] == 1 and bench.launches(ops) == 6, ops
+    assert bench.launches(bench.graph_ops(mx.compile(as_written)(h, kv, w, w, 1e-6))) == 13
 
 
 def test_compressor_pools_its_groups_from_where_its_cache_wrote_their_rows(fixture_model):
@@ -351,10 +345,8 @@ def test_a_forward_computes_the_index_keys_of_the_groups_it_pools(fixture_model,
     """Evaluating a forward's logits also computes and writes the index keys of the groups it
     pooled, which its indexers do not read while they pick every group: nothing is left for
     the first forward that scores them (which would compute every key made before it)."""
-    import sys
 
-    sys.path.insert(0, "scripts")
-    import bench
+    from scripts.benchmarks import harness as bench
 
     ids = _ids(golden)
     cache = fixture_model.make_cache()
@@ -367,19 +359,17 @@ def test_a_forward_computes_the_index_keys_of_the_groups_it_pools(fixture_model,
         logits, _ = fixture_model(mx.array([[token]], dtype=mx.int32), cache)
         mx.eval(logits)
         for c in sources:
-            assert bench.kernels(bench.graph_ops(c.index_keys)) == 0, bench.graph_ops(c.index_keys)
+            assert bench.launches(bench.graph_ops(c.index_keys)) == 0, bench.graph_ops(c.index_keys)
     assert all(c.n_groups > g for c, g in zip(sources, groups))  # (groups were pooled)
 
 
 def test_rope_tables_of_a_narrower_width_are_views_of_a_wider_ones():
     """Rope.tables for positions whose tables of a greater width are kept: views of their last
     pairs (no launch), the values of the narrower tables computed anew."""
-    import sys
 
     from dsv41_mlx.models.layers import Rope, _rope_tables
 
-    sys.path.insert(0, "scripts")
-    import bench
+    from scripts.benchmarks import harness as bench
 
     rope = Rope(16, 160000.0, 4096, 16.0)
     positions = mx.array([3, 9, 4000])
@@ -393,7 +383,7 @@ def test_rope_tables_of_a_narrower_width_are_views_of_a_wider_ones():
     assert rope.tables(positions, 32) is narrow  # kept
     fresh = mx.array([3, 9, 4000])  # other positions: computed, cos and sin a launch each
     tables = rope.tables(fresh, 32)
-    assert "Slice" not in bench.graph_ops(*tables) and bench.kernels(bench.graph_ops(*tables[:2])) == 2
+    assert "Slice" not in bench.graph_ops(*tables) and bench.launches(bench.graph_ops(*tables[:2])) == 2
     # each computing its own angles: the bits of one set of angles shared
     freqs, rotated = rope._per_pair(32)
     angles = (fresh.astype(mx.float32)[:, None] * freqs[None, :])[:, :, None]
@@ -792,9 +782,8 @@ def test_attention_kernel_takes_the_queries_unrotated_and_rotates_its_output_bac
     inverse rotation (two launches fewer per layer). With that kernel replaced by its spec
     (scripts/check_kernels.py) and every other kernel on its spec, decode steps are the same
     bits as the CPU's path, whose queries and output rotate: logits, features and cache."""
-    from .test_kernels import _check_kernels_script
+    from scripts.kernel_checks.sparse_attention import sparse_attention_spec as spec
 
-    spec = _check_kernels_script().sparse_attention_spec
     model = padded_runner
     rest, plain, kernel = _two_prefilled(fixture_model, golden)
     want = [model.decode(rest[start: start + 3], plain) for start in range(0, len(rest), 3)]
@@ -982,9 +971,8 @@ def test_padded_forwards_compute_their_real_rows_alone(fixture_model, padded_run
     GEMM with a SwiGLU) waits for the router's picks (`after`: where a CUDA graph runs it)."""
     from dsv41_mlx import kernels
 
-    from .test_kernels import _check_kernels_script
+    from scripts.kernel_checks.sparse_attention import sparse_attention_spec as spec
 
-    spec = _check_kernels_script().sparse_attention_spec
     model = padded_runner
     rest, plain, kernel = _two_prefilled(fixture_model, golden)
     want = [model.decode(rest[start: start + 3], plain) for start in range(0, len(rest), 3)]
@@ -1024,9 +1012,8 @@ def test_attention_projects_and_norms_through_the_pair_launches(fixture_model, p
     from dsv41_mlx.models.layers import rotate
     from dsv41_mlx.quant import fp8_fake_quant_reference
 
-    from .test_kernels import _check_kernels_script
+    from scripts.kernel_checks.sparse_attention import sparse_attention_spec as spec
 
-    spec = _check_kernels_script().sparse_attention_spec
     model = padded_runner
     rest, plain, kernel = _two_prefilled(fixture_model, golden)
     want = [model.decode(rest[start: start + 3], plain) for start in range(0, len(rest), 3)]

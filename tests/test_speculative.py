@@ -18,6 +18,7 @@ from scipy.stats import chisquare
 from dsv41_mlx.runtime.drafter import Drafter, Proposal
 from dsv41_mlx.runtime.options import Options
 from dsv41_mlx.runtime.runner import Runner
+from scripts.benchmarks.harness import OracleDrafter
 from dsv41_mlx.generate import generate_step, make_decoder, prefill
 from dsv41_mlx.sampling import DRAFT, SamplingParams, accept_or_resample, filtered_log_probs, gumbel_noise
 from dsv41_mlx.speculative import (ConfidencePolicy, DraftStats, SpeculativeDecoder, measure_verify_costs,
@@ -94,33 +95,6 @@ def test_drafted_reply_equals_undrafted_with_blocks_evaluated_on_a_thread(fixtur
                 assert list(generate_step(runner, PROMPTS[i], params, 24)) == expected[:24]
                 decoder = SpeculativeDecoder(runner, fixture_model.drafter, params, confidence="off")
                 assert _reply(runner, PROMPTS[i], params, decoder, max_tokens=24) == expected[:24]
-
-
-class OracleDrafter:
-    """Proposes the known continuation (a wrong token every `wrong_every` positions) with high confidence."""
-
-    def __init__(self, drafter, sequence: list[int], wrong_every: int = 7):
-        self.inner, self.sequence, self.wrong_every = drafter, sequence, wrong_every
-        self.block, self.window, self.verify_costs = drafter.block, drafter.window, drafter.verify_costs
-
-    def make_cache(self):
-        return self.inner.make_cache()
-
-    def ingest(self, cache, features):
-        self.inner.ingest(cache, features)
-
-    def ingest_ahead(self, cache, features):
-        return self.inner.ingest_ahead(cache, features)
-
-    def propose(self, cache, anchor, pick) -> Proposal:
-        drafts = []
-        for k in range(self.block):
-            pos = cache.end + 1 + k
-            token = self.sequence[pos] if pos < len(self.sequence) else 0
-            drafts.append(token + 1 if pos % self.wrong_every == 0 else token)
-        vocab = self.inner.model.args.vocab_size
-        logits = mx.zeros((self.block, vocab))
-        return Proposal(mx.array(drafts, dtype=mx.int32), logits, mx.full((self.block,), 5.0))
 
 
 @pytest.mark.parametrize("which", ["greedy", "coupled"])

@@ -10,29 +10,20 @@ from dsv41_mlx.runtime.runner import Runner
 from dsv41_mlx.generate import generate_step
 from dsv41_mlx.sampling import SamplingParams
 from dsv41_mlx.speculative import SpeculativeDecoder
+from scripts.benchmarks.harness import WrappedDrafter
 
 PROMPT = [(37 * j) % 8000 + 100 for j in range(23)]
 
 
-class Recording:
+class Recording(WrappedDrafter):
     """A drafter that remembers every proposal it made (evaluated)."""
 
     def __init__(self, drafter: Drafter):
-        self.inner = drafter
-        self.block, self.window, self.verify_costs = drafter.block, drafter.window, None
+        super().__init__(drafter)
         self.proposals = []
 
-    def make_cache(self):
-        return self.inner.make_cache()
-
-    def ingest(self, cache, features):
-        self.inner.ingest(cache, features)
-
-    def ingest_ahead(self, cache, features):
-        return self.inner.ingest_ahead(cache, features)
-
     def propose(self, cache, anchor, pick):
-        p = self.inner.propose(cache, anchor, pick)
+        p = super().propose(cache, anchor, pick)
         mx.eval(p.drafts, p.logits, p.confidence)
         self.proposals.append(p)
         return p

@@ -8,6 +8,9 @@ Each kernel exists three ways, and one wrapper here picks:
 * pure MLX everywhere else (the CPU): the `*_reference` functions, which are
   the specification both kernels are tested against.
 
+rows_gate, which computes nothing (it holds a forward's launches until the host has
+written their rows), is the one kernel with a CUDA text only.
+
 The bodies share `fp8_common.h` (integer bit tricks valid in both languages).
 """
 
@@ -80,7 +83,7 @@ class KernelSpec:
     name: str
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
-    metal: str  # body file
+    metal: str | None  # body file; None: the kernel runs on CUDA only
     cuda: str
     header_files: tuple[str, ...] = ("fp8_common.h",)
     twin_headers: tuple[str, ...] = ()  # a .h for Metal and a .cuh for CUDA each
@@ -141,24 +144,18 @@ FP4_EXPERTS = KernelSpec("fp4_experts", ("x", "xs", "w", "scales", "ids", "sizes
                          "fp4_experts.metal", "fp4_experts.cu", twin_headers=("fp8_lane", "bf16_lane", "gemv_lane", "mma_x"))
 MMA_X_PREP = KernelSpec("mma_x_prep", ("x", "sizes"), ("xh", "xs"), "mma_x_prep.metal", "mma_x_prep.cu",
                         twin_headers=("fp8_lane", "bf16_lane", "gemv_lane", "mma_x"))
-ROWS_GATE = KernelSpec("rows_gate", ("flag", "rows"), ("status", "out"), "rows_gate.metal", "rows_gate.cu",
-                       header_files=())
-
-
-# MLX 0.32's CUDA backend hashes a custom kernel's whole text (its header and body, 2-12 KB
-# here) every time it launches it, to name the kernel's module: a visible share of a decode
-# step's host time. So on CUDA the texts reach NVRTC through `#include` of a copy on disk,
-# and a launch hashes two short lines; each copy sits in a folder named by a digest of its
-# texts, so changed texts are new files, a new kernel name and a new build. False passes
-# the texts themselves (for comparison).
-CUDA_TEXT_BY_INCLUDE = True
+ROWS_GATE = KernelSpec("rows_gate", ("flag", "rows"), ("status", "out"), None, "rows_gate.cu", header_files=())
 
 
 @lru_cache(maxsize=None)
 def _compiled(spec: KernelSpec, language: str):
+    """spec's kernel for `language`. MLX 0.32's CUDA backend hashes a custom kernel's whole text
+    (its header and body, 2-12 KB here) every time it launches it, to name the kernel's module:
+    a visible share of a decode step's host time. So on CUDA the texts reach NVRTC through
+    `#include` of a copy on disk (included_texts), and a launch hashes two short lines."""
     make = mx.fast.metal_kernel if language == "metal" else mx.fast.cuda_kernel
     header, source = spec.header(language), spec.source(language)
-    if language == "cuda" and CUDA_TEXT_BY_INCLUDE:
+    if language == "cuda":
         header, source = included_texts(spec.name, header, source)
     return make(name=spec.name, input_names=list(spec.inputs), output_names=list(spec.outputs),
                 source=source, header=header)
@@ -175,8 +172,9 @@ def kernel_text_cache() -> Path:
 
 def included_texts(name: str, header: str, source: str, root: Path | None = None) -> tuple[str, str]:
     """(header, source) as two `#include` lines of copies written once under
-    root/<digest of both texts>/ (root: kernel_text_cache()). The texts themselves where
-    the copies cannot be written or their path cannot stand in an #include."""
+    root/<digest of both texts>/ (root: kernel_text_cache()): changed texts are new files, a
+    new kernel name and a new build. The texts themselves where the copies cannot be written
+    or their path cannot stand in an #include."""
     try:
         root = root or kernel_text_cache()
     except RuntimeError:  # no home directory to be found (Path.home)
@@ -218,17 +216,17 @@ def _float32s(*values: float) -> mx.array:
 
 # -------------------------------------------------------------------- fp8_rows
 
-def fp8_rows_reference(x: mx.array, w: Fp8Matrix, k: int = TOP_K) -> tuple[mx.array, mx.array]:
-    """Pure-MLX spec: logits = x @ dequant(w)^T in float32, then the k best per row.
+def fp8_rows_reference(x: mx.array, w: Fp8Matrix) -> tuple[mx.array, mx.array]:
+    """Pure-MLX spec: logits = x @ dequant(w)^T in float32, then the TOP_K best per row.
 
-    x [R, K] -> (values [R, k] float32, best first; ids [R, k] int32)."""
+    x [R, K] -> (values [R, TOP_K] float32, best first; ids [R, TOP_K] int32)."""
     logits = x.astype(mx.float32) @ w.dequantize().T
-    return _best(logits, mx.broadcast_to(mx.arange(logits.shape[1], dtype=mx.int32), logits.shape), k)
+    return _best(logits, mx.broadcast_to(mx.arange(logits.shape[1], dtype=mx.int32), logits.shape))
 
 
-def _best(values: mx.array, ids: mx.array, k: int) -> tuple[mx.array, mx.array]:
-    """The k largest of values [R, n] with their ids, best first."""
-    part = mx.argpartition(-values, kth=k - 1, axis=-1)[:, :k]
+def _best(values: mx.array, ids: mx.array) -> tuple[mx.array, mx.array]:
+    """The TOP_K largest of values [R, n] with their ids, best first."""
+    part = mx.argpartition(-values, kth=TOP_K - 1, axis=-1)[:, :TOP_K]
     vals = mx.take_along_axis(values, part, axis=-1)
     order = mx.argsort(-vals, axis=-1)
     return mx.take_along_axis(vals, order, axis=-1), mx.take_along_axis(mx.take_along_axis(ids, part, axis=-1),
@@ -268,7 +266,7 @@ def fp8_rows_top64(x: mx.array, w: Fp8Matrix, impl: str | None = None) -> tuple[
     if impl == "mlx":
         return fp8_rows_reference(x, w)
     vals, ids = fp8_rows_tiles(x, w, impl)
-    return _best(vals.reshape(R, -1), ids.reshape(R, -1), TOP_K)
+    return _best(vals.reshape(R, -1), ids.reshape(R, -1))
 
 
 # ------------------------------------------------------------------ ring_write
@@ -884,17 +882,16 @@ def gemv_layout(rows: int) -> tuple[int, int]:
 GEMV_FILL = 1 << 18  # outputs x threads per output to fill: 256 threadgroups at T = 4, 512 at T = 2
 
 
-def gemv_threads_per_output(k: int, outputs: int = 0) -> int:
-    """The GEMV kernels' C: how many threads split the k inputs of an output, 32 (a simdgroup)
-    to 256 (a threadgroup), the fewest that leave each thread at most 10 steps of 16 inputs
-    and give a matrix of `outputs` outputs at least 256 threadgroups. A forward is a chain of
-    GEMMs, each waiting for the last, so a GEMM's time is its latency: more threads per output
-    put more bytes in flight at once, and a matrix of few outputs (wq_a's 1280, wkv's 512)
-    would otherwise keep most of a GPU's cores idle. fp4_experts, whose launch holds every
-    picked expert's outputs, passes no outputs. Depends on the matrix's shape only, so each
+def gemv_threads_per_output(k: int, outputs: int) -> int:
+    """fp8_gemv's C: how many threads split the k inputs of an output, 32 (a simdgroup) to 256
+    (a threadgroup), the fewest that leave each thread at most 10 steps of 16 inputs and give
+    a matrix of `outputs` outputs at least 256 threadgroups. A forward is a chain of GEMMs,
+    each waiting for the last, so a GEMM's time is its latency: more threads per output put
+    more bytes in flight at once, and a matrix of few outputs (wq_a's 1280, wkv's 512) would
+    otherwise keep most of a GPU's cores idle. Depends on the matrix's shape only, so each
     output's order of additions is the same in every forward."""
     c = 32
-    while c < 256 and (160 * c < k or 0 < outputs * c < GEMV_FILL):
+    while c < 256 and (160 * c < k or outputs * c < GEMV_FILL):
         c *= 2
     return c
 
@@ -1173,8 +1170,8 @@ def _bf16_to_quantize(x: mx.array, quantize_input: bool) -> None:
 
 
 def _gemv_launch(spec: KernelSpec, impl: str, inputs: list, rows: int, sets: int, n: int, lead: tuple,
-                 init_value: float | None, quantize_input: bool, threads: int, sw: int,
-                 more: list | None = None, shape: tuple | None = None) -> mx.array:
+                 init_value: float | None, quantize_input: bool, threads: int, sw: int, more: list,
+                 shape: tuple | None = None) -> mx.array:
     """Launch fp8_gemv for `rows` computed rows (up to 16): `sets` matrices of n outputs, a
     threadgroup of 256 threads per (256 / C) * T outputs of a matrix -> bf16 [*lead, n], or
     [*lead, n / 2] with a SwiGLU (sw > 0); shape: those values in another shape (fp8_gemv_pair's
@@ -1186,7 +1183,7 @@ def _gemv_launch(spec: KernelSpec, impl: str, inputs: list, rows: int, sets: int
     rb, t = gemv_layout(rows)
     (y,) = _compiled(spec, impl)(
         inputs=inputs,
-        template=[("RB", rb), ("T", t), ("C", threads), ("QX", int(quantize_input)), ("SW", sw), *(more or [])],
+        template=[("RB", rb), ("T", t), ("C", threads), ("QX", int(quantize_input)), ("SW", sw), *more],
         grid=(sets * n // (256 // threads * t) * 256, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[shape or (*lead, n // 2 if sw else n)], output_dtypes=[mx.bfloat16], init_value=init_value)
     return y
@@ -1342,24 +1339,23 @@ GATE_SPINS = 1 << 24
 
 def rows_gate_fits() -> bool:
     """Whether a forward's launches may be queued behind rows_gate, waiting on the device for
-    the host's engram rows: on CUDA, where one-row steps run shorter with the same replies.
-    Not on Metal yet: a Mac must first show that a running kernel sees the CPU's write to
-    shared memory, and what it gains; there the forward's blocks are started once the rows
-    are written, as without the gate."""
+    the host's engram rows: on CUDA, where one-row steps run shorter with the same replies. The
+    gate has no Metal twin: elsewhere the forward's blocks are started once the rows are
+    written, as without it."""
     return backend() == "cuda"
 
 
 def rows_gate(flag: mx.array, rows: mx.array) -> tuple[mx.array, mx.array]:
-    """One launch that waits on the device until the host releases it through flag (uint32
-    [3], runtime.staged.StagedRows; rows_gate.metal says how), then copies rows (uint8 [N], the
-    host-written buffer) -> (status uint32 [2]: 1 if it gave up waiting, else 0, and the
-    release count it saw; the rows as they were at the release). What reads the copy runs after
-    the release."""
+    """One launch on CUDA (where rows_gate_fits) that waits on the device until the host
+    releases it through flag (uint32 [3], runtime.staged.StagedRows; rows_gate.cu says how),
+    then copies rows (uint8 [N], the host-written buffer) -> (status uint32 [2]: 1 if it gave
+    up waiting, else 0, and the release count it saw; the rows as they were at the release).
+    What reads the copy runs after the release."""
     if flag.dtype != mx.uint32 or flag.shape != (3,):
         raise ValueError(f"rows_gate: the flag must be uint32 [3]; got {flag.dtype} {flag.shape}")
     if rows.dtype != mx.uint8 or rows.ndim != 1:
         raise ValueError(f"rows_gate: the rows must be uint8 [N]; got {rows.dtype} {rows.shape}")
-    kernel = _compiled(ROWS_GATE, backend())
+    kernel = _compiled(ROWS_GATE, "cuda")
     status, out = kernel(inputs=[flag, rows], template=[("SPINS", GATE_SPINS), ("N", rows.size)],
                          grid=(256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[(2,), rows.shape],
                          output_dtypes=[mx.uint32, mx.uint8])

@@ -34,7 +34,7 @@ class StagedRows:
         self.packed = mx.array(np.zeros(size, np.uint8))
         self._host = _host_view(self.packed)
         self.flag = self._flag = None
-        if gated:  # [host's releases, releases the gates took, gates that gave up] (rows_gate.metal)
+        if gated:  # [host's releases, releases the gates took, gates that gave up] (rows_gate.cu)
             self.flag = mx.array(np.zeros(3, np.uint32))
             self._flag = _host_view(self.flag)
         self._released = 0

@@ -6,7 +6,6 @@
 // product itself and lane 0 storing it. Sums inside a product run in k order in float: the
 // matrix unit's own order may differ, which is within the float32 summation bound the tests
 // allow. half and bfloat16_t convert in software (host_floats.h).
-#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -18,11 +17,6 @@ typedef uint32_t uint;
 typedef uint16_t ushort;
 typedef uint64_t ulong;
 typedef uint8_t uchar;
-typedef std::atomic<uint> atomic_uint;  // rows_gate's flag: Metal's atomics on device memory
-using std::atomic_fetch_add_explicit;
-using std::atomic_load_explicit;
-using std::atomic_store_explicit;
-using std::memory_order_relaxed;
 struct uint2 { uint x, y; };
 struct uint4 { uint x, y, z, w; uint4() = default; uint4(uint a, uint b, uint c, uint d) : x(a), y(b), z(c), w(d) {} };
 struct ulong2 { ulong x, y; ulong2(ulong a, ulong b) : x(a), y(b) {} };

@@ -96,11 +96,6 @@ float simd_shuffle(float x, ushort lane);  // the value lane `lane` of the simdg
 
 namespace metal {
 enum class mem_flags { mem_none, mem_device, mem_threadgroup };
-enum memory_order { memory_order_relaxed };
-struct atomic_uint { uint value; };
-uint atomic_load_explicit(const device atomic_uint* object, memory_order order);
-void atomic_store_explicit(device atomic_uint* object, uint desired, memory_order order);
-uint atomic_fetch_add_explicit(device atomic_uint* object, uint operand, memory_order order);
 float exp(float x);
 float log(float x);
 float sqrt(float x);

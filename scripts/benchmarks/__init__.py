@@ -1,0 +1,1 @@
+"""The benchmarks of scripts/bench.py, one module each, on a shared harness (harness.py)."""
