@@ -169,8 +169,6 @@ class Head(nn.Module):
         return kernels.head_logits_reference(x, self.weight)
 
 
-
-
 @dataclass
 class Forward:
     """One forward between its blocks: what `Model.start` makes, each `Model.block` advances
@@ -190,7 +188,7 @@ class Model(nn.Module):
     or a verify block) and returns fp32 logits [1, S, vocab] and the DSpark features
     [1, S, len(dspark_target_layer_ids) * dim]: the mean over hc copies of the stream
     entering each target layer. `mtp` holds the DSpark stages the checkpoint stores beside
-    the target (models.build_model); the target's forward never runs them.
+    the target (io.load.build_model); the target's forward never runs them.
     """
 
     def __init__(self, args: ModelArgs):
