@@ -4,7 +4,7 @@
 
 For each variant a forward launches (w13 with its SwiGLU and w2, at one row and at six rows:
 the template arguments kernels.fp4_experts picks), compiles metal_kernels/fp4_experts.cu as MLX
-wraps it (tests/cuda_check.py) to a cubin, disassembles it with `nvdisasm` (the PyPI wheel
+wraps it (scripts/kernel_checks/nvrtc.py) to a cubin, disassembles it with `nvdisasm` (the PyPI wheel
 nvidia-cuda-nvdisasm) and finds the walk: the innermost loop holding the matrix-unit products
 (HMMA). Prints the loop's warp instructions per 32-column block of 32 weight rows (512 bytes
 of codes; the loop body covers U blocks), by opcode, and the registers a thread takes.
@@ -29,21 +29,21 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from dsv41_mlx import kernels  # noqa: E402
-from tests import cuda_check  # noqa: E402
-from tests.test_kernels import _experts_case  # noqa: E402
+from scripts.kernel_checks import nvrtc  # noqa: E402
+from scripts.kernel_checks.cases import experts_case  # noqa: E402
 
 W13_K, W2_K = 5120, 2304  # the release's: hidden, and the experts' inner width
 
 
 def variants(overrides: dict[str, int] | None = None) -> dict[str, tuple]:
     """The forward's fp4_experts launches (model.MoE._routed_rows: w13 on x already quantised,
-    its weighted SwiGLU; w2 quantising h itself): name -> the kernel case (tests/test_kernels.py)
+    its weighted SwiGLU; w2 quantising h itself): name -> the kernel case (scripts/kernel_checks/cases.py)
     with kernels.fp4_experts_template's constants and `overrides` of them."""
     out = {}
     for rows in (1, 6):
         for name, sw, k, quantize in (("w13", 2, W13_K, False), ("w2", 0, W2_K, True)):
             template = dict(kernels.fp4_experts_template(rows, k, quantize, sw, kernels.experts_prepare_x(rows)))
-            out[f"{name}, {rows} row{'s' * (rows > 1)}"] = _experts_case(**{**template, **(overrides or {})})
+            out[f"{name}, {rows} row{'s' * (rows > 1)}"] = experts_case(**{**template, **(overrides or {})})
     return out
 
 
@@ -62,8 +62,8 @@ def nvdisasm() -> str:
 def cubin(case: tuple, arch: str) -> tuple[bytes, int]:
     """NVRTC's cubin of the kernel case for `arch` (an sm_ target), and its registers a thread."""
     spec, inputs, outputs, template = case
-    source = cuda_check.wrap(spec.name, spec.source("cuda"), spec.header("cuda"), inputs, outputs, template)
-    compiled, log, code = cuda_check.compile_cubin(source, arch, ("--ptxas-options=-v",))
+    source = nvrtc.wrap(spec.name, spec.source("cuda"), spec.header("cuda"), inputs, outputs, template)
+    compiled, log, code = nvrtc.compile_cubin(source, arch, ("--ptxas-options=-v",))
     if not compiled:
         raise RuntimeError(f"{spec.name} {template}: NVRTC failed:\n{log}")
     regs = re.search(r"Used (\d+) registers", log)
@@ -116,7 +116,7 @@ def main() -> int:
     parser.add_argument("--list", metavar="VARIANT", help="print this variant's loop (a name from the table)")
     args = parser.parse_args()
     overrides = {k: int(v) for k, v in (item.split("=", 1) for item in args.set)}
-    if cuda_check.nvrtc() is None:
+    if nvrtc.nvrtc() is None:
         print("needs the NVRTC wheels: pip install -e '.[test]'", file=sys.stderr)
         return 2
     found = {}

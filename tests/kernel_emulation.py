@@ -3,17 +3,28 @@
 The body and its headers become C++ against tests/emulation/metal_emu.h or cuda_emu.h:
 Metal's address-space words dropped and its threadgroup arrays made static storage; CUDA's
 inline PTX (fp16_bits.cuh: fp16 conversions and the matrix unit's mma_m16n8k16) left out for
-the emulation's functions of the same names. The template constants become file-scope constants,
-and a main reads each input from a file, runs the grid of 256-thread threadgroups (blocks) one
-after another and writes the outputs. clang++ builds it (tests/compiler.py: else the clang of
-the `ziglang` test extra); numpy carries the arrays. The type-check and the NVRTC compile
-(tests/test_kernels.py) catch a wrong name or type; this catches a wrong index, a wrong layout, a wrong fragment: the kernel's numbers against its spec.
+the emulation's functions of the same names. The template constants become file-scope
+constants, and a main reads each input from a file, runs the grid of 256-thread threadgroups
+(blocks) one after another, each thread a fiber (tests/emulation/fibers.h), and writes the
+outputs; the grid's size and the outputs' sizes are its arguments, so one build serves every
+launch of the same text. clang++ builds it (tests/compiler.py: else the clang of the `ziglang`
+test extra), once a session for each text; numpy carries the arrays. The type-check and the
+NVRTC compile (tests/test_kernels.py) catch a wrong name or type; this catches a wrong index,
+a wrong layout, a wrong fragment: the kernel's numbers against its spec.
 """
 
 from __future__ import annotations
 
+import atexit
+import hashlib
+import os
 import re
+import shutil
 import subprocess
+import tempfile
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -28,13 +39,24 @@ C_TYPES = {"metal": {"bfloat16": "bfloat16_t", "float32": "float", "uint32": "ui
                     "uint8": "uint8_t", "int32": "int"}}
 NP_TYPES = {"bfloat16": np.uint16, "float32": np.float32, "uint32": np.uint32, "uint16": np.uint16, "uint8": np.uint8,
             "int32": np.int32}
-# Functions an emulation header defines in the global namespace for libstdc++ (GCC's, clang++'s
-# on Linux) that libc++ (zig's clang, macOS) declares there already: its <math.h> has `using
-# std::__math::fma` and `isnan`, and a definition beside a using-declaration does not compile.
-# With libc++ the header's own is renamed away (it calls std's, as the library's does).
-LIBCXX_CLASHES = {"metal": {"fma": ("float", "float a, float b, float c", "a, b, c")},
-                  "cuda": {"isnan": ("bool", "float v", "v")}}
-HEADERS = ("algorithm", "atomic", "barrier", "cmath", "cstdint", "cstdio", "cstring", "thread", "vector")
+FLAGS = ("-std=c++20", "-O1", "-w", "-I", str(EMULATION))
+MAIN = r"""struct Buffer { void* data; long bytes; };
+Buffer read_file(const char* path) {
+  FILE* f = std::fopen(path, "rb");
+  std::fseek(f, 0, SEEK_END);
+  const long bytes = std::ftell(f);
+  std::rewind(f);
+  void* data = std::malloc(bytes + 16);
+  if (std::fread(data, 1, bytes, f) != size_t(bytes)) std::abort();
+  std::fclose(f);
+  return {data, bytes};
+}
+void write_file(const char* path, const void* data, long bytes) {
+  FILE* f = std::fopen(path, "wb");
+  std::fwrite(data, 1, bytes, f);
+  std::fclose(f);
+}
+"""
 
 
 def metal_host_text(metal: str) -> str:
@@ -49,40 +71,83 @@ def metal_host_text(metal: str) -> str:
     return "\n".join(out)
 
 
-def unit(spec, language: str, inputs: dict[str, str], outputs: dict[str, tuple[str, int]],
-         template: dict[str, int | str], groups: int, read_back: tuple[str, ...] = ()) -> str:
-    """The C++ translation unit: inputs/outputs name -> dtype (outputs with their sizes);
-    read_back: inputs written out after the run as well (a kernel that writes into an input)."""
+def unit(spec, language: str, inputs: dict[str, str], outputs: dict[str, str], template: dict[str, int | str],
+         read_back: tuple[str, ...] = ()) -> str:
+    """The C++ translation unit: inputs/outputs name -> dtype; read_back: inputs written out
+    after the run as well (a kernel that writes into an input). Its main takes the number of
+    threadgroups, then each output's element count."""
     types = C_TYPES[language]
-    params = [f"const {types[t]}* {n}" for n, t in inputs.items()] + [f"{types[t]}* {n}" for n, (t, _) in outputs.items()]
+    params = [f"const {types[t]}* {n}" for n, t in inputs.items()] + [f"{types[t]}* {n}" for n, t in outputs.items()]
     if language == "metal":
         header, body, run_grid = metal_host_text(spec.header("metal")), metal_host_text(spec.source("metal")), \
             "run_threadgroups"
     else:  # fp16_bits.cuh (inline PTX) left out: cuda_emu.h has its functions
         header = spec.header("cuda").replace(kernel_text("fp16_bits.cuh"), "")
         body, run_grid = spec.source("cuda"), "run_blocks"
-    clashes = LIBCXX_CLASHES[language]
-    lines = [f"#include <{h}>" for h in HEADERS]  # (before the renames, which must not reach them)
-    lines += ["#ifdef _LIBCPP_VERSION", "namespace std {"]
-    lines += [f"inline {r} dsv41_emu_{f}({p}) {{ return {f}({a}); }}" for f, (r, p, a) in clashes.items()]
-    lines += ["}"] + [f"#define {f} dsv41_emu_{f}" for f in clashes] + ["#endif"]
-    lines += [f'#include "{EMULATION / (language + "_emu.h")}"']
-    lines += ["#ifdef _LIBCPP_VERSION"] + [f"#undef {f}" for f in clashes] + ["#endif"]
+    lines = [f'#include "{language}_emu.h"', "#include <cstdio>", "#include <cstdlib>"]
     lines += [f"using {k} = {types[v]};" if isinstance(v, str) else f"constexpr int {k} = {v};"
               for k, v in template.items()]  # a type parameter ('bfloat16', ...) or an int constant
-    lines += [header, "void kernel_body(" + ", ".join(params) + ") {", body, "}"]
-    lines += ["template <typename T> std::vector<T> read(const char* path) {",
-              '  FILE* f = std::fopen(path, "rb"); std::vector<T> v; T t;',
-              "  while (std::fread(&t, sizeof(T), 1, f) == 1) v.push_back(t);",
-              "  std::fclose(f); return v; }", "int main() {"]
-    lines += [f'  auto {n}_v = read<{types[t]}>("{n}.bin");' for n, t in inputs.items()]
-    lines += [f"  std::vector<{types[t]}> {n}_v({size});" for n, (t, size) in outputs.items()]
-    args = ", ".join(f"{n}_v.data()" for n in list(inputs) + list(outputs))
-    lines.append(f"  {run_grid}({groups}, [&] {{ kernel_body({args}); }});")
-    written = {**outputs, **{n: (None, f"{n}_v.size()") for n in read_back}}
-    lines += [f'  {{ FILE* f = std::fopen("{n}.out", "wb"); std::fwrite({n}_v.data(), sizeof({n}_v[0]), {size}, f); '
-              "std::fclose(f); }" for n, (t, size) in written.items()]
+    lines += [header, "void kernel_body(" + ", ".join(params) + ") {", body, "}", MAIN, "int main(int argc, char** argv) {"]
+    lines += [f'  const Buffer {n}_in = read_file("{n}.bin");' for n in inputs]
+    lines += [f"  const long {n}_size = std::atol(argv[{2 + i}]);\n"
+              f"  auto* {n}_out = static_cast<{types[t]}*>(std::calloc({n}_size + 1, sizeof({types[t]})));"
+              for i, (n, t) in enumerate(outputs.items())]
+    args = [f"static_cast<const {types[t]}*>({n}_in.data)" for n, t in inputs.items()] + [f"{n}_out" for n in outputs]
+    lines.append(f"  {run_grid}(std::atoi(argv[1]), [&] {{ kernel_body({', '.join(args)}); }});")
+    lines += [f'  write_file("{n}.out", {n}_out, {n}_size * sizeof({types[t]}));' for n, t in outputs.items()]
+    lines += [f'  write_file("{n}.out", {n}_in.data, {n}_in.bytes);' for n in read_back]
     return "\n".join(lines + ["  return 0;", "}"]) + "\n"
+
+
+@lru_cache(maxsize=None)
+def _builds() -> Path:
+    """This session's folder of built emulations (removed at exit)."""
+    folder = Path(tempfile.mkdtemp(prefix="dsv41-emulation-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
+@lru_cache(maxsize=None)
+def _builders() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=os.cpu_count() or 1)
+
+
+def _compile(text: str) -> Path:
+    if cxx() is None:
+        raise RuntimeError("no C++ compiler: install clang++ or the test extras (ziglang)")
+    source = _builds() / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}.cpp"
+    source.write_text(text)
+    done = subprocess.run([cxx(), *FLAGS, str(source), "-o", str(source.with_suffix(""))],
+                          capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"the host build of {source} failed:\n{done.stderr[-3000:]}")
+    return source.with_suffix("")
+
+
+@lru_cache(maxsize=None)
+def _build(text: str) -> Future:
+    """The executable of a unit's text (a Future of its path): built once a session, beside the
+    other builds (up to a core each)."""
+    return _builders().submit(_compile, text)
+
+
+def start(spec, language: str, inputs: dict[str, tuple[str, np.ndarray]], outputs: dict[str, tuple[str, int]],
+          template: dict[str, int | str], groups: int, workdir: Path,
+          read_back: tuple[str, ...] = ()) -> Callable[[], dict[str, np.ndarray]]:
+    """run()'s launch with its build begun: call what it returns to run it. A test of several
+    launches starts them all first, so that their builds run side by side."""
+    executable = _build(unit(spec, language, {n: t for n, (t, _) in inputs.items()},
+                             {n: t for n, (t, _) in outputs.items()}, template, read_back))
+
+    def finish() -> dict[str, np.ndarray]:
+        for n, (t, a) in inputs.items():
+            np.ascontiguousarray(a, dtype=NP_TYPES[t]).tofile(workdir / f"{n}.bin")
+        subprocess.run([str(executable.result()), str(groups), *(str(size) for _, size in outputs.values())],
+                       cwd=workdir, check=True, timeout=300)
+        kinds = {**{n: t for n, (t, _) in outputs.items()}, **{n: inputs[n][0] for n in read_back}}
+        return {n: np.fromfile(workdir / f"{n}.out", dtype=NP_TYPES[t]) for n, t in kinds.items()}
+
+    return finish
 
 
 def run(spec, language: str, inputs: dict[str, tuple[str, np.ndarray]], outputs: dict[str, tuple[str, int]],
@@ -92,17 +157,4 @@ def run(spec, language: str, inputs: dict[str, tuple[str, np.ndarray]], outputs:
     -> (dtype, array), outputs name -> (dtype, element count); returns the outputs as flat
     numpy arrays (bfloat16 as their uint16 bits), and the inputs named in read_back as the
     kernel left them."""
-    for n, (t, a) in inputs.items():
-        np.ascontiguousarray(a, dtype=NP_TYPES[t]).tofile(workdir / f"{n}.bin")
-    source = workdir / "kernel.cpp"
-    source.write_text(unit(spec, language, {n: t for n, (t, _) in inputs.items()}, outputs, template, groups,
-                           read_back))
-    if cxx() is None:
-        raise RuntimeError("no C++ compiler: install clang++ or the test extras (ziglang)")
-    build = subprocess.run([cxx(), "-std=c++20", "-O1", "-pthread", "-w", str(source), "-o", str(workdir / "kernel")],
-                           capture_output=True, text=True)
-    if build.returncode:
-        raise RuntimeError(f"the host build of {spec.name} ({language}) failed:\n{build.stderr[-3000:]}")
-    subprocess.run([str(workdir / "kernel")], cwd=workdir, check=True, timeout=300)
-    kinds = {**{n: t for n, (t, _) in outputs.items()}, **{n: inputs[n][0] for n in read_back}}
-    return {n: np.fromfile(workdir / f"{n}.out", dtype=NP_TYPES[t]) for n, t in kinds.items()}
+    return start(spec, language, inputs, outputs, template, groups, workdir, read_back)()

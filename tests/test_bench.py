@@ -24,14 +24,24 @@ def test_profile_counts_fewer_operations_compiled():
     assert compiled["ops_total"] < plain["ops_total"]
 
 
+def _short_prompts(monkeypatch, benchmark) -> None:
+    """A benchmark's prompts (scripts/prompts.json's) cut to their first 24 words: the same
+    tables and reply checks, on prefills a CPU runs in a fraction of the time (ours and mlx-lm's)."""
+    texts = harness.prompt_texts
+    monkeypatch.setattr(benchmark, "prompt_texts", lambda n: [" ".join(t.split()[:24]) for t in texts(n)])
+
+
 def test_e2e_drafted_replies_equal_undrafted_and_mlxlm_runs_beside(monkeypatch, capsys):
     from dsv41_mlx.io.tiny import default_checkpoint
 
     generate = importlib.import_module("dsv41_mlx.generate")  # (the package's `generate` is the function)
     order, warm_up = [], generate.warm_up  # the floor's bandwidth measured once the warm-up has run
-    monkeypatch.setattr(generate, "warm_up", lambda runner: order.append("warm-up") or warm_up(runner))
+    # (the warm-up of every chunk shape has a test of its own: here chunks of one padded row count)
+    monkeypatch.setattr(generate, "warm_up",
+                        lambda runner: order.append("warm-up") or warm_up(runner, chunk=generate.PREFILL_ROUND))
     # (the real measurement has a test of its own; three of 1 GiB copies take ~1.5 min on a CI core)
     monkeypatch.setattr(e2e, "copy_bandwidth", lambda: order.append("bandwidth") or 2e11)
+    _short_prompts(monkeypatch, e2e)
     reported = []  # what is handed over before the paired measurement, the slowest and last part
     res = e2e.bench_e2e(str(default_checkpoint()), n_prompts=1, tokens=3, oracle_rate=0.56, report=reported.append)
     assert order == ["warm-up", "bandwidth"] and res["copy_GBps"] == 200
@@ -342,7 +352,10 @@ def test_gemms_times_every_fp8_shape(monkeypatch, capsys):
     """`bench.py gemms` times MLX's FP8 GEMM at each of the model's shapes (here two small ones,
     on the CPU, where fp8_gemv does not run) beside the routed experts, and prints the table."""
     monkeypatch.setattr(gemms, "quantised_gemm_shapes", lambda: ({(256, 64)}, {(2, 512, 32)}, set()))
+    # (the real measurement has a test of its own; three of 1 GiB copies take ~1.5 min on a CI core)
+    monkeypatch.setattr(gemms, "copy_bandwidth", lambda: 2e11)
     res = gemms.bench_gemms(rows=3, experts=4, dim=256, inter=64, cache_bytes=1 << 16)
+    assert res["copy_GBps"] == 200
     assert [r["shape"] for r in res["fp8"]] == ["256 -> 64", "2 x 512 -> 32"]
     assert all(r["mlx_ms"] > 0 and "kernel_ms" not in r for r in res["fp8"]) and len(res["routed"]) == 4
     assert all("mlx_chained_ms" in r for r in res["fp8"]) and len(res["routed_chained"]) == 2
@@ -493,6 +506,7 @@ def test_steps_ab_runs_each_variant_with_its_choices_and_flags_changed_replies(m
     assert (name, choice(2304, 1), choice(8192, 1)) == ("w2", 2, 4)  # only those calls
     assert choice(2304, 6) == kernels.mma_loads_ahead(2304, 6) and choice(5120, 1) == kernels.mma_loads_ahead(5120, 1)
     assert steps.variant_label(one_shape) == "mma_loads_ahead(2304, 1) 2, mma_loads_ahead(8192, 1) 4"
+    _short_prompts(monkeypatch, steps)
     res = steps.bench_steps(str(default_checkpoint()), variants, tokens=5, rounds=2, warm=False)
     assert list(res["variants"]) == ["kernels", "u3", "odd"]
     assert 3 in read  # odd's traces made under its choice; the replies below: kept apart from the others
@@ -511,6 +525,20 @@ def test_steps_ab_runs_each_variant_with_its_choices_and_flags_changed_replies(m
             steps.parse_variant(bad)
 
 
+def _stub_layouts(monkeypatch, kernel: str, stub) -> None:
+    """`bench.py layouts` on the CPU as on a CUDA GPU, kernels.<kernel> stubbed: no copies or
+    chains timed, and the weights, which the stub never reads, zeros of their shapes (not a
+    GiB of random codes at the release's shapes)."""
+    from dsv41_mlx import kernels
+
+    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
+    monkeypatch.setattr(kernels, kernel, stub)
+    monkeypatch.setattr(layouts, "copy_bandwidth", lambda *a: 3.5e12)
+    monkeypatch.setattr(layouts, "chained", lambda run, x0: (run(x0, 1), 1e-5)[1])
+    monkeypatch.setattr(layouts, "random_words", lambda shape, fp4=False: mx.broadcast_to(mx.array(0, mx.uint32), shape))
+    monkeypatch.setattr(layouts, "random_scales", lambda shape: mx.broadcast_to(mx.array(0, mx.uint8), shape))
+
+
 def test_layouts_time_fp8_mma_tiles_and_loads_ahead_together(monkeypatch):
     """`bench.py layouts --kernels fp8_mma`, its GPU kernel stubbed: every shape and count of rows
     launched under each tile height (kernels.mma_tile_rows) with each U, labelled TR/U, the
@@ -524,10 +552,7 @@ def test_layouts_time_fp8_mma_tiles_and_loads_ahead_together(monkeypatch):
         seen.append((k, kw["real_rows"], kernels.mma_tile_rows(n, k), kernels.mma_loads_ahead(k, kw["real_rows"])))
         return x * 1
 
-    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
-    monkeypatch.setattr(kernels, "fp8_gemv", stub)
-    monkeypatch.setattr(layouts, "copy_bandwidth", lambda *a: 3.5e12)
-    monkeypatch.setattr(layouts, "chained", lambda run, x0: (run(x0, 1), 1e-5)[1])
+    _stub_layouts(monkeypatch, "fp8_gemv", stub)
     res = layouts.bench_layouts((1, 6), which=("fp8_mma",))
     assert len(res["cases"]) == 4 * 2 * 8 and {c["layout"] for c in res["cases"]} == {
         f"{tr}/{u}" for tr in (32, 16) for u in (2, 4, 6, 8)}
@@ -554,10 +579,7 @@ def test_layouts_time_fp4_experts_loads_ahead(monkeypatch):
         return x * 1
 
     package_u = {(k, rows): kernels.experts_loads_ahead(rows, k) for k in (5120, 2304) for rows in (1, 6)}
-    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
-    monkeypatch.setattr(kernels, "fp4_experts", stub)
-    monkeypatch.setattr(layouts, "copy_bandwidth", lambda *a: 3.5e12)
-    monkeypatch.setattr(layouts, "chained", lambda run, x0: (run(x0, 1), 1e-5)[1])
+    _stub_layouts(monkeypatch, "fp4_experts", stub)
     res = layouts.bench_layouts((1, 6), which=("fp4_experts",), experts=6)
     assert len(res["cases"]) == 2 * 2 * 4 and {c["layout"] for c in res["cases"]} == {1, 2, 3, 4}
     for (k, rows), u in package_u.items():
@@ -586,10 +608,7 @@ def test_layouts_launch_fp8_mma_hc_as_a_forward_does(monkeypatch):
                      kw["quantize_input"], None if parts is None else parts.shape))
         return onto.residual * 1, None
 
-    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
-    monkeypatch.setattr(kernels, "fp8_into_stream", stub)
-    monkeypatch.setattr(layouts, "copy_bandwidth", lambda *a: 3.5e12)
-    monkeypatch.setattr(layouts, "chained", lambda run, x0: (run(x0, 1), 1e-5)[1])
+    _stub_layouts(monkeypatch, "fp8_into_stream", stub)
     res = layouts.bench_layouts((1, 6), which=("fp8_mma_hc",))
     assert len(res["cases"]) == 2 * 2 * 4 and all(c["kernel"] == "fp8_mma_hc" for c in res["cases"])
     for k, parts in ((8192, None), (2304, (6, 6, 5120))):

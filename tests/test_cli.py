@@ -13,6 +13,8 @@ from dsv41_mlx.io import checkpoint
 from dsv41_mlx.io import load as loader
 from dsv41_mlx.server import RequestError, parse_request
 
+from .processes import run_all
+
 cli = importlib.import_module("dsv41_mlx.generate")  # the module (the package exports a function so named)
 PROG = "python -m dsv41_mlx.generate"
 CMD = [sys.executable, "-m", "dsv41_mlx.generate"]
@@ -176,8 +178,8 @@ def stats_lines(err: str) -> list[str]:
 
 def test_quiet_keeps_the_stats_line_and_no_stats_drops_it(cli_env):
     base = CMD + ["--prompt", "Hello", "--max-tokens", "2"]
-    runs = {flags: subprocess.run(base + list(flags), capture_output=True, text=True, env=cli_env, timeout=300)
-            for flags in [(), ("--quiet",), ("--no-stats",), ("--quiet", "--no-stats")]}
+    every = [(), ("--quiet",), ("--no-stats",), ("--quiet", "--no-stats")]
+    runs = dict(zip(every, run_all([base + list(flags) for flags in every], env=cli_env, timeout=300)))
     for flags, run in runs.items():
         assert run.returncode == 0, (flags, run.stderr)
         assert run.stdout.strip() and run.stdout == runs[()].stdout, flags  # the reply, whatever the flags

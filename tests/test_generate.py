@@ -13,6 +13,8 @@ from dsv41_mlx.io.tiny import build_checkpoint
 from dsv41_mlx.runtime.options import Options
 from dsv41_mlx.runtime.runner import Runner
 
+from .processes import run_all
+
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
@@ -182,10 +184,8 @@ def test_cli_reports_a_bad_model_path_without_a_traceback(tmp_path):
 def test_cli_drafts_by_default_and_prints_drafting_stats(cli_env):
     env = cli_env
     base = [sys.executable, "-m", "dsv41_mlx.generate", "--prompt", "Hello", "--max-tokens", "6"]
-    drafted = subprocess.run(base + ["--temp", "0.9", "--seed", "4", "--confidence", "threshold:0.1"],
-                             capture_output=True, text=True, env=env, timeout=300)
-    plain = subprocess.run(base + ["--temp", "0.9", "--seed", "4", "--no-draft"],
-                           capture_output=True, text=True, env=env, timeout=300)
+    drafted, plain = run_all([base + ["--temp", "0.9", "--seed", "4", "--confidence", "threshold:0.1"],
+                              base + ["--temp", "0.9", "--seed", "4", "--no-draft"]], env=env, timeout=300)
     assert drafted.returncode == plain.returncode == 0, drafted.stderr + plain.stderr
     assert drafted.stdout == plain.stdout
     assert any(line.startswith("drafts:") and "accepted" in line for line in drafted.stderr.splitlines())
@@ -205,8 +205,7 @@ def test_cli_rejects_bad_drafting_flags_with_a_clear_error(cli_env, flags, messa
 
 def test_cli_shows_progress_bars_and_quiet_keeps_only_the_text_and_stats(cli_env):
     base = [sys.executable, "-m", "dsv41_mlx.generate", "--prompt", "Hello", "--max-tokens", "3"]
-    loud = subprocess.run(base, capture_output=True, text=True, env=cli_env, timeout=300)
-    quiet = subprocess.run(base + ["--quiet"], capture_output=True, text=True, env=cli_env, timeout=300)
+    loud, quiet = run_all([base, base + ["--quiet"]], env=cli_env, timeout=300)
     assert loud.returncode == quiet.returncode == 0
     assert "loading weights" in loud.stderr and "drafter FP8 head" in loud.stderr
     lines = quiet.stderr.splitlines()

@@ -18,12 +18,12 @@ import pytest
 import mlx.core as mx
 from dsv41_mlx import kernels
 from tests.metal_check import clang
-from tests.kernel_emulation import run
+from tests.kernel_emulation import run, start
 
 
 @pytest.fixture(autouse=True)
 def _clang_present():
-    assert clang() is not None, "clang++ is needed to build the host emulation (.ci/run installs it)"
+    assert clang() is not None, "clang++ is needed to build the host emulation: the `ziglang` test extra has one"
 
 
 E, KS, N, K = 5, 3, 64, 512
@@ -60,11 +60,12 @@ def _assert_within_rounding(got_bits: np.ndarray, want: mx.array) -> np.ndarray:
     return got
 
 
-def _fp4_experts_on_the_host(spec, language, x, codes, scales, ids, weights, template, n_out, tmp_path,
-                             rows: int | None = None):
-    """spec's body (fp4_experts' inputs) run on the host over the (row, expert) pairs of the
-    first `rows` rows (default all) -> y's bits. With template PX = 1, x is first run through
-    mma_x_prep on the host (its first rows x slots rows), and fp4_experts reads that."""
+def _fp4_experts_start(spec, language, x, codes, scales, ids, weights, template, n_out, tmp_path,
+                       rows: int | None = None):
+    """spec's body (fp4_experts' inputs) started on the host (kernel_emulation.start) over the
+    (row, expert) pairs of the first `rows` rows (default all): its run gives y's bits. With
+    template PX = 1, x is first run through mma_x_prep on the host (its first rows x slots
+    rows), and fp4_experts reads that."""
     rows = ids.shape[0] if rows is None else rows
     k = x.shape[-1]
     x_in, xs = ("bfloat16", _bf16_bits(x)), ("float32", np.zeros(1, dtype=np.float32))
@@ -74,11 +75,16 @@ def _fp4_experts_on_the_host(spec, language, x, codes, scales, ids, weights, tem
                    {"xh": ("uint16", n * k), "xs": ("float32", n * k // 32)}, {"QX": template["QX"]},
                    n * k // 256, tmp_path)
         x_in, xs = ("uint16", prep["xh"]), ("float32", prep["xs"])
-    return run(spec, language, {
+    return start(spec, language, {
         "x": x_in, "xs": xs, "w": ("uint32", codes), "scales": ("uint8", scales),
         "ids": ("uint32", ids), "sizes": ("int32", np.array([rows, KS, N, k, x.shape[1]])),
         "swiglu": ("float32", np.array([7.0])), "weights": ("float32", weights)},
-        {"y": ("bfloat16", rows * KS * n_out)}, template, rows * KS * (N // 32), tmp_path)["y"]
+        {"y": ("bfloat16", rows * KS * n_out)}, template, rows * KS * (N // 32), tmp_path)
+
+
+def _fp4_experts_on_the_host(*args, **kwargs) -> np.ndarray:
+    """_fp4_experts_start's launch run: y's bits."""
+    return _fp4_experts_start(*args, **kwargs)()["y"]
 
 
 @pytest.mark.parametrize("language", ["metal", "cuda"])
@@ -115,10 +121,9 @@ def test_fp4_experts_on_prepared_x_gives_the_same_bits(language, rows, per_slot,
     template = {"NH": kernels.mma_column_groups(rows), "QX": qx, "SW": sw, "ONE": int(rows == 1),
                 "U": kernels.experts_loads_ahead(rows, K)}
     n_out = N // 2 if sw else N
-    plain = _fp4_experts_on_the_host(kernels.FP4_EXPERTS, language, x, codes, scales, ids, weights,
-                                     {**template, "PX": 0}, n_out, tmp_path)
-    prepared = _fp4_experts_on_the_host(kernels.FP4_EXPERTS, language, x, codes, scales, ids, weights,
-                                        {**template, "PX": 1}, n_out, tmp_path)
+    launches = [_fp4_experts_start(kernels.FP4_EXPERTS, language, x, codes, scales, ids, weights,
+                                   {**template, "PX": px}, n_out, tmp_path) for px in (0, 1)]
+    plain, prepared = (launch()["y"] for launch in launches)
     assert np.array_equal(plain, prepared)
     assert np.any(plain != 0)
 
@@ -137,9 +142,9 @@ def test_fp4_experts_gives_the_same_bits_whatever_its_loads_ahead(rows, per_slot
     codes, scales, ids, x, weights = _inputs(rows, per_slot, quantise_first=not qx, seed=rows + 40, k=2304)
     template = {"NH": kernels.mma_column_groups(rows), "QX": qx, "SW": sw, "ONE": int(rows == 1), "PX": px}
     n_out = N // 2 if sw else N
-    bits = [_fp4_experts_on_the_host(kernels.FP4_EXPERTS, "cuda", x, codes, scales, ids, weights,
-                                     {**template, "U": u}, n_out, tmp_path)
-            for u in (1, 2, 4)]
+    launches = [_fp4_experts_start(kernels.FP4_EXPERTS, "cuda", x, codes, scales, ids, weights,
+                                   {**template, "U": u}, n_out, tmp_path) for u in (1, 2, 4)]
+    bits = [launch()["y"] for launch in launches]
     assert np.any(bits[0] != 0)
     for other in bits[1:]:
         assert np.array_equal(bits[0], other)
@@ -302,11 +307,11 @@ def test_fp8_gemv_pair_writes_each_matrix_apart_on_the_host(language, rows, out_
     def launch(splits, workdir):
         workdir.mkdir()
         template = {"RB": rb, "T": t, "C": c, "QX": 0, "SW": 0, "AP": 0, "SPLIT": splits}
-        return run(kernels.FP8_GEMV, language, inputs, {"y": ("bfloat16", out_rows * n)}, template,
-                   n // (256 // c * t), workdir)["y"]
+        return start(kernels.FP8_GEMV, language, inputs, {"y": ("bfloat16", out_rows * n)}, template,
+                     n // (256 // c * t), workdir)
 
-    whole = launch(0, tmp_path / "whole").reshape(out_rows, n)
-    pair = launch(split, tmp_path / "pair")
+    whole, pair = launch(0, tmp_path / "whole"), launch(split, tmp_path / "pair")
+    whole, pair = whole()["y"].reshape(out_rows, n), pair()["y"]
     first, second = pair[: out_rows * split].reshape(out_rows, split), pair[out_rows * split:].reshape(out_rows, -1)
     assert np.array_equal(first, whole[:, :split]) and np.array_equal(second, whole[:, split:])
     assert np.all(whole[rows:] == 0) and not np.all(whole[:rows] == 0)
@@ -352,13 +357,14 @@ def test_fp8_mma_tiles_of_16_rows_give_the_same_bits(language, rows, out_rows, q
     inputs = {"x": ("bfloat16", _bf16_bits(x)), "w": ("uint32", np.array(w)), "scales": ("uint8", np.array(s)),
               "sizes": ("int32", np.array([rows, n, k, 1, out_rows])), "swiglu": ("float32", np.array([7.0])),
               "parts": ("bfloat16", _bf16_bits(parts) if ap else np.zeros(1, np.uint16))}
-    got = {}
+    launches = {}
     for tr in (32, 16):
         (tmp_path / str(tr)).mkdir()
         template = {"NH": kernels.mma_column_groups(rows), "QX": qx, "SW": sw, "AP": ap, "ONE": int(rows == 1),
                     "U": kernels.mma_loads_ahead(k, rows), "TR": tr}
-        got[tr] = run(kernels.FP8_MMA, language, inputs, {"y": ("bfloat16", out_rows * n_out)}, template, n // tr,
-                      tmp_path / str(tr))["y"]
+        launches[tr] = start(kernels.FP8_MMA, language, inputs, {"y": ("bfloat16", out_rows * n_out)}, template,
+                             n // tr, tmp_path / str(tr))
+    got = {tr: launch()["y"] for tr, launch in launches.items()}
     assert np.array_equal(got[16], got[32])
     want = kernels.fp8_gemv_reference(x, w, s, quantize_input=bool(qx), real_rows=rows,
                                       swiglu=kernels.SwiGLU(7.0) if sw else None, parts=parts)
@@ -400,13 +406,14 @@ def test_fp8_mma_into_the_stream_runs_its_spec_on_the_host(language, rows, out_r
     template = {"NH": kernels.mma_column_groups(rows), "QX": qx, "AP": ap, "ONE": int(rows == 1),
                 "U": kernels.mma_loads_ahead(k, rows), "TR": 32}
     (tmp_path / "y").mkdir()
-    y = run(kernels.FP8_MMA, language, {**common, "swiglu": ("float32", np.array([0.0]))},
-            {"y": ("bfloat16", out_rows * n)}, {**template, "SW": 0}, n // 32, tmp_path / "y")["y"]
-    got = run(kernels.FP8_MMA_HC, language, {
+    y = start(kernels.FP8_MMA, language, {**common, "swiglu": ("float32", np.array([0.0]))},
+              {"y": ("bfloat16", out_rows * n)}, {**template, "SW": 0}, n // 32, tmp_path / "y")
+    got = start(kernels.FP8_MMA_HC, language, {
         **common, "residual": ("bfloat16", _bf16_bits(residual)), "post": ("float32", np.array(post)),
         "comb": ("float32", np.array(comb)), "fn": ("float32", np.array(fn))},
         {"h": ("bfloat16", out_rows * hc * n), "mix_parts": ("float32", out_rows * n // 32 * (m + 1))},
         {**template, "HC": hc}, n // 32, tmp_path)
+    y, got = y()["y"], got()
     y = mx.array(_floats(y).reshape(out_rows, n)).astype(mx.bfloat16)
     h = mx.array(_floats(got["h"]).reshape(out_rows, hc, n)).astype(mx.bfloat16)
     assert bf16_step_problem(h, _hc_post(y, residual, post, comb)) is None
@@ -456,13 +463,14 @@ def test_hc_input_completes_its_parts_on_the_host(language, chunks, tmp_path):
     for name, w in zip(("pre", "post", "comb"), want):
         assert np.abs(got[name] - np.array(w).reshape(-1)).max() <= 2e-5, name
 
-def _head_on_the_host(language, x, w, rows, workdir):
-    """head_logits run on the host: x [S, D] and w [V, D] bf16 -> fp32 logits [S, V]."""
+def _head_start(language, x, w, rows, workdir):
+    """head_logits started on the host: x [S, D] and w [V, D] bf16; its run gives fp32 logits [S, V]."""
     workdir.mkdir()
     (S, D), V = x.shape, w.shape[0]
-    return run(kernels.HEAD_LOGITS, language, {
+    launch = start(kernels.HEAD_LOGITS, language, {
         "x": ("bfloat16", _bf16_bits(x)), "w": ("bfloat16", _bf16_bits(w)), "sizes": ("int32", np.array([rows, V, D, S]))},
-        {"y": ("float32", S * V)}, {"R": kernels.head_row_bound(rows)}, V // 32, workdir)["y"].reshape(S, V)
+        {"y": ("float32", S * V)}, {"R": kernels.head_row_bound(rows)}, V // 32, workdir)
+    return lambda: launch()["y"].reshape(S, V)
 
 
 @pytest.mark.parametrize("language", ["metal", "cuda"])
@@ -475,24 +483,27 @@ def test_head_logits_runs_its_spec_on_the_host(language, rows, out_rows, tmp_pat
     V, D = 64, 768  # 3 steps a lane: the last pair of steps half past the end
     x = mx.random.normal((out_rows, D)).astype(mx.bfloat16)
     w = (mx.random.normal((V, D)) * 0.05).astype(mx.bfloat16)
-    got = _head_on_the_host(language, x, w, rows, tmp_path / "batch")
+    batch = _head_start(language, x, w, rows, tmp_path / "batch")
+    alone = _head_start(language, x[:1], w, 1, tmp_path / "alone") if rows > 1 else None
+    got = batch()
     xs, ws = np.array(x.astype(mx.float32), np.float64), np.array(w.astype(mx.float32), np.float64)
     exact, size = xs[:rows] @ ws.T, np.abs(xs[:rows]) @ np.abs(ws).T
     assert np.all(np.abs(got[:rows] - exact) <= D * 2.0 ** -24 * size)
     assert not np.any(got[rows:])
     if rows > 1:
-        alone = _head_on_the_host(language, x[:1], w, 1, tmp_path / "alone")
-        assert np.array_equal(alone[0].view(np.uint32), got[0].view(np.uint32))
+        assert np.array_equal(alone()[0].view(np.uint32), got[0].view(np.uint32))
 
 
-def _gate_scores_on_the_host(language, x, w, temp, rb, workdir):
-    """moe_gate_scores run on the host with RB = rb: x [S, D] bf16, w [E, D] fp32 -> scores [S, E]."""
+def _gate_scores_start(language, x, w, temp, rb, workdir):
+    """moe_gate_scores started on the host with RB = rb: x [S, D] bf16, w [E, D] fp32; its run
+    gives scores [S, E]."""
     workdir.mkdir()
     (S, D), E = x.shape, w.shape[0]
-    return run(kernels.MOE_GATE_SCORES, language, {
+    launch = start(kernels.MOE_GATE_SCORES, language, {
         "x": ("bfloat16", _bf16_bits(x)), "w": ("float32", np.array(w).reshape(-1)),
         "params": ("float32", np.array([temp])), "sizes": ("int32", np.array([S, E, D]))},
-        {"scores": ("float32", S * E)}, {"T": "bfloat16", "RB": rb, "D": D}, E, workdir)["scores"].reshape(S, E)
+        {"scores": ("float32", S * E)}, {"T": "bfloat16", "RB": rb, "D": D}, E, workdir)
+    return lambda: launch()["scores"].reshape(S, E)
 
 
 @pytest.mark.parametrize("language", ["metal", "cuda"])
@@ -506,16 +517,17 @@ def test_moe_gate_scores_runs_its_spec_on_the_host(language, rows, tmp_path):
     x = mx.array(rng.standard_normal((rows, D)).astype(np.float32)).astype(mx.bfloat16)
     w = mx.array((rng.standard_normal((E, D)) * 0.05).astype(np.float32))
     rb = kernels.gate_row_bound(rows)
-    got = _gate_scores_on_the_host(language, x, w, temp, rb, tmp_path / "batch")
+    batch = _gate_scores_start(language, x, w, temp, rb, tmp_path / "batch")
+    alone = _gate_scores_start(language, x[:1], w, temp, kernels.gate_row_bound(1), tmp_path / "alone")
+    got = batch()
     xs, ws = np.array(x.astype(mx.float32), np.float64), np.array(w, np.float64)
     dots, size = xs @ ws.T, np.abs(xs) @ np.abs(ws).T
     # the score's inverse: softplus^-1(s^2) = log(expm1(s^2)), the dot over temp (all under 20 here)
     assert np.all(np.abs(dots / temp) < 20)
     back = np.log(np.expm1(got.astype(np.float64) ** 2)) * temp
     assert np.all(np.abs(back - dots) <= D * 2.0 ** -24 * size + 1e-5 * np.maximum(1.0, np.abs(dots)))
-    alone = _gate_scores_on_the_host(language, x[:1], w, temp, kernels.gate_row_bound(1), tmp_path / "alone")
     assert kernels.gate_row_bound(1) == 1 and (rows == 1 or rb > 1)
-    assert np.array_equal(alone[0].view(np.uint32), got[0].view(np.uint32))
+    assert np.array_equal(alone()[0].view(np.uint32), got[0].view(np.uint32))
 
 
 @pytest.mark.parametrize("language", ["metal", "cuda"])
@@ -540,32 +552,33 @@ def test_rms_norm_pair_gives_two_rms_norms_bits_on_the_host(language, tmp_path):
     sin[:, D2 - R::2], sin[:, D2 - R + 1::2] = -np.sin(angles), np.sin(angles)  # the sin table carries the signs
     eps = np.array([1e-6], np.float32)
 
-    def single(v, weight, rope, name):
+    def single_start(v, weight, rope, name):
         workdir = tmp_path / name
         workdir.mkdir()
         n = v.shape[1]
         tables = (cos, sin) if rope else (np.zeros(1, np.float32), np.zeros(1, np.float32))
-        return run(kernels.RMS_NORM, language, {
+        return start(kernels.RMS_NORM, language, {
             "x": ("bfloat16", _bf16_bits(v)), "w": ("float32", np.array(weight)), "eps": ("float32", eps),
             "sizes": ("int32", np.array([S, n])), "rope_cos": ("float32", tables[0]), "rope_sin": ("float32", tables[1])},
-            {"y": ("bfloat16", S * n)}, {"T": "bfloat16", "O": "bfloat16", "QUANT": 1, "ROPE": rope}, S, workdir)["y"]
+            {"y": ("bfloat16", S * n)}, {"T": "bfloat16", "O": "bfloat16", "QUANT": 1, "ROPE": rope}, S, workdir)
 
-    def pair_run(x_bits, x2_bits, start2, name):  # rms_norm_pair, x2's rows from element start2 of x2
+    def pair_start(x_bits, x2_bits, start2, name):  # rms_norm_pair, x2's rows from element start2 of x2
         workdir = tmp_path / name
         workdir.mkdir()
-        return run(kernels.RMS_NORM_PAIR, language, {
+        return start(kernels.RMS_NORM_PAIR, language, {
             "x": ("bfloat16", x_bits), "w": ("float32", np.array(w)), "x2": ("bfloat16", x2_bits),
             "w2": ("float32", np.array(w2)), "eps": ("float32", eps), "sizes": ("int32", np.array([S, D, D2, start2])),
             "rope_cos": ("float32", cos), "rope_sin": ("float32", sin)},
             {"y": ("bfloat16", S * D), "y2": ("bfloat16", S * D2)},
             {"T": "bfloat16", "O": "bfloat16", "O2": "bfloat16", "QUANT": 1, "ROPE": R}, 2 * S, workdir)
 
-    q, kv = single(x, w, 0, "q"), single(x2, w2, R, "kv")
-    pair = pair_run(_bf16_bits(x), _bf16_bits(x2), 0, "pair")
-    assert np.array_equal(pair["y"], q) and np.array_equal(pair["y2"], kv)
-    # both inputs in one array, x2's rows after x's (fp8_gemv_pair's output; kernels.rms_norm_halves)
+    # halves: both inputs in one array, x2's rows after x's (fp8_gemv_pair's output; kernels.rms_norm_halves)
     both = np.concatenate([_bf16_bits(x), _bf16_bits(x2)])
-    halves = pair_run(both, both, S * D, "halves")
+    launches = (single_start(x, w, 0, "q"), single_start(x2, w2, R, "kv"),
+                pair_start(_bf16_bits(x), _bf16_bits(x2), 0, "pair"), pair_start(both, both, S * D, "halves"))
+    q, kv, pair, halves = (launch() for launch in launches)
+    q, kv = q["y"], kv["y"]
+    assert np.array_equal(pair["y"], q) and np.array_equal(pair["y2"], kv)
     assert np.array_equal(halves["y"], q) and np.array_equal(halves["y2"], kv)
     normed = kernels.rms_norm_reference(x2, w2, 1e-6)
     pairs = (S, D2 // 2, 2)

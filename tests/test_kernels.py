@@ -19,14 +19,16 @@ import pytest
 
 from dsv41_mlx import kernels
 from dsv41_mlx.cache import DraftCache
-from dsv41_mlx.kernels import (ACT_QUANT, FP4_EXPERTS, FP4_QUANT, FP8_GEMV, FP8_MMA, FP8_MMA_HC, FP8_ROWS, HC_INPUT, HC_MIX,
-                               HEAD_LOGITS, MMA_X_PREP, ROWS_GATE,
+from dsv41_mlx.kernels import (ACT_QUANT, FP4_QUANT, FP8_ROWS, HC_INPUT, HC_MIX, HEAD_LOGITS, ROWS_GATE,
                                HC_POST_MIX, HC_SPLIT, MOE_GATE_SCORES, MOE_GATE_TOPK, RING_WRITE, RMS_NORM, RMS_NORM_PAIR,
                                SPARSE_ATTENTION, TOP_K,
                                fp8_rows_top64, moe_gate, moe_gate_reference, ring_write, ring_write_reference)
 from dsv41_mlx.quant import e4m3_decode, e8m0_decode, quantize_fp8_tiles, quantize_fp8_tiles_mx
 
-from . import cuda_check
+from scripts.kernel_checks import nvrtc
+from scripts.kernel_checks.cases import experts_case, gemv_case, mma_case, mma_hc_case, x_prep_case
+
+from .kernel_emulation import EMULATION
 from .metal_check import clang, syntax_check, wrap
 from .scripts import load_script
 
@@ -143,38 +145,6 @@ ATTENTION_IO = ({"q": "bfloat16", "ring": "bfloat16", "index": "int32", "wmask":
                  "params": "float32", "rows": "int32"}, {"out": "bfloat16"})  # sparse_attention's inputs, output
 
 
-def _gemv_case(RB, T, C, QX=0, SW=0, AP=0, SPLIT=0):  # noqa: N803 (the kernel's template names)
-    inputs = {"x": "bfloat16", "w": "uint32", "scales": "uint8", "sizes": "int32", "swiglu": "float32",
-              "parts": "bfloat16"}
-    return FP8_GEMV, inputs, {"y": "bfloat16"}, {"RB": RB, "T": T, "C": C, "QX": QX, "SW": SW, "AP": AP,
-                                                 "SPLIT": SPLIT}
-
-
-def _experts_case(NH, QX=0, SW=0, ONE=0, U=None, PX=0):  # noqa: N803
-    inputs = {"x": "uint16" if PX else "bfloat16", "xs": "float32", "w": "uint32", "scales": "uint8", "ids": "uint32",
-              "sizes": "int32", "swiglu": "float32", "weights": "float32"}
-    if U is None:  # kernels.experts_loads_ahead's at a short K
-        U = 1 if ONE else 2
-    return FP4_EXPERTS, inputs, {"y": "bfloat16"}, {"NH": NH, "QX": QX, "SW": SW, "ONE": ONE, "U": U, "PX": PX}
-
-
-def _x_prep_case(QX):  # noqa: N803
-    return MMA_X_PREP, {"x": "bfloat16", "sizes": "int32"}, {"xh": "uint16", "xs": "float32"}, {"QX": QX}
-
-
-def _mma_case(NH, QX=0, SW=0, AP=0, ONE=0, U=6, TR=32):  # noqa: N803
-    inputs = {"x": "bfloat16", "w": "uint32", "scales": "uint8", "sizes": "int32", "swiglu": "float32",
-              "parts": "bfloat16", "after": "float32"}
-    return FP8_MMA, inputs, {"y": "bfloat16"}, {"NH": NH, "QX": QX, "SW": SW, "AP": AP, "ONE": ONE, "U": U, "TR": TR}
-
-
-def _mma_hc_case(NH, QX=0, AP=0, ONE=0, U=6):  # noqa: N803
-    inputs = {"x": "bfloat16", "w": "uint32", "scales": "uint8", "sizes": "int32", "parts": "bfloat16",
-              "residual": "bfloat16", "post": "float32", "comb": "float32", "fn": "float32"}
-    return FP8_MMA_HC, inputs, {"h": "bfloat16", "mix_parts": "float32"}, {"NH": NH, "QX": QX, "AP": AP, "ONE": ONE,
-                                                                           "HC": 4, "U": U, "TR": 32}
-
-
 CASES = {
     "fp8_rows": (FP8_ROWS, {"x": "uint16", "w": "uint8", "scales": "uint8"},
                  {"top_vals": "float32", "top_ids": "int32"}, {"R": 5, "K": 5120, "N": 129280, "TILES": 505}),
@@ -228,37 +198,37 @@ CASES = {
     "moe_gate_scores": (MOE_GATE_SCORES, *MOE_GATE_SCORES_IO, {"T": "bfloat16", "RB": 8, "D": 5120}),
     "moe_gate_scores_one_row": (MOE_GATE_SCORES, *MOE_GATE_SCORES_IO, {"T": "bfloat16", "RB": 1, "D": 5120}),
     "moe_gate_scores_tiny": (MOE_GATE_SCORES, *MOE_GATE_SCORES_IO, {"T": "float32", "RB": 16, "D": 64}),
-    "fp8_gemv": _gemv_case(RB=8, T=4, C=32),
-    "fp8_gemv_16_rows": _gemv_case(RB=16, T=4, C=256),
-    "fp8_gemv_quantizing": _gemv_case(RB=16, T=4, C=64, QX=1),
-    "fp8_gemv_swiglu": _gemv_case(RB=1, T=4, C=64, QX=1, SW=1),
-    "fp8_gemv_swiglu_8_rows": _gemv_case(RB=8, T=2, C=32, SW=1),
-    "fp8_gemv_parts": _gemv_case(RB=1, T=4, C=64, QX=1, AP=6),
-    "fp8_gemv_parts_8_rows": _gemv_case(RB=8, T=2, C=64, AP=6),
-    "fp8_gemv_pair": _gemv_case(RB=1, T=4, C=256, SPLIT=1280),
-    "fp4_experts": _experts_case(NH=1),
-    "fp4_experts_16_rows": _experts_case(NH=2),
-    "fp4_experts_quantizing": _experts_case(NH=1, QX=1, ONE=1),
-    "fp4_experts_one_row_two_ahead": _experts_case(NH=1, SW=2, ONE=1, U=2),  # w13's (kernels.experts_loads_ahead)
-    "fp4_experts_swiglu": _experts_case(NH=1, SW=2),
-    "fp4_experts_swiglu_16_rows": _experts_case(NH=2, QX=1, SW=1),
-    "fp4_experts_prepared": _experts_case(NH=1, SW=2, PX=1),
-    "fp4_experts_prepared_16_rows": _experts_case(NH=2, QX=1, PX=1),
-    "fp4_experts_prepared_one_row": _experts_case(NH=1, QX=1, ONE=1, PX=1),
-    "mma_x_prep": _x_prep_case(QX=0),
-    "mma_x_prep_quantizing": _x_prep_case(QX=1),
-    "fp8_mma": _mma_case(NH=1),
-    "fp8_mma_16_rows": _mma_case(NH=2),
-    "fp8_mma_quantizing": _mma_case(NH=1, QX=1, ONE=1),
-    "fp8_mma_one_row_short": _mma_case(NH=1, QX=1, ONE=1, U=2),  # wq_b's (kernels.mma_loads_ahead)
-    "fp8_mma_swiglu": _mma_case(NH=1, QX=1, SW=1),
-    "fp8_mma_parts_16_rows": _mma_case(NH=2, AP=6),
+    "fp8_gemv": gemv_case(RB=8, T=4, C=32),
+    "fp8_gemv_16_rows": gemv_case(RB=16, T=4, C=256),
+    "fp8_gemv_quantizing": gemv_case(RB=16, T=4, C=64, QX=1),
+    "fp8_gemv_swiglu": gemv_case(RB=1, T=4, C=64, QX=1, SW=1),
+    "fp8_gemv_swiglu_8_rows": gemv_case(RB=8, T=2, C=32, SW=1),
+    "fp8_gemv_parts": gemv_case(RB=1, T=4, C=64, QX=1, AP=6),
+    "fp8_gemv_parts_8_rows": gemv_case(RB=8, T=2, C=64, AP=6),
+    "fp8_gemv_pair": gemv_case(RB=1, T=4, C=256, SPLIT=1280),
+    "fp4_experts": experts_case(NH=1),
+    "fp4_experts_16_rows": experts_case(NH=2),
+    "fp4_experts_quantizing": experts_case(NH=1, QX=1, ONE=1),
+    "fp4_experts_one_row_two_ahead": experts_case(NH=1, SW=2, ONE=1, U=2),  # w13's (kernels.experts_loads_ahead)
+    "fp4_experts_swiglu": experts_case(NH=1, SW=2),
+    "fp4_experts_swiglu_16_rows": experts_case(NH=2, QX=1, SW=1),
+    "fp4_experts_prepared": experts_case(NH=1, SW=2, PX=1),
+    "fp4_experts_prepared_16_rows": experts_case(NH=2, QX=1, PX=1),
+    "fp4_experts_prepared_one_row": experts_case(NH=1, QX=1, ONE=1, PX=1),
+    "mma_x_prep": x_prep_case(QX=0),
+    "mma_x_prep_quantizing": x_prep_case(QX=1),
+    "fp8_mma": mma_case(NH=1),
+    "fp8_mma_16_rows": mma_case(NH=2),
+    "fp8_mma_quantizing": mma_case(NH=1, QX=1, ONE=1),
+    "fp8_mma_one_row_short": mma_case(NH=1, QX=1, ONE=1, U=2),  # wq_b's (kernels.mma_loads_ahead)
+    "fp8_mma_swiglu": mma_case(NH=1, QX=1, SW=1),
+    "fp8_mma_parts_16_rows": mma_case(NH=2, AP=6),
     # 16-row tiles (kernels.mma_tile_rows): one m group a tile, two lanes a weight row on Metal
-    "fp8_mma_16_row_tiles_one_row": _mma_case(NH=1, QX=1, SW=1, ONE=1, TR=16),
-    "fp8_mma_16_row_tiles": _mma_case(NH=2, AP=6, TR=16),
+    "fp8_mma_16_row_tiles_one_row": mma_case(NH=1, QX=1, SW=1, ONE=1, TR=16),
+    "fp8_mma_16_row_tiles": mma_case(NH=2, AP=6, TR=16),
     # wo_b of a decode step and the shared expert's w2 of a verify step, their output put into the stream
-    "fp8_mma_hc": _mma_hc_case(NH=1, QX=1, ONE=1),
-    "fp8_mma_hc_parts_16_rows": _mma_hc_case(NH=2, AP=6),
+    "fp8_mma_hc": mma_hc_case(NH=1, QX=1, ONE=1),
+    "fp8_mma_hc_parts_16_rows": mma_hc_case(NH=2, AP=6),
     "head_logits": (HEAD_LOGITS, {"x": "bfloat16", "w": "bfloat16", "sizes": "int32"}, {"y": "float32"}, {"R": 8}),
     "moe_gate_topk": (MOE_GATE_TOPK, {"scores": "float32", "bias": "float32", "params": "float32", "rows": "int32"},
                       {"weights": "float32", "ids": "uint32"}, {"E": 384, "K": 6, "NORMALIZE": 1}),
@@ -271,9 +241,9 @@ METAL_CASES = sorted(case for case, (spec, *_) in CASES.items() if spec.metal is
 @pytest.fixture(autouse=True)
 def _compilers_present(request):
     if "metal" in request.node.name:
-        assert clang() is not None, "clang++ is needed for the Metal check (.ci/run installs it)"
+        assert clang() is not None, "clang++ is needed for the Metal check: the `ziglang` test extra has one"
     if "cuda" in request.node.name:
-        assert cuda_check.nvrtc() is not None, "the CUDA check needs the test extras' NVRTC wheels"
+        assert nvrtc.nvrtc() is not None, "the CUDA check needs the test extras' NVRTC wheels"
 
 
 def _wrapped(case: str, body: str | None = None) -> str:
@@ -354,13 +324,13 @@ on_linux = pytest.mark.skipif(sys.platform != "linux", reason="NVRTC wheels are 
 
 def _cuda_wrapped(case: str, body: str | None = None) -> str:
     spec, inputs, outputs, template = CASES[case]
-    return cuda_check.wrap(spec.name, body or spec.source("cuda"), spec.header("cuda"), inputs, outputs, template)
+    return nvrtc.wrap(spec.name, body or spec.source("cuda"), spec.header("cuda"), inputs, outputs, template)
 
 
 @on_linux
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_cuda_source_compiles(case):
-    ok, log = cuda_check.compile_cuda(_cuda_wrapped(case))
+    ok, log = nvrtc.compile_cuda(_cuda_wrapped(case))
     assert ok, log
 
 
@@ -410,29 +380,26 @@ def test_a_broken_cuda_source_fails_the_compile(case, breakage):
     old, new = breakage
     body = CASES[case][0].source("cuda")
     assert old in body
-    ok, log = cuda_check.compile_cuda(_cuda_wrapped(case, body.replace(old, new, 1)))
+    ok, log = nvrtc.compile_cuda(_cuda_wrapped(case, body.replace(old, new, 1)))
     assert not ok and "error" in log
 
 
-# hc_split_lanes.cuh run on the host: 32 threads in lockstep stand in for a warp's lanes (a
-# shuffle is a store, a barrier, a load, a barrier), beside hc_split_row.cuh on one thread
+# hc_split_lanes.cuh run on the host: 32 fibers (tests/emulation/fibers.h) stand in for a
+# warp's lanes (a shuffle is a store, a barrier, a load, a barrier), beside hc_split_row.cuh on
+# one thread
 LANES_HARNESS = r"""
-#include <barrier>
 #include <cmath>
-#include <cstdio>
-#include <cstring>
 #include <random>
-#include <thread>
-#include <vector>
+#include "fibers.h"
 #define __device__
-static std::barrier<>* lockstep;
+static emu::Barrier lockstep{32};
 static float exchange[32];
-thread_local unsigned int my_lane;
+unsigned int my_lane;
 float __shfl_sync(unsigned int, float v, int src) {
   exchange[my_lane] = v;
-  lockstep->arrive_and_wait();
+  emu::wait(lockstep);
   const float got = exchange[src];
-  lockstep->arrive_and_wait();
+  emu::wait(lockstep);
   return got;
 }
 #include "hc_split_row.cuh"
@@ -441,8 +408,6 @@ int main() {
   constexpr int HC = 4, ITERS = 20, M = (2 + HC) * HC;
   std::mt19937 rng(1);
   std::normal_distribution<float> normal(0.0f, 2.0f);
-  std::barrier<> b(32);
-  lockstep = &b;
   int differ = 0;
   for (int trial = 0; trial < 300; trial++) {
     float mix[M], scale[3], base[M];
@@ -451,14 +416,8 @@ int main() {
     for (float& v : scale) v = std::fabs(normal(rng));
     float pre0[HC], post0[HC], comb0[HC * HC], pre1[HC], post1[HC], comb1[HC * HC];
     hc_split_row<HC, ITERS>(mix, scale, base, 1e-6f, pre0, post0, comb0);
-    std::vector<std::thread> lanes;
-    for (unsigned int l = 0; l < 32; l++) {
-      lanes.emplace_back([&, l] {
-        my_lane = l;
-        hc_split_lanes<HC, ITERS>(mix, scale, base, 1e-6f, pre1, post1, comb1, l);
-      });
-    }
-    for (auto& t : lanes) t.join();
+    auto lane = [&] { hc_split_lanes<HC, ITERS>(mix, scale, base, 1e-6f, pre1, post1, comb1, my_lane); };
+    emu::run_group(32, lane, [](unsigned l) { my_lane = l; });
     differ += std::memcmp(pre0, pre1, sizeof pre0) || std::memcmp(post0, post1, sizeof post0) ||
               std::memcmp(comb0, comb1, sizeof comb0);
   }
@@ -468,22 +427,22 @@ int main() {
 """
 
 
-@pytest.mark.skipif(clang() is None, reason="needs clang++ (CI installs it)")
 def test_hc_split_lanes_gives_hc_split_rows_bits(tmp_path):
     """hc_input's split on a simdgroup (hc_split_lanes, a lane for each comb entry) does the
     one-thread split's operations (hc_split_row) in its order, so the same bits: run on the
-    host with 32 threads as lanes, 300 random rows agree bit for bit; summing a column in
+    host with 32 fibers as lanes, 300 random rows agree bit for bit; summing a column in
     the other order (a lane version that only matches to float noise) fails."""
-    def run(kernel_dir):
-        (tmp_path / "harness.cpp").write_text(LANES_HARNESS)
-        build = subprocess.run([clang(), "-std=c++20", "-O1", "-pthread", "-I", str(kernel_dir), "-I",
-                                str(kernels._kernel_dir()), str(tmp_path / "harness.cpp"), "-o",
-                                str(tmp_path / "harness")], capture_output=True, text=True, timeout=300)
-        assert build.returncode == 0, build.stderr
-        return subprocess.run([str(tmp_path / "harness")], capture_output=True, text=True, timeout=120)
+    assert clang() is not None, "clang++ is needed to build the host harness: the `ziglang` test extra has one"
 
-    same = run(kernels._kernel_dir())
-    assert same.returncode == 0 and same.stdout.strip() == "0 differ", same.stdout
+    def build(kernel_dir, name):
+        (tmp_path / f"{name}.cpp").write_text(LANES_HARNESS)
+        return subprocess.Popen([clang(), "-std=c++20", "-O1", "-I", str(kernel_dir), "-I", str(kernels._kernel_dir()),
+                                 "-I", str(EMULATION), str(tmp_path / f"{name}.cpp"), "-o", str(tmp_path / name)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def run(name):
+        return subprocess.run([str(tmp_path / name)], capture_output=True, text=True, timeout=120)
+
     text = kernels.kernel_text("hc_split_lanes.cuh")
     column = "for (int i = 0; i < HC; i++) {\n      total += __shfl_sync(ALL, c, i * HC + col);"
     assert column in text
@@ -491,7 +450,13 @@ def test_hc_split_lanes_gives_hc_split_rows_bits(tmp_path):
     broken.mkdir()
     (broken / "hc_split_lanes.cuh").write_text(
         text.replace(column, column.replace("int i = 0; i < HC; i++", "int i = HC - 1; i >= 0; i--")))
-    assert run(broken).returncode != 0
+    builds = [build(kernels._kernel_dir(), "same"), build(broken, "other_order")]  # both at once
+    for b in builds:
+        errors = b.communicate(timeout=300)[1]
+        assert b.returncode == 0, errors
+    same = run("same")
+    assert same.returncode == 0 and same.stdout.strip() == "0 differ", same.stdout
+    assert run("other_order").returncode != 0
 
 
 @on_linux
@@ -506,10 +471,10 @@ def test_cuda_text_by_include_compiles_the_same_text(tmp_path):
     assert len(inc_header) + len(inc_body) < 2 * len(str(tmp_path)) + 200 < len(header) + len(body)
     (copy,) = tmp_path.glob("*/hc_input.cu")
     assert copy.read_text() == body and copy.with_suffix(".cuh").read_text() == header
-    ok, log = cuda_check.compile_cuda(cuda_check.wrap(spec.name, inc_body, inc_header, inputs, outputs, template))
+    ok, log = nvrtc.compile_cuda(nvrtc.wrap(spec.name, inc_body, inc_header, inputs, outputs, template))
     assert ok, log
     copy.write_text(body.replace("__float2bfloat16(c)", "__float2bfloat16(c, 1)", 1))
-    ok, log = cuda_check.compile_cuda(cuda_check.wrap(spec.name, inc_body, inc_header, inputs, outputs, template))
+    ok, log = nvrtc.compile_cuda(nvrtc.wrap(spec.name, inc_body, inc_header, inputs, outputs, template))
     assert not ok and "error" in log
 
 
@@ -550,9 +515,8 @@ def test_included_texts_go_to_the_package_cache(tmp_path, monkeypatch):
 def test_gemv_registers_reports_each_variant():
     """scripts/gemv_registers.py: NVRTC's register count for each GEMV kernel variant of a
     layout, and the threadgroups of 256 threads a core then holds. fp8_mma_hc's end (the
-    stream and the mix parts) keeps fp8_mma's two threadgroups a core: its first form held
-    every mix's loads at once, 255 registers, one threadgroup a core, and ran slower than
-    the launches it replaced (docs/benchmarks.md, session 22)."""
+    stream and the mix parts) keeps fp8_mma's two threadgroups a core (a form holding every
+    mix's loads at once took 255 registers, one threadgroup a core, and ran slower)."""
     script = load_script("gemv_registers")
     rows = script.table("sm_90", layouts=((1, 4, 32),), experts_layouts=(1,))
     assert [(r["kernel"], r["variant"]) for r in rows] == (

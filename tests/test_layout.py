@@ -1,11 +1,12 @@
 """The package's layout: every module imports alone, and only modules below it."""
 
 import ast
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from .processes import run_all
 
 PACKAGE = Path(__file__).resolve().parent.parent / "dsv41_mlx"
 # a module may import from its own layer or any layer below it, never above
@@ -63,6 +64,6 @@ def test_each_module_imports_only_layers_at_or_below_its_own(module):
 def test_every_module_imports_alone_in_a_fresh_interpreter():
     """No import cycle: each module, imported first in a fresh interpreter, loads."""
     script = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\n"
-    for module in _modules():
-        out = subprocess.run([sys.executable, "-c", script, module], capture_output=True, text=True, timeout=120)
+    modules = _modules()
+    for module, out in zip(modules, run_all([[sys.executable, "-c", script, m] for m in modules], timeout=120)):
         assert out.returncode == 0, f"{module}: {out.stderr[-2000:]}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mlx.core as mx
+import pytest
 
 from dsv41_mlx.cache import DraftCache
 from dsv41_mlx.runtime.drafter import Drafter
@@ -37,19 +38,33 @@ def _run(model, drafter, params):
     return tokens, rec.proposals
 
 
+@pytest.fixture(scope="module")
+def concurrent_run(fixture_model):
+    """run(head, params) -> (drafter, tokens, proposals): a fresh default drafter (concurrent,
+    evaluated on the drafter's streams) of that head, run by _run, once a module for each."""
+    runs = {}
+
+    def run(head: str, params: SamplingParams):
+        if (head, params) not in runs:
+            drafter = Drafter(fixture_model, head=head, concurrent=True)
+            runs[head, params] = (drafter, *_run(fixture_model, drafter, params))
+        return runs[head, params]
+
+    return run
+
+
 def _same(a, b) -> bool:
     return all(mx.array_equal(x, y).item() for x, y in ((a.drafts, b.drafts), (a.logits, b.logits),
                                                          (a.confidence, b.confidence)))
 
 
-def test_concurrent_propose_equals_serial_propose_byte_for_byte(fixture_model):
+def test_concurrent_propose_equals_serial_propose_byte_for_byte(fixture_model, concurrent_run):
     for head in ("fp8", "bf16"):
         for params in (SamplingParams(), SamplingParams(temperature=0.8, seed=3)):
-            concurrent = Drafter(fixture_model, head=head, concurrent=True)
+            concurrent, tokens_c, props_c = concurrent_run(head, params)
             serial = Drafter(fixture_model, head=head, concurrent=False)
             assert concurrent.side_stream is not None and serial.side_stream is None
             assert concurrent.stream != serial.stream
-            tokens_c, props_c = _run(fixture_model, concurrent, params)
             tokens_s, props_s = _run(fixture_model, serial, params)
             assert tokens_c == tokens_s
             assert len(props_c) == len(props_s) > 30  # many rounds of a real generation
@@ -73,7 +88,7 @@ def test_reading_a_ring_before_its_write_fails_the_check(fixture_model):
     assert not _same(right, wrong)
 
 
-def test_propose_started_on_the_evaluators_thread_proposes_the_same_bytes(fixture_model):
+def test_propose_started_on_the_evaluators_thread_proposes_the_same_bytes(fixture_model, concurrent_run):
     """Drafter.evaluate_on_thread hands each stage and the head to a thread of its own as they
     are built: the same operations in the same order, so the same proposals and replies as the
     pass evaluated whole on the drafter's streams."""
@@ -91,8 +106,8 @@ def test_propose_started_on_the_evaluators_thread_proposes_the_same_bytes(fixtur
             lazy = threaded.propose(cache, anchor * 1)
         finally:
             threaded.evaluate_on_thread = False
-        whole = Drafter(fixture_model, head=head)
-        tokens_b, props_b = _run(fixture_model, whole, params)
+        whole, tokens_b, props_b = concurrent_run(head, params)  # Drafter's defaults
+        assert not whole.evaluate_on_thread
         assert tokens_a == tokens_b and len(props_a) == len(props_b) > 30
         assert all(_same(a, b) for a, b in zip(props_a, props_b)), head
         cache = whole.make_cache()

@@ -1,17 +1,16 @@
 // Metal kernel bodies run on the host, as C++ (tests/kernel_emulation.py writes the unit): the
 // Metal types and built-ins our kernels use, for a machine without Metal. A threadgroup is 256
-// std::threads (8 simdgroups of 32) and threadgroups run one after another, so threadgroup
-// memory is static storage; a simdgroup's reductions go through an exchange between two
-// barriers of its 32 lanes, and simdgroup_barrier waits for those 32 lanes; a simdgroup matrix is held whole by every lane, each lane computing the
+// threads (8 simdgroups of 32) run as fibers on one OS thread (fibers.h), and threadgroups run
+// one after another, so threadgroup memory is static storage; a simdgroup's reductions go
+// through an exchange between two barriers of its 32 lanes, and simdgroup_barrier waits for
+// those 32 lanes; a simdgroup matrix is held whole by every lane, each lane computing the
 // product itself and lane 0 storing it. Sums inside a product run in k order in float: the
 // matrix unit's own order may differ, which is within the float32 summation bound the tests
 // allow. half and bfloat16_t convert in software (host_floats.h).
-#include <barrier>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <thread>
-#include <vector>
+#include "fibers.h"
 #include "host_floats.h"
 typedef uint32_t uint;
 typedef uint16_t ushort;
@@ -34,15 +33,15 @@ struct half {  // IEEE binary16
   operator float() const { return host_f16_to_f32(bits); }
 };
 template <> inline half as_type<half, ushort>(ushort s) { half h; h.bits = s; return h; }
-thread_local uint tid_in_tg, tg_in_grid, lane_id, sg_id;
+uint tid_in_tg, tg_in_grid, lane_id, sg_id;  // the running thread's (set as fibers.h resumes it)
 struct Pos { uint x; };
 #define thread_position_in_threadgroup (Pos{tid_in_tg})
 #define threadgroup_position_in_grid (Pos{tg_in_grid})
 #define thread_position_in_grid (Pos{tg_in_grid * 256 + tid_in_tg})
 #define thread_index_in_simdgroup (lane_id)
 #define simdgroup_index_in_threadgroup (sg_id)
-static std::barrier<>* tg_sync;
-static std::barrier<>* sg_sync[8];  // a simdgroup's own barrier: its reductions need only its lanes
+static emu::Barrier tg_sync{256};
+static emu::Barrier sg_sync[8] = {{32}, {32}, {32}, {32}, {32}, {32}, {32}, {32}};  // a simdgroup's own: its reductions need only its lanes
 static float xch[8][32];
 namespace metal {
 enum class mem_flags { mem_none, mem_device, mem_threadgroup };
@@ -66,24 +65,26 @@ inline float divide(float a, float b) { return a / b; }
 using metal::mem_flags;
 using metal::min;
 using metal::max;
+#ifndef _LIBCPP_VERSION  // libc++'s <cmath> puts std's float fma in the global namespace already
 inline float fma(float a, float b, float c) { return std::fma(a, b, c); }
-inline void threadgroup_barrier(mem_flags) { tg_sync->arrive_and_wait(); }
-inline void simdgroup_barrier(mem_flags) { sg_sync[sg_id]->arrive_and_wait(); }
+#endif
+inline void threadgroup_barrier(mem_flags) { emu::wait(tg_sync); }
+inline void simdgroup_barrier(mem_flags) { emu::wait(sg_sync[sg_id]); }
 inline float simd_exchange(float v, uint src) {
   xch[sg_id][lane_id] = v;
-  sg_sync[sg_id]->arrive_and_wait();
+  emu::wait(sg_sync[sg_id]);
   const float got = xch[sg_id][src & 31];
-  sg_sync[sg_id]->arrive_and_wait();
+  emu::wait(sg_sync[sg_id]);
   return got;
 }
 inline float simd_shuffle_xor(float v, ushort offset) { return simd_exchange(v, lane_id ^ offset); }
 inline float simd_shuffle(float v, ushort src) { return simd_exchange(v, src); }
 inline float simd_max(float v) {
   xch[sg_id][lane_id] = v;
-  sg_sync[sg_id]->arrive_and_wait();
+  emu::wait(sg_sync[sg_id]);
   float m = xch[sg_id][0];
   for (int l = 1; l < 32; l++) m = std::fmax(m, xch[sg_id][l]);
-  sg_sync[sg_id]->arrive_and_wait();
+  emu::wait(sg_sync[sg_id]);
   return m;
 }
 template <typename T, int R, int C> struct simdgroup_matrix { T m[R][C]; };
@@ -117,14 +118,7 @@ template <typename A, typename B> void simdgroup_multiply_accumulate(simdgroup_f
 }
 template <typename F> void run_threadgroups(uint groups, F body) {
   for (uint g = 0; g < groups; g++) {
-    std::barrier<> bs(256);
-    tg_sync = &bs;
-    std::vector<std::barrier<>*> ss;
-    for (int w = 0; w < 8; w++) { ss.push_back(new std::barrier<>(32)); sg_sync[w] = ss.back(); }
-    std::vector<std::thread> threads;
-    for (uint t = 0; t < 256; t++)
-      threads.emplace_back([&, t] { tid_in_tg = t; tg_in_grid = g; lane_id = t % 32; sg_id = t / 32; body(); });
-    for (auto& th : threads) th.join();
-    for (auto* w : ss) delete w;
+    tg_in_grid = g;
+    emu::run_group(256, body, [](unsigned t) { tid_in_tg = t; lane_id = t % 32; sg_id = t / 32; });
   }
 }

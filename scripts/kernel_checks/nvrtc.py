@@ -3,9 +3,11 @@
 MLX's `mx.fast.cuda_kernel` turns a body into a `__global__` function whose
 parameters are the inputs (`const T* name`) then the outputs (`T* name`), with
 the template arguments as template parameters. We write the same around our
-bodies and compile them to PTX with NVRTC (the `nvidia-cuda-nvrtc-cu12` wheel;
-headers from `nvidia-cuda-runtime-cu12`), which needs no GPU: a misspelt name,
-a wrong type or a bad intrinsic call in a body fails the compile.
+bodies and compile them to PTX or a cubin with NVRTC (the `nvidia-cuda-nvrtc-cu12`
+wheel; headers from `nvidia-cuda-runtime-cu12`), which needs no GPU: a misspelt
+name, a wrong type or a bad intrinsic call in a body fails the compile
+(tests/test_kernels.py), and ptxas reports a variant's registers
+(scripts/gemv_registers.py, scripts/sass_counts.py).
 """
 
 from __future__ import annotations
