@@ -18,7 +18,7 @@ from scipy.stats import chisquare
 from dsv41_mlx.runtime.drafter import Drafter, Proposal
 from dsv41_mlx.runtime.options import Options
 from dsv41_mlx.runtime.runner import Runner
-from scripts.benchmarks.harness import OracleDrafter
+from scripts.benchmarks.harness import OracleDrafter, WrappedDrafter
 from dsv41_mlx.generate import generate_step, make_decoder, prefill
 from dsv41_mlx.sampling import DRAFT, SamplingParams, accept_or_resample, filtered_log_probs, gumbel_noise
 from dsv41_mlx.speculative import (ConfidencePolicy, DraftStats, SpeculativeDecoder, measure_verify_costs,
@@ -218,22 +218,13 @@ def test_rejection_rule_with_a_wrong_q_fails_the_same_check():
     assert chisquare(counts[keep], expected[keep]).pvalue < 0.01
 
 
-class FlattenedOracle:
+class FlattenedOracle(WrappedDrafter):
     """Drafts the first position from a sharpened copy of the target's own logits (so that
     q overlaps p without equalling it), through the round's picker."""
 
     def __init__(self, drafter, target_logits: mx.array):
-        self.inner, self.target_logits = drafter, target_logits
-        self.block, self.window, self.verify_costs = drafter.block, drafter.window, None
-
-    def make_cache(self):
-        return self.inner.make_cache()
-
-    def ingest(self, cache, features):
-        self.inner.ingest(cache, features)
-
-    def ingest_ahead(self, cache, features):
-        return self.inner.ingest_ahead(cache, features)
+        super().__init__(drafter)
+        self.target_logits, self.verify_costs = target_logits, None
 
     def propose(self, cache, anchor, pick) -> Proposal:
         logits = mx.broadcast_to(3.0 * self.target_logits, (self.block, self.target_logits.shape[0]))
