@@ -3,7 +3,8 @@
 
 `cxx()` gives one executable that takes clang++'s command line (the Metal type-check, the
 host emulation of the kernels and tests/test_kernels.py call it so). zig's clang comes with
-libc++ (as macOS's does), not GCC's libstdc++: tests/kernel_emulation.py minds the difference.
+libc++ (as macOS's does), not GCC's libstdc++: the emulation headers (tests/emulation/) mind
+the difference.
 For zig the executable is a small script, written once into zig's cache folder, which runs
 `zig c++` with:
 - `-mcpu=baseline`: zig builds for the machine's own CPU by default (FMA where it has it,

@@ -43,6 +43,7 @@ FLAGS = ("-std=c++20", "-O1", "-w", "-I", str(EMULATION))
 MAIN = r"""struct Buffer { void* data; long bytes; };
 Buffer read_file(const char* path) {
   FILE* f = std::fopen(path, "rb");
+  if (f == nullptr) { std::perror(path); std::abort(); }
   std::fseek(f, 0, SEEK_END);
   const long bytes = std::ftell(f);
   std::rewind(f);
@@ -87,7 +88,8 @@ def unit(spec, language: str, inputs: dict[str, str], outputs: dict[str, str], t
     lines = [f'#include "{language}_emu.h"', "#include <cstdio>", "#include <cstdlib>"]
     lines += [f"using {k} = {types[v]};" if isinstance(v, str) else f"constexpr int {k} = {v};"
               for k, v in template.items()]  # a type parameter ('bfloat16', ...) or an int constant
-    lines += [header, "void kernel_body(" + ", ".join(params) + ") {", body, "}", MAIN, "int main(int argc, char** argv) {"]
+    lines += [header, "void kernel_body(" + ", ".join(params) + ") {", body, "}", MAIN]
+    lines.append("int main(int argc, char** argv) {")
     lines += [f'  const Buffer {n}_in = read_file("{n}.bin");' for n in inputs]
     lines += [f"  const long {n}_size = std::atol(argv[{2 + i}]);\n"
               f"  auto* {n}_out = static_cast<{types[t]}*>(std::calloc({n}_size + 1, sizeof({types[t]})));"
@@ -112,7 +114,7 @@ def _builders() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=os.cpu_count() or 1)
 
 
-def _compile(text: str) -> Path:
+def _compile(text: str, name: str) -> Path:
     if cxx() is None:
         raise RuntimeError("no C++ compiler: install clang++ or the test extras (ziglang)")
     source = _builds() / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}.cpp"
@@ -120,15 +122,15 @@ def _compile(text: str) -> Path:
     done = subprocess.run([cxx(), *FLAGS, str(source), "-o", str(source.with_suffix(""))],
                           capture_output=True, text=True)
     if done.returncode:
-        raise RuntimeError(f"the host build of {source} failed:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"the host build of {name} failed:\n{done.stderr[-3000:]}")
     return source.with_suffix("")
 
 
 @lru_cache(maxsize=None)
-def _build(text: str) -> Future:
+def _build(text: str, name: str) -> Future:
     """The executable of a unit's text (a Future of its path): built once a session, beside the
-    other builds (up to a core each)."""
-    return _builders().submit(_compile, text)
+    other builds (up to a core each). name: what the text is, for a failure's message."""
+    return _builders().submit(_compile, text, name)
 
 
 def start(spec, language: str, inputs: dict[str, tuple[str, np.ndarray]], outputs: dict[str, tuple[str, int]],
@@ -137,7 +139,7 @@ def start(spec, language: str, inputs: dict[str, tuple[str, np.ndarray]], output
     """run()'s launch with its build begun: call what it returns to run it. A test of several
     launches starts them all first, so that their builds run side by side."""
     executable = _build(unit(spec, language, {n: t for n, (t, _) in inputs.items()},
-                             {n: t for n, (t, _) in outputs.items()}, template, read_back))
+                             {n: t for n, (t, _) in outputs.items()}, template, read_back), f"{spec.name} ({language})")
 
     def finish() -> dict[str, np.ndarray]:
         for n, (t, a) in inputs.items():

@@ -14,12 +14,14 @@ clang is clang++ where installed, else the one of the `ziglang` test extra
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
 from tests.compiler import cxx
 
 SHIM = Path(__file__).parent / "metal_shim" / "metal_shim.h"
+SHIM_INCLUDE = '#include "metal_shim.h"'
 
 ATTRIBUTES = {  # the thread attributes MLX recognises, with their parameter types
     "thread_position_in_grid": "uint3", "threadgroup_position_in_grid": "uint3",
@@ -49,7 +51,7 @@ def wrap(name: str, body: str, header: str, inputs: dict[str, str], outputs: dic
     fn = f"custom_kernel_{name}"
     # template values: an int constant, or a dtype name ('bfloat16', ...) for a type parameter
     args = ", ".join(TYPE_NAMES[v] if isinstance(v, str) else str(v) for v in template.values())
-    lines = ['#include "metal_shim.h"', "using namespace metal;", header]
+    lines = [SHIM_INCLUDE, "using namespace metal;", header]
     if template:
         lines.append("template <" + ", ".join(f"typename {k}" if isinstance(v, str) else f"int {k}"
                                               for k, v in template.items()) + ">")
@@ -68,3 +70,15 @@ def syntax_check(source: str, workdir: Path) -> subprocess.CompletedProcess:
     return subprocess.run([clang(), "-std=c++17", "-fsyntax-only", "-Wno-unknown-attributes",
                            "-Wno-ignored-attributes", "-I", str(SHIM.parent), str(path)],
                           capture_output=True, text=True, timeout=120)
+
+
+def syntax_check_all(sources: list[str], workdir: Path) -> subprocess.CompletedProcess:
+    """syntax_check of several wrapped sources in one clang run: each in a namespace of its own,
+    the macros it defines undefined after it, so that each meets only what it meets alone.
+    returncode 0 when all type-check; a failure does not say which (syntax_check each alone)."""
+    blocks = [SHIM_INCLUDE]
+    for i, source in enumerate(sources):
+        own = source.replace(SHIM_INCLUDE + "\n", "", 1)
+        blocks += [f"namespace source_{i} {{", own, "}"]
+        blocks += [f"#undef {m}" for m in re.findall(r"^\s*#\s*define\s+(\w+)", own, re.MULTILINE)]
+    return syntax_check("\n".join(blocks) + "\n", workdir)

@@ -531,12 +531,15 @@ def _stub_layouts(monkeypatch, kernel: str, stub) -> None:
     GiB of random codes at the release's shapes)."""
     from dsv41_mlx import kernels
 
+    def zeros(dtype):
+        return lambda shape, fp4=False: mx.broadcast_to(mx.array(0, dtype), shape)
+
     monkeypatch.setattr(kernels, "backend", lambda: "cuda")
     monkeypatch.setattr(kernels, kernel, stub)
     monkeypatch.setattr(layouts, "copy_bandwidth", lambda *a: 3.5e12)
     monkeypatch.setattr(layouts, "chained", lambda run, x0: (run(x0, 1), 1e-5)[1])
-    monkeypatch.setattr(layouts, "random_words", lambda shape, fp4=False: mx.broadcast_to(mx.array(0, mx.uint32), shape))
-    monkeypatch.setattr(layouts, "random_scales", lambda shape: mx.broadcast_to(mx.array(0, mx.uint8), shape))
+    monkeypatch.setattr(layouts, "random_words", zeros(mx.uint32))
+    monkeypatch.setattr(layouts, "random_scales", zeros(mx.uint8))
 
 
 def test_layouts_time_fp8_mma_tiles_and_loads_ahead_together(monkeypatch):

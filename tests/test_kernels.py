@@ -29,7 +29,7 @@ from scripts.kernel_checks import nvrtc
 from scripts.kernel_checks.cases import experts_case, gemv_case, mma_case, mma_hc_case, x_prep_case
 
 from .kernel_emulation import EMULATION
-from .metal_check import clang, syntax_check, wrap
+from .metal_check import clang, syntax_check, syntax_check_all, wrap
 from .scripts import load_script
 
 
@@ -251,14 +251,27 @@ def _wrapped(case: str, body: str | None = None) -> str:
     return wrap(spec.name, body or spec.source("metal"), spec.header("metal"), inputs, outputs, template)
 
 
-@pytest.mark.parametrize("case", METAL_CASES)
-@pytest.mark.parametrize("rows", [1, 16])
-def test_metal_source_type_checks(case, rows, tmp_path):
+def _metal_source(case: str, rows: int) -> str:
     spec, inputs, outputs, template = CASES[case]
     if "R" in template:
         template = {**template, "R": rows}
-    out = syntax_check(wrap(spec.name, spec.source("metal"), spec.header("metal"), inputs, outputs, template),
-                       tmp_path)
+    return wrap(spec.name, spec.source("metal"), spec.header("metal"), inputs, outputs, template)
+
+
+@pytest.fixture(scope="module")
+def every_metal_source_checked(tmp_path_factory):
+    """All the cases below type-checked in one clang run (syntax_check_all)."""
+    assert clang() is not None, "clang++ is needed for the Metal check: the `ziglang` test extra has one"
+    return syntax_check_all([_metal_source(case, rows) for case in METAL_CASES for rows in (1, 16)],
+                            tmp_path_factory.mktemp("metal"))
+
+
+@pytest.mark.parametrize("case", METAL_CASES)
+@pytest.mark.parametrize("rows", [1, 16])
+def test_metal_source_type_checks(case, rows, every_metal_source_checked, tmp_path):
+    out = every_metal_source_checked  # where not all passed, this case's own check says whether it did
+    if out.returncode:
+        out = syntax_check(_metal_source(case, rows), tmp_path)
     assert out.returncode == 0, out.stderr
 
 
@@ -389,6 +402,8 @@ def test_a_broken_cuda_source_fails_the_compile(case, breakage):
 # one thread
 LANES_HARNESS = r"""
 #include <cmath>
+#include <cstdio>
+#include <cstring>
 #include <random>
 #include "fibers.h"
 #define __device__

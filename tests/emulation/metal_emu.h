@@ -41,7 +41,8 @@ struct Pos { uint x; };
 #define thread_index_in_simdgroup (lane_id)
 #define simdgroup_index_in_threadgroup (sg_id)
 static emu::Barrier tg_sync{256};
-static emu::Barrier sg_sync[8] = {{32}, {32}, {32}, {32}, {32}, {32}, {32}, {32}};  // a simdgroup's own: its reductions need only its lanes
+// a simdgroup's own barrier: its reductions need only its lanes
+static emu::Barrier sg_sync[8] = {{32}, {32}, {32}, {32}, {32}, {32}, {32}, {32}};
 static float xch[8][32];
 namespace metal {
 enum class mem_flags { mem_none, mem_device, mem_threadgroup };
