@@ -22,7 +22,7 @@ from .runtime.options import Options
 from .runtime.residency import wired
 from .runtime.runner import Runner
 from .sampling import SamplingParams, sample
-from .speculative import VERIFY_MODES, DraftStats, SpeculativeDecoder, speculative_decode
+from .speculative import VERIFY_MODES, DraftStats, SpeculativeDecoder, check_drafting_arguments, speculative_decode
 from .tokenizer import StreamingDetokenizer
 
 DEFAULT_PREFILL_CHUNK = 256
@@ -195,9 +195,8 @@ def make_decoder(runner: Runner, params: SamplingParams, draft: bool | None = No
     drafter = runner.model.drafter
     if draft is None:
         draft = drafter is not None
+    check_drafting_arguments(bool(draft), verify, confidence)
     if not draft:
-        if verify is not None or confidence is not None:
-            raise ValueError("verify and confidence apply to drafting, which is off")
         return None
     if drafter is None:
         raise ValueError("drafting needs DSpark stages, and this checkpoint has none")
@@ -342,20 +341,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _looks_like_repo_id(text: str) -> bool:
-    """What checkpoint.resolve_model_dir would download from the Hugging Face hub (owner/name)."""
-    return not text.startswith((".", "/", "~")) and text.count("/") == 1
-
-
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Every argument checked before any model loads: a bad one exits (2) through parser.error,
     with a one-line message naming it. The rules are the library's own (SamplingParams,
-    resolve_verify, ConfidencePolicy, resolve_model_dir); what needs the model (the
-    prompt against its context, drafting without a drafter) is checked once it is loaded."""
-    from pathlib import Path
-
-    from .io.checkpoint import CheckpointError, resolve_model_dir
-    from .speculative import ConfidencePolicy, resolve_verify
+    resolve_verify, ConfidencePolicy, check_drafting_arguments, local_model_dir); what needs
+    the model (the prompt against its context, drafting without a drafter) is checked once it is
+    loaded."""
+    from .io.checkpoint import CheckpointError, local_model_dir
+    from .speculative import ConfidencePolicy, check_drafting_arguments, resolve_verify
 
     def check(flag, fn, *fn_args, **fn_kwargs):
         try:
@@ -377,12 +370,11 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         check("--verify", resolve_verify, args.verify, params)
     if args.confidence is not None:
         check("--confidence", ConfidencePolicy.parse, args.confidence)
-    if args.draft is False and (args.verify is not None or args.confidence is not None):  # as make_decoder
-        flag = "--verify" if args.verify is not None else "--confidence"
-        parser.error(f"argument {flag}: verify and confidence apply to drafting, which is off (--no-draft)")
-    if args.model is not None and (Path(args.model).expanduser().exists() or not _looks_like_repo_id(args.model)):
+    check("--verify" if args.verify is not None else "--confidence", check_drafting_arguments, args.draft,
+          args.verify, args.confidence)
+    if args.model is not None:
         try:
-            resolve_model_dir(args.model)  # a local path: checked, nothing downloaded
+            local_model_dir(args.model)  # a local path checked; a repo id left to the loader
         except CheckpointError as e:
             parser.error(f"argument --model: {e}")
 

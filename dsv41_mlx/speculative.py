@@ -37,6 +37,12 @@ from .sampling import (ACCEPT, DRAFT, RESAMPLE, TARGET, SamplingParams, accept_o
 VERIFY_MODES = ("greedy", "coupled", "rejection")
 
 
+def check_drafting_arguments(draft: bool | None, verify: str | None, confidence: str | None) -> None:
+    """verify and confidence are refused where drafting is off (draft False)."""
+    if draft is False and (verify is not None or confidence is not None):
+        raise ValueError("verify and confidence apply to drafting, which is off")
+
+
 def resolve_verify(verify: str | None, params: SamplingParams) -> str:
     """The verification mode for these sampling parameters (None: greedy at T=0, else coupled)."""
     if verify is None:

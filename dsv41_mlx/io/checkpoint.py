@@ -284,8 +284,9 @@ def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, tuple[str, 
     return offset
 
 
-def resolve_model_dir(path_or_repo: str | os.PathLike) -> Path:
-    """A local checkpoint directory, or a Hugging Face repo id downloaded with snapshot_download."""
+def local_model_dir(path_or_repo: str | os.PathLike) -> Path | None:
+    """The local checkpoint directory path_or_repo names, or None where it is a Hugging Face repo
+    id (owner/name) to download; CheckpointError where it is neither. Nothing is downloaded."""
     path = Path(path_or_repo).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -294,9 +295,17 @@ def resolve_model_dir(path_or_repo: str | os.PathLike) -> Path:
     text = str(path_or_repo)
     if text.startswith((".", "/", "~")) or text.count("/") != 1:
         raise CheckpointError(f"{text}: no such directory, and not a Hugging Face repo id (owner/name)")
+    return None
+
+
+def resolve_model_dir(path_or_repo: str | os.PathLike) -> Path:
+    """A local checkpoint directory, or a Hugging Face repo id downloaded with snapshot_download."""
+    local = local_model_dir(path_or_repo)
+    if local is not None:
+        return local
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(text, allow_patterns=["*.json", "*.safetensors", "tokenizer*"]))
+    return Path(snapshot_download(str(path_or_repo), allow_patterns=["*.json", "*.safetensors", "tokenizer*"]))
 
 
 def shard_headers(model_dir: Path) -> dict[Path, dict[str, dict]]:
