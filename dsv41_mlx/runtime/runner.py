@@ -5,7 +5,7 @@ steps (Model.start, Model.block, Model.finish) and decides only when their work 
 each block as soon as it is built, from a thread of its own (evaluator.BlockEvaluator); a
 decode forward built, and on CUDA started, before its token is read back (decode_ahead);
 decode and verify forwards padded to one row count (Options.decode_rows). The graphs are the
-model's own, so every choice gives the same bits (tests/test_model.py, tests/test_runner.py).
+model's own, so every choice gives the same bits (tests/test_model.py).
 """
 
 from __future__ import annotations
@@ -46,10 +46,6 @@ class Runner:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    @property
-    def decode_rows(self) -> int | None:
-        return self.options.decode_rows
-
     def make_cache(self) -> ModelCache:
         return self.model.make_cache()
 
@@ -58,9 +54,7 @@ class Runner:
         """The model's forward of ids [1, S] -> (logits [1, S, V], features [1, S, F]), its blocks
         started as Options say."""
         cache = cache if cache is not None else self.make_cache()
-        if ids.ndim != 2 or ids.shape[0] != 1:
-            raise ValueError(f"ids must have shape [1, n]; got {ids.shape}")
-        # ids' values on the host: where ids was made from them, no device work
+        # ids' values on the host (Model.start checks their shape): where ids was made from them, no device work
         return _result(self._forward(ids, cache, np.asarray(ids)[0].tolist(), last_logits_only, real_rows))
 
     def decode(self, ids: list[int], cache: ModelCache) -> tuple[mx.array, mx.array]:
