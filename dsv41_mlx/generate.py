@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 import time
@@ -18,7 +19,6 @@ import mlx.core as mx
 from .cache import TRIM_SLACK, ModelCache
 from .chat import EMPTY_PROMPT
 from .models.attention import indexer_scoring_length
-from .runtime.options import Options
 from .runtime.residency import wired
 from .runtime.runner import Runner
 from .sampling import SamplingParams, sample
@@ -209,14 +209,16 @@ def stream_generate(model, tokenizer, prompt: str | list[int], max_tokens: int =
                     temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
                     prefill_chunk: int = DEFAULT_PREFILL_CHUNK, draft: bool | None = None,
                     verify: str | None = None, confidence: str | None = None,
-                    wire: bool = True, options: Options | None = None) -> Iterator[GenerationResponse]:
+                    wire: bool = True, runner: Runner | None = None) -> Iterator[GenerationResponse]:
     """Generate from a prompt (text, or token ids), yielding text pieces with running stats.
 
     draft/verify/confidence: see `make_decoder` and speculative.py. Replies are
     the same with drafting on or off (greedy and coupled verification).
     wire: keep the drafter (and the target if it fits) in wired memory while
-    generating (runtime/residency.py; Metal only). options: how the forwards are
-    scheduled (default: the device's, runtime/options.py); the same replies either way.
+    generating (runtime/residency.py; Metal only). runner: the model's Runner to schedule
+    the forwards with, where the caller keeps one across generations (the server does);
+    default: one made for this generation, with the device's options (runtime/options.py).
+    The same replies either way.
     """
     if not isinstance(max_tokens, int) or max_tokens < 0:
         raise ValueError(f"max_tokens must be a non-negative integer, got {max_tokens!r}")
@@ -227,7 +229,7 @@ def stream_generate(model, tokenizer, prompt: str | list[int], max_tokens: int =
         raise ValueError(f"the prompt is {len(ids)} tokens; this model's context is {context} tokens")
     if context:  # the reply stops where the context ends (finish reason "length")
         max_tokens = min(max_tokens, context - len(ids))
-    with Runner(model, options) as runner:
+    with contextlib.nullcontext(runner) if runner is not None else Runner(model) as runner:
         decoder = make_decoder(runner, params, draft, verify, confidence)
         stats = decoder.stats if decoder is not None else None
         with wired(model, decoder.drafter if decoder is not None else None, enabled=wire):

@@ -177,10 +177,12 @@ def parse_request(body, kind: str, served: str, tokenizer, context: int) -> Job:
 # -------------------------------------------------------------------- engine
 
 class Engine:
-    """One worker thread runs the queued jobs in order, one at a time."""
+    """One worker thread runs the queued jobs in order, one at a time, through one Runner kept for
+    the server's life (its evaluator thread and stream are made once, not per request)."""
 
-    def __init__(self, model, tokenizer, name: str):
+    def __init__(self, model, tokenizer, name: str, runner: Runner | None = None):
         self.model, self.tokenizer, self.name = model, tokenizer, name
+        self.runner = runner if runner is not None else Runner(model)
         self.context = model.args.max_position_embeddings or 2**31
         self.jobs: queue.Queue[Job] = queue.Queue()
         self.served = 0
@@ -208,7 +210,7 @@ class Engine:
     def _run(self, job: Job) -> None:
         text, sent, finish, stats, n = "", 0, "length", None, 0
         hold = max((len(s) for s in job.stop), default=1) - 1  # a stop string may still be forming
-        for r in stream_generate(self.model, self.tokenizer, job.ids, **job.options):
+        for r in stream_generate(self.model, self.tokenizer, job.ids, runner=self.runner, **job.options):
             if job.cancelled.is_set():
                 log.info("client went away: generation stopped after %d tokens", r.generation_tokens)
                 self.abandoned += 1
@@ -370,10 +372,10 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    runner = Runner(model)
     if args.warm_up:
-        with Runner(model) as runner:
-            log.info("warm-up: every request shape once, %.1f s", warm_up(runner))
-    engine = Engine(model, tokenizer, args.name or args.model or "dsv41-tiny")
+        log.info("warm-up: every request shape once, %.1f s", warm_up(runner))
+    engine = Engine(model, tokenizer, args.name or args.model or "dsv41-tiny", runner)
     uvicorn.run(create_app(engine), host=args.host, port=args.port,
                 log_level="warning" if args.quiet else "info")
     return 0
