@@ -12,10 +12,11 @@ os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 from .io.load import load  # noqa: E402 (after the environment above)
 from .generate import generate, stream_generate  # noqa: E402
+from .runtime.runner import Runner  # noqa: E402
 
 # `python -m dsv41_mlx.generate` runs a module this package has already imported (for
 # the `generate` function above); runpy's warning about that is harmless here.
 warnings.filterwarnings("ignore", message="'dsv41_mlx.generate' found in sys.modules", category=RuntimeWarning)
 
-__all__ = ["load", "generate", "stream_generate"]
+__all__ = ["load", "generate", "stream_generate", "Runner"]
 __version__ = "0.1.0"

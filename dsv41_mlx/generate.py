@@ -83,7 +83,7 @@ def warm_up(runner: Runner, chunk: int = DEFAULT_PREFILL_CHUNK) -> float:
     are built per bound on their rows); and a decode or verify forward of every size past
     the context where the indexers start scoring. Returns the seconds it took."""
     tic = time.perf_counter()
-    drafter = runner.model.drafter
+    drafter = runner.drafter
     vocab = runner.args.vocab_size
     for rows in sorted(set(range(PREFILL_ROUND, chunk + 1, PREFILL_ROUND)) | {chunk}):
         for length in (rows, chunk + rows):
@@ -106,7 +106,7 @@ def _warm_up_scoring(runner: Runner, chunk: int) -> None:
     short warm-ups above pick every compressed position unscored): a prompt that long, then a
     decode or verify forward of every size on it (their GEMV kernels are built per bound on
     their rows)."""
-    drafter = runner.model.drafter
+    drafter = runner.drafter
     cache = runner.make_cache()
     prompt = [(7 * i + 3) % runner.args.vocab_size for i in range(indexer_scoring_length(runner.args))]
     prefill(runner, prompt, cache, chunk)
@@ -119,7 +119,7 @@ def _warm_up_scoring(runner: Runner, chunk: int) -> None:
 def _warm_up_ingest(runner: Runner) -> None:
     """Every ingest a drafting round can make (1 .. block + 1 committed positions), on a
     scratch draft cache."""
-    drafter = runner.model.drafter
+    drafter = runner.drafter
     cache = drafter.make_cache()
     for n in range(1, drafter.block + 2):
         drafter.ingest(cache, mx.zeros((n, runner.args.dspark_feature_dim), dtype=mx.bfloat16))
@@ -192,7 +192,7 @@ def make_decoder(runner: Runner, params: SamplingParams, draft: bool | None = No
     draft None = on when the checkpoint has DSpark stages. verify None = greedy
     at temperature 0, coupled above. confidence None = schedule.
     """
-    drafter = runner.model.drafter
+    drafter = runner.drafter
     if draft is None:
         draft = drafter is not None
     check_drafting_arguments(bool(draft), verify, confidence)
@@ -392,16 +392,17 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
     try:
         model, tokenizer = load(args.model, progress=not args.quiet)
-        drafting = args.draft if args.draft is not None else model.drafter is not None
-        if drafting and model.drafter is not None and model.drafter.head == "fp8":
-            model.drafter.build_fp8_head(progress=not args.quiet)
-        last = None
-        for last in stream_generate(model, tokenizer, args.prompt, max_tokens=args.max_tokens,
-                                    temperature=args.temp, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                                    prefill_chunk=args.prefill_chunk, draft=args.draft, verify=args.verify,
-                                    confidence=args.confidence, wire=args.wire):
-            print(last.text, end="", flush=True)
-        print()
+        with Runner(model) as runner:
+            drafting = args.draft if args.draft is not None else runner.drafter is not None
+            if drafting and runner.drafter is not None and runner.drafter.head == "fp8":
+                runner.drafter.build_fp8_head(progress=not args.quiet)
+            last = None
+            for last in stream_generate(model, tokenizer, args.prompt, max_tokens=args.max_tokens,
+                                        temperature=args.temp, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                                        prefill_chunk=args.prefill_chunk, draft=args.draft, verify=args.verify,
+                                        confidence=args.confidence, wire=args.wire, runner=runner):
+                print(last.text, end="", flush=True)
+            print()
     except (CheckpointError, ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -367,12 +367,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
     try:
         model, tokenizer = load(args.model, progress=not args.quiet)
-        if model.drafter is not None and model.drafter.head == "fp8":
-            model.drafter.build_fp8_head(progress=not args.quiet)
     except (CheckpointError, ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     runner = Runner(model)
+    if runner.drafter is not None and runner.drafter.head == "fp8":
+        runner.drafter.build_fp8_head(progress=not args.quiet)
     if args.warm_up:
         log.info("warm-up: every request shape once, %.1f s", warm_up(runner))
     engine = Engine(model, tokenizer, args.name or args.model or "dsv41-tiny", runner)

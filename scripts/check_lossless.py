@@ -39,7 +39,7 @@ def main() -> int:
                 diverged = 0
                 for ids in prompts:
                     plain = list(generate_step(runner, ids, params, args.tokens))
-                    decoder = SpeculativeDecoder(runner, model.drafter, params, confidence="off")
+                    decoder = SpeculativeDecoder(runner, runner.drafter, params, confidence="off")
                     drafted = list(generate_step(runner, ids, params, args.tokens, decoder=decoder))
                     diverged += plain != drafted
                 label = f"padded to {rows} rows" if rows else "unpadded"

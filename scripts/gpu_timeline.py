@@ -236,7 +236,7 @@ def _propose_step(runner, model_path: str, prompt_tokens: int):
     """load_warm's propose_only function, after its four untimed runs."""
     from dsv41_mlx.generate import prefill
 
-    drafter = drafter_of(runner.model, model_path, "there is no propose pass to time")
+    drafter = drafter_of(runner, model_path, "there is no propose pass to time")
     cache = runner.make_cache()
     logits, features = prefill(runner, prompt_of(prompt_tokens, runner.args.vocab_size), cache,
                                keep_features=drafter.window)
@@ -287,12 +287,12 @@ def _decode_step(runner, rows: int, prompt_tokens: int):
     return step
 
 
-def drafter_of(model, model_path: str, what: str):
-    """The model's DSpark drafter, or a clear exit where the checkpoint has none (`what`: why
+def drafter_of(runner, model_path: str, what: str):
+    """The runner's DSpark drafter, or a clear exit where the checkpoint has none (`what`: why
     the mode needs it)."""
-    if model.drafter is None:
+    if runner.drafter is None:
         raise SystemExit(f"{model_path}: this checkpoint has no DSpark stages: {what}")
-    return model.drafter
+    return runner.drafter
 
 
 @contextlib.contextmanager
@@ -309,9 +309,9 @@ def load_oracle(model_path: str, prompt_tokens: int, tokens: int, rate: float = 
     from scripts.benchmarks.harness import OracleDrafter
 
     model, _ = dsv41_mlx.load(model_path)
-    drafter = drafter_of(model, model_path, "there are no rounds to time")
     prompt, greedy = prompt_of(prompt_tokens, model.args.vocab_size), SamplingParams()
     with Runner(model) as runner:
+        drafter = drafter_of(runner, model_path, "there are no rounds to time")
         reply = list(generate_step(runner, prompt, greedy, tokens))
 
         def generate():

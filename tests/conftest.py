@@ -20,6 +20,14 @@ def fixture_model():
 
 
 @pytest.fixture(scope="session")
+def drafter(fixture_model):
+    """The fixture model's DSpark drafter, made once (its FP8 head built once)."""
+    from dsv41_mlx.runtime.drafter import Drafter
+
+    return Drafter(fixture_model)
+
+
+@pytest.fixture(scope="session")
 def golden():
     return load_file(FIXTURE / "golden.safetensors")
 

@@ -180,11 +180,11 @@ def test_paired_decode_runs_only_where_both_models_fit():
     assert e2e.paired_skip_reason(True, {"unavailable": "mlx-lm: not installed"}, None) == "mlx-lm: not installed"
 
 
-def test_oracle_drafts_are_right_at_its_rate(fixture_model):
+def test_oracle_drafts_are_right_at_its_rate(fixture_model, drafter):
     """The oracle drafter's drafts equal the continuation at the rate it stands for, and it
     counts how often its draws did."""
     sequence = list(range(1000, 1000 + 4000))
-    oracle = harness.OracleDrafter(fixture_model.drafter, sequence, 0.56, seed=3)
+    oracle = harness.OracleDrafter(drafter, sequence, 0.56, seed=3)
     cache = oracle.make_cache()
     right = made = 0
     for end in range(0, 3000, oracle.block):
@@ -198,12 +198,12 @@ def test_oracle_drafts_are_right_at_its_rate(fixture_model):
     assert mx.allclose(confidence, mx.full(confidence.shape, 0.56)).item()
 
 
-def test_oracle_without_a_rate_misses_every_kth_position(fixture_model):
+def test_oracle_without_a_rate_misses_every_kth_position(fixture_model, drafter):
     """Without a rate the oracle's draft is wrong exactly at the positions a multiple of
     wrong_every (the right token + 1), its confidence that share right, and its logits all on
     the drafts themselves (rejection sampling reads q of the draft as 1)."""
     sequence = list(range(1000, 1000 + 40))
-    oracle = harness.OracleDrafter(fixture_model.drafter, sequence, wrong_every=5)
+    oracle = harness.OracleDrafter(drafter, sequence, wrong_every=5)
     cache = oracle.make_cache()
     cache.end = 7  # drafts for positions 8..12: 10 is a multiple of 5
     proposal = oracle.propose(cache, 0, None)

@@ -80,9 +80,9 @@ def test_main_x_matches_reference(fixture_model, golden, intermediates):
         assert np.array_equal(main_x, ref), f"decode step {t}"
 
 
-def test_ring_slot_holds_position_modulo_window(fixture_model, golden):
+def test_ring_slot_holds_position_modulo_window(fixture_model, golden, drafter):
     """Ingesting in pieces or at once gives the same rings: slot p % window holds position p."""
-    drafter = fixture_model.drafter
+    drafter = drafter
     feats = mx.array(golden["prefill.main_hidden"][0])  # 41 positions, window 8
     whole = drafter.make_cache()
     drafter.ingest(whole, feats)
@@ -98,11 +98,11 @@ def test_ring_slot_holds_position_modulo_window(fixture_model, golden):
     assert mx.array_equal(whole.rings[:, mx.array(slots)], expected).item()
 
 
-def test_ingest_begun_ahead_commits_what_an_ingest_of_those_positions_writes(fixture_model, golden):
+def test_ingest_begun_ahead_commits_what_an_ingest_of_those_positions_writes(fixture_model, golden, drafter):
     """A round begins the ingest of its verify rows before it knows how many it commits
     (Drafter.ingest_ahead): committing the first m gives the rings an ingest of those m gives;
     more than were begun, none, or part of more than a window are refused."""
-    drafter = fixture_model.drafter
+    drafter = drafter
     feats = mx.array(golden["prefill.main_hidden"][0])  # 41 positions, window 8
     for m in (1, 3, 6):
         begun, plain = drafter.make_cache(), drafter.make_cache()

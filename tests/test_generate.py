@@ -122,7 +122,7 @@ def test_warm_up_runs_every_chunk_shape_then_plain_and_drafted_tokens(default_mo
         runs.append((params.greedy, decoder is not None))
         return step(model_, prompt, params, max_tokens, chunk, decoder)
 
-    ingested, ingest = [], model.drafter.ingest
+    ingested, ingest = [], runner.drafter.ingest
 
     def record_ingest(cache, features):
         ingested.append(features.shape[0])
@@ -137,16 +137,16 @@ def test_warm_up_runs_every_chunk_shape_then_plain_and_drafted_tokens(default_mo
     monkeypatch.setattr(runner, "padded", record)
     monkeypatch.setattr(runner, "decode", record_decode)
     monkeypatch.setattr(generate, "generate_step", generation)
-    monkeypatch.setattr(model.drafter, "ingest", record_ingest)
-    model.drafter.verify_costs = None
+    monkeypatch.setattr(runner.drafter, "ingest", record_ingest)
+    runner.drafter.verify_costs = None
     assert generate.warm_up(runner, chunk=40) > 0
     assert generate.PREFILL_ROUND == 16
     assert {(r, o) for r in (16, 32, 40) for o in (False, True)} <= seen  # 16, 32: the rounds; 40: the chunk
     assert not any(r % 16 and r != 40 for r, o in seen if r > 8)  # nothing else but decode / verify rows
     assert sorted(runs) == [(False, False), (False, True), (True, False), (True, True)]
-    assert model.drafter.verify_costs is not None
-    assert set(range(1, model.drafter.block + 2)) <= set(ingested)
-    assert {(n, True) for n in range(1, model.drafter.block + 2)} <= set(decoded)  # where the indexers score
+    assert runner.drafter.verify_costs is not None
+    assert set(range(1, runner.drafter.block + 2)) <= set(ingested)
+    assert {(n, True) for n in range(1, runner.drafter.block + 2)} <= set(decoded)  # where the indexers score
     assert mx.get_cache_memory() == 0  # the buffer cache started afresh
 
 

@@ -178,11 +178,12 @@ def test_propose_steps_propose_from_the_prompts_rings(timeline, fixture_dir, mon
     model, _ = dsv41_mlx.load(fixture_dir)
     prompt = timeline.prompt_of(20, model.args.vocab_size)
     with Runner(model) as runner:
-        logits, features = prefill(runner, prompt, runner.make_cache(), keep_features=model.drafter.window)
-    rings = model.drafter.make_cache()
+        drafter = runner.drafter
+        logits, features = prefill(runner, prompt, runner.make_cache(), keep_features=drafter.window)
+    rings = drafter.make_cache()
     rings.end = len(prompt) - features.shape[0]
-    model.drafter.ingest(rings, features)
-    expected = model.drafter.propose(rings, int(mx.argmax(logits).item())).drafts.tolist()
+    drafter.ingest(rings, features)
+    expected = drafter.propose(rings, int(mx.argmax(logits).item())).drafts.tolist()
     seen = []
     real_propose = Drafter.propose
 
@@ -205,7 +206,7 @@ def test_propose_needs_a_checkpoint_with_drafter_stages(timeline, fixture_dir, m
 
     def without_drafter(path):
         model, tok = real_load(path)
-        model.drafter = None
+        model.mtp = []
         return model, tok
 
     monkeypatch.setattr(dsv41_mlx, "load", without_drafter)

@@ -23,9 +23,9 @@ def test_plan_wires_the_drafter_first_then_the_target_if_it_fits():
     assert "not wired" in drafter_only.describe() and "cap 0.00 GB" in capped.describe()
 
 
-def test_sizes_split_the_model_between_drafter_and_target(fixture_model):
+def test_sizes_split_the_model_between_drafter_and_target(fixture_model, drafter):
     model = fixture_model
-    drafter = model.drafter
+    drafter = drafter
     everything = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     stages = sum(v.nbytes for stage in model.mtp for _, v in tree_flatten(stage.parameters()))
     assert target_bytes(model) == everything - stages
@@ -50,11 +50,11 @@ def fake_wiring(monkeypatch):
     return calls
 
 
-def test_previous_limit_is_restored_even_when_generation_fails(fixture_model, fake_wiring):
+def test_previous_limit_is_restored_even_when_generation_fails(fixture_model, fake_wiring, drafter):
     model = fixture_model
     with pytest.raises(RuntimeError, match="boom"):
-        with wired(model, model.drafter) as p:
-            assert p.target_wired and p.wired == drafter_bytes(model, model.drafter) + target_bytes(model)
+        with wired(model, drafter) as p:
+            assert p.target_wired and p.wired == drafter_bytes(model, drafter) + target_bytes(model)
             raise RuntimeError("boom")
     assert fake_wiring == [p.wired, 123]
 
@@ -76,10 +76,10 @@ def test_generation_is_the_same_with_residency_on_and_off(fixture_model, fake_wi
     assert len(fake_wiring) == 2  # set once and restored once, by the wired run only
 
 
-def test_backends_without_wiring_say_so_once(fixture_model, caplog, monkeypatch):
+def test_backends_without_wiring_say_so_once(fixture_model, caplog, monkeypatch, drafter):
     monkeypatch.setattr(residency, "_said_no_wiring", False)
     with caplog.at_level(logging.INFO, logger="dsv41_mlx.runtime.residency"):
         for _ in range(2):
-            with wired(fixture_model, fixture_model.drafter) as p:
+            with wired(fixture_model, drafter) as p:
                 assert p is None
     assert sum("nothing to wire" in r.message for r in caplog.records) == 1

@@ -51,7 +51,7 @@ def plain_replies(fixture_model):
 @pytest.mark.parametrize("confidence", ["off", "schedule"])
 def test_drafted_greedy_reply_equals_undrafted_reply(fixture_model, runner, plain_replies, confidence):
     for prompt, expected in zip(PROMPTS, plain_replies[0]):
-        decoder = SpeculativeDecoder(runner, fixture_model.drafter, GREEDY, confidence=confidence)
+        decoder = SpeculativeDecoder(runner, runner.drafter, GREEDY, confidence=confidence)
         assert _reply(runner, prompt, GREEDY, decoder) == expected
         assert decoder.stats.rounds > 0
 
@@ -59,7 +59,7 @@ def test_drafted_greedy_reply_equals_undrafted_reply(fixture_model, runner, plai
 @pytest.mark.parametrize("confidence", ["off", "schedule"])
 def test_drafted_coupled_reply_equals_undrafted_reply_for_the_same_seed(fixture_model, runner, plain_replies, confidence):
     for prompt, params, expected in zip(PROMPTS, COUPLED, plain_replies[1]):
-        decoder = SpeculativeDecoder(runner, fixture_model.drafter, params, confidence=confidence)
+        decoder = SpeculativeDecoder(runner, runner.drafter, params, confidence=confidence)
         assert decoder.verify == "coupled"
         assert _reply(runner, prompt, params, decoder) == expected
 
@@ -81,7 +81,7 @@ def test_drafted_reply_equals_undrafted_in_the_row_invariant_mode(padded_runner,
     for i in (1, 2):
         for params, expected in ((GREEDY, plain_replies[0][i]), (COUPLED[i], plain_replies[1][i])):
             assert list(generate_step(runner, PROMPTS[i], params, 24)) == expected[:24]
-            decoder = SpeculativeDecoder(runner, runner.model.drafter, params, confidence="off")
+            decoder = SpeculativeDecoder(runner, runner.drafter, params, confidence="off")
             assert _reply(runner, PROMPTS[i], params, decoder, max_tokens=24) == expected[:24]
 
 
@@ -93,7 +93,7 @@ def test_drafted_reply_equals_undrafted_with_blocks_evaluated_on_a_thread(fixtur
         for i in (3,):
             for params, expected in ((GREEDY, plain_replies[0][i]), (COUPLED[i], plain_replies[1][i])):
                 assert list(generate_step(runner, PROMPTS[i], params, 24)) == expected[:24]
-                decoder = SpeculativeDecoder(runner, fixture_model.drafter, params, confidence="off")
+                decoder = SpeculativeDecoder(runner, runner.drafter, params, confidence="off")
                 assert _reply(runner, PROMPTS[i], params, decoder, max_tokens=24) == expected[:24]
 
 
@@ -102,7 +102,7 @@ def test_oracle_drafts_are_mostly_accepted_and_the_reply_is_unchanged(fixture_mo
     for i in (1, 4):
         params = GREEDY if which == "greedy" else COUPLED[i]
         expected = plain_replies[0 if which == "greedy" else 1][i]
-        oracle = OracleDrafter(fixture_model.drafter, PROMPTS[i] + expected)
+        oracle = OracleDrafter(runner.drafter, PROMPTS[i] + expected)
         decoder = SpeculativeDecoder(runner, oracle, params)
         assert _reply(runner, PROMPTS[i], params, decoder) == expected
         stats = decoder.stats
@@ -113,15 +113,15 @@ def test_oracle_drafts_are_mostly_accepted_and_the_reply_is_unchanged(fixture_mo
 
 def test_drafter_rings_hold_only_committed_positions(fixture_model, runner, plain_replies):
     prompt, reply = PROMPTS[2], plain_replies[0][2][:40]
-    oracle = OracleDrafter(fixture_model.drafter, prompt + reply, wrong_every=5)
+    oracle = OracleDrafter(runner.drafter, prompt + reply, wrong_every=5)
     decoder = SpeculativeDecoder(runner, oracle, GREEDY)
     assert _reply(runner, prompt, GREEDY, decoder, max_tokens=len(reply)) == reply
     rings = decoder.draft_cache
     committed = (prompt + reply)[: rings.end]
     assert rings.end == len(prompt) + len(reply) - 1  # everything but the last token, not yet fed
     _, features = fixture_model(mx.array([committed], dtype=mx.int32))
-    expected = fixture_model.drafter.make_cache()
-    fixture_model.drafter.ingest(expected, features[0])
+    expected = runner.drafter.make_cache()
+    runner.drafter.ingest(expected, features[0])
     assert mx.array_equal(rings.rings, expected.rings).item()
 
 
@@ -133,7 +133,7 @@ def test_a_round_starts_its_ingest_on_the_drafter_stream_without_waiting(fixture
     import dsv41_mlx.cache as cache_module
 
     prompt, reply = PROMPTS[1], plain_replies[0][1][:24]
-    drafter = fixture_model.drafter
+    drafter = runner.drafter
     oracle = OracleDrafter(drafter, prompt + reply)
     decoder = SpeculativeDecoder(runner, oracle, GREEDY)
     streams, waited, started = [], [], []
@@ -232,7 +232,7 @@ class FlattenedOracle(WrappedDrafter):
         return Proposal(drafts, logits, mx.full((self.block,), 5.0))
 
 
-def test_rejection_round_samples_the_target_distribution(fixture_model):
+def test_rejection_round_samples_the_target_distribution(fixture_model, drafter):
     """End to end: the token after a fixed anchor, over 300 seeds, follows the target's p."""
     model, prompt, anchor = fixture_model, PROMPTS[3], 1234
     params = SamplingParams(temperature=1.0, top_k=3)
@@ -243,7 +243,7 @@ def test_rejection_round_samples_the_target_distribution(fixture_model):
     target = rows[0, 0]
     p = np.exp(np.array(filtered_log_probs(target[None], params)[0]))
     assert abs(p.sum() - 1) < 1e-5
-    oracle = FlattenedOracle(model.drafter, target)
+    oracle = FlattenedOracle(drafter, target)
     rings = oracle.make_cache()
     rings.end = cache.offset - features.shape[0]
     oracle.ingest(rings, features)
@@ -269,7 +269,7 @@ def test_rejection_round_samples_the_target_distribution(fixture_model):
 
 def test_rejection_drafts_are_sampled_with_their_own_noise(fixture_model, runner):
     """The rejection-mode picker draws from q with the DRAFT stream, not the target's noise."""
-    decoder = SpeculativeDecoder(runner, fixture_model.drafter, SamplingParams(1.0, seed=5),
+    decoder = SpeculativeDecoder(runner, runner.drafter, SamplingParams(1.0, seed=5),
                                  verify="rejection")
     logits = mx.zeros((8192,))
     pick = decoder.pick(100)
@@ -310,7 +310,7 @@ def test_schedule_counts_a_rounds_work_beyond_its_verify_forward(fixture_model, 
     schedule verifies more of them than on the forwards alone."""
     c = [0.9, 0.8, 0.5, 0.2, 0.1]
     forwards = [1.0, 1.6, 2.4, 3.2, 4.0, 4.8]
-    decoder = SpeculativeDecoder(runner, fixture_model.drafter, GREEDY, confidence="schedule",
+    decoder = SpeculativeDecoder(runner, runner.drafter, GREEDY, confidence="schedule",
                                  verify_costs=forwards)
     assert decoder.round_costs() == forwards  # no round yet
     schedule = ConfidencePolicy.parse("schedule")
@@ -318,19 +318,19 @@ def test_schedule_counts_a_rounds_work_beyond_its_verify_forward(fixture_model, 
     decoder.beyond_verify.extend([1.5, 2.0, 9.0])  # three rounds' seconds beyond their forwards: the median
     assert decoder.round_costs() == pytest.approx([f + 2.0 for f in forwards])
     assert schedule.verify_length(c, decoder.round_costs()) == 2  # 2.62 / 4.4 > 2.98 / 5.2
-    off = SpeculativeDecoder(runner, fixture_model.drafter, GREEDY, confidence="off")
+    off = SpeculativeDecoder(runner, runner.drafter, GREEDY, confidence="off")
     assert off.round_costs() is None
 
 
 def test_schedule_rounds_record_their_time_beyond_the_forward(fixture_model, runner):
     """Each round of a scheduled decoder adds its time beyond its verify forward's measured
     cost; a decoder without costs records nothing."""
-    decoder = SpeculativeDecoder(runner, fixture_model.drafter, GREEDY, confidence="schedule",
-                                 verify_costs=[1e-6] * (fixture_model.drafter.block + 1))
+    decoder = SpeculativeDecoder(runner, runner.drafter, GREEDY, confidence="schedule",
+                                 verify_costs=[1e-6] * (runner.drafter.block + 1))
     _reply(runner, PROMPTS[0], GREEDY, decoder, max_tokens=12)
     assert decoder.stats.rounds >= 2 and len(decoder.beyond_verify) == min(decoder.stats.rounds, 16)
     assert all(s > 0 for s in decoder.beyond_verify)
-    unscheduled = SpeculativeDecoder(runner, fixture_model.drafter, GREEDY, confidence="off")
+    unscheduled = SpeculativeDecoder(runner, runner.drafter, GREEDY, confidence="off")
     _reply(runner, PROMPTS[0], GREEDY, unscheduled, max_tokens=12)
     assert unscheduled.stats.rounds >= 2 and not unscheduled.beyond_verify
 
@@ -395,7 +395,7 @@ def test_verify_mode_is_checked_against_the_temperature():
 
 
 def test_drafting_arguments_without_a_drafter_are_rejected():
-    no_drafter = types.SimpleNamespace(model=types.SimpleNamespace(drafter=None))
+    no_drafter = types.SimpleNamespace(drafter=None)
     assert make_decoder(no_drafter, GREEDY) is None
     with pytest.raises(ValueError, match="needs DSpark stages"):
         make_decoder(no_drafter, GREEDY, draft=True)

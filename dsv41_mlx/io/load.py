@@ -8,7 +8,6 @@ import os
 from ..config import ModelArgs
 from ..models.deepseek_v41 import Model
 from ..models.dspark import DSparkStage
-from ..runtime.drafter import Drafter
 from ..tokenizer import cached_compressed_token_map, load_tokenizer
 from .checkpoint import (CheckpointError, check_memory, check_tensors, declared_floats, load_weights, machine_memory,
                          resident_bytes, resolve_model_dir, shard_headers)
@@ -16,13 +15,11 @@ from .tiny import default_checkpoint
 
 
 def build_model(args: ModelArgs) -> Model:
-    """The target and, beside it in the checkpoint, the DSpark stages (`mtp`), with the drafter
-    they make (`model.drafter`, None without stages). Nothing is allocated until the
-    parameters are evaluated."""
+    """The target and, beside it in the checkpoint, the DSpark stages (`mtp`; the runtime's
+    Drafter runs them). Nothing is allocated until the parameters are evaluated."""
     model = Model(args)
     if args.has_dspark:
         model.mtp = [DSparkStage(args, k) for k in range(args.num_nextn_predict_layers)]
-    model.drafter = Drafter(model) if model.mtp else None
     return model
 
 

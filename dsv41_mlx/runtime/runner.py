@@ -18,27 +18,35 @@ import numpy as np
 
 from ..cache import ModelCache
 from ..models.deepseek_v41 import Model
+from .drafter import Drafter
 from .evaluator import BlockEvaluator
 from .options import Options, default_options
 from .staged import StagedRows
 
 
 class Runner:
-    """Runs a Model's forwards with these Options (default: the device's, options.default_options).
+    """Runs a Model's forwards with these Options (default: the device's, options.default_options),
+    and holds beside the model the checkpoint's drafter (`drafter`: built from the model's DSpark
+    stages, None without them), so that its FP8 head and measured verify costs last as long as
+    the runner: keep one runner across generations.
 
-    A runner holds a thread where Options.evaluate_on_thread: `close` it (or use it as a
-    context manager) when done."""
+    A runner and the drafter it built hold threads where the options evaluate on a thread:
+    `close` it (or use it as a context manager) when done."""
 
-    def __init__(self, model: Model, options: Options | None = None):
+    def __init__(self, model: Model, options: Options | None = None, drafter: Drafter | None = None):
         self.model = model
         self.args = model.args
         self.options = options if options is not None else default_options(model.args)
+        self._owns_drafter = drafter is None and bool(model.mtp)
+        self.drafter = drafter if drafter is not None else Drafter(model) if model.mtp else None
         self._evaluator = BlockEvaluator() if self.options.evaluate_on_thread else None
 
     def close(self) -> None:
         if self._evaluator is not None:
             self._evaluator.close()
             self._evaluator = None
+        if self._owns_drafter:
+            self.drafter.evaluate_on_thread = False  # its thread stopped
 
     def __enter__(self) -> Runner:
         return self

@@ -270,14 +270,14 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float, 
         greedy, coupled = SamplingParams(), SamplingParams(temperature=0.8, seed=7)
 
         def oracle_decoder(p, seq, confidence="off", verify_costs=None):  # drafts right at oracle_rate on seq
-            return SpeculativeDecoder(runner, OracleDrafter(model.drafter, seq, oracle_rate, seed=len(seq)), p,
+            return SpeculativeDecoder(runner, OracleDrafter(runner.drafter, seq, oracle_rate, seed=len(seq)), p,
                                       confidence=confidence, verify_costs=verify_costs)
 
         for label, params, make in [
             ("plain greedy", greedy, None),
             ("plain coupled", coupled, None),
-            ("drafted greedy", greedy, lambda p, seq: SpeculativeDecoder(runner, model.drafter, p, confidence="off")),
-            ("drafted coupled", coupled, lambda p, seq: SpeculativeDecoder(runner, model.drafter, p, confidence="off")),
+            ("drafted greedy", greedy, lambda p, seq: SpeculativeDecoder(runner, runner.drafter, p, confidence="off")),
+            ("drafted coupled", coupled, lambda p, seq: SpeculativeDecoder(runner, runner.drafter, p, confidence="off")),
             (f"oracle {oracle_rate:.2f} greedy", greedy, oracle_decoder),
             # the same drafts, each round verifying the number of them the schedule policy picks from
             # the drafter's confidence and the verify costs measured above
