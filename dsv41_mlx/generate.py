@@ -22,7 +22,7 @@ from .models.attention import indexer_scoring_length
 from .runtime.residency import wired
 from .runtime.runner import Runner
 from .sampling import SamplingParams, sample
-from .speculative import VERIFY_MODES, DraftStats, SpeculativeDecoder, check_drafting_arguments, speculative_decode
+from .speculative import VERIFY_MODES, DraftStats, SpeculativeDecoder, check_drafting_arguments
 from .tokenizer import StreamingDetokenizer
 
 DEFAULT_PREFILL_CHUNK = 256
@@ -143,38 +143,95 @@ def generate_step(runner: Runner, prompt: list[int], params: SamplingParams, max
     cache = runner.make_cache()
     keep = decoder.drafter.window if decoder is not None else 0
     logits, features = prefill(runner, prompt, cache, prefill_chunk, keep)
-    if decoder is not None:
-        if max_tokens > 0:
-            yield from speculative_decode(decoder, cache, logits, features, max_tokens, stop)
+    if max_tokens < 1:
         return
-    # Each step begins the next forward before reading its token back (Runner.decode_ahead):
-    # the device runs the forward's first block straight after sampling the token, and on a
-    # GPU the host builds the rest of it meanwhile. The token is drawn on the forwards' stream,
-    # so the evaluator's thread starts its work straight after the forward's blocks. The
-    # token's forward is started (finish) before the token is yielded: the device waits for
-    # the host from the token's read to there (its engram rows), not for the caller too. A
-    # finished forward is not settled (that thread may still be starting its blocks) until
-    # the next decode_ahead, or Runner.settle, before this loop waits for anything.
-    mx.eval(logits)  # (prefill's view of its last row, on this thread's stream: not the evaluator's to start)
+    if decoder is None:
+        mx.eval(logits)  # (prefill's view of its last row, on this thread's stream: not the evaluator's to start)
+        yield from plain_steps(runner, cache, params, max_tokens, stop, logits=logits)
+    else:
+        yield from drafted_steps(runner, decoder, cache, logits, features, max_tokens, stop)
+
+
+def plain_steps(runner: Runner, cache: ModelCache, params: SamplingParams, n: int, stop: Container[int] = (),
+                logits: mx.array | None = None, anchor: int | None = None,
+                kept: list[mx.array] | None = None, seconds: list[float] | None = None) -> Iterator[int]:
+    """Yield up to n tokens by plain decoding, one target forward per token, from the last
+    forward's `logits` [.., V] or from `anchor` (a token already yielded, at position
+    cache.offset, not yet in the cache: its forward comes first). The last token yielded is
+    not forwarded: the next step's forward, or the next round's anchor. kept, seconds: lists
+    that get each forward's features [1, 1, F] and each token's seconds in here (not at the
+    caller's)
+
+    Each step begins the next forward before reading its token back (Runner.decode_ahead):
+    the device runs the forward's first block straight after sampling the token, and on a
+    GPU the host builds the rest of it meanwhile. The token is drawn on the forwards' stream,
+    so the evaluator's thread starts its work straight after the forward's blocks. The
+    token's forward is started (finish) before the token is yielded: the device waits for
+    the host from the token's read to there (its engram rows), not for the caller too. A
+    finished forward is not settled (that thread may still be starting its blocks) until
+    the next decode_ahead, or Runner.settle, before this loop waits for anything."""
     ahead = None
+    tic = time.perf_counter()
     try:
-        for n in range(max_tokens):
+        if anchor is not None:
+            ahead = runner.decode_ahead(mx.array([anchor], dtype=mx.int32), cache)
+            logits, features = ahead.finish(anchor, settle=False)
+            ahead = None
+            if kept is not None:
+                kept.append(features)
+        for i in range(n):
             position = cache.offset  # the new token's absolute position
             drawn = draw_token(runner, logits, position, params)
-            ahead = runner.decode_ahead(drawn, cache, on_forward_stream=True) if n + 1 < max_tokens else None
+            ahead = runner.decode_ahead(drawn, cache, on_forward_stream=True) if i + 1 < n else None
             if ahead is None:
                 runner.settle()
             token = drawn.item()
             if ahead is not None and token not in stop:
-                logits, _ = ahead.finish(token, settle=False)  # [1, 1, V]
+                logits, features = ahead.finish(token, settle=False)  # [1, 1, V], [1, 1, F]
                 ahead = None
+                if kept is not None:
+                    kept.append(features)
+            if seconds is not None:
+                seconds.append(time.perf_counter() - tic)
             yield token
+            tic = time.perf_counter()
             if token in stop:
                 return
     finally:
         if ahead is not None:  # a stop token, or the caller stopped early: the begun forward abandoned
             ahead.cancel()
         runner.settle()
+
+
+def drafted_steps(runner: Runner, decoder: SpeculativeDecoder, cache: ModelCache, last_logits: mx.array,
+                  features: mx.array, max_tokens: int, stop: Container[int] = ()) -> Iterator[int]:
+    """Yield up to max_tokens tokens after a prefilled prompt by speculative rounds, and by
+    plain steps where the decoder finds drafting does not pay (SpeculativeDecoder.plain_tokens),
+    the drafter's rings caught up on them before the next round. A token in `stop` is the last.
+
+    last_logits [V]: the prompt's last row; features [n, 3*dim]: the prompt's newest n rows
+    (n >= min(window, prompt length)), ingested first."""
+    draft_cache = decoder.begin(cache, features)
+    anchor = sample(last_logits[None], mx.array([cache.offset]), decoder.params).item()
+    yield anchor
+    produced = 1
+    if anchor in stop:
+        return
+    while produced < max_tokens:
+        plain = min(decoder.plain_tokens(), max_tokens - produced)
+        if plain:
+            kept, seconds = [], []
+            steps = plain_steps(runner, cache, decoder.params, plain, stop, anchor=anchor, kept=kept, seconds=seconds)
+        else:
+            steps = decoder.round(cache, draft_cache, anchor, max_tokens - produced)
+        for token in steps:
+            yield token
+            produced += 1
+            if token in stop:
+                return
+        if plain:
+            decoder.after_plain(mx.concatenate(kept, axis=1)[0], seconds)
+        anchor = token
 
 
 def draw_token(runner: Runner, logits: mx.array, position: int, params: SamplingParams) -> mx.array:

@@ -3,6 +3,10 @@
     propose -> confidence trim -> verify [anchor, drafts] in ONE target forward
     -> accept -> bonus token -> trim the target cache -> ingest -> next anchor
 
+Under the `schedule` policy the decoder also decides whether to draft at all: where the
+acceptance seen so far makes a round yield fewer tokens per second than plain decoding,
+the loop (generate.drafted_steps) decodes a stretch of tokens plainly, then probes again.
+
 The anchor is the token the target produced last; it sits at position P+1,
 one past the target cache. Row j of the verify forward predicts the token at
 position P+2+j, the slot of draft j+1.
@@ -24,7 +28,6 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Container, Iterator
 
 import mlx.core as mx
 
@@ -63,7 +66,8 @@ class ConfidencePolicy:
 
     * `off`: all of them.
     * `threshold`: the leading drafts whose survival probability prod_{i<=k} c_i is >= `threshold`.
-    * `schedule`: the length l maximising (1 + sum_{j<=l} prod_{i<=j} c_i) / T_round(l+1),
+    * `schedule`: the length l maximising (1 + sum_{j<=l} prod_{i<=j} c_i) / T_round(l+1)
+      (the decoder passes confidences calibrated by the acceptance seen: Outlook),
       tokens expected per round over what a round verifying l+1 rows costs, growing l
       while the ratio improves (stops at the first non-improving l). T_round is the
       measured verify forward T_verify plus the round's other work (SpeculativeDecoder.
@@ -118,6 +122,72 @@ def sigmoid(x: float) -> float:
     return e / (1.0 + e)
 
 
+class Outlook:
+    """Whether drafting pays, from what this generation's rounds have shown (the `schedule`
+    policy). It keeps, per draft position k, decayed counts of the rounds that verified draft
+    k after drafts 1..k-1 were accepted (`reached`), of those that accepted it, and of the
+    confidence the drafter gave it there (`predicted`); the decay lets a drafter that starts
+    matching (code, repeated text) win again.
+
+    * `calibrated(c)`: this round's confidences scaled by how well they have predicted
+      acceptance so far, for the round's verify length.
+    * `pays(round_costs, plain_s)`: whether a round verifying l drafts, at the acceptance seen
+      so far, yields more tokens per second than plain decoding, for the best l >= 1. When it
+      does not, the loop decodes `stretch()` tokens plainly (no propose, no verify), then
+      probes with one round; each probe that fails doubles the stretch, up to MAX_STRETCH.
+    Which drafts are verified never changes the reply, only its speed."""
+
+    DECAY = 0.8  # per round: about the last five rounds count
+    FIRST_STRETCH, MAX_STRETCH = 8, 64
+    PLAIN_STEPS_KEPT = 16
+
+    def __init__(self, block: int):
+        self.reached, self.accepted, self.predicted = [0.0] * block, [0.0] * block, [0.0] * block
+        self.plain_steps: deque[float] = deque(maxlen=self.PLAIN_STEPS_KEPT)  # seconds per plain token
+        self.next_stretch = self.FIRST_STRETCH
+
+    def observe(self, confidence: list[float], verified: int, accepted: int) -> None:
+        """A round that verified `verified` drafts of confidences `confidence` and accepted the
+        first `accepted` of them. One that verified none counts as one whose first draft
+        failed: it proposed and gained nothing over a plain step."""
+        for k in range(min(accepted + 1, max(verified, 1))):
+            self.reached[k] = self.DECAY * self.reached[k] + 1.0
+            self.accepted[k] = self.DECAY * self.accepted[k] + (1.0 if k < accepted else 0.0)
+            self.predicted[k] = self.DECAY * self.predicted[k] + confidence[k]
+
+    def acceptance(self) -> list[float]:
+        """P(draft k accepted | 1..k-1 accepted) per position, as seen: one even guess until rounds show more."""
+        return [(a + 0.5) / (r + 1.0) for a, r in zip(self.accepted, self.reached)]
+
+    def calibrated(self, confidence: list[float]) -> list[float]:
+        """The drafter's confidences scaled by accepted / predicted at each position so far."""
+        return [min(1.0, c * (a + 1.0) / (p + 1.0)) for c, a, p in zip(confidence, self.accepted, self.predicted)]
+
+    def pays(self, round_costs: list[float], plain_s: float) -> bool:
+        """Whether the best round verifying l >= 1 drafts (round_costs[l]: its seconds) beats
+        plain decoding's 1 / plain_s tokens per second."""
+        expected, survive, best = 1.0, 1.0, 0.0
+        for ell, a in enumerate(self.acceptance(), start=1):
+            survive *= a
+            expected += survive
+            best = max(best, expected / round_costs[ell])
+        return best > 1.0 / plain_s
+
+    def plain_s(self, forward_s: float) -> float:
+        """Seconds per plain token: the median of the last plain steps, else forward_s (a
+        one-row forward's)."""
+        return statistics.median(self.plain_steps) if self.plain_steps else forward_s
+
+    def stretch(self) -> int:
+        """The plain tokens before the next probe (each call doubles the next, up to MAX_STRETCH)."""
+        n, self.next_stretch = self.next_stretch, min(2 * self.next_stretch, self.MAX_STRETCH)
+        return n
+
+    def paid(self) -> None:
+        """Drafting paid again: the next stretch starts short."""
+        self.next_stretch = self.FIRST_STRETCH
+
+
 def verify_cost_tokens(rows: int, vocab: int) -> list[int]:
     """`rows` distinct token ids spread over the vocabulary (a fixed stride prime to any
     vocabulary size of the model's), for measure_verify_costs."""
@@ -170,6 +240,8 @@ class DraftStats:
     propose_s: float = 0.0
     verify_s: float = 0.0
     ingest_s: float = 0.0  # the host's, writing the accepted rows and starting it (their ring rows: in verify_s)
+    plain_steps: int = 0  # tokens decoded plainly because drafting did not pay (schedule)
+    stretches: int = 0  # runs of such tokens, each followed by a probing round
 
     def __post_init__(self):
         self.reached = self.reached or [0] * self.block
@@ -201,7 +273,8 @@ class DraftStats:
                 "accepted": self.accepted, "mean_accepted_per_round": self.mean_accepted,
                 "acceptance_by_position": self.acceptance_by_position,
                 "propose_ms_per_round": self.propose_s * ms, "verify_ms_per_round": self.verify_s * ms,
-                "ingest_ms_per_round": self.ingest_s * ms}
+                "ingest_ms_per_round": self.ingest_s * ms, "plain_steps": self.plain_steps,
+                "plain_stretches": self.stretches}
 
     def summary(self) -> str:
         d = self.as_dict()
@@ -209,7 +282,9 @@ class DraftStats:
         return (f"drafts: {d['rounds']} rounds, {d['proposed']} proposed, {d['verified']} verified, "
                 f"{d['accepted']} accepted ({d['mean_accepted_per_round']:.2f}/round; by position {by_pos}) | "
                 f"propose {d['propose_ms_per_round']:.1f} ms, verify {d['verify_ms_per_round']:.1f} ms, "
-                f"ingest {d['ingest_ms_per_round']:.1f} ms per round")
+                f"ingest {d['ingest_ms_per_round']:.1f} ms per round"
+                + (f" | {self.plain_steps} tokens decoded plainly in {self.stretches} stretches, where drafting "
+                   "did not pay" if self.stretches else ""))
 
 
 # ----------------------------------------------------------------------- round
@@ -218,7 +293,8 @@ class SpeculativeDecoder:
     """Runs rounds for one sequence: the target cache, the drafter's rings, the mode."""
 
     def __init__(self, runner: Runner, drafter: Drafter, params: SamplingParams, verify: str | None = None,
-                 confidence: str | ConfidencePolicy = "off", verify_costs: list[float] | None = None):
+                 confidence: str | ConfidencePolicy = "off", verify_costs: list[float] | None = None,
+                 plain_cost: float | None = None):
         self.runner, self.drafter, self.params = runner, drafter, params
         self.verify = resolve_verify(verify, params)
         self.policy = ConfidencePolicy.parse(confidence)
@@ -228,8 +304,33 @@ class SpeculativeDecoder:
             verify_costs = drafter.verify_costs
         self.costs = verify_costs
         self.stats = DraftStats(drafter.block)
-        self.draft_cache: DraftCache | None = None  # set by speculative_decode
+        self.draft_cache: DraftCache | None = None  # set by begin
         self.beyond_verify: deque[float] = deque(maxlen=16)  # recent rounds' seconds beyond their forward
+        self.outlook = Outlook(drafter.block)
+        self._plain_next = 0  # plain tokens to decode before the next round
+        self.plain_cost = plain_cost  # seconds per plain token; None: measured in the loop (Outlook.plain_s)
+        self._probing = True  # the next round verifies one draft, to learn whether drafting pays
+
+    def begin(self, cache: ModelCache, features: mx.array) -> DraftCache:
+        """The drafter's rings for a prefilled prompt: its newest n rows' features [n, 3*dim]
+        (n >= min(window, prompt length)) ingested."""
+        draft_cache = self.draft_cache = self.drafter.make_cache()
+        draft_cache.end = cache.offset - features.shape[0]
+        self.drafter.ingest(draft_cache, features)
+        return draft_cache
+
+    def plain_tokens(self) -> int:
+        """How many tokens to decode plainly before the next round (0: a round now)."""
+        n, self._plain_next = self._plain_next, 0
+        return n
+
+    def after_plain(self, features: mx.array, seconds: list[float]) -> None:
+        """Plain steps decoded the positions draft_cache.end .. (features [n, 3*dim]), each
+        token in `seconds`: the rings catch up on them, and the outlook learns their pace."""
+        self.drafter.catch_up(self.draft_cache, features)
+        self.outlook.plain_steps.extend(seconds)
+        self.stats.plain_steps += len(seconds)
+        self.stats.stretches += 1
 
     def round_costs(self) -> list[float] | None:
         """What a round verifying 1, 2, .. rows costs, for the schedule: the measured verify
@@ -272,7 +373,7 @@ class SpeculativeDecoder:
         self.stats.propose_s += toc - tic
 
         confidence = [sigmoid(c) for c in proposal.confidence.tolist()]  # on the host: no launch, no wait
-        ell = min(self.policy.verify_length(confidence, self.round_costs()), budget - 1)
+        ell = min(self.verify_length(confidence), budget - 1)
         drafts = proposal.drafts[:ell]
         logits, features = self.runner.decode([anchor] + drafts.tolist(), cache)
         # the rows' ring rows built and started while the device still runs the forward (the
@@ -293,7 +394,37 @@ class SpeculativeDecoder:
         self.stats.add_round(ell, accepted)
         if self.costs is not None:
             self.beyond_verify.append(max(0.0, done - start - self.costs[ell]))
+        if self.policy.mode == "schedule":
+            self.outlook.observe(confidence, ell, accepted)
+            self.decide(ell, accepted)
         return drafts[:accepted].tolist() + [next_token]
+
+    def verify_length(self, confidence: list[float]) -> int:
+        """How many of the proposed drafts (confidences [block]) to verify: the policy's count,
+        on confidences calibrated by the acceptance seen so far where the policy is the
+        schedule. There a probe (the first round, or the first after plain steps) verifies
+        exactly one: the cheapest round that shows whether drafting pays."""
+        if self.policy.mode != "schedule":
+            return self.policy.verify_length(confidence, self.round_costs())
+        if self._probing:
+            return 1
+        return self.policy.verify_length(self.outlook.calibrated(confidence), self.round_costs())
+
+    def decide(self, verified: int, accepted: int) -> None:
+        """After a round that verified `verified` drafts and accepted `accepted`: rounds go on
+        where drafting pays (Outlook.pays); else a round that accepted every draft it verified
+        is followed by another probe (a drafter that starts matching is taken up at once), and
+        any other by plain steps (Outlook.stretch), among them a round that found no draft
+        worth verifying (its propose gained nothing)."""
+        plain_s = self.plain_cost if self.plain_cost is not None else self.outlook.plain_s(self.costs[0])
+        if verified and self.outlook.pays(self.round_costs(), plain_s):
+            self._probing = False
+            self.outlook.paid()
+        elif verified and accepted == verified:
+            self._probing = True
+        else:
+            self._probing = True
+            self._plain_next = self.outlook.stretch()
 
     def accept(self, logits: mx.array, proposal: Proposal, ell: int, first_pos: int,
                features: mx.array) -> tuple[int, int]:
@@ -325,29 +456,3 @@ class SpeculativeDecoder:
         keep = keep.tolist()
         accepted = next((j for j, ok in enumerate(keep) if not ok), ell)
         return accepted, int(token.tolist()[accepted] if accepted < ell else bonus.item())
-
-
-def speculative_decode(decoder: SpeculativeDecoder, cache: ModelCache, last_logits: mx.array,
-                       features: mx.array, max_tokens: int, stop: Container[int] = ()) -> Iterator[int]:
-    """Yield up to max_tokens tokens after a prefilled prompt; a token in `stop` is the last
-    (its round is not carried on).
-
-    last_logits [V]: the prompt's last row; features [n, 3*dim]: the prompt's
-    newest n rows (n >= min(window, prompt length)), ingested first. The
-    drafter's rings are left in `decoder.draft_cache`.
-    """
-    draft_cache = decoder.draft_cache = decoder.drafter.make_cache()
-    draft_cache.end = cache.offset - features.shape[0]
-    decoder.drafter.ingest(draft_cache, features)
-    anchor = sample(last_logits[None], mx.array([cache.offset]), decoder.params).item()
-    yield anchor
-    produced = 1
-    if anchor in stop:
-        return
-    while produced < max_tokens:
-        for token in decoder.round(cache, draft_cache, anchor, max_tokens - produced):
-            yield token
-            produced += 1
-            if token in stop:
-                return
-        anchor = token

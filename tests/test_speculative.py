@@ -21,7 +21,7 @@ from dsv41_mlx.runtime.runner import Runner
 from scripts.benchmarks.harness import OracleDrafter, WrappedDrafter
 from dsv41_mlx.generate import generate_step, make_decoder, prefill
 from dsv41_mlx.sampling import DRAFT, SamplingParams, accept_or_resample, filtered_log_probs, gumbel_noise
-from dsv41_mlx.speculative import (ConfidencePolicy, DraftStats, SpeculativeDecoder, measure_verify_costs,
+from dsv41_mlx.speculative import (ConfidencePolicy, DraftStats, Outlook, SpeculativeDecoder, measure_verify_costs,
                                    resolve_verify, sigmoid, verify_cost_tokens)
 
 from .test_model import _assert_same_state
@@ -333,6 +333,98 @@ def test_schedule_rounds_record_their_time_beyond_the_forward(fixture_model, run
     unscheduled = SpeculativeDecoder(runner, runner.drafter, GREEDY, confidence="off")
     _reply(runner, PROMPTS[0], GREEDY, unscheduled, max_tokens=12)
     assert unscheduled.stats.rounds >= 2 and not unscheduled.beyond_verify
+
+
+class TurnsRight(WrappedDrafter):
+    """A drafter sure of every draft (confidence logit 30), whose drafts are wrong (the
+    continuation's token + 1) before absolute position `turn` and right from there on."""
+
+    def __init__(self, drafter, sequence: list[int], turn: int):
+        super().__init__(drafter)
+        self.sequence, self.turn, self.vocab = sequence, turn, drafter.model.args.vocab_size
+
+    def propose(self, cache, anchor, pick):
+        positions = range(cache.end + 1, cache.end + 1 + self.block)
+        drafts = mx.array([self.sequence[p] if p >= self.turn else (self.sequence[p] + 1) % self.vocab
+                           for p in positions], dtype=mx.int32)
+        return Proposal(drafts, mx.zeros((self.block, 1)), mx.full((self.block,), 30.0), candidates=drafts[:, None])
+
+
+# a verify forward of n rows costs 1 + (n - 1) / 2 plain steps of 1 s
+VERIFY_COSTS = [1.0 + n / 2 for n in range(6)]
+
+
+def _scheduled(runner, drafter, params=GREEDY):
+    return SpeculativeDecoder(runner, drafter, params, confidence="schedule", verify_costs=VERIFY_COSTS,
+                              plain_cost=1.0)
+
+
+@pytest.mark.parametrize("params", [GREEDY, COUPLED[0]], ids=["greedy", "coupled"])
+def test_schedule_decodes_plainly_where_a_drafter_is_always_wrong(fixture_model, runner, params):
+    """A drafter that is sure of every draft and never right: the first round probes with one
+    draft, then plain stretches of 8, 16 and 32 tokens, each followed by a one-draft probe
+    (3 rounds, 3 drafts verified for 60 tokens); the reply is the undrafted one."""
+    prompt = PROMPTS[1]
+    plain = _reply(runner, prompt, params, max_tokens=60)
+    decoder = _scheduled(runner, TurnsRight(runner.drafter, prompt + plain + [0] * 8, turn=10**9), params)
+    assert _reply(runner, prompt, params, decoder, max_tokens=60) == plain
+    st = decoder.stats
+    assert (st.rounds, st.verified, st.accepted, st.stretches, st.plain_steps) == (3, 3, 0, 3, 8 + 16 + 32)
+    assert "56 tokens decoded plainly in 3 stretches" in st.summary()
+
+
+def test_schedule_takes_up_a_drafter_that_starts_matching(fixture_model, runner):
+    """Wrong before absolute position turn, right after: the probes that follow the plain
+    stretches find it right, drafting resumes with rounds of several drafts, and no stretch
+    starts after the turn."""
+    prompt = PROMPTS[1]
+    plain = _reply(runner, prompt, GREEDY, max_tokens=100)
+    turn = len(prompt) + 20
+    decoder = _scheduled(runner, TurnsRight(runner.drafter, prompt + plain + [0] * 8, turn))
+    assert _reply(runner, prompt, GREEDY, decoder, max_tokens=100) == plain
+    st = decoder.stats
+    # the probes 2 and 11 tokens in miss (stretches of 8 and 16 follow), the one 28 tokens in is right
+    assert st.stretches == 2 and st.plain_steps == 8 + 16
+    assert st.accepted >= 30 and st.accepted_at[1] > 0  # rounds past the first probe verify more than one
+
+
+def test_schedule_never_stretches_for_a_drafter_that_is_always_right(fixture_model, runner):
+    prompt = PROMPTS[1]
+    plain = _reply(runner, prompt, GREEDY, max_tokens=40)
+    decoder = _scheduled(runner, TurnsRight(runner.drafter, prompt + plain + [0] * 8, turn=0))
+    assert _reply(runner, prompt, GREEDY, decoder, max_tokens=40) == plain
+    assert decoder.stats.stretches == 0 and decoder.stats.accepted > decoder.stats.rounds
+
+
+def test_verify_all_and_threshold_never_decode_plainly(fixture_model, runner):
+    """The policy's plain stretches belong to the schedule: `off` and `threshold` verify as told."""
+    prompt = PROMPTS[1]
+    wrong = TurnsRight(runner.drafter, prompt + _reply(runner, prompt, GREEDY, max_tokens=20) + [0] * 8, 10**9)
+    for confidence in ("off", "threshold:0.5"):
+        decoder = SpeculativeDecoder(runner, wrong, GREEDY, confidence=confidence)
+        _reply(runner, prompt, GREEDY, decoder, max_tokens=20)
+        # the anchor, then a round per token: every draft wrong, and never a plain step
+        assert (decoder.stats.rounds, decoder.stats.stretches, decoder.stats.plain_steps) == (19, 0, 0)
+
+
+def test_outlook_weighs_seen_acceptance_against_a_plain_step():
+    outlook = Outlook(block=3)
+    assert outlook.acceptance() == [0.5, 0.5, 0.5]  # nothing seen: an even guess
+    costs = [1.0, 1.5, 2.0, 2.5]  # a round verifying 0..3 drafts
+    assert outlook.pays(costs, plain_s=1.2)  # one draft: 1.5 tokens in 1.5 s, over 1 in 1.2 s
+    assert not outlook.pays(costs, plain_s=1.0)  # 1.5 tokens in 1.5 s: no better than plain
+    outlook.observe([0.9, 0.9, 0.9], verified=3, accepted=0)  # the first draft rejected
+    assert outlook.reached == [1.0, 0.0, 0.0] and outlook.accepted == [0.0, 0.0, 0.0]
+    assert outlook.acceptance()[0] == 0.25
+    assert not outlook.pays(costs, plain_s=1.0)  # best: 1.25 tokens in 1.5 s
+    assert outlook.pays(costs, plain_s=2.0)  # a slow plain step: verifying one draft pays
+    # calibration: the confidence scaled by (accepted + 1) / (predicted + 1) at each position
+    assert outlook.calibrated([0.9, 0.9, 0.9]) == pytest.approx([0.9 / 1.9, 0.9, 0.9])
+    outlook.observe([0.9, 0.9, 0.9], verified=0, accepted=0)  # nothing verified: a failed first draft
+    assert outlook.reached[0] == pytest.approx(1.8) and outlook.accepted[0] == 0.0
+    assert [outlook.stretch() for _ in range(5)] == [8, 16, 32, 64, 64]
+    outlook.paid()
+    assert outlook.stretch() == 8
 
 
 def test_verify_costs_are_measured_in_rounds_over_every_row_count():

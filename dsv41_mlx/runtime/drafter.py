@@ -190,6 +190,16 @@ class Drafter:
         """
         self.ingest_ahead(cache, features, start=False).commit(features.shape[0])
 
+    def catch_up(self, cache: DraftCache, features: mx.array) -> None:
+        """ingest of positions cache.end .. cache.end+n-1 (features [n, 3*dim]) that plain steps
+        decoded, in pieces of at most block + 1 rows: the sizes rounds ingest (so no new shape
+        is built). Positions older than the newest `window` are passed over: the newest window
+        rows write every slot they would take."""
+        skip = max(0, features.shape[0] - self.window)
+        cache.end += skip
+        for start in range(skip, features.shape[0], self.block + 1):
+            self.ingest(cache, features[start: start + self.block + 1])
+
     def ingest_ahead(self, cache: DraftCache, features: mx.array, start: bool = True) -> IngestAhead:
         """ingest's work begun before the caller knows how many of the positions cache.end ..
         cache.end+n-1 (features [n, 3*dim]) it commits: every stage's ring rows of the newest

@@ -351,6 +351,9 @@ class WrappedDrafter:
     def ingest_ahead(self, cache, features):
         return self.inner.ingest_ahead(cache, features)
 
+    def catch_up(self, cache, features):
+        self.inner.catch_up(cache, features)
+
     def propose(self, cache, anchor, pick):
         return self.inner.propose(cache, anchor, pick)
 
