@@ -276,8 +276,10 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float, 
         for label, params, make in [
             ("plain greedy", greedy, None),
             ("plain coupled", coupled, None),
-            ("drafted greedy", greedy, lambda p, seq: SpeculativeDecoder(runner, runner.drafter, p, confidence="off")),
-            ("drafted coupled", coupled, lambda p, seq: SpeculativeDecoder(runner, runner.drafter, p, confidence="off")),
+            # the checkpoint's drafter under the default policy (schedule: it decodes plainly
+            # where drafting does not pay), its verify costs measured once for the runner
+            ("drafted greedy", greedy, lambda p, seq: SpeculativeDecoder(runner, runner.drafter, p, confidence="schedule")),
+            ("drafted coupled", coupled, lambda p, seq: SpeculativeDecoder(runner, runner.drafter, p, confidence="schedule")),
             (f"oracle {oracle_rate:.2f} greedy", greedy, oracle_decoder),
             # the same drafts, each round verifying the number of them the schedule policy picks from
             # the drafter's confidence and the verify costs measured above
@@ -320,6 +322,7 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float, 
                 run["ingest_ms"] = statistics.mean(s["ingest_ms_per_round"] for s in stats)
                 run["verify_ms"] = statistics.mean(s["verify_ms_per_round"] for s in stats)
                 run["rounds"] = sum(s["rounds"] for s in stats)
+                run["plain_steps"] = sum(s["plain_steps"] for s in stats)
             if oracle[1]:
                 run["oracle_right_rate"] = oracle[0] / oracle[1]  # the rate its draws realised
             if step_s:
@@ -428,14 +431,15 @@ def print_e2e(env: dict, res: dict, model: str) -> None:
     print(f"host probe (a fixed pure-Python loop, `host_probe_ms`): {res['host_probe_ms']:.2f} ms after the load; "
           "each run's median of its probes (before it and after each prompt) is in the table: a larger one "
           "means the host's CPU ran slower during that run, and so did every step's host side\n")
-    print("| run | tok/s | x plain greedy | floor fraction | drafts accepted / verified / proposed | propose ms | "
-          "verify ms | ingest ms | host probe ms | reply hash |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| run | tok/s | x plain greedy | floor fraction | drafts accepted / verified / proposed | rounds / "
+          "plain steps | propose ms | verify ms | ingest ms | host probe ms | reply hash |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for label, r in res["runs"].items():
         frac = (1e3 / res["floor_ms"]) and r["tok_s"] * res["floor_ms"] / 1e3
         drafted = f"{r['accepted']} / {r['verified']} / {r['proposed']}" if "proposed" in r else "-"
+        rounds = f"{r['rounds']} / {r['plain_steps']}" if "rounds" in r else "-"
         ms = [f"{r[k]:.1f}" if k in r else "-" for k in ("propose_ms", "verify_ms", "ingest_ms")]
-        print(f"| {label} | {r['tok_s']:.2f} | {r['tok_s'] / plain:.2f} | {frac:.1%} | {drafted} | "
+        print(f"| {label} | {r['tok_s']:.2f} | {r['tok_s'] / plain:.2f} | {frac:.1%} | {drafted} | {rounds} | "
               + " | ".join(ms) + f" | {r['host_probe_ms']:.2f} | {r['hash']} |")
     print()
     if "long_context" in res:
