@@ -101,6 +101,13 @@ class WindowCache:
         self._rows.drop_front(max(0, len(self._rows) - (self.window + TRIM_SLACK)))
         return keys, first
 
+    def pass_over(self, n: int) -> None:
+        """Positions end .. end+n-1 go by without their rows (a prefill that computes only the
+        positions something later reads): every row held is dropped, since the rows appended
+        next are the only ones a query that matters sees."""
+        self._rows.drop_front(len(self._rows))
+        self.end += n
+
     def trim(self, n: int) -> None:
         held = len(self._rows)
         if n > held - min(self.window, self.end - n):

@@ -64,11 +64,14 @@ def prefill(runner: Runner, prompt: list[int], cache: ModelCache, chunk: int = D
     first_kept = len(prompt) - keep_features
     for start in range(0, len(prompt), chunk):
         ids = prompt[start: start + chunk]
+        end = start + len(ids)
         rows = min(chunk, -(-len(ids) // PREFILL_ROUND) * PREFILL_ROUND)
-        logits, features = runner.padded(ids, cache, rows, last_logits_only=True)
-        if keep_features and start + len(ids) > first_kept:
-            kept.append(features[0, max(first_kept - start, 0):])
-        mx.eval(logits, kept, cache.state())
+        # (rows_after: the runner may leave out rows no later read needs; the features then cover
+        # the chunk's last rows, always the newest keep_features positions among them)
+        logits, features = runner.padded(ids, cache, rows, last_logits_only=True, rows_after=len(prompt) - end)
+        if keep_features and end > first_kept:
+            kept.append(features[0, max(first_kept - (end - features.shape[1]), 0):])
+        mx.eval(*(a for a in (logits, *kept) if a is not None), cache.state())
     return logits[0, -1], mx.concatenate(kept) if kept else None
 
 

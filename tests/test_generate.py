@@ -114,9 +114,9 @@ def test_warm_up_runs_every_chunk_shape_then_plain_and_drafted_tokens(default_mo
     seen, runs = set(), []
     padded, step = runner.padded, generate.generate_step
 
-    def record(ids, cache, rows, last_logits_only=False):
+    def record(ids, cache, rows, last_logits_only=False, rows_after=None):
         seen.add((rows, cache.offset > 0))
-        return padded(ids, cache, rows, last_logits_only)
+        return padded(ids, cache, rows, last_logits_only, rows_after)
 
     def generation(model_, prompt, params, max_tokens, chunk, decoder):
         runs.append((params.greedy, decoder is not None))

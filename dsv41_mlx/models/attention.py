@@ -282,6 +282,18 @@ class SharedAttention:
         # rather than in the blocks that read them, after it
         self.early: list[mx.array] = []
 
+    def last_rows(self, n: int) -> SharedAttention:
+        """The same for the forward's last n rows only (the rows before them dropped between two
+        layers): the per-row top-k and candidate mask cut to them, the rest made again."""
+        S = len(self.positions)
+        shared = SharedAttention(None if self.real_rows is None else self.real_rows - (S - n),
+                                 self.positions[S - n:], self.row_invariant)
+        if self.topk is not None:
+            shared.topk = tuple(a[S - n:] for a in self.topk)
+        if self.candidates is not None:
+            shared.candidates = self.candidates[S - n:]
+        return shared
+
     def rope_tables(self, rope: Rope, positions: mx.array, width: int) -> tuple[mx.array, ...]:
         """rope.tables(positions, width), its cos and sin (what every rotation with them reads)
         noted in `early` the first time."""

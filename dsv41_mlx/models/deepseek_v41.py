@@ -179,6 +179,7 @@ class Forward:
     shared: SharedAttention
     real_rows: int | None  # only the first real_rows rows matter (the rest pad the forward)
     features: list[mx.array] = field(default_factory=list)  # the DSpark taps, [S, dim] each
+    dropped: int = 0  # leading rows a prefill no longer computes (Model.keep_last)
 
 
 class Model(nn.Module):
@@ -266,6 +267,23 @@ class Model(nn.Module):
         next_fn = self.layers[i + 1].hc_attn.fn if self._folds_into_next[i] else None
         f.h, f.pre = layer(h, f.pre, f.positions, cache.layers[i], cache.layers, f.shared, rows=f.real_rows,
                            expand=i == len(self.layers) - 1, next_fn=next_fn)
+
+    def keep_last(self, forward: Forward, cache: ModelCache, i: int, rows: int) -> None:
+        """Before block i (past the last KV source): the forward goes on with its last `rows` rows
+        only, and block i's window cache passes over the positions dropped so far. Exact for the
+        rows whose outputs later reads need (runtime.runner.prefill_rows says which): a layer past
+        the last source keeps no compressed state, only the window of its own keys
+        (reference `Attention._window_kv`), and reads the sources' shared caches per row."""
+        f = forward
+        dropped = f.pre.shape[0] - rows
+        if dropped > 0:
+            f.h, f.pre = stream_value(f.h)[dropped:], f.pre[dropped:]
+            f.positions, f.shared = f.positions[dropped:], f.shared.last_rows(rows)
+            f.real_rows = None if f.real_rows is None else f.real_rows - dropped
+            f.features = [x[dropped:] for x in f.features]
+            f.dropped += dropped
+        if f.dropped:
+            cache.layers[i].window.pass_over(f.dropped)
 
     def finish(self, forward: Forward, last_logits_only: bool = False) -> tuple[mx.array, mx.array]:
         """The last block's stream -> (logits [1, S or 1, V], features [1, S, F])."""

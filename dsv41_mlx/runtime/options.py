@@ -13,7 +13,8 @@ from ..config import ModelArgs
 @dataclass(frozen=True)
 class Options:
     """How a Runner schedules a model's forwards. Every choice gives the same bits; only when
-    the device's work is started changes (tests compare each against the plain path)."""
+    the device's work is started, or which rows no later read needs are left out, changes
+    (tests compare each against the plain path)."""
 
     # rows every decode and verify forward is padded to, each row attending over its own
     # gathered window (SharedAttention.row_invariant); None: no padding. A GPU kernel picks
@@ -33,6 +34,9 @@ class Options:
     # ... and starts all of it before the token is known, the engram rows read behind a gate
     # on the device that the host opens once it has written them (kernels.rows_gate)
     gate_rows: bool = False
+    # a prefill computes, at each layer past the last KV source, only the positions whose
+    # outputs something later reads (runner.prefill_rows); the same bits where it matters
+    elide_prefill: bool = True
 
 
 def default_options(args: ModelArgs, device: mx.Device | None = None) -> Options:

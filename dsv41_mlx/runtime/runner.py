@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..cache import ModelCache
+from ..config import ModelArgs
 from ..models.deepseek_v41 import Model
 from .drafter import Drafter
 from .evaluator import BlockEvaluator
@@ -58,12 +59,16 @@ class Runner:
         return self.model.make_cache()
 
     def __call__(self, ids: mx.array, cache: ModelCache | None = None, last_logits_only: bool = False,
-                 real_rows: int | None = None) -> tuple[mx.array, mx.array]:
+                 real_rows: int | None = None, rows_after: int | None = None) -> tuple[mx.array, mx.array]:
         """The model's forward of ids [1, S] -> (logits [1, S, V], features [1, S, F]), its blocks
-        started as Options say."""
+        started as Options say. rows_after: a prefill's chunk, this many positions of the prompt
+        after it: where Options.elide_prefill, each layer past the last KV source computes only
+        the rows later reads need (prefill_rows), so logits and features cover the last rows
+        only (the same values there), or are None where no row reaches the head."""
         cache = cache if cache is not None else self.make_cache()
         # ids' values on the host (Model.start checks their shape): where ids was made from them, no device work
-        return _result(self._forward(ids, cache, np.asarray(ids)[0].tolist(), last_logits_only, real_rows))
+        return _result(self._forward(ids, cache, np.asarray(ids)[0].tolist(), last_logits_only, real_rows,
+                                     rows_after=rows_after))
 
     def decode(self, ids: list[int], cache: ModelCache) -> tuple[mx.array, mx.array]:
         """A decode or verify forward of a few tokens: logits [1, n, V], features [1, n, F],
@@ -74,16 +79,19 @@ class Runner:
             raise ValueError(f"a decode forward takes at most {rows} rows, got {n}")
         return self.padded(ids, cache, rows)
 
-    def padded(self, ids: list[int], cache: ModelCache, rows: int,
-               last_logits_only: bool = False) -> tuple[mx.array, mx.array]:
+    def padded(self, ids: list[int], cache: ModelCache, rows: int, last_logits_only: bool = False,
+               rows_after: int | None = None) -> tuple[mx.array, mx.array]:
         """A forward of ids padded to `rows` rows (the last token repeated), the padding
         trimmed off the cache again (rows - len(ids) <= cache.TRIM_SLACK): logits [1, n, V]
         (or the last real row's [1, 1, V]) and features [1, n, F] of the n real rows."""
         n = len(ids)
         padded = mx.array([ids + [ids[-1]] * (rows - n)], dtype=mx.int32)
-        logits, features = self(padded, cache, last_logits_only, real_rows=n)
+        logits, features = self(padded, cache, last_logits_only, real_rows=n, rows_after=rows_after)
         cache.trim(rows - n)
-        return (logits if last_logits_only else logits[:, :n]), features[:, :n]
+        if features is None:  # an elided prefill chunk that reached no head
+            return None, None
+        kept = features.shape[1] - (rows - n)  # (an elided prefill's features cover its last rows)
+        return (logits if last_logits_only else logits[:, :kept]), features[:, :kept]
 
     def decode_ahead(self, token: mx.array, cache: ModelCache, on_forward_stream: bool = False) -> DecodeAhead:
         """decode([t], cache) begun while the token t (int [1], as sampling.sample makes it) is
@@ -177,7 +185,7 @@ class Runner:
         return evaluator, self.forward_stream, begin
 
     def _forward(self, ids: mx.array, cache: ModelCache, tokens: list[int] | None, last_logits_only: bool,
-                 real_rows: int | None, rows: int = 1):
+                 real_rows: int | None, rows: int = 1, rows_after: int | None = None):
         """A forward of positions cache.offset.., as a generator that returns (logits, features).
         tokens: ids' values on the host; or None, where ids is a token [1] still being computed on
         the device (decode_ahead; a forward of `rows` rows, the token on each): then it builds its
@@ -189,11 +197,22 @@ class Runner:
         model = self.model
         evaluator, building, begin = self._starting()
         row_invariant = self.options.decode_rows is not None
+        keep = {}
+        if rows_after is not None and self.options.elide_prefill:
+            S = ids.shape[1]
+            keep = prefill_rows(self.args, S, S - (real_rows or S), rows_after)
 
-        def blocks(first: int, last: int, engram_rows: dict[int, mx.array]) -> None:
+        def blocks(first: int, last: int, engram_rows: dict[int, mx.array]) -> bool:
             for i in range(first, last):
+                if keep.get(i) == 0:  # no row of this forward reaches layer i or any after it
+                    for layer in cache.layers[i:]:
+                        layer.window.pass_over(ids.shape[1])
+                    return False
+                if i in keep:
+                    model.keep_last(forward, cache, i, keep[i])
                 model.block(i, forward, cache, engram_rows.get(i))
                 begin(forward.h, forward.pre)
+            return True
 
         try:
             with building():
@@ -208,7 +227,8 @@ class Runner:
                 engram_rows = model.take_tokens(cache, tokens, real_rows)
                 if engram_rows:  # they read host memory: started as early as the tokens are known
                     begin(*engram_rows.values())
-                blocks(ahead, len(model.layers), engram_rows)
+                if not blocks(ahead, len(model.layers), engram_rows):
+                    return None, None
                 logits, feats = model.finish(forward, last_logits_only)
                 if evaluator is not None:
                     evaluator.submit(logits, feats)
@@ -290,6 +310,31 @@ class Runner:
                 shapes += [(rows, n_cols, table.codes.shape[1]), (rows, n_cols, table.scales.shape[1])]
             staged = cache.staged_rows[rows] = StagedRows(shapes, gated=gate)
         return staged
+
+
+PREFILL_ROWS_STEP = 16  # prefill_rows rounds up to it: a prompt's forwards then take few shapes
+
+
+def prefill_rows(args: ModelArgs, rows: int, pad: int, rows_after: int) -> dict[int, int]:
+    """How many of a prefill forward's last rows each layer past the last KV source (and the
+    last engram) must compute: {layer: rows}, for a forward of `rows` rows (its last `pad`
+    padding) with `rows_after` positions of the prompt after it.
+
+    Such a layer keeps only its own window of keys. The last layer's outputs are read at the
+    prompt's last position (the logits), and its keys at the last `window` positions (the
+    window decode reads, and the padding trimmed after it): it computes those rows. Each layer
+    before it must give correct outputs wherever the next one computes, and a row's output
+    reads the keys of the window - 1 rows before it: window - 1 rows more (which cover the
+    DSpark features of the last window too). Rounded up to PREFILL_ROWS_STEP: the extra leading
+    rows only feed rows whose outputs nothing reads."""
+    last = args.num_hidden_layers - 1
+    first = max([*args.kv_source_layer_ids, *args.engram_layer_ids], default=-1) + 1
+    w = args.sliding_window
+    out = {}
+    for i in range(first, last + 1):
+        need = w + (last - i) * (w - 1) + pad - rows_after
+        out[i] = min(rows, max(0, -(-need // PREFILL_ROWS_STEP) * PREFILL_ROWS_STEP))
+    return out
 
 
 def _result(forward, tokens: list[int] | None = None) -> tuple[mx.array, mx.array]:
