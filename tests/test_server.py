@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -31,12 +32,12 @@ def client(engine):
         yield c
 
 
-@pytest.fixture(scope="module")
-def live(engine):
-    """The app on a real loopback socket (for disconnects and concurrent clients)."""
+@contextlib.contextmanager
+def serving(app):
+    """`app` on a real loopback socket; yields its base URL."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(engine), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     while not server.started:
@@ -44,6 +45,13 @@ def live(engine):
     yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     server.should_exit = True
     thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def live(engine):
+    """The app on a real loopback socket (for disconnects and concurrent clients)."""
+    with serving(create_app(engine)) as url:
+        yield url
 
 
 def solo(engine, ids, **options) -> str:
@@ -73,15 +81,17 @@ def test_chat_completion_equals_the_solo_reply_and_reports_usage_and_drafting(cl
     assert body["drafting"]["rounds"] >= 1 and "acceptance_by_position" in body["drafting"]
 
 
-def test_streamed_completion_concatenates_to_the_plain_one(client):
+def test_streamed_completion_concatenates_to_the_plain_one_and_ends_with_the_usage_asked_for(client):
     request = {"prompt": "Once upon a time", "max_tokens": 7, "seed": 5, "temperature": 0.7}
     plain = client.post("/v1/completions", json=request).json()
-    with client.stream("POST", "/v1/completions", json={**request, "stream": True}) as r:
+    stream = {**request, "stream": True, "stream_options": {"include_usage": True}}
+    with client.stream("POST", "/v1/completions", json=stream) as r:
         events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
-    chunks = [json.loads(e) for e in events[:-1]]
+    *chunks, last = [json.loads(e) for e in events[:-1]]
     assert "".join(c["choices"][0]["text"] for c in chunks) == plain["choices"][0]["text"]
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and chunks[-1]["usage"] == plain["usage"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and all(c["usage"] is None for c in chunks)
+    assert last["choices"] == [] and last["usage"] == plain["usage"]
 
 
 def test_draft_false_gives_the_same_reply_without_drafting_stats(client):
@@ -122,6 +132,10 @@ def test_stop_sequence_ends_the_reply_before_it(client, engine):
     ("/v1/chat/completions", {"messages": CHAT, "model": "gpt-4"}, 404, "'gpt-4' is not served"),
     ("/v1/completions", {"prompt": [1] * 5000}, 400, "context is 4096 tokens"),
     ("/v1/completions", {"prompt": [1, -1]}, 400, "'prompt'"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400,
+     "'stream_options' is only allowed when 'stream' is true"),
+    ("/v1/chat/completions", {"messages": CHAT, "stream": True, "stream_options": {"include_usage": "yes"}}, 400,
+     "'stream_options' must be"),
 ])
 def test_bad_requests_get_a_4xx_json_error_naming_the_problem(client, path, payload, status, names):
     kwargs = {"content": payload} if isinstance(payload, bytes) else {"json": payload}
