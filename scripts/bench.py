@@ -11,6 +11,9 @@
                                                 # the decode step's quantised GEMMs: MLX's and fp8_gemv
     python scripts/bench.py layouts [--rows 1 2 3 6] [--kernels fp4_experts ...]
                                                 # the kernels' launch layouts that change no bit, timed
+    python scripts/bench.py context --model DIR [--contexts 1024 8192 32768 131072]
+                                                # prefill (with and without the elision) and decode at long
+                                                # contexts, mlx-lm beside it; the decode floor at each
     python scripts/bench.py steps --model DIR [--variant u1=experts_loads_ahead:1 ...] [--verify-rows 6]
                                                 # layout choices A/B'd a decode step at a time, one process
 
@@ -29,11 +32,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.benchmarks import drafts, e2e, gemms, head, layouts, pieces, profile, propose, steps  # noqa: E402
+from scripts.benchmarks import context, drafts, e2e, gemms, head, layouts, pieces, profile, propose, steps  # noqa: E402
 from scripts.benchmarks.harness import environment  # noqa: E402
 
 BENCHMARKS = {"head": head, "drafts": drafts, "e2e": e2e, "profile": profile, "pieces": pieces, "gemms": gemms,
-              "layouts": layouts, "steps": steps, "propose": propose}
+              "layouts": layouts, "steps": steps, "propose": propose, "context": context}
 
 
 def main() -> int:

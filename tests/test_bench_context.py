@@ -1,0 +1,28 @@
+"""`bench.py context` on the fixture: its rows, where it stops, and the decode floor's bytes."""
+
+from __future__ import annotations
+
+import pytest
+
+from scripts.benchmarks import context
+
+
+def test_step_reads_the_window_and_the_picked_groups(fixture_model):
+    """Four tokens into the fixture (window 8, ratios 0,0,2,2,2,1,1,1, index_topk 4): every layer
+    reads its 4 window keys (bf16, 64 wide), each ratio-2 layer its 2 groups, each ratio-1 layer
+    its 4; no indexer scores yet (no layer has more groups than it picks)."""
+    assert context.step_read_bytes(fixture_model, 4) == 8 * 4 * 128 + 3 * 2 * 128 + 3 * 4 * 128
+    assert context.step_read_bytes(fixture_model, 60) > context.step_read_bytes(fixture_model, 30)
+
+
+def test_context_rows_compare_the_elided_prefill_with_the_full_one(fixture_dir, capsys, monkeypatch):
+    monkeypatch.setattr(context, "copy_bandwidth", lambda: 100e9)  # (measuring it copies GBs: slow on a CPU)
+    res = context.bench_context(str(fixture_dir), [16, 40, 100], tokens=3, mlxlm=False, warm=False)
+    short, long, past = res["rows"]
+    for row in (short, long):
+        assert row["elided"]["first_two"] == row["full"]["first_two"]  # the same first tokens
+        assert row["cache_bytes_per_token"] > 0
+        assert row["floor_tok_s"] == pytest.approx(100e9 / (row["step_GB"] * 1e9))
+    assert "past the model's context of 64 tokens" in past["skipped"]
+    context.print_context({"date": "d", "device": "cpu", "backend": "mlx", "mlx": "0", "commit": "c"}, res)
+    assert "| 100 | past the model's context of 64 tokens |" in capsys.readouterr().out
