@@ -8,7 +8,7 @@
 //   k-step 1: (2t, 2t+1) <- (8t+2, 8t+6), (2t+8, 2t+9) <- (8t+3, 8t+7)
 // so each fp16 pair is codes i and i + 4 of the word (E2M1_HALF_PAIR), and x the same.
 
-// U (a template constant, kernels.experts_loads_ahead): the blocks whose loads a warp issues before it uses the first
+// U (a template constant, tuning.Layout.experts_loads_ahead): the blocks whose loads a warp issues before it uses the first
 // PX: x and xs are mma_x_prep's (see fp4_experts.metal)
 constexpr int COLS = 8 * NH;  // pass columns
 __shared__ int picks[16];  // the pairs (r * KS + j, in order) that picked this expert: at most one a row

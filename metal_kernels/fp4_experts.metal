@@ -47,7 +47,7 @@
 // 32] its scales s: the x / s and s this kernel would compute, read instead (a verify forward's
 // threadgroups each computed them again, 144 tiles an expert); xs is unread with PX = 0.
 // Template constants: NH (the matrix unit's column groups of 8 a pass: 1 or 2,
-// kernels.fp4_experts_column_groups), QX (0 or 1), SW (0, 1 or 2), PX (0 or 1); a pair's bits
+// tuning.Layout.mma_column_groups), QX (0 or 1), SW (0, 1 or 2), PX (0 or 1); a pair's bits
 // depend on neither NH nor PX.
 // CUDA twin: fp4_experts.cu (mma.sync m16n8k16, the fragments in registers: each lane decodes
 // its own weight words and x there, where here they go through threadgroup memory).

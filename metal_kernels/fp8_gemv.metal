@@ -48,7 +48,7 @@
 // Template constants: RB (a bound on the computed rows, a power of two up to 16), T (outputs
 // per thread group), C (threads per thread group, a multiple of 32), QX (0 or 1), SW (0 or
 // 1), AP (0 to 16), SPLIT (0, or a multiple of T); a row's bits do not depend on RB or T
-// (kernels.gemv_layout picks them).
+// (tuning.Layout.gemv_layout picks them).
 // CUDA twin: fp8_gemv.cu.
 
 threadgroup float partial[8 * T * RB];  // each simdgroup's sums (gemv_warp_totals)

@@ -7,8 +7,8 @@
 //   k-step 1: (2t, 2t+1) <- (8t+4, 8t+6), (2t+8, 2t+9) <- (8t+5, 8t+7)
 // so each fp16 pair is E4M3_EVEN or E4M3_ODD of one of the two words, and x the same.
 
-// U (a template constant, kernels.mma_loads_ahead): the blocks whose loads a warp issues before it uses the first
-// TR (kernels.mma_tile_rows): a tile's weight rows, 32 or 16 (one m group, MGS 1)
+// U (a template constant, tuning.Layout.mma_loads_ahead): the blocks whose loads a warp issues before it uses the first
+// TR (tuning.Layout.mma_tile_rows): a tile's weight rows, 32 or 16 (one m group, MGS 1)
 constexpr int COLS = 8 * NH;  // the matrix products' columns: the computed rows, padded
 constexpr int MGS = TR / 16;  // the tile's m groups of 16 rows
 static_assert(TR == 16 || TR == 32, "a tile of 16 or 32 weight rows");

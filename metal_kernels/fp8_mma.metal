@@ -32,7 +32,7 @@
 // float32 sums; nor is it fp8_gemv's order: the two kernels agree up to it, not bit for bit.
 //
 // The work: a threadgroup of 8 simdgroups per tile of TR outputs of one matrix (TR 32, or 16:
-// twice the threadgroups, for a grid of few tiles; kernels.mma_tile_rows; an output's sums do
+// twice the threadgroups, for a grid of few tiles; tuning.Layout.mma_tile_rows; an output's sums do
 // not depend on it). The forward's rows are the columns of the matrix products, COLS = 8 NH of
 // them, one pass for all (columns past `rows` repeat the last row's x, their sums never read).
 // The 8 simdgroups split K: simdgroup w takes the blocks w * nb / 8 .. (w + 1) * nb / 8 - 1
@@ -60,7 +60,7 @@
 // y[r, n] = bf16(((parts[r, 0, n] + parts[r, 1, n]) + ...) + bf16(sum)), in float32 in that
 // order (kernels.parts_added is the spec, bit for bit), as fp8_gemv's AP.
 // Template constants: NH (the matrix unit's column groups of 8: 1 or 2,
-// kernels.mma_column_groups), QX (0 or 1), SW (0 or 1), AP (0 to 16), TR (16 or 32); a row's
+// tuning.Layout.mma_column_groups), QX (0 or 1), SW (0 or 1), AP (0 to 16), TR (16 or 32); a row's
 // bits depend on neither NH nor TR.
 // CUDA twin: fp8_mma.cu
 // This text ends with every simdgroup's sums in red; the kernel's end, what it writes, is

@@ -14,7 +14,7 @@
 // (offsets 16, 8, 4, 2, 1) gives every lane the total. Each row's sums run the same steps at
 // any rows or R, so a row's bits are the same in every forward (a verify's rows equal the
 // decode steps'). U steps' weight loads are issued before the first is used.
-// Template constant: R (a bound on the computed rows: 1, 8 or 16, kernels.head_row_bound).
+// Template constant: R (a bound on the computed rows: 1, 8 or 16, tuning.Layout.head_row_bound).
 // CUDA twin: head_logits.cu.
 
 constexpr int T = 4;  // outputs a simdgroup

@@ -12,7 +12,7 @@
 // added in order: not the spec's matmul order, so a score matches the spec to float32
 // noise; each row's score is computed alone (the same bits in any forward, whatever RB).
 // Template constants: T, RB (1, 8 or 16, at least the rows: each thread keeps a sum per row;
-// kernels.gate_row_bound), D.
+// tuning.Layout.gate_row_bound), D.
 // 256 threads per threadgroup, E threadgroups. CUDA twin: moe_gate_scores.cu.
 //
 // A threadgroup, not a simdgroup, per expert: a simdgroup alone would walk all of D in 160

@@ -39,11 +39,11 @@ from scripts.benchmarks.harness import VIEWS, decode_by_layer, graph_dot, launch
 
 @contextlib.contextmanager
 def gpu_path_with_stub_kernels(calls: collections.Counter):
-    """Inside: the kernels' dispatch takes the CUDA path, and every custom kernel is one
-    operation (a Depends) over all of its inputs, its outputs broadcasts of a zero made
-    beforehand (counted in calls). Restored on exit, but the graphs traced inside stay in
-    MLX's compile cache (module-level compiled functions): use it in a process of its own,
-    as this script does."""
+    """Inside: the kernels' dispatch takes a CUDA device's path (kernels.dispatching; its GEMMs
+    bf16-fed), and every custom kernel is one operation (a Depends) over all of its inputs,
+    its outputs broadcasts of a zero made beforehand (counted in calls). Restored on exit, but
+    the graphs traced inside stay in MLX's compile cache (module-level compiled functions): use
+    it in a process of its own, as this script does."""
     zeros = {}
 
     def compiled(spec, language):
@@ -57,18 +57,11 @@ def gpu_path_with_stub_kernels(calls: collections.Counter):
     for dtype in (mx.bool_, mx.uint8, mx.uint16, mx.uint32, mx.int32, mx.float16, mx.bfloat16, mx.float32):
         zeros[dtype] = mx.zeros((), dtype=dtype)
     mx.eval(list(zeros.values()))
-    saved = kernels._compiled, kernels.backend, kernels.device_backend, kernels._gemv_fits, kernels.fp8_into_stream_fits
-    kernels._compiled, kernels.backend, kernels.device_backend = compiled, lambda: "cuda", lambda: "cuda"
-    kernels._gemv_fits = lambda rows, n, k, impl=None: rows <= kernels.DECODE_MAX_ROWS
-    # the sub-layers' last GEMMs (wo_b, the shared w2: the stream's width of outputs, on the
-    # matrix unit at the release's 5120) put their output into the stream where it fits
-    kernels.fp8_into_stream_fits = lambda w, residual, impl=None: (kernels.hc_input_fits(residual)
-                                                                   and residual.shape[2] == w.shape[0])
-    try:
+    # any_shape: the GEMV kernels fit any matrix, and the sub-layers' last GEMMs (wo_b, the
+    # shared w2: the stream's width of outputs, on the matrix unit at the release's 5120) put
+    # their output into the stream where it fits
+    with kernels.dispatching("cuda", compiled, device="cuda", any_shape=True):
         yield
-    finally:
-        (kernels._compiled, kernels.backend, kernels.device_backend, kernels._gemv_fits,
-         kernels.fp8_into_stream_fits) = saved
 
 
 def census(*outputs) -> tuple[int, int, collections.Counter]:

@@ -3,8 +3,8 @@
     python scripts/gemv_registers.py [--arch sm_90]
 
 Compiles fp8_gemv, fp4_experts, fp8_mma and fp8_mma_hc (metal_kernels/*.cu, wrapped as MLX wraps them:
-scripts/kernel_checks/nvrtc.py) for the layouts a forward picks (fp8_gemv: kernels.gemv_layout, RB 1
-with T 4, RB 2 and 8 with T 2; fp4_experts and fp8_mma: kernels.mma_column_groups, NH 1 and 2) with
+scripts/kernel_checks/nvrtc.py) for the layouts a forward picks (fp8_gemv: Layout.gemv_layout, RB 1
+with T 4, RB 2 and 8 with T 2; fp4_experts and fp8_mma: Layout.mma_column_groups, NH 1 and 2) with
 and without each epilogue (SW: the SwiGLU, AP: the added parts, QX: the input quantised in
 the kernel), and prints NVRTC's register count per thread and how many threadgroups of 256
 threads a core then holds (65,536 registers).

@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from dsv41_mlx import kernels  # noqa: E402
+from dsv41_mlx.kernels import tuning  # noqa: E402
 from scripts.kernel_checks import nvrtc  # noqa: E402
 from scripts.kernel_checks.cases import experts_case  # noqa: E402
 
@@ -42,7 +43,8 @@ def variants(overrides: dict[str, int] | None = None) -> dict[str, tuple]:
     out = {}
     for rows in (1, 6):
         for name, sw, k, quantize in (("w13", 2, W13_K, False), ("w2", 0, W2_K, True)):
-            template = dict(kernels.fp4_experts_template(rows, k, quantize, sw, kernels.experts_prepare_x(rows)))
+            template = dict(kernels.fp4_experts_template(rows, k, quantize, sw,
+                                                         tuning.current().experts_prepare_x(rows)))
             out[f"{name}, {rows} row{'s' * (rows > 1)}"] = experts_case(**{**template, **(overrides or {})})
     return out
 

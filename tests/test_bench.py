@@ -3,6 +3,7 @@ and what they report holds."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import re
 import statistics
@@ -135,9 +136,32 @@ def test_oracle_budget_gives_each_verify_what_the_target_leaves_it():
 
 def test_propose_table_sets_each_form_beside_the_serial_pass(capsys):
     res = {"rounds": 4, "drafter_GB": 1.5, "propose_serial_ms": 4.0, "propose_concurrent_ms": 5.0,
-           "propose_thread_ms": 3.0, "ingest_1_ms": 1.0, "ingest_6_ms": 1.2}
+           "propose_thread_ms": 3.0, "ingest_1_ms": 1.0, "ingest_6_ms": 1.2,
+           "propose_serial_latency_ms": 6.0, "propose_concurrent_latency_ms": 5.0, "propose_thread_latency_ms": 4.0,
+           "floor_bytes": {"fp8_head": 1e9, "stage_weights": 0.5e9, "total": 1.5e9}, "copy_GB_s": 3000.0,
+           "floor_ms": 0.5}
     propose.print_propose(harness.environment(), res)
-    assert "| 4.000 | 5.000 | 1.25 | 3.000 | 0.75 | 1.000 | 1.200 |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| 4.000 | 5.000 | 1.25 | 3.000 | 0.75 | 1.000 | 1.200 |" in out
+    assert "1.500 GB (fp8_head 1.000, stage_weights 0.500)" in out and "= 0.500 ms" in out
+    assert "| serial | 6.000 | 12.0 |" in out and "| thread | 4.000 | 8.0 |" in out
+
+
+def test_propose_floor_counts_the_head_the_stages_and_the_experts_a_block_takes(fixture_model, drafter):
+    """The stages' weights but the routed experts and the ingest's main_proj, plus block x top-k
+    routed experts a stage (all of them where fewer), the FP8 head whole."""
+    from mlx.utils import tree_flatten
+
+    floor = propose.propose_floor_bytes(drafter)
+    head = drafter.fp8_head
+    assert floor["fp8_head"] == head.codes.nbytes + head.scales.nbytes
+    experts = 0
+    for stage in drafter.stages:
+        stacks = [v for name, v in tree_flatten(stage.ffn.experts.parameters())]
+        taken = min(drafter.block * stage.ffn.gate.top_k, stacks[0].shape[0])
+        experts += sum(v.nbytes // v.shape[0] * taken for v in stacks)
+    assert floor["routed_experts"] == experts
+    assert floor["total"] == sum(v for k, v in floor.items() if k != "total")
 
 
 def test_step_summary_separates_the_typical_step_from_slow_ones():
@@ -338,8 +362,8 @@ def test_count_ops_counts_a_stubbed_kernel_as_one_launch_and_no_views():
     with count_ops.gpu_path_with_stub_kernels(collections.Counter()):
         a, b = mx.ones((4, 8)), mx.ones((3,)) * 2
         mx.eval(a, b)
-        outs = kernels._compiled(kernels.ACT_QUANT, "cuda")(inputs=[a, b], output_shapes=[(4, 8), (2,), (5, 1)],
-                                                    output_dtypes=[mx.bfloat16, mx.float32, mx.uint32])
+        outs = kernels.compiled(kernels.ACT_QUANT, "cuda")(inputs=[a, b], output_shapes=[(4, 8), (2,), (5, 1)],
+                                                           output_dtypes=[mx.bfloat16, mx.float32, mx.uint32])
         assert count_ops.census(*outs)[:2] == (1, 0)
         # a reshape, and the add's broadcast of its scalar: two views; the stub and the add: two launches
         assert count_ops.census(outs[0].reshape(32), outs[1] + 1)[:2] == (2, 2)
@@ -446,28 +470,28 @@ def test_the_long_context_prompt_makes_every_index_layer_score(monkeypatch):
 
 
 def test_layouts_compare_each_candidate_with_the_default_and_restore_the_choice(capsys):
-    """`bench.py layouts`: on the CPU nothing to time, said so; a candidate layout is put in
-    kernels' place only while it is measured (restored after a failure too); the table gives
+    """`bench.py layouts`: on the CPU nothing to time, said so; a candidate layout is the
+    kernels' only while it is measured (restored after a failure too); the table gives
     each candidate's time against the default layout's and its floor, marks the default and a
     time under the floor (the host's launches timed, not the GPU), and shows a layout that
     fails to launch or changes bits."""
-    from dsv41_mlx import kernels
+    from dsv41_mlx.kernels import tuning
 
     env = harness.environment()
     res = layouts.bench_layouts((1,))
     assert res["cases"] == []
     layouts.print_layouts(env, res)
     assert "nothing to time" in capsys.readouterr().out
-    original = kernels.attention_layout
+    package = tuning.current()
     with pytest.raises(RuntimeError):
-        with harness.kernels_choice("attention_layout", lambda impl, rows: (1, 32)):
-            assert kernels.attention_layout("cuda", 6) == (1, 32)
+        with harness.layout_choices({"attention_heads": 1, "attention_warps": {"cuda": 32}}):
+            assert tuning.current().attention("cuda", 6) == (1, 32)
             raise RuntimeError("a launch failed")
-    assert kernels.attention_layout is original
-    u, v = kernels.experts_loads_ahead, kernels.mma_loads_ahead  # two choices at once
-    with harness.kernels_choices({"experts_loads_ahead": lambda rows, k: 3, "mma_loads_ahead": lambda k, rows: 5}):
-        assert (kernels.experts_loads_ahead(6, 5120), kernels.mma_loads_ahead(5120, 6)) == (3, 5)
-    assert (kernels.experts_loads_ahead, kernels.mma_loads_ahead) == (u, v)
+    assert tuning.current() is package
+    with harness.layout_choices({"experts_loads_ahead": lambda rows, k: 3, "mma_loads_ahead": lambda k, rows: 5}):
+        layout = tuning.current()  # two choices at once
+        assert (layout.experts_loads_ahead(6, 5120), layout.mma_loads_ahead(5120, 6)) == (3, 5)
+    assert tuning.current() is package
     case = {"kernel": "fp8_mma", "shape": "1280 -> 32768", "rows": 1}
     case = {**case, "floor_us": 16.5}
     res = {"impl": "cuda", "forward_rows": 8, "copy_GBps": 4000.0, "cases": [
@@ -490,27 +514,29 @@ def test_steps_ab_runs_each_variant_with_its_choices_and_flags_changed_replies(m
     --variant is refused with the reason."""
     from dsv41_mlx import kernels
     from dsv41_mlx.io.tiny import default_checkpoint
+    from dsv41_mlx.kernels import tuning
 
     real_gate, read = kernels.moe_gate, []
 
     def gate(*args, **kw):  # called while the MoE (a fused method) is traced; other routing under U 3
         weights, ids = real_gate(*args, **kw)
-        read.append(kernels.mma_loads_ahead(5120, 6))
+        read.append(tuning.current().mma_loads_ahead(5120, 6))
         return (weights, ids) if read[-1] != 3 else (-4 * weights, ids)
 
     monkeypatch.setattr(kernels, "moe_gate", gate)
     variants = dict(steps.parse_variant(v) for v in ("u3=experts_loads_ahead:3", "odd=mma_loads_ahead:3"))
     assert variants == {"u3": {"experts_loads_ahead": [(None, 3)]}, "odd": {"mma_loads_ahead": [(None, 3)]}}
     name, one_shape = steps.parse_variant("w2=mma_loads_ahead@2304/1:2,mma_loads_ahead@8192/1:4")
-    choice = steps.variant_choice(one_shape["mma_loads_ahead"], kernels.mma_loads_ahead)
+    package = tuning.current()
+    choice = steps.variant_choice(one_shape["mma_loads_ahead"], package.mma_loads_ahead)
     assert (name, choice(2304, 1), choice(8192, 1)) == ("w2", 2, 4)  # only those calls
-    assert choice(2304, 6) == kernels.mma_loads_ahead(2304, 6) and choice(5120, 1) == kernels.mma_loads_ahead(5120, 1)
+    assert choice(2304, 6) == package.mma_loads_ahead(2304, 6) and choice(5120, 1) == package.mma_loads_ahead(5120, 1)
     assert steps.variant_label(one_shape) == "mma_loads_ahead(2304, 1) 2, mma_loads_ahead(8192, 1) 4"
     _short_prompts(monkeypatch, steps)
     res = steps.bench_steps(str(default_checkpoint()), variants, tokens=5, rounds=2, warm=False)
     assert list(res["variants"]) == ["kernels", "u3", "odd"]
     assert 3 in read  # odd's traces made under its choice; the replies below: kept apart from the others
-    assert kernels.mma_loads_ahead(5120, 6) != 3  # restored
+    assert tuning.current() is package  # restored
     v = res["variants"]
     assert v["u3"]["same_replies"] and not v["odd"]["same_replies"] and v["kernels"]["same_replies"]
     assert all(len(m) == 2 and all(x > 0 for x in m) for m in v["odd"]["step_ms"])
@@ -520,43 +546,47 @@ def test_steps_ab_runs_each_variant_with_its_choices_and_flags_changed_replies(m
     steps.print_steps(harness.environment(), res, "tiny")
     out = capsys.readouterr().out
     assert "| odd | mma_loads_ahead 3 |" in out and out.count("| NO |") == 1
-    for bad in ("nochoices", "x=not_a_choice:1", "x=experts_loads_ahead:one", "x=mma_loads_ahead@k/1:2"):
+    for bad in ("nochoices", "x=not_a_choice:1", "x=experts_loads_ahead:one", "x=mma_loads_ahead@k/1:2",
+                "x=gemv_fill:8"):  # (a value, not a function of the layout)
         with pytest.raises(SystemExit, match="--variant"):
             steps.parse_variant(bad)
 
 
-def _stub_layouts(monkeypatch, kernel: str, stub) -> None:
-    """`bench.py layouts` on the CPU as on a CUDA GPU, kernels.<kernel> stubbed: no copies or
-    chains timed, and the weights, which the stub never reads, zeros of their shapes (not a
-    GiB of random codes at the release's shapes)."""
+@contextlib.contextmanager
+def _stub_layouts(monkeypatch, kernel: str, stub):
+    """Inside: `bench.py layouts` runs on the CPU as on a CUDA GPU (kernels.dispatching),
+    kernels.<kernel> stubbed: no copies or chains timed, and the weights, which the stub never
+    reads, zeros of their shapes (not a GiB of random codes at the release's shapes)."""
     from dsv41_mlx import kernels
 
     def zeros(dtype):
         return lambda shape, fp4=False: mx.broadcast_to(mx.array(0, dtype), shape)
 
-    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
     monkeypatch.setattr(kernels, kernel, stub)
     monkeypatch.setattr(layouts, "copy_bandwidth", lambda *a: 3.5e12)
     monkeypatch.setattr(layouts, "chained", lambda run, x0: (run(x0, 1), 1e-5)[1])
     monkeypatch.setattr(layouts, "random_words", zeros(mx.uint32))
     monkeypatch.setattr(layouts, "random_scales", zeros(mx.uint8))
+    with kernels.dispatching("cuda"):
+        yield
 
 
 def test_layouts_time_fp8_mma_tiles_and_loads_ahead_together(monkeypatch):
     """`bench.py layouts --kernels fp8_mma`, its GPU kernel stubbed: every shape and count of rows
-    launched under each tile height (kernels.mma_tile_rows) with each U, labelled TR/U, the
+    launched under each tile height (Layout.mma_tile_rows) with each U, labelled TR/U, the
     package's pair marked the default."""
-    from dsv41_mlx import kernels
+    from dsv41_mlx.kernels import tuning
 
     seen = []
 
     def stub(x, w, scales, **kw):
-        n, k = w.shape[0], 4 * w.shape[1]
-        seen.append((k, kw["real_rows"], kernels.mma_tile_rows(n, k), kernels.mma_loads_ahead(k, kw["real_rows"])))
+        n, k, layout = w.shape[0], 4 * w.shape[1], tuning.current()
+        seen.append((k, kw["real_rows"], layout.mma_tile_rows(n, k), layout.mma_loads_ahead(k, kw["real_rows"])))
         return x * 1
 
-    _stub_layouts(monkeypatch, "fp8_gemv", stub)
-    res = layouts.bench_layouts((1, 6), which=("fp8_mma",))
+    package = tuning.current()
+    with _stub_layouts(monkeypatch, "fp8_gemv", stub):
+        res = layouts.bench_layouts((1, 6), which=("fp8_mma",))
     assert len(res["cases"]) == 4 * 2 * 8 and {c["layout"] for c in res["cases"]} == {
         f"{tr}/{u}" for tr in (32, 16) for u in (2, 4, 6, 8)}
     for k in (1280, 8192, 5120, 2304):
@@ -564,33 +594,34 @@ def test_layouts_time_fp8_mma_tiles_and_loads_ahead_together(monkeypatch):
             assert {(tr, u) for kk, r, tr, u in seen if (kk, r) == (k, rows)} >= {(16, 2), (32, 8)}
             default = [c["layout"] for c in res["cases"] if c["default"] and c["shape"].startswith(f"{k} ")
                        and c["rows"] == rows]
-            assert default == [f"{kernels.mma_tile_rows(1, k)}/{kernels.mma_loads_ahead(k, rows)}"]
-    assert kernels.mma_tile_rows(4608, 5120) == 32  # restored
+            assert default == [f"{package.mma_tile_rows(1, k)}/{package.mma_loads_ahead(k, rows)}"]
+    assert tuning.current() is package  # restored
 
 
 def test_layouts_time_fp4_experts_loads_ahead(monkeypatch):
     """`bench.py layouts --kernels fp4_experts`, its GPU kernel stubbed: w13 and w2 at each count
-    of rows launched under each U (kernels.experts_loads_ahead), the package's U marked the
+    of rows launched under each U (Layout.experts_loads_ahead), the package's U marked the
     default."""
-    from dsv41_mlx import kernels
+    from dsv41_mlx.kernels import tuning
 
     seen = []
 
     def stub(x, w, scales, ids, rows=None, **kw):
         k = 8 * w.shape[2]
-        seen.append((k, rows, kernels.experts_loads_ahead(rows, k)))
+        seen.append((k, rows, tuning.current().experts_loads_ahead(rows, k)))
         return x * 1
 
-    package_u = {(k, rows): kernels.experts_loads_ahead(rows, k) for k in (5120, 2304) for rows in (1, 6)}
-    _stub_layouts(monkeypatch, "fp4_experts", stub)
-    res = layouts.bench_layouts((1, 6), which=("fp4_experts",), experts=6)
+    package = tuning.current()
+    package_u = {(k, rows): package.experts_loads_ahead(rows, k) for k in (5120, 2304) for rows in (1, 6)}
+    with _stub_layouts(monkeypatch, "fp4_experts", stub):
+        res = layouts.bench_layouts((1, 6), which=("fp4_experts",), experts=6)
     assert len(res["cases"]) == 2 * 2 * 4 and {c["layout"] for c in res["cases"]} == {1, 2, 3, 4}
     for (k, rows), u in package_u.items():
         assert {uu for kk, r, uu in seen if (kk, r) == (k, rows)} == {1, 2, 3, 4}
         default = [c["layout"] for c in res["cases"] if c["default"] and c["rows"] == rows
                    and c["shape"].startswith(f"{k} ")]
         assert default == [u]
-    assert {key: kernels.experts_loads_ahead(key[1], key[0]) for key in package_u} == package_u  # restored
+    assert tuning.current() is package  # restored
 
 
 def test_layouts_launch_fp8_mma_hc_as_a_forward_does(monkeypatch):
@@ -598,7 +629,7 @@ def test_layouts_launch_fp8_mma_hc_as_a_forward_does(monkeypatch):
     expert's w2 launches get a forward's arguments (x [8, K] bf16 quantised in the kernel, the
     stream, the computed rows, the routed experts' parts added to the shared w2's), each U
     candidate in turn, every count of rows."""
-    from dsv41_mlx import kernels
+    from dsv41_mlx.kernels import tuning
 
     seen = []
 
@@ -607,12 +638,12 @@ def test_layouts_launch_fp8_mma_hc_as_a_forward_does(monkeypatch):
         assert x.shape == (S, 4 * w.shape[1]) and x.dtype == mx.bfloat16 and w.shape[0] == n == scales.shape[0]
         assert scales.shape[1] * 32 == x.shape[1] and onto.fn.shape == ((2 + hc) * hc, hc * n)
         parts = kw["parts"]
-        seen.append((x.shape[1], kw["real_rows"], kernels.mma_loads_ahead(x.shape[1], kw["real_rows"]),
+        seen.append((x.shape[1], kw["real_rows"], tuning.current().mma_loads_ahead(x.shape[1], kw["real_rows"]),
                      kw["quantize_input"], None if parts is None else parts.shape))
         return onto.residual * 1, None
 
-    _stub_layouts(monkeypatch, "fp8_into_stream", stub)
-    res = layouts.bench_layouts((1, 6), which=("fp8_mma_hc",))
+    with _stub_layouts(monkeypatch, "fp8_into_stream", stub):
+        res = layouts.bench_layouts((1, 6), which=("fp8_mma_hc",))
     assert len(res["cases"]) == 2 * 2 * 4 and all(c["kernel"] == "fp8_mma_hc" for c in res["cases"])
     for k, parts in ((8192, None), (2304, (6, 6, 5120))):
         for rows in (1, 6):

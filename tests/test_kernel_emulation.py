@@ -12,11 +12,17 @@ one that gave the spec's numbers on an H200)."""
 
 from __future__ import annotations
 
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 import mlx.core as mx
 from dsv41_mlx import kernels
+from dsv41_mlx.kernels.tuning import Layout
 from tests.metal_check import clang
 from tests.kernel_emulation import run, start
 
@@ -27,6 +33,7 @@ def _clang_present():
 
 
 E, KS, N, K = 5, 3, 64, 512
+LAYOUT = Layout()  # the package's launch layout, as a forward takes it
 
 
 def _inputs(rows: int, per_slot: bool, quantise_first: bool, seed: int, k: int = K):
@@ -102,8 +109,8 @@ def test_fp4_experts_runs_its_spec_on_the_host(language, rows, per_slot, qx, sw,
     want = kernels.fp4_experts_reference(x, mx.array(codes), mx.array(scales), mx.array(ids),
                                          quantize_input=bool(qx), swiglu=act)
     got = _fp4_experts_on_the_host(kernels.FP4_EXPERTS, language, x, codes, scales, ids, weights,
-                                   {"NH": kernels.mma_column_groups(rows), "QX": qx, "SW": sw, "ONE": int(rows == 1),
-                                    "U": kernels.experts_loads_ahead(rows, K), "PX": 0}, N // 2 if sw else N, tmp_path)
+                                   {"NH": LAYOUT.mma_column_groups(rows), "QX": qx, "SW": sw, "ONE": int(rows == 1),
+                                    "U": LAYOUT.experts_loads_ahead(rows, K), "PX": 0}, N // 2 if sw else N, tmp_path)
     _assert_within_rounding(got, want)
 
 
@@ -116,10 +123,10 @@ def test_fp4_experts_runs_its_spec_on_the_host(language, rows, per_slot, qx, sw,
 ])
 def test_fp4_experts_on_prepared_x_gives_the_same_bits(language, rows, per_slot, qx, sw, tmp_path):
     """x through mma_x_prep first (PX = 1: x / s and s a block, made once) gives fp4_experts the
-    very bits it computes from x itself (PX = 0), so kernels.experts_prepare_x may choose either."""
+    very bits it computes from x itself (PX = 0), so Layout.experts_prepare_x may choose either."""
     codes, scales, ids, x, weights = _inputs(rows, per_slot, quantise_first=not qx, seed=rows + 20)
-    template = {"NH": kernels.mma_column_groups(rows), "QX": qx, "SW": sw, "ONE": int(rows == 1),
-                "U": kernels.experts_loads_ahead(rows, K)}
+    template = {"NH": LAYOUT.mma_column_groups(rows), "QX": qx, "SW": sw, "ONE": int(rows == 1),
+                "U": LAYOUT.experts_loads_ahead(rows, K)}
     n_out = N // 2 if sw else N
     launches = [_fp4_experts_start(kernels.FP4_EXPERTS, language, x, codes, scales, ids, weights,
                                    {**template, "PX": px}, n_out, tmp_path) for px in (0, 1)]
@@ -135,12 +142,12 @@ def test_fp4_experts_on_prepared_x_gives_the_same_bits(language, rows, per_slot,
 ])
 def test_fp4_experts_gives_the_same_bits_whatever_its_loads_ahead(rows, per_slot, qx, sw, px, tmp_path):
     """The CUDA walk's U (the blocks whose loads a warp issues before it uses the first:
-    kernels.experts_loads_ahead: 1 for one row of a short K, else 2) moves no bit: each block's sums
+    Layout.experts_loads_ahead: 1 for one row of a short K, else 2) moves no bit: each block's sums
     are added in the same order. A decode step's row and the same row in a verify forward
     launch with different U, and drafts on must give the bits of drafts off."""
     # K 2304 (w2's): 9 blocks a warp, not a multiple of U
     codes, scales, ids, x, weights = _inputs(rows, per_slot, quantise_first=not qx, seed=rows + 40, k=2304)
-    template = {"NH": kernels.mma_column_groups(rows), "QX": qx, "SW": sw, "ONE": int(rows == 1), "PX": px}
+    template = {"NH": LAYOUT.mma_column_groups(rows), "QX": qx, "SW": sw, "ONE": int(rows == 1), "PX": px}
     n_out = N // 2 if sw else N
     launches = [_fp4_experts_start(kernels.FP4_EXPERTS, "cuda", x, codes, scales, ids, weights,
                                    {**template, "U": u}, n_out, tmp_path) for u in (1, 2, 4)]
@@ -214,7 +221,8 @@ def test_fp8_rows_runs_its_spec_on_the_host(language, rows, tmp_path):
                                           "scales": ("uint8", np.array(w.scales))},
               {"top_vals": ("float32", rows * tiles * 64), "top_ids": ("int32", rows * tiles * 64)},
               {"R": rows, "K": k, "N": n, "TILES": tiles}, tiles, tmp_path)
-    vals, ids = kernels._best(mx.array(out["top_vals"].reshape(rows, -1)), mx.array(out["top_ids"].reshape(rows, -1)))
+    vals, ids = kernels.top_k_best(mx.array(out["top_vals"].reshape(rows, -1)),
+                                   mx.array(out["top_ids"].reshape(rows, -1)))
     want_vals, _ = kernels.fp8_rows_reference(x, w)
     logits = np.array(x.astype(mx.float32) @ w.dequantize().T)
     vals, ids, want_vals = np.array(vals), np.array(ids), np.array(want_vals)
@@ -277,7 +285,7 @@ def _fp8_gemm_on_the_host(spec, language, rows, out_rows, qx, sw, ap, template, 
 def test_fp8_gemv_runs_its_spec_on_the_host(language, rows, qx, sw, ap, tmp_path):
     """The scalar FP8 GEMV (a thread group of C threads per T outputs, the simdgroups' sums
     added in order) with its QX / SW / AP epilogues and a padded forward's zero rows."""
-    rb, t = kernels.gemv_layout(rows)
+    rb, t = LAYOUT.gemv_layout(rows)
     c = kernels.gemv_threads_per_output(512, 64)
     _fp8_gemm_on_the_host(kernels.FP8_GEMV, language, rows, 8, qx, sw, ap,
                           {"RB": rb, "T": t, "C": c, "QX": qx, "SW": sw, "AP": ap, "SPLIT": 0}, 64 // (256 // c * t),
@@ -298,7 +306,7 @@ def test_fp8_gemv_pair_writes_each_matrix_apart_on_the_host(language, rows, out_
     n, k, split = 64, 512, 32
     w, s = random_words((n, k // 4)), random_scales((n, k // 32))
     x = fp8_fake_quant_reference(mx.random.normal((out_rows, k))).astype(mx.bfloat16)
-    rb, t = kernels.gemv_layout(rows)
+    rb, t = LAYOUT.gemv_layout(rows)
     c = kernels.gemv_threads_per_output(k, n)
     inputs = {"x": ("bfloat16", _bf16_bits(x)), "w": ("uint32", np.array(w)), "scales": ("uint8", np.array(s)),
               "sizes": ("int32", np.array([rows, n, k, 1, out_rows])), "swiglu": ("float32", np.array([0.0])),
@@ -329,8 +337,8 @@ def test_fp8_gemv_pair_writes_each_matrix_apart_on_the_host(language, rows, out_
 def test_fp8_mma_runs_its_spec_on_the_host(language, rows, out_rows, qx, sw, ap, tmp_path):
     """fp8_gemv's large matrices on the matrix unit (fp8_mma), the one-row path included."""
     _fp8_gemm_on_the_host(kernels.FP8_MMA, language, rows, out_rows, qx, sw, ap,
-                          {"NH": kernels.mma_column_groups(rows), "QX": qx, "SW": sw, "AP": ap, "ONE": int(rows == 1),
-                           "U": kernels.mma_loads_ahead(512, rows), "TR": 32}, 64 // 32, tmp_path)
+                          {"NH": LAYOUT.mma_column_groups(rows), "QX": qx, "SW": sw, "AP": ap, "ONE": int(rows == 1),
+                           "U": LAYOUT.mma_loads_ahead(512, rows), "TR": 32}, 64 // 32, tmp_path)
 
 
 @pytest.mark.parametrize("language", ["metal", "cuda"])
@@ -341,7 +349,7 @@ def test_fp8_mma_runs_its_spec_on_the_host(language, rows, out_rows, qx, sw, ap,
     (9, 16, 0, 1, 0),   # two column groups (NH 2)
 ])
 def test_fp8_mma_tiles_of_16_rows_give_the_same_bits(language, rows, out_rows, qx, sw, ap, tmp_path):
-    """fp8_mma's tiles of 16 weight rows (TR 16, kernels.mma_tile_rows: twice the threadgroups)
+    """fp8_mma's tiles of 16 weight rows (TR 16, Layout.mma_tile_rows: twice the threadgroups)
     give every output the bits of 32-row tiles: the same products summed in the same order
     (the padding rows zeros both ways), and so the spec's values."""
     from dsv41_mlx.quant import fp8_fake_quant_reference
@@ -360,8 +368,8 @@ def test_fp8_mma_tiles_of_16_rows_give_the_same_bits(language, rows, out_rows, q
     launches = {}
     for tr in (32, 16):
         (tmp_path / str(tr)).mkdir()
-        template = {"NH": kernels.mma_column_groups(rows), "QX": qx, "SW": sw, "AP": ap, "ONE": int(rows == 1),
-                    "U": kernels.mma_loads_ahead(k, rows), "TR": tr}
+        template = {"NH": LAYOUT.mma_column_groups(rows), "QX": qx, "SW": sw, "AP": ap, "ONE": int(rows == 1),
+                    "U": LAYOUT.mma_loads_ahead(k, rows), "TR": tr}
         launches[tr] = start(kernels.FP8_MMA, language, inputs, {"y": ("bfloat16", out_rows * n_out)}, template,
                              n // tr, tmp_path / str(tr))
     got = {tr: launch()["y"] for tr, launch in launches.items()}
@@ -403,8 +411,8 @@ def test_fp8_mma_into_the_stream_runs_its_spec_on_the_host(language, rows, out_r
     common = {"x": ("bfloat16", _bf16_bits(x)), "w": ("uint32", np.array(w)), "scales": ("uint8", np.array(s)),
               "sizes": ("int32", np.array([rows, n, k, 1, out_rows])),
               "parts": ("bfloat16", _bf16_bits(parts) if ap else np.zeros(1, np.uint16))}
-    template = {"NH": kernels.mma_column_groups(rows), "QX": qx, "AP": ap, "ONE": int(rows == 1),
-                "U": kernels.mma_loads_ahead(k, rows), "TR": 32}
+    template = {"NH": LAYOUT.mma_column_groups(rows), "QX": qx, "AP": ap, "ONE": int(rows == 1),
+                "U": LAYOUT.mma_loads_ahead(k, rows), "TR": 32}
     (tmp_path / "y").mkdir()
     y = start(kernels.FP8_MMA, language, {**common, "swiglu": ("float32", np.array([0.0]))},
               {"y": ("bfloat16", out_rows * n)}, {**template, "SW": 0}, n // 32, tmp_path / "y")
@@ -469,7 +477,7 @@ def _head_start(language, x, w, rows, workdir):
     (S, D), V = x.shape, w.shape[0]
     launch = start(kernels.HEAD_LOGITS, language, {
         "x": ("bfloat16", _bf16_bits(x)), "w": ("bfloat16", _bf16_bits(w)), "sizes": ("int32", np.array([rows, V, D, S]))},
-        {"y": ("float32", S * V)}, {"R": kernels.head_row_bound(rows)}, V // 32, workdir)
+        {"y": ("float32", S * V)}, {"R": LAYOUT.head_row_bound(rows)}, V // 32, workdir)
     return lambda: launch()["y"].reshape(S, V)
 
 
@@ -509,16 +517,16 @@ def _gate_scores_start(language, x, w, temp, rb, workdir):
 @pytest.mark.parametrize("language", ["metal", "cuda"])
 @pytest.mark.parametrize("rows", [1, 6, 9])
 def test_moe_gate_scores_runs_its_spec_on_the_host(language, rows, tmp_path):
-    """The router's scores at kernels.gate_row_bound's RB: sqrt(softplus(x . w / temp)) with the
+    """The router's scores at Layout.gate_row_bound's RB: sqrt(softplus(x . w / temp)) with the
     dot within the bound of a float32 sum of exact products (against float64), and a row the
     same bits when it is summed alone (RB 1, a decode step) as among others (RB 8 or 16)."""
     rng = np.random.default_rng(rows)
     E, D, temp = 7, 600, 1.5  # D: three features a thread, the last pass partly past the end
     x = mx.array(rng.standard_normal((rows, D)).astype(np.float32)).astype(mx.bfloat16)
     w = mx.array((rng.standard_normal((E, D)) * 0.05).astype(np.float32))
-    rb = kernels.gate_row_bound(rows)
+    rb = LAYOUT.gate_row_bound(rows)
     batch = _gate_scores_start(language, x, w, temp, rb, tmp_path / "batch")
-    alone = _gate_scores_start(language, x[:1], w, temp, kernels.gate_row_bound(1), tmp_path / "alone")
+    alone = _gate_scores_start(language, x[:1], w, temp, LAYOUT.gate_row_bound(1), tmp_path / "alone")
     got = batch()
     xs, ws = np.array(x.astype(mx.float32), np.float64), np.array(w, np.float64)
     dots, size = xs @ ws.T, np.abs(xs) @ np.abs(ws).T
@@ -526,7 +534,7 @@ def test_moe_gate_scores_runs_its_spec_on_the_host(language, rows, tmp_path):
     assert np.all(np.abs(dots / temp) < 20)
     back = np.log(np.expm1(got.astype(np.float64) ** 2)) * temp
     assert np.all(np.abs(back - dots) <= D * 2.0 ** -24 * size + 1e-5 * np.maximum(1.0, np.abs(dots)))
-    assert kernels.gate_row_bound(1) == 1 and (rows == 1 or rb > 1)
+    assert LAYOUT.gate_row_bound(1) == 1 and (rows == 1 or rb > 1)
     assert np.array_equal(alone()[0].view(np.uint32), got[0].view(np.uint32))
 
 
@@ -599,3 +607,61 @@ def test_rows_gate_takes_a_release_and_reports_giving_up(tmp_path):
                   tmp_path, read_back=("flag",))
         assert got["status"].tolist() == status and got["flag"].tolist() == after
         assert np.array_equal(got["out"], rows)
+
+
+def _emulated(language: str, workdir) -> Callable:
+    """A kernel builder for kernels.dispatching that runs each launch's body on the host
+    (kernel_emulation.run): its inputs as the wrapper hands them, its outputs back as MLX
+    arrays of the shapes asked, each launch in a folder of its own under workdir."""
+    names = {mx.bfloat16: "bfloat16", mx.float32: "float32", mx.uint32: "uint32", mx.uint16: "uint16",
+             mx.uint8: "uint8", mx.int32: "int32"}
+    count = itertools.count()
+
+    def build(spec, impl):
+        def launch(inputs, template, grid, threadgroup, output_shapes, output_dtypes, init_value=None):
+            assert threadgroup == (256, 1, 1) and init_value is None  # (what the emulation runs)
+            folder = workdir / f"{spec.name}-{next(count)}"
+            folder.mkdir()
+            arrays = {n: (names[a.dtype], np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a))
+                      for n, a in zip(spec.inputs, inputs)}
+            constants = {k: names[v] if isinstance(v, mx.Dtype) else int(v) for k, v in template}
+            outputs = {n: (names[d], math.prod(shape))
+                       for n, shape, d in zip(spec.outputs, output_shapes, output_dtypes)}
+            got = run(spec, language, arrays, outputs, constants, grid[0] // 256, folder)
+            return [(mx.array(got[n]).view(mx.bfloat16) if d == mx.bfloat16 else mx.array(got[n])).reshape(shape)
+                    for n, shape, d in zip(spec.outputs, output_shapes, output_dtypes)]
+
+        return launch
+
+    return build
+
+
+@pytest.mark.parametrize("language", ["metal", "cuda"])
+def test_the_gemm_wrappers_give_the_same_bits_under_another_launch_layout(language, tmp_path):
+    """kernels.fp8_gemv on the matrix unit and kernels.fp4_experts, their launches run on the
+    host (kernels.dispatching), give every output the same bits under the package's Layout and
+    under one of other tile rows, blocks loaded ahead and x preparation: a decode step's one
+    computed row and a verify forward's six, of a padded forward of 8."""
+    from dsv41_mlx.kernels import tuning
+    from dsv41_mlx.quant import fp8_fake_quant_reference
+    from scripts.benchmarks.harness import random_scales, random_words
+
+    mx.random.seed(90)
+    w, s = random_words((N, K // 4)), random_scales((N, K // 32))
+    x = mx.random.normal((8, K)).astype(mx.bfloat16)
+    codes, scales, ids, xe, _ = _inputs(8, False, quantise_first=True, seed=91)
+    experts = (mx.array(codes), mx.array(scales), mx.array(ids))
+    package = replace(tuning.current(), mma_min_outputs=N)  # (N outputs: the matrix unit under both)
+    other = replace(package, mma_tile_rows=lambda n, k: 16, mma_loads_ahead=lambda k, rows: 4,
+                    experts_loads_ahead=lambda rows, k: 3, experts_prepare_x=lambda rows: rows == 1)
+    got = []
+    with kernels.dispatching(language, _emulated(language, tmp_path)):
+        for layout in (package, other):
+            with tuning.using(layout):
+                got.append([kernels.fp8_gemv(x, w, s, quantize_input=True, real_rows=rows) for rows in (1, 6)]
+                           + [kernels.fp4_experts(xe, *experts, rows=rows) for rows in (1, 6)])
+    want = [kernels.fp8_gemv_reference(fp8_fake_quant_reference(x), w, s, real_rows=rows) for rows in (1, 6)]
+    want += [kernels.fp4_experts_reference(xe, *experts, rows=rows) for rows in (1, 6)]
+    for a, b, spec in zip(*got, want):
+        assert mx.array_equal(a, b).item()
+        _assert_within_rounding(np.array(a.view(mx.uint16)).reshape(-1), spec)

@@ -22,7 +22,7 @@ from dsv41_mlx.cache import DraftCache
 from dsv41_mlx.kernels import (ACT_QUANT, FP4_QUANT, FP8_ROWS, HC_INPUT, HC_MIX, HEAD_LOGITS, ROWS_GATE,
                                HC_POST_MIX, HC_SPLIT, MOE_GATE_SCORES, MOE_GATE_TOPK, RING_WRITE, RMS_NORM, RMS_NORM_PAIR,
                                SPARSE_ATTENTION, TOP_K,
-                               fp8_rows_top64, moe_gate, moe_gate_reference, ring_write, ring_write_reference)
+                               fp8_rows_top64, moe_gate, moe_gate_reference, ring_write, ring_write_reference, tuning)
 from dsv41_mlx.quant import e4m3_decode, e8m0_decode, quantize_fp8_tiles, quantize_fp8_tiles_mx
 
 from scripts.kernel_checks import nvrtc
@@ -168,7 +168,7 @@ CASES = {
     # (the simdgroups: 16 on CUDA, 8 on Metal; both forms in both languages)
     "sparse_attention": (SPARSE_ATTENTION, *ATTENTION_IO,
                          {"D": 512, "H": 64, "G": 2, "W": 128, "K": 512, "RD": 64, "WARPS": 16}),
-    # CUDA's one-row layout (kernels.ATTENTION_ONE_ROW): one head, 32 warps a threadgroup
+    # CUDA's one-row layout (Layout.attention_one_row): one head, 32 warps a threadgroup
     "sparse_attention_one_row": (SPARSE_ATTENTION, *ATTENTION_IO,
                                  {"D": 512, "H": 64, "G": 1, "W": 128, "K": 512, "RD": 64, "WARPS": 32}),
     "sparse_attention_window_only": (SPARSE_ATTENTION, *ATTENTION_IO,
@@ -209,7 +209,7 @@ CASES = {
     "fp4_experts": experts_case(NH=1),
     "fp4_experts_16_rows": experts_case(NH=2),
     "fp4_experts_quantizing": experts_case(NH=1, QX=1, ONE=1),
-    "fp4_experts_one_row_two_ahead": experts_case(NH=1, SW=2, ONE=1, U=2),  # w13's (kernels.experts_loads_ahead)
+    "fp4_experts_one_row_two_ahead": experts_case(NH=1, SW=2, ONE=1, U=2),  # w13's (Layout.experts_loads_ahead)
     "fp4_experts_swiglu": experts_case(NH=1, SW=2),
     "fp4_experts_swiglu_16_rows": experts_case(NH=2, QX=1, SW=1),
     "fp4_experts_prepared": experts_case(NH=1, SW=2, PX=1),
@@ -220,10 +220,10 @@ CASES = {
     "fp8_mma": mma_case(NH=1),
     "fp8_mma_16_rows": mma_case(NH=2),
     "fp8_mma_quantizing": mma_case(NH=1, QX=1, ONE=1),
-    "fp8_mma_one_row_short": mma_case(NH=1, QX=1, ONE=1, U=2),  # wq_b's (kernels.mma_loads_ahead)
+    "fp8_mma_one_row_short": mma_case(NH=1, QX=1, ONE=1, U=2),  # wq_b's (Layout.mma_loads_ahead)
     "fp8_mma_swiglu": mma_case(NH=1, QX=1, SW=1),
     "fp8_mma_parts_16_rows": mma_case(NH=2, AP=6),
-    # 16-row tiles (kernels.mma_tile_rows): one m group a tile, two lanes a weight row on Metal
+    # 16-row tiles (Layout.mma_tile_rows): one m group a tile, two lanes a weight row on Metal
     "fp8_mma_16_row_tiles_one_row": mma_case(NH=1, QX=1, SW=1, ONE=1, TR=16),
     "fp8_mma_16_row_tiles": mma_case(NH=2, AP=6, TR=16),
     # wo_b of a decode step and the shared expert's w2 of a verify step, their output put into the stream
@@ -451,7 +451,7 @@ def test_hc_split_lanes_gives_hc_split_rows_bits(tmp_path):
 
     def build(kernel_dir, name):
         (tmp_path / f"{name}.cpp").write_text(LANES_HARNESS)
-        return subprocess.Popen([clang(), "-std=c++20", "-O1", "-I", str(kernel_dir), "-I", str(kernels._kernel_dir()),
+        return subprocess.Popen([clang(), "-std=c++20", "-O1", "-I", str(kernel_dir), "-I", str(kernels.kernel_dir()),
                                  "-I", str(EMULATION), str(tmp_path / f"{name}.cpp"), "-o", str(tmp_path / name)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -465,7 +465,7 @@ def test_hc_split_lanes_gives_hc_split_rows_bits(tmp_path):
     broken.mkdir()
     (broken / "hc_split_lanes.cuh").write_text(
         text.replace(column, column.replace("int i = 0; i < HC; i++", "int i = HC - 1; i >= 0; i--")))
-    builds = [build(kernels._kernel_dir(), "same"), build(broken, "other_order")]  # both at once
+    builds = [build(kernels.kernel_dir(), "same"), build(broken, "other_order")]  # both at once
     for b in builds:
         errors = b.communicate(timeout=300)[1]
         assert b.returncode == 0, errors
@@ -1093,7 +1093,8 @@ def test_attention_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatch):
 
     def warps_dependent(*args, impl=None):  # sums in another order at another simdgroup count
         out = spec(*args)
-        return out if kernels.ATTENTION_WARPS.get(impl) != 8 else (out.astype(mx.float32) * 1.05).astype(mx.bfloat16)
+        eight = tuning.current().attention_warps.get(impl) == 8
+        return (out.astype(mx.float32) * 1.05).astype(mx.bfloat16) if eight else out
 
     monkeypatch.setattr(check, "sparse_attention_rows", lambda *a, impl=None: spec(*a))
     assert check.check_sparse_attention("mlx", seed=4) == []
@@ -1145,18 +1146,18 @@ def test_custom_kernels_can_be_switched_off_on_a_gpu(monkeypatch):
     what the device is, and so the GEMMs' input dtype, stays."""
     from dsv41_mlx import kernels, quant
 
-    monkeypatch.setattr(kernels, "device_backend", lambda: "cuda")
     monkeypatch.delenv("DSV41_MLX_KERNELS", raising=False)
     kernels.kernels_switched_off.cache_clear()  # (read once a process: as a new process reads it)
-    assert kernels.backend() == "cuda"
-    monkeypatch.setenv("DSV41_MLX_KERNELS", "0")
-    assert kernels.backend() == "cuda"  # the process read it already
-    kernels.kernels_switched_off.cache_clear()
-    try:
-        assert kernels.backend() == "mlx"
-        assert quant.gemm_input_dtype() == mx.bfloat16
-    finally:
-        kernels.kernels_switched_off.cache_clear()  # the next reader reads the restored environment
+    with kernels.dispatching(device="cuda"):
+        assert kernels.backend() == "cuda"
+        monkeypatch.setenv("DSV41_MLX_KERNELS", "0")
+        assert kernels.backend() == "cuda"  # the process read it already
+        kernels.kernels_switched_off.cache_clear()
+        try:
+            assert kernels.backend() == "mlx"
+            assert quant.gemm_input_dtype() == mx.bfloat16
+        finally:
+            kernels.kernels_switched_off.cache_clear()  # the next reader reads the restored environment
 
 
 def test_fp4_check_passes_the_spec_and_flags_a_wrong_kernel(monkeypatch):
@@ -1214,7 +1215,7 @@ void split(constant float* scale, const device float* base, device float* pre, d
         assert (out.returncode == 0) == ok, out.stderr
 
 
-def test_kernel_arguments_are_made_once_per_value(monkeypatch):
+def test_kernel_arguments_are_made_once_per_value():
     """A kernel's small arguments (sizes, epsilons) are made once per value and passed again
     on every later call, so that a forward allocates none on the host."""
     from dsv41_mlx import kernels
@@ -1227,18 +1228,18 @@ def test_kernel_arguments_are_made_once_per_value(monkeypatch):
             return [mx.zeros(shape, dtype=dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
         return run
 
-    monkeypatch.setattr(kernels, "_compiled", compiled)
-    x, w = mx.ones((3, 64), dtype=mx.bfloat16), mx.ones((64,))
-    for _ in range(2):
-        kernels.rms_norm(x, w, 1e-6, impl="cuda")
-    (eps_a, sizes_a, *rope_a), (eps_b, sizes_b, *rope_b) = seen  # rope: the placeholders, made once too
-    assert eps_a is eps_b and sizes_a is sizes_b and all(a is b for a, b in zip(rope_a, rope_b))
-    assert sizes_a.tolist() == [3, 64] and sizes_a.dtype == mx.int32 and eps_a.dtype == mx.float32
-    kernels.rms_norm(x[:2], w, 1e-6, impl="cuda")
-    assert seen[-1][1].tolist() == [2, 64]
+    with kernels.dispatching(build=compiled):
+        x, w = mx.ones((3, 64), dtype=mx.bfloat16), mx.ones((64,))
+        for _ in range(2):
+            kernels.rms_norm(x, w, 1e-6, impl="cuda")
+        (eps_a, sizes_a, *rope_a), (eps_b, sizes_b, *rope_b) = seen  # rope: the placeholders, made once too
+        assert eps_a is eps_b and sizes_a is sizes_b and all(a is b for a, b in zip(rope_a, rope_b))
+        assert sizes_a.tolist() == [3, 64] and sizes_a.dtype == mx.int32 and eps_a.dtype == mx.float32
+        kernels.rms_norm(x[:2], w, 1e-6, impl="cuda")
+        assert seen[-1][1].tolist() == [2, 64]
 
 
-def test_gemv_threads_per_output_default_by_shape_and_can_be_set_for_benchmarks(monkeypatch):
+def test_gemv_threads_per_output_default_by_shape_and_can_be_set_for_benchmarks():
     """fp8_gemv launches with C = gemv_threads_per_output(K, N * G) unless told otherwise (bench.py
     gemms --threads), its grid sized for C; a C other than 32, 64, 128 or 256 is refused. The rule:
     the fewest threads that leave each at most 10 steps of 16 inputs and, given the matrix's outputs,
@@ -1258,17 +1259,17 @@ def test_gemv_threads_per_output_default_by_shape_and_can_be_set_for_benchmarks(
             return [mx.zeros(shape, dtype=dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
         return run
 
-    monkeypatch.setattr(kernels, "_compiled", compiled)
-    x, w, s = mx.zeros((8, 5120), dtype=mx.bfloat16), mx.zeros((512, 1280), dtype=mx.uint32), mx.zeros((512, 160))
-    kernels.fp8_gemv(x, w, s, impl="cuda")
-    kernels.fp8_gemv(x, w, s, impl="cuda", threads=128)
-    assert seen == [(256, 512 // (256 // 256 * 2) * 256), (128, 512 // (256 // 128 * 2) * 256)]  # 8 rows: T = 2
-    for bad in (48, 512):
-        with pytest.raises(ValueError, match="threads per output"):
-            kernels.fp8_gemv(x, w, s, impl="cuda", threads=bad)
+    with kernels.dispatching(build=compiled):
+        x, w, s = mx.zeros((8, 5120), dtype=mx.bfloat16), mx.zeros((512, 1280), dtype=mx.uint32), mx.zeros((512, 160))
+        kernels.fp8_gemv(x, w, s, impl="cuda")
+        kernels.fp8_gemv(x, w, s, impl="cuda", threads=128)
+        assert seen == [(256, 512 // (256 // 256 * 2) * 256), (128, 512 // (256 // 128 * 2) * 256)]  # 8 rows: T = 2
+        for bad in (48, 512):
+            with pytest.raises(ValueError, match="threads per output"):
+                kernels.fp8_gemv(x, w, s, impl="cuda", threads=bad)
 
 
-def test_gemv_layout_bounds_the_computed_rows_by_a_power_of_two(monkeypatch):
+def test_gemv_layout_bounds_the_computed_rows_by_a_power_of_two():
     """The GEMV kernels' row bound RB is the least power of two holding the rows they compute
     (a padded forward's real rows: a 1-row decode runs RB = 1), T outputs per thread group 4
     at RB 1 and 2 above; the grid follows T. fp4_experts runs 8 pairs a pass on the matrix
@@ -1276,9 +1277,10 @@ def test_gemv_layout_bounds_the_computed_rows_by_a_power_of_two(monkeypatch):
     by mma_x_prep (a warp per row and block of 32 columns) where it computes more than one row."""
     from dsv41_mlx import kernels
 
-    assert [kernels.gemv_layout(r) for r in (1, 2, 3, 5, 8, 9, 16)] == [
+    layout = tuning.Layout()
+    assert [layout.gemv_layout(r) for r in (1, 2, 3, 5, 8, 9, 16)] == [
         (1, 4), (2, 2), (4, 2), (8, 2), (8, 2), (16, 2), (16, 2)]
-    assert [kernels.mma_column_groups(r) for r in (1, 6, 8, 9, 16)] == [1, 1, 1, 2, 2]
+    assert [layout.mma_column_groups(r) for r in (1, 6, 8, 9, 16)] == [1, 1, 1, 2, 2]
     seen = []
 
     def compiled(spec, language):
@@ -1289,35 +1291,34 @@ def test_gemv_layout_bounds_the_computed_rows_by_a_power_of_two(monkeypatch):
             return [mx.zeros(shape, dtype=dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
         return run
 
-    monkeypatch.setattr(kernels, "_compiled", compiled)
     x, w, s = mx.zeros((8, 4096), dtype=mx.bfloat16), mx.zeros((2048, 1024), dtype=mx.uint32), mx.zeros((2048, 128))
-    kernels.fp8_gemv(x, w, s, impl="cuda", real_rows=1)
-    kernels.fp8_gemv(x, w, s, impl="cuda", real_rows=6)
     we, se = mx.zeros((4, 64, 64), dtype=mx.uint32), mx.zeros((4, 64, 16))
-    kernels.fp4_experts(mx.zeros((3, 1, 512), dtype=mx.bfloat16), we, se, mx.zeros((3, 2), dtype=mx.uint32), impl="cuda")
-    kernels.fp4_experts(mx.zeros((9, 1, 512), dtype=mx.bfloat16), we, se, mx.zeros((9, 2), dtype=mx.uint32), impl="cuda")
-    kernels.fp4_experts(mx.zeros((8, 2, 512), dtype=mx.bfloat16), we, se, mx.zeros((8, 2), dtype=mx.uint32), impl="cuda",
-                        rows=1)
-    kernels.fp4_experts(mx.zeros((8, 2, 512), dtype=mx.bfloat16), we, se, mx.zeros((8, 2), dtype=mx.uint32), impl="cuda",
-                        rows=3)
-    per_tg = 256 // kernels.gemv_threads_per_output(4096, 2048)  # thread groups a threadgroup
-    assert seen == [("fp8_gemv", 1, 4, 2048 // (per_tg * 4) * 256, (8, 2048)),  # all 8 rows out, padding zeros
-                    ("fp8_gemv", 8, 2, 2048 // (per_tg * 2) * 256, (8, 2048)),
-                    ("mma_x_prep", 3 * 512, (3, 512)),  # x [3, 1, K]: its 3 rows
-                    ("fp4_experts", 1, 1, 3 * 2 * 64 // 32 * 256, (3, 2, 64)),
-                    ("mma_x_prep", 9 * 512, (9, 512)),
-                    ("fp4_experts", 2, 1, 9 * 2 * 64 // 32 * 256, (9, 2, 64)),
-                    ("fp4_experts", 1, 0, 1 * 2 * 64 // 32 * 256, (1, 2, 64)),  # one row: x as it is
-                    ("mma_x_prep", 3 * 2 * 512, (6, 512)),  # x [8, 2, K], 3 rows computed: its first 3 x 2
-                    ("fp4_experts", 1, 1, 3 * 2 * 64 // 32 * 256, (3, 2, 64))]
+    with kernels.dispatching(build=compiled):
+        kernels.fp8_gemv(x, w, s, impl="cuda", real_rows=1)
+        kernels.fp8_gemv(x, w, s, impl="cuda", real_rows=6)
+        for x_shape, ids_shape, rows in (((3, 1, 512), (3, 2), None), ((9, 1, 512), (9, 2), None),
+                                         ((8, 2, 512), (8, 2), 1), ((8, 2, 512), (8, 2), 3)):
+            kernels.fp4_experts(mx.zeros(x_shape, dtype=mx.bfloat16), we, se, mx.zeros(ids_shape, dtype=mx.uint32),
+                                impl="cuda", rows=rows)
+        per_tg = 256 // kernels.gemv_threads_per_output(4096, 2048)  # thread groups a threadgroup
+        assert seen == [("fp8_gemv", 1, 4, 2048 // (per_tg * 4) * 256, (8, 2048)),  # all 8 rows out, padding zeros
+                        ("fp8_gemv", 8, 2, 2048 // (per_tg * 2) * 256, (8, 2048)),
+                        ("mma_x_prep", 3 * 512, (3, 512)),  # x [3, 1, K]: its 3 rows
+                        ("fp4_experts", 1, 1, 3 * 2 * 64 // 32 * 256, (3, 2, 64)),
+                        ("mma_x_prep", 9 * 512, (9, 512)),
+                        ("fp4_experts", 2, 1, 9 * 2 * 64 // 32 * 256, (9, 2, 64)),
+                        ("fp4_experts", 1, 0, 1 * 2 * 64 // 32 * 256, (1, 2, 64)),  # one row: x as it is
+                        ("mma_x_prep", 3 * 2 * 512, (6, 512)),  # x [8, 2, K], 3 rows computed: its first 3 x 2
+                        ("fp4_experts", 1, 1, 3 * 2 * 64 // 32 * 256, (3, 2, 64))]
 
 
-def test_one_computed_row_takes_its_own_layouts(monkeypatch):
+def test_one_computed_row_takes_its_own_layouts():
     """Where a launch computes one row (a decode step: a padded forward of one real row), CUDA
-    runs its own layouts, which change no bit (scripts/check_kernels.py compares them): the
-    attention at one head and 32 warps a threadgroup (kernels.ATTENTION_ONE_ROW), fp8_mma with
-    2 blocks loaded ahead for a short K (kernels.mma_loads_ahead); more computed rows, a long K
-    and Metal keep the general ones. Keyed on the computed rows, not the padded forward's."""
+    runs the package's layouts for it, which change no bit (scripts/check_kernels.py compares
+    them): the attention at one head and 32 warps a threadgroup (Layout.attention_one_row),
+    fp8_mma with 2 blocks loaded ahead for a short K (Layout.mma_loads_ahead); more computed
+    rows, a long K and Metal keep the general ones. Keyed on the computed rows, not the padded
+    forward's."""
     from dsv41_mlx import kernels
 
     seen = []
@@ -1329,33 +1330,33 @@ def test_one_computed_row_takes_its_own_layouts(monkeypatch):
             return [mx.zeros(shape, dtype=dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
         return run
 
-    monkeypatch.setattr(kernels, "_compiled", compiled)
     S, H, D, W, K = 8, 4, 64, 8, 4
     q, ring = mx.zeros((S, H, D), dtype=mx.bfloat16), mx.zeros((16, D), dtype=mx.bfloat16)
     index, wmask = mx.zeros((S, W), dtype=mx.int32), mx.ones((S, W), dtype=mx.bool_)
     kv, ids, pmask = mx.zeros((16, D), dtype=mx.bfloat16), mx.zeros((S, K), dtype=mx.uint32), mx.ones((S, K), dtype=mx.bool_)
     rope = (mx.zeros((S, D // 2, 2)), mx.zeros((S, D // 2, 2)))
-    for impl, real in (("cuda", 1), ("cuda", 6), ("metal", 1)):
-        kernels.sparse_attention_rows(q, ring, index, wmask, kv, ids, pmask, mx.zeros((H,)), 0.125, rope, 16,
-                                      real_rows=real, impl=impl)
-    assert seen == [("sparse_attention", 1, 32, None, S * H * 32 * 32),
-                    ("sparse_attention", 2, 16, None, S * H // 2 * 16 * 32),
-                    ("sparse_attention", 2, 8, None, S * H // 2 * 8 * 32)]
-    seen.clear()
-    x = mx.zeros((S, 1280), dtype=mx.bfloat16)
-    w, s = mx.zeros((4096, 1280 // 4), dtype=mx.uint32), mx.zeros((4096, 1280 // 32), dtype=mx.uint8)
-    for real in (1, 6):
-        kernels.fp8_gemv(x, w, s, impl="cuda", real_rows=real)
-    x = mx.zeros((S, 2304), dtype=mx.bfloat16)
-    w, s = mx.zeros((4096, 2304 // 4), dtype=mx.uint32), mx.zeros((4096, 2304 // 32), dtype=mx.uint8)
-    kernels.fp8_gemv(x, w, s, impl="cuda", real_rows=1)
-    assert [(name, u) for name, _, _, u, _ in seen] == [("fp8_mma", 2), ("fp8_mma", 6), ("fp8_mma", 6)]
+    with kernels.dispatching(build=compiled):
+        for impl, real in (("cuda", 1), ("cuda", 6), ("metal", 1)):
+            kernels.sparse_attention_rows(q, ring, index, wmask, kv, ids, pmask, mx.zeros((H,)), 0.125, rope, 16,
+                                          real_rows=real, impl=impl)
+        assert seen == [("sparse_attention", 1, 32, None, S * H * 32 * 32),
+                        ("sparse_attention", 2, 16, None, S * H // 2 * 16 * 32),
+                        ("sparse_attention", 2, 8, None, S * H // 2 * 8 * 32)]
+        seen.clear()
+        x = mx.zeros((S, 1280), dtype=mx.bfloat16)
+        w, s = mx.zeros((4096, 1280 // 4), dtype=mx.uint32), mx.zeros((4096, 1280 // 32), dtype=mx.uint8)
+        for real in (1, 6):
+            kernels.fp8_gemv(x, w, s, impl="cuda", real_rows=real)
+        x = mx.zeros((S, 2304), dtype=mx.bfloat16)
+        w, s = mx.zeros((4096, 2304 // 4), dtype=mx.uint32), mx.zeros((4096, 2304 // 32), dtype=mx.uint8)
+        kernels.fp8_gemv(x, w, s, impl="cuda", real_rows=1)
+        assert [(name, u) for name, _, _, u, _ in seen] == [("fp8_mma", 2), ("fp8_mma", 6), ("fp8_mma", 6)]
 
 
-def test_fp8_mma_takes_the_array_it_waits_for_and_its_tile_rows(monkeypatch):
+def test_fp8_mma_takes_the_array_it_waits_for_and_its_tile_rows():
     """fp8_gemv on the matrix unit takes `after` as its last input (unread: a CUDA graph runs the
     launch once it is written), else an input it has anyway, and its grid holds N / TR tiles
-    (kernels.mma_tile_rows): TR 16 doubles the threadgroups."""
+    (Layout.mma_tile_rows): TR 16 doubles the threadgroups."""
     from dsv41_mlx import kernels
 
     seen = []
@@ -1366,21 +1367,21 @@ def test_fp8_mma_takes_the_array_it_waits_for_and_its_tile_rows(monkeypatch):
             return [mx.zeros(shape, dtype=dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
         return run
 
-    monkeypatch.setattr(kernels, "_compiled", compiled)
-    x = mx.zeros((8, 1280), dtype=mx.bfloat16)
-    w, s = mx.zeros((4096, 1280 // 4), dtype=mx.uint32), mx.zeros((4096, 1280 // 32), dtype=mx.uint8)
-    picks = mx.zeros((8, 6), dtype=mx.uint32)
-    kernels.fp8_gemv(x, w, s, impl="cuda", real_rows=1, swiglu=kernels.SwiGLU(7.0), after=picks)
-    kernels.fp8_gemv(x, w, s, impl="cuda", real_rows=1)
-    monkeypatch.setattr(kernels, "mma_tile_rows", lambda n, k: 16)
-    kernels.fp8_gemv(x, w, s, impl="cuda", real_rows=6)
-    (name, waits, tr, grid), (_, plain, _, _), (_, _, tr16, grid16) = seen
-    assert name == "fp8_mma" and waits[-1] is picks and len(waits) == len(kernels.FP8_MMA.inputs)
-    assert plain[-1] is not picks and any(plain[-1] is a for a in plain[:-1])
-    assert (tr, grid, tr16, grid16) == (32, 4096 // 32 * 256, 16, 4096 // 16 * 256)
+    with kernels.dispatching(build=compiled):
+        x = mx.zeros((8, 1280), dtype=mx.bfloat16)
+        w, s = mx.zeros((4096, 1280 // 4), dtype=mx.uint32), mx.zeros((4096, 1280 // 32), dtype=mx.uint8)
+        picks = mx.zeros((8, 6), dtype=mx.uint32)
+        kernels.fp8_gemv(x, w, s, impl="cuda", real_rows=1, swiglu=kernels.SwiGLU(7.0), after=picks)
+        kernels.fp8_gemv(x, w, s, impl="cuda", real_rows=1)
+        with tuning.using(tuning.Layout(mma_tile_rows=lambda n, k: 16)):
+            kernels.fp8_gemv(x, w, s, impl="cuda", real_rows=6)
+        (name, waits, tr, grid), (_, plain, _, _), (_, _, tr16, grid16) = seen
+        assert name == "fp8_mma" and waits[-1] is picks and len(waits) == len(kernels.FP8_MMA.inputs)
+        assert plain[-1] is not picks and any(plain[-1] is a for a in plain[:-1])
+        assert (tr, grid, tr16, grid16) == (32, 4096 // 32 * 256, 16, 4096 // 16 * 256)
 
 
-def test_wq_a_and_wkv_run_as_one_launch_that_writes_them_apart(monkeypatch):
+def test_wq_a_and_wkv_run_as_one_launch_that_writes_them_apart():
     """fp8_gemv_pair fits the release's stacked wq_a + wkv (5120 -> 1280 + 512) on a GPU: one
     fp8_gemv launch with SPLIT at wq_a's rows, each part (pair_halves) a [rows, outputs] view of its output,
     with the C each matrix gets alone (256). Not on the CPU, not for a matrix on the matrix
@@ -1409,21 +1410,21 @@ def test_wq_a_and_wkv_run_as_one_launch_that_writes_them_apart(monkeypatch):
             return [mx.arange(shape[0]).astype(dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
         return run
 
-    monkeypatch.setattr(kernels, "_compiled", compiled)
-    a, kv = kernels.pair_halves(kernels.fp8_gemv_pair(x, w, s, 1280, impl="cuda", real_rows=1), 8, 1280)
-    (name, template, grid, shape), = seen
-    assert name == "fp8_gemv" and shape == (8 * 1792,) and grid == 1792 // 4 * 256
-    assert {k: template[k] for k in ("RB", "T", "C", "QX", "SW", "AP", "SPLIT")} == {
-        "RB": 1, "T": 4, "C": 256, "QX": 0, "SW": 0, "AP": 0, "SPLIT": 1280}
-    assert a.shape == (8, 1280) and kv.shape == (8, 512)
-    assert a[1, 0].item() == 1280 and kv[0, 0].item() == 8 * 1280  # the first part's rows, then the second's
-    with pytest.raises(ValueError, match="fp8_gemv_pair takes"):
-        kernels.fp8_gemv_pair(x, w, s, 1282, impl="cuda")
+    with kernels.dispatching(build=compiled):
+        a, kv = kernels.pair_halves(kernels.fp8_gemv_pair(x, w, s, 1280, impl="cuda", real_rows=1), 8, 1280)
+        (name, template, grid, shape), = seen
+        assert name == "fp8_gemv" and shape == (8 * 1792,) and grid == 1792 // 4 * 256
+        assert {k: template[k] for k in ("RB", "T", "C", "QX", "SW", "AP", "SPLIT")} == {
+            "RB": 1, "T": 4, "C": 256, "QX": 0, "SW": 0, "AP": 0, "SPLIT": 1280}
+        assert a.shape == (8, 1280) and kv.shape == (8, 512)
+        assert a[1, 0].item() == 1280 and kv[0, 0].item() == 8 * 1280  # the first part's rows, then the second's
+        with pytest.raises(ValueError, match="fp8_gemv_pair takes"):
+            kernels.fp8_gemv_pair(x, w, s, 1282, impl="cuda")
 
 
-def test_large_dense_fp8_gemms_run_on_the_matrix_unit_at_every_row_count(monkeypatch):
+def test_large_dense_fp8_gemms_run_on_the_matrix_unit_at_every_row_count():
     """fp8_gemv picks fp8_mma by the matrix's shape alone (a dense matrix of at least
-    FP8_MMA_MIN_OUTPUTS outputs), so a matrix sums in one order at every row count: one row
+    Layout.mma_min_outputs outputs), so a matrix sums in one order at every row count: one row
     and eight alike; smaller or grouped matrices keep the scalar kernel, and `threads` (bench's
     layout comparisons) asks for the scalar kernel."""
     from dsv41_mlx import kernels
@@ -1436,21 +1437,21 @@ def test_large_dense_fp8_gemms_run_on_the_matrix_unit_at_every_row_count(monkeyp
             return [mx.zeros(shape, dtype=dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
         return run
 
-    monkeypatch.setattr(kernels, "_compiled", compiled)
-    n = kernels.FP8_MMA_MIN_OUTPUTS
-    x, w, s = mx.zeros((16, 1024), dtype=mx.bfloat16), mx.zeros((n, 256), dtype=mx.uint32), mx.zeros((n, 32))
-    for rows in (1, 8, 9):
-        kernels.fp8_gemv(x, w, s, impl="cuda", real_rows=rows)
-    kernels.fp8_gemv(x, w[: n - 32], s[: n - 32], impl="cuda", real_rows=1)
-    kernels.fp8_gemv(x, w, s, impl="cuda", real_rows=1, threads=64)
-    kernels.fp8_gemv(mx.repeat(x[:, None], 2, axis=1), mx.repeat(w[None], 2, axis=0), mx.repeat(s[None], 2, axis=0),
-                     impl="cuda")
-    assert [(name, nh) for name, nh, _, _ in seen] == [("fp8_mma", 1), ("fp8_mma", 1), ("fp8_mma", 2),
-                                                       ("fp8_gemv", None), ("fp8_gemv", None), ("fp8_gemv", None)]
-    assert seen[0][2:] == (n // 32 * 256, (16, n))  # a threadgroup per 32 outputs; every row out
+    with kernels.dispatching(build=compiled):
+        n = tuning.current().mma_min_outputs
+        x, w, s = mx.zeros((16, 1024), dtype=mx.bfloat16), mx.zeros((n, 256), dtype=mx.uint32), mx.zeros((n, 32))
+        for rows in (1, 8, 9):
+            kernels.fp8_gemv(x, w, s, impl="cuda", real_rows=rows)
+        kernels.fp8_gemv(x, w[: n - 32], s[: n - 32], impl="cuda", real_rows=1)
+        kernels.fp8_gemv(x, w, s, impl="cuda", real_rows=1, threads=64)
+        kernels.fp8_gemv(mx.repeat(x[:, None], 2, axis=1), mx.repeat(w[None], 2, axis=0), mx.repeat(s[None], 2, axis=0),
+                         impl="cuda")
+        assert [(name, nh) for name, nh, _, _ in seen] == [("fp8_mma", 1), ("fp8_mma", 1), ("fp8_mma", 2),
+                                                           ("fp8_gemv", None), ("fp8_gemv", None), ("fp8_gemv", None)]
+        assert seen[0][2:] == (n // 32 * 256, (16, n))  # a threadgroup per 32 outputs; every row out
 
 
-def test_the_model_head_runs_head_logits_for_a_decode_or_verify_forward(monkeypatch):
+def test_the_model_head_runs_head_logits_for_a_decode_or_verify_forward():
     """model.Head keeps the release's bf16 weight and on a GPU runs head_logits (one launch,
     its row bound R from the computed rows, a padded forward's real rows passed on) for bf16 x
     of up to DECODE_MAX_ROWS rows; more rows (or no GPU) take the spec."""
@@ -1465,20 +1466,19 @@ def test_the_model_head_runs_head_logits_for_a_decode_or_verify_forward(monkeypa
             return [mx.zeros(shape, dtype=dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
         return run
 
-    monkeypatch.setattr(kernels, "_compiled", compiled)
     head = Head(64, 256)
     assert head.weight.dtype == mx.bfloat16
     head.weight = (mx.random.normal((64, 256)) * 0.05).astype(mx.bfloat16)
-    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
     x = mx.random.normal((17, 256)).astype(mx.bfloat16)
-    assert head(x[:1]).shape == (1, 64) and head(x[:8], real_rows=6).shape == (8, 64)
-    assert seen == [("head_logits", 1, 2 * 256, (1, 64), [1, 64, 256, 1]),
-                    ("head_logits", 8, 2 * 256, (8, 64), [6, 64, 256, 8])]
     want = x.astype(mx.float32) @ head.weight.astype(mx.float32).T
-    assert mx.array_equal(head(x), want).item() and len(seen) == 2  # 17 rows: the spec
-    assert mx.array_equal(head(x[:2].astype(mx.float32)), want[:2]).item() and len(seen) == 2  # not bf16
-    monkeypatch.setattr(kernels, "backend", lambda: "mlx")
-    assert mx.array_equal(head(x[:2]), want[:2]).item() and len(seen) == 2
+    with kernels.dispatching("cuda", compiled):
+        assert head(x[:1]).shape == (1, 64) and head(x[:8], real_rows=6).shape == (8, 64)
+        assert seen == [("head_logits", 1, 2 * 256, (1, 64), [1, 64, 256, 1]),
+                        ("head_logits", 8, 2 * 256, (8, 64), [6, 64, 256, 8])]
+        assert mx.array_equal(head(x), want).item() and len(seen) == 2  # 17 rows: the spec
+        assert mx.array_equal(head(x[:2].astype(mx.float32)), want[:2]).item() and len(seen) == 2  # not bf16
+    with kernels.dispatching("mlx", compiled):
+        assert mx.array_equal(head(x[:2]), want[:2]).item() and len(seen) == 2
 
 
 def test_gemv_kernels_quantise_bf16_input_only():

@@ -61,6 +61,27 @@ def test_each_module_imports_only_layers_at_or_below_its_own(module):
     assert not above, f"{module} imports {above} from a layer above it"
 
 
+# inside kernels/: build and tuning, then specs, then the kernel families; the package's
+# __init__ only re-exports (for the model), and no module of it imports from there
+KERNEL_RANKS = {"build": 0, "tuning": 0, "specs": 1}
+
+
+def _kernel_rank(module: str) -> int:
+    return KERNEL_RANKS.get(module.rsplit(".", 1)[1], 2)
+
+
+@pytest.mark.parametrize("module", [m for m in _modules() if m.startswith("dsv41_mlx.kernels.")])
+def test_kernel_modules_import_only_their_rank_or_below(module):
+    inside = [m for m in _imports(module) if m.startswith("dsv41_mlx.kernels.")]
+    above = [m for m in inside if _kernel_rank(m) > _kernel_rank(module)]
+    assert not above, f"{module} imports {above} from a rank above it"
+    path = PACKAGE / "kernels" / (module.rsplit(".", 1)[1] + ".py")
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module is None:
+            names = [a.name for a in node.names if f"dsv41_mlx.kernels.{a.name}" not in _modules()]
+            assert not names, f"{module} imports {names} from the kernels package's re-exports"
+
+
 def test_every_module_imports_alone_in_a_fresh_interpreter():
     """No import cycle: each module, imported first in a fresh interpreter, loads."""
     script = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\n"

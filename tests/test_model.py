@@ -675,6 +675,12 @@ def test_block_evaluator_starts_at_most_batch_blocks_handed_over_together(monkey
     assert seen == calls
 
 
+def _no_build(spec, language):
+    """A kernel builder for kernels.dispatching where no kernel may launch (a test's stand-ins
+    take the calls that would)."""
+    raise AssertionError(f"kernel {spec.name} built on the CPU")
+
+
 def test_routed_experts_take_the_fp4_kernel_for_a_decode_steps_pairs_on_a_gpu(monkeypatch):
     """On a GPU, a decode or verify step's (row, expert) pairs run kernels.fp4_experts, handed
     x, the ids and the pairs' weights of every row as they are with the real rows as its R (no
@@ -685,6 +691,7 @@ def test_routed_experts_take_the_fp4_kernel_for_a_decode_steps_pairs_on_a_gpu(mo
     way the real rows' values are the spec's."""
     from dsv41_mlx import kernels
     from dsv41_mlx.config import ModelArgs
+    from dsv41_mlx.kernels import tuning
     from dsv41_mlx.models.moe import MoE
     from dsv41_mlx.quant import fp8_fake_quant_reference
     from dsv41_mlx.io.tiny import tiny_config
@@ -713,19 +720,17 @@ def test_routed_experts_take_the_fp4_kernel_for_a_decode_steps_pairs_on_a_gpu(mo
         x8 = fp8_fake_quant_reference(mx.random.normal((padded, 256))).astype(mx.bfloat16)
         weights = mx.random.uniform(shape=ids.shape)
         want = moe._routed_rows(x8, weights, ids, real)  # on the CPU: MLX's gather_qmm, the spec
-        with monkeypatch.context() as m:
-            m.setattr(kernels, "backend", lambda: "cuda")
+        with monkeypatch.context() as m, kernels.dispatching("cuda", _no_build):
             m.setattr(kernels, "fp4_experts", experts)
             m.setattr(kernels, "act_quant_fp8", act_quant_spec)  # where the kernel does not quantise
             calls.clear()
             got = moe._routed_rows(x8, weights, ids, real)
+        in_kernel = real <= tuning.current().quantize_in_mma_rows
         assert calls == ([((padded, 256), (padded, 3), real, False, True),
-                          ((real, 3, 256), (padded, 3), real, real <= kernels.QUANTIZE_IN_MMA_ROWS, False)]
-                         if padded <= 16 else [])
+                          ((real, 3, 256), (padded, 3), real, in_kernel, False)] if padded <= 16 else [])
         assert got.shape == want.shape == (real, 3, 256) and mx.array_equal(got, want).item()
     small = moe_of(128, 256)  # 128 inputs: not the kernel's
-    with monkeypatch.context() as m:
-        m.setattr(kernels, "backend", lambda: "cuda")
+    with monkeypatch.context() as m, kernels.dispatching("cuda", _no_build):
         m.setattr(kernels, "fp4_experts", experts)
         m.setattr(kernels, "act_quant_fp8", act_quant_spec)
         calls.clear()
@@ -747,27 +752,15 @@ def _fresh_traces(monkeypatch, model) -> None:
 
 
 def _gpu_dispatch_with_specs(monkeypatch, model, attention, gemv=None) -> None:
-    """The kernels' dispatch answers as on a GPU (kernels.backend() is 'cuda'), every custom
-    kernel a forward of `model` reaches taking its pure-MLX spec (its fit answered no, or the
-    call routed to the spec) but the attention kernel, which is `attention`, and the FP8 GEMMs
-    of up to 16 rows, which are `gemv` where given; any other launch fails. The model's
-    compiled methods trace afresh (_fresh_traces)."""
+    """A forward of `model` takes the GPU's attention path, its kernel (answered fit as on CUDA)
+    `attention`, and where `gemv` is given, the GPU's FP8 GEMMs of up to 16 rows, which are
+    `gemv`; every other kernel keeps the CPU's path, its pure-MLX spec. The model's compiled
+    methods trace afresh (_fresh_traces)."""
     from dsv41_mlx import kernels
 
-    from .test_kernels import act_quant_spec
-
     _fresh_traces(monkeypatch, model)
-
-    def no_build(spec, language):
-        raise AssertionError(f"kernel {spec.name} built on the CPU")
-
-    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
-    monkeypatch.setattr(kernels, "_compiled", no_build)
-    for fits in ("hc_input_fits", "rms_norm_fits", "fp8_gemv_fits", "fp4_quant_fits", "fp4_experts_fits"):
-        monkeypatch.setattr(kernels, fits, lambda *args, **kw: False)
-    monkeypatch.setattr(kernels, "hc_split", lambda *args, impl=None: kernels.hc_split_reference(*args))
-    monkeypatch.setattr(kernels, "moe_gate", lambda *args, impl=None: kernels.moe_gate_reference(*args))
-    monkeypatch.setattr(kernels, "act_quant_fp8", act_quant_spec)
+    fits = kernels.attention_fits
+    monkeypatch.setattr(kernels, "attention_fits", lambda *args, impl=None: fits(*args, impl="cuda"))
     monkeypatch.setattr(kernels, "sparse_attention_rows", attention)
     if gemv is not None:
         monkeypatch.setattr(kernels, "fp8_gemv_fits", lambda x, w, impl=None, groups=0: x.shape[0] <= 16 if groups else

@@ -1,5 +1,8 @@
 """Codecs in dsv41_mlx.quant against float64 numpy references built here from the bit layouts."""
 
+import contextlib
+from dataclasses import replace
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -17,6 +20,7 @@ from dsv41_mlx.quant import (
     quantize_fp4_rows,
     quantize_fp8_tiles,
 )
+from dsv41_mlx.kernels import tuning
 from dsv41_mlx.kernels.specs import fp8_tiles_to_mx
 
 # ------------------------------------------------------------------ references
@@ -455,50 +459,51 @@ def test_fp8_matmul_takes_the_gemv_kernel_for_a_decode_steps_rows_on_a_gpu(monke
         waits.append(after)
         return kernels.fp8_gemv_reference(x, w, s, real_rows=real_rows, swiglu=swiglu, parts=parts)
 
-    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
     monkeypatch.setattr(kernels, "fp8_gemv", gemv)
     mx.random.seed(4)
-    w = (mx.random.randint(0, 2**31, (96, 64)).astype(mx.uint32) & 0x3F3F3F3F)  # 96 outputs x 256 inputs
-    s = mx.random.randint(118, 124, (96, 8)).astype(mx.uint8)
-    x = mx.random.normal((17, 256))
-    for rows, kernel in ((1, True), (8, True), (16, True), (17, False)):
+    with kernels.dispatching("cuda"):
+        w = (mx.random.randint(0, 2**31, (96, 64)).astype(mx.uint32) & 0x3F3F3F3F)  # 96 outputs x 256 inputs
+        s = mx.random.randint(118, 124, (96, 8)).astype(mx.uint8)
+        x = mx.random.normal((17, 256))
+        for rows, kernel in ((1, True), (8, True), (16, True), (17, False)):
+            calls.clear()
+            got = quant.fp8_matmul(x[:rows], w, s)
+            assert calls == ([((rows, 256), (96, 64))] if kernel else [])
+            want = mx.quantized_matmul(x[:rows], w, s, transpose=True, mode="mxfp8").astype(mx.bfloat16)
+            assert got.shape == (rows, 96) and mx.array_equal(got, want).item()
+        marker = mx.zeros((8, 6), dtype=mx.uint32)
+        quant.Fp8Linear(256, 96).quantized(x[:1], after=marker)
+        assert waits[-1] is marker and not any(a is not None for a in waits[:-1])
         calls.clear()
-        got = quant.fp8_matmul(x[:rows], w, s)
-        assert calls == ([((rows, 256), (96, 64))] if kernel else [])
-        want = mx.quantized_matmul(x[:rows], w, s, transpose=True, mode="mxfp8").astype(mx.bfloat16)
-        assert got.shape == (rows, 96) and mx.array_equal(got, want).item()
-    marker = mx.zeros((8, 6), dtype=mx.uint32)
-    quant.Fp8Linear(256, 96).quantized(x[:1], after=marker)
-    assert waits[-1] is marker and not any(a is not None for a in waits[:-1])
-    calls.clear()
-    got = quant.fp8_matmul(x[:8], w, s, real=3)  # a padded forward's 3 real rows of 8
-    want = mx.quantized_matmul(x[:3], w, s, transpose=True, mode="mxfp8").astype(mx.bfloat16)
-    assert mx.array_equal(got[:3], want).item() and not got[3:].any().item()
-    act = kernels.SwiGLU(1.5)  # w's rows as a gate projection's 48 and an up projection's 48
-    for rows, kernel in ((1, True), (16, True), (17, False)):
+        got = quant.fp8_matmul(x[:8], w, s, real=3)  # a padded forward's 3 real rows of 8
+        want = mx.quantized_matmul(x[:3], w, s, transpose=True, mode="mxfp8").astype(mx.bfloat16)
+        assert mx.array_equal(got[:3], want).item() and not got[3:].any().item()
+        act = kernels.SwiGLU(1.5)  # w's rows as a gate projection's 48 and an up projection's 48
+        for rows, kernel in ((1, True), (16, True), (17, False)):
+            calls.clear()
+            got = quant.fp8_matmul(x[:rows], w, s, swiglu=act)
+            assert calls == ([((rows, 256), (96, 64))] if kernel else [])
+            want = mx.quantized_matmul(x[:rows], w, s, transpose=True, mode="mxfp8").astype(mx.bfloat16)
+            assert got.shape == (rows, 48) and mx.array_equal(got, kernels.swiglu_pairs(want, act)).item()
         calls.clear()
-        got = quant.fp8_matmul(x[:rows], w, s, swiglu=act)
-        assert calls == ([((rows, 256), (96, 64))] if kernel else [])
-        want = mx.quantized_matmul(x[:rows], w, s, transpose=True, mode="mxfp8").astype(mx.bfloat16)
-        assert got.shape == (rows, 48) and mx.array_equal(got, kernels.swiglu_pairs(want, act)).item()
-    calls.clear()
-    quant.fp8_matmul(mx.random.normal((8, 128)), w[:, :32], s[:, :4])  # K = 128: not the kernel's
-    assert calls == []
+        quant.fp8_matmul(mx.random.normal((8, 128)), w[:, :32], s[:, :4])  # K = 128: not the kernel's
+        assert calls == []
 
 
-def _gemv_on_a_gpu(monkeypatch, gemv, act_quant, seed: int) -> tuple[mx.array, mx.array, mx.array]:
-    """The kernels' dispatch answers as on a GPU, with fp8_gemv and act_quant_fp8 replaced
-    (by stand-ins that run their specs); returns a random `mxfp8` weight of 96 outputs and 256
-    inputs (codes, scales) and 17 bf16 rows of input."""
+@contextlib.contextmanager
+def _gemv_on_a_gpu(monkeypatch, gemv, act_quant, seed: int):
+    """Inside: the kernels' dispatch answers as on a GPU (kernels.dispatching), with fp8_gemv
+    and act_quant_fp8 replaced (by stand-ins that run their specs); yields a random `mxfp8`
+    weight of 96 outputs and 256 inputs (codes, scales) and 17 bf16 rows of input."""
     from dsv41_mlx import kernels
 
-    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
     monkeypatch.setattr(kernels, "fp8_gemv", gemv)
     monkeypatch.setattr(kernels, "act_quant_fp8", act_quant)
     mx.random.seed(seed)
     w = (mx.random.randint(0, 2**31, (96, 64)).astype(mx.uint32) & 0x3F3F3F3F)
     s = mx.random.randint(118, 124, (96, 8)).astype(mx.uint8)
-    return w, s, mx.random.normal((17, 256)).astype(mx.bfloat16)
+    with kernels.dispatching("cuda"):
+        yield w, s, mx.random.normal((17, 256)).astype(mx.bfloat16)
 
 
 def test_fp8_linear_lets_the_gemv_kernel_quantise_a_decode_steps_row_on_a_gpu(monkeypatch):
@@ -524,27 +529,27 @@ def test_fp8_linear_lets_the_gemv_kernel_quantise_a_decode_steps_row_on_a_gpu(mo
         quantised.append(x.shape)
         return act_quant_spec(x, impl, dtype)
 
-    w, s, bf16 = _gemv_on_a_gpu(monkeypatch, gemv, act_quant, seed=5)
-    fed = quant.gemm_input_dtype()  # what act_quant hands the GEMM
-    for x, real, launches, grouped in ((bf16[:8], 1, [(mx.bfloat16, True, 1)], []),
-                                       (bf16[:1], None, [(mx.bfloat16, True, None)], []),
-                                       (bf16[:8], 3, [(fed, False, 3)], [(8, 256)]),
-                                       (mx.random.normal((1, 256)), None, [(fed, False, None)], [(1, 256)]),
-                                       (bf16, None, [], [(17, 256)])):
-        calls.clear(), quantised.clear()
-        got = quant.fp8_linear(x, w, s, real)
-        assert calls == launches and quantised == grouped
-        rows = real or x.shape[0]
-        want = mx.quantized_matmul(quant.fp8_fake_quant_reference(x[:rows]).astype(mx.float32), w, s, transpose=True,
-                                   mode="mxfp8").astype(mx.bfloat16)
-        assert mx.array_equal(got[:rows], want).item() and not got[rows:].any().item()
-    # a matrix on the matrix unit (fp8_mma) quantises a verify step's rows too, up to 8
-    monkeypatch.setattr(kernels, "FP8_MMA_MIN_OUTPUTS", w.shape[0])
-    for x, real, launches, grouped in ((bf16[:8], 6, [(mx.bfloat16, True, 6)], []),
-                                       (bf16[:16], 9, [(fed, False, 9)], [(16, 256)])):
-        calls.clear(), quantised.clear()
-        quant.fp8_linear(x, w, s, real)
-        assert calls == launches and quantised == grouped
+    with _gemv_on_a_gpu(monkeypatch, gemv, act_quant, seed=5) as (w, s, bf16):
+        fed = quant.gemm_input_dtype()  # what act_quant hands the GEMM
+        for x, real, launches, grouped in ((bf16[:8], 1, [(mx.bfloat16, True, 1)], []),
+                                           (bf16[:1], None, [(mx.bfloat16, True, None)], []),
+                                           (bf16[:8], 3, [(fed, False, 3)], [(8, 256)]),
+                                           (mx.random.normal((1, 256)), None, [(fed, False, None)], [(1, 256)]),
+                                           (bf16, None, [], [(17, 256)])):
+            calls.clear(), quantised.clear()
+            got = quant.fp8_linear(x, w, s, real)
+            assert calls == launches and quantised == grouped
+            rows = real or x.shape[0]
+            want = mx.quantized_matmul(quant.fp8_fake_quant_reference(x[:rows]).astype(mx.float32), w, s,
+                                       transpose=True, mode="mxfp8").astype(mx.bfloat16)
+            assert mx.array_equal(got[:rows], want).item() and not got[rows:].any().item()
+        # a matrix on the matrix unit (fp8_mma) quantises a verify step's rows too, up to 8
+        with tuning.using(replace(tuning.current(), mma_min_outputs=w.shape[0])):
+            for x, real, launches, grouped in ((bf16[:8], 6, [(mx.bfloat16, True, 6)], []),
+                                               (bf16[:16], 9, [(fed, False, 9)], [(16, 256)])):
+                calls.clear(), quantised.clear()
+                quant.fp8_linear(x, w, s, real)
+                assert calls == launches and quantised == grouped
 
 
 def test_fp8_linear_adds_a_moes_routed_parts_in_the_gemv_kernel_on_a_gpu(monkeypatch):
@@ -565,18 +570,18 @@ def test_fp8_linear_adds_a_moes_routed_parts_in_the_gemv_kernel_on_a_gpu(monkeyp
         return kernels.fp8_gemv_reference(x, w, s, quantize_input, real_rows, parts=parts)
 
     kernel_wrapper = kernels.fp8_gemv
-    w, s, x = _gemv_on_a_gpu(monkeypatch, gemv, act_quant_spec, seed=7)
-    for rows, real, kernel in ((8, 1, True), (1, None, True), (8, 3, True), (6, None, True), (17, None, False)):
-        computed = real or rows
-        parts = mx.random.normal((computed, 3, 96)).astype(mx.bfloat16)
-        calls.clear()
-        got = quant.fp8_linear(x[:rows], w, s, real, parts)
-        assert calls == ([(rows, real, (computed, 3, 96))] if kernel else [])
-        plain = mx.quantized_matmul(quant.fp8_fake_quant_reference(x[:rows]).astype(mx.float32), w, s,
-                                    transpose=True, mode="mxfp8").astype(mx.bfloat16)
-        total = parts[:, 0].astype(mx.float32) + parts[:, 1].astype(mx.float32) + parts[:, 2].astype(mx.float32)
-        want = (total + plain[:computed].astype(mx.float32)).astype(mx.bfloat16)
-        assert got.shape == (rows, 96) and mx.array_equal(got[:computed], want).item()
-        assert not got[computed:].any().item()  # the padding: the kernel's zeros
-    with pytest.raises(ValueError, match="adds parts"):  # parts for 3 rows where 4 are computed
-        kernel_wrapper(x[:4], w, s, impl="cuda", parts=mx.zeros((3, 2, 96), dtype=mx.bfloat16))
+    with _gemv_on_a_gpu(monkeypatch, gemv, act_quant_spec, seed=7) as (w, s, x):
+        for rows, real, kernel in ((8, 1, True), (1, None, True), (8, 3, True), (6, None, True), (17, None, False)):
+            computed = real or rows
+            parts = mx.random.normal((computed, 3, 96)).astype(mx.bfloat16)
+            calls.clear()
+            got = quant.fp8_linear(x[:rows], w, s, real, parts)
+            assert calls == ([(rows, real, (computed, 3, 96))] if kernel else [])
+            plain = mx.quantized_matmul(quant.fp8_fake_quant_reference(x[:rows]).astype(mx.float32), w, s,
+                                        transpose=True, mode="mxfp8").astype(mx.bfloat16)
+            total = parts[:, 0].astype(mx.float32) + parts[:, 1].astype(mx.float32) + parts[:, 2].astype(mx.float32)
+            want = (total + plain[:computed].astype(mx.float32)).astype(mx.bfloat16)
+            assert got.shape == (rows, 96) and mx.array_equal(got[:computed], want).item()
+            assert not got[computed:].any().item()  # the padding: the kernel's zeros
+        with pytest.raises(ValueError, match="adds parts"):  # parts for 3 rows where 4 are computed
+            kernel_wrapper(x[:4], w, s, impl="cuda", parts=mx.zeros((3, 2, 96), dtype=mx.bfloat16))

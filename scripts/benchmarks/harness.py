@@ -22,12 +22,13 @@ import re
 import statistics
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from dsv41_mlx.kernels import backend, device_backend
+from dsv41_mlx.kernels import backend, device_backend, tuning
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 COPY_TRIES = 3  # copy_bandwidth's measurements, the best kept
@@ -310,24 +311,10 @@ def decode_by_layer(model, token: int, cache, on_layer, decode_rows: int | None 
 # ------------------------------------------------------------ layout choices
 
 @contextlib.contextmanager
-def kernels_choice(name: str, fn):
-    """Inside: dsv41_mlx.kernels' layout choice `name` (a function) is fn; restored on the way out."""
-    from dsv41_mlx import kernels
-
-    saved = getattr(kernels, name)
-    setattr(kernels, name, fn)
-    try:
-        yield
-    finally:
-        setattr(kernels, name, saved)
-
-
-@contextlib.contextmanager
-def kernels_choices(choices: dict):
-    """Inside: each of dsv41_mlx.kernels' layout choices name -> fn in `choices` (kernels_choice)."""
-    with contextlib.ExitStack() as stack:
-        for name, fn in choices.items():
-            stack.enter_context(kernels_choice(name, fn))
+def layout_choices(choices: dict):
+    """Inside: the kernels launch with the current layout's fields named in `choices` (name ->
+    value: dsv41_mlx.kernels.tuning.Layout's) replaced; restored on the way out."""
+    with tuning.using(replace(tuning.current(), **choices)):
         yield
 
 

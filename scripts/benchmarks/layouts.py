@@ -7,7 +7,7 @@ import statistics
 
 import mlx.core as mx
 
-from .harness import chained, copy_bandwidth, kernels_choices, print_heading, random_scales, random_words, release_ropes
+from .harness import chained, copy_bandwidth, layout_choices, print_heading, random_scales, random_words, release_ropes
 
 LAYOUT_ROWS = (1, 2, 3, 6)  # rows computed: a decode step's, verify forwards'
 ATTENTION_CANDIDATES = ((2, 8), (2, 16), (1, 8), (1, 16), (1, 32))  # (heads, simdgroups) a threadgroup
@@ -32,32 +32,34 @@ def bench_layouts(rows_list: tuple[int, ...] = LAYOUT_ROWS, forward_rows: int = 
     """The kernels' launch layouts that change no bit, at the release's one-layer shapes:
     every candidate timed chained (us a call, cold weights) in a padded forward of
     forward_rows rows that computes `rows` of them, its output compared bit for bit with
-    the layout kernels picks (kernels.experts_loads_ahead and mma_loads_ahead: the blocks a
-    warp of fp4_experts / fp8_mma (and fp8_mma_hc, the GEMMs that put their output into the
-    stream) loads ahead, U, which only CUDA's twins read; fp8_mma's with its tiles' rows,
-    kernels.mma_tile_rows, as "TR/U"; kernels.attention_layout: the attention's heads and
+    the layout the package picks (kernels.tuning.Layout: experts_loads_ahead and
+    mma_loads_ahead, the blocks a warp of fp4_experts / fp8_mma (and fp8_mma_hc, the GEMMs that
+    put their output into the stream) loads ahead, U, which only CUDA's twins read; fp8_mma's
+    with its tiles' rows, mma_tile_rows, as "TR/U"; attention: the attention's heads and
     simdgroups a threadgroup). `which`: the kernels of LAYOUT_KERNELS to time. A candidate
     that does not launch is reported with its error. Each case carries its floor,
     the bytes it must read over the copy bandwidth: a chain whose host encodes a link slower
     than the GPU runs it times the host, and a time under the floor shows it. Nothing to
     time on the CPU."""
     from dsv41_mlx import kernels
+    from dsv41_mlx.kernels import tuning
     from dsv41_mlx.quant import fp8_fake_quant_reference
 
     impl = kernels.backend()
+    package = tuning.current()
     out = {"impl": impl, "forward_rows": forward_rows, "cases": []}
     if impl == "mlx":
         return out
     out["copy_GBps"] = copy_bandwidth() / 1e9
 
     def measure(kernel, shape, rows, run, x0, candidates, default, nbytes):
-        """candidates: (layout, {kernels' choice name: fn}) each; default: the layout kernels picks."""
-        base = mx.array(run(x0, 0))  # kernels' own layout
+        """candidates: (layout, {Layout field: value}) each; default: the layout the package picks."""
+        base = mx.array(run(x0, 0))  # the package's own layout
         floor = nbytes / out["copy_GBps"] / 1e3  # us
         for value, choices in candidates:
             row = {"kernel": kernel, "shape": shape, "rows": rows, "layout": value, "default": value == default,
                    "floor_us": floor}
-            with kernels_choices(choices):
+            with layout_choices(choices):
                 try:
                     row["us"] = chained(run, x0) * 1e6
                     row["same_bits"] = bool(mx.array_equal(run(x0, 0), base).item())
@@ -95,15 +97,15 @@ def bench_layouts(rows_list: tuple[int, ...] = LAYOUT_ROWS, forward_rows: int = 
             act = kernels.SwiGLU(7.0, weights)
             measure("fp4_experts", f"{dim} -> 2 x {inter} + SwiGLU", rows,
                     lambda v, i, r=rows: kernels.fp4_experts(v, *w13[i % copies], ids[i % copies], swiglu=act, rows=r),
-                    x, candidates, kernels.experts_loads_ahead(rows, dim), expert_bytes(w13, rows))
+                    x, candidates, package.experts_loads_ahead(rows, dim), expert_bytes(w13, rows))
             measure("fp4_experts", f"{inter} -> {dim}, x quantised in the kernel", rows,
                     lambda v, i, r=rows: kernels.fp4_experts(v, *w2[i % copies], ids[i % copies], quantize_input=True,
                                                              rows=r),
-                    h, candidates, kernels.experts_loads_ahead(rows, inter), expert_bytes(w2, rows))
+                    h, candidates, package.experts_loads_ahead(rows, inter), expert_bytes(w2, rows))
         del w13, w2
 
     u_mma = [(u, {"mma_loads_ahead": lambda k, rows, u=u: u}) for u in (2, 4, 6, 8)]
-    # fp8_mma's layouts: its tiles' rows (kernels.mma_tile_rows) / U, as "TR/U"
+    # fp8_mma's layouts: its tiles' rows (Layout.mma_tile_rows) / U, as "TR/U"
     tiles_u_mma = [(f"{tr}/{u}", {"mma_tile_rows": lambda n, k, tr=tr: tr, **choices})
                    for tr in (32, 16) for u, choices in u_mma]
     mma_shapes = ((1280, 32768, None), (8192, 5120, None), (5120, 4608, kernels.SwiGLU(7.0)), (2304, 5120, None))
@@ -116,7 +118,7 @@ def bench_layouts(rows_list: tuple[int, ...] = LAYOUT_ROWS, forward_rows: int = 
             measure("fp8_mma", f"{k} -> {n}" + (" + SwiGLU" if swiglu else ""), rows,
                     lambda v, i, r=rows, ws=ws, c=count, sw=swiglu: kernels.fp8_gemv(v, *ws[i % c], swiglu=sw,
                                                                                      real_rows=r),
-                    xq, tiles_u_mma, f"{kernels.mma_tile_rows(n, k)}/{kernels.mma_loads_ahead(k, rows)}", nbytes)
+                    xq, tiles_u_mma, f"{package.mma_tile_rows(n, k)}/{package.mma_loads_ahead(k, rows)}", nbytes)
         del ws
 
     if "fp8_mma_hc" in which:  # a sub-layer's last GEMM, its output put into the stream: wo_b, the shared w2
@@ -137,7 +139,7 @@ def bench_layouts(rows_list: tuple[int, ...] = LAYOUT_ROWS, forward_rows: int = 
                 measure("fp8_mma_hc", f"{k} -> {n} into the stream" + (f", {top} parts added" if k == inter else ""),
                         rows, lambda v, i, r=rows, ws=ws, c=count, parts=parts: kernels.fp8_into_stream(
                             v, *ws[i % c], onto, quantize_input=True, real_rows=r, parts=parts)[0],
-                        xb, u_mma, kernels.mma_loads_ahead(k, rows), nbytes)
+                        xb, u_mma, package.mma_loads_ahead(k, rows), nbytes)
             del ws
 
     if "sparse_attention" not in which:
@@ -154,13 +156,15 @@ def bench_layouts(rows_list: tuple[int, ...] = LAYOUT_ROWS, forward_rows: int = 
     pmask = mx.random.uniform(shape=(forward_rows, picks)) < 0.7
     tables = rope.tables(mx.arange(300, 300 + forward_rows, dtype=mx.int32), head_dim)
     mx.eval(ring, kv, sink, q, index, picked, wmask, pmask, tables)
-    layouts = [(c, {"attention_layout": lambda impl, rows, c=c: c}) for c in ATTENTION_CANDIDATES]
+    # (heads, simdgroups) at every row count: no one-row layout of its own
+    layouts = [((heads, warps), {"attention_heads": heads, "attention_warps": {impl: warps}, "attention_one_row": {}})
+               for heads, warps in ATTENTION_CANDIDATES]
     for rows in rows_list:
         measure("sparse_attention", f"{heads} heads x {head_dim}, {window} + {picks} keys", rows,
                 lambda v, i, r=rows: kernels.sparse_attention_rows(
                     v.reshape(forward_rows, heads, head_dim), ring, index, wmask, kv, picked, pmask, sink,
                     head_dim ** -0.5, tables, rope.dims, real_rows=r).reshape(forward_rows, 1, -1),
-                q, layouts, kernels.attention_layout(impl, rows),
+                q, layouts, package.attention(impl, rows),
                 ring.nbytes + kv.nbytes)  # at least the keys, once
     return out
 

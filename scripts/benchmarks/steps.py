@@ -6,14 +6,16 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+from dataclasses import fields
 
-from .harness import kernels_choices, print_heading, prompt_texts, reply_hash
+from .harness import layout_choices, print_heading, prompt_texts, reply_hash
 
 
 def add_arguments(p) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory (scripts/make_flash_shaped.py) or hub id")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=CHOICE[@A/B/..]:VALUE[,...]",
-                   help="a variant of dsv41_mlx.kernels' layout choices, e.g. u1=experts_loads_ahead:1, or "
+                   help="a variant of the kernels' layout choices (kernels.tuning.Layout's functions), e.g. "
+                        "u1=experts_loads_ahead:1, or "
                         "w2u2=mma_loads_ahead@2304/1:2 (only for the calls with those arguments)")
     p.add_argument("--no-warm-up", action="store_true",
                    help="skip generate.warm_up (each variant's untimed runs still come first)")
@@ -32,22 +34,24 @@ def run(args, env: dict) -> dict:
 
 def parse_variant(text: str) -> tuple[str, dict[str, list]]:
     """`NAME=RULE[,RULE...]` (bench.py steps --variant), RULE `CHOICE:VALUE` or `CHOICE@A/B/..:VALUE`
-    -> (NAME, {CHOICE: [(args or None, VALUE), ...]}): dsv41_mlx.kernels' layout choice CHOICE
-    (a function, e.g. experts_loads_ahead(rows, k)) made to return VALUE, an int, on every call,
-    or only on calls with the int arguments A, B, .. (e.g. mma_loads_ahead@2304/1:2: K 2304 at
-    one row), the package's own answer otherwise (variant_choice)."""
-    from dsv41_mlx import kernels
+    -> (NAME, {CHOICE: [(args or None, VALUE), ...]}): the layout choice CHOICE (a field of
+    dsv41_mlx.kernels.tuning.Layout that is a function, e.g. experts_loads_ahead(rows, k)) made
+    to return VALUE, an int, on every call, or only on calls with the int arguments A, B, ..
+    (e.g. mma_loads_ahead@2304/1:2: K 2304 at one row), the package's own answer otherwise
+    (variant_choice)."""
+    from dsv41_mlx.kernels.tuning import Layout
 
+    functions = {f.name for f in fields(Layout) if callable(getattr(Layout(), f.name))}
     name, _, spec = text.partition("=")
     choices: dict[str, list] = {}
     for item in filter(None, spec.split(",")):
         head, _, value = item.partition(":")
         choice, at, args = head.partition("@")
         ints = args.split("/") if at else []
-        if (not callable(getattr(kernels, choice, None)) or not value.lstrip("-").isdigit()
+        if (choice not in functions or not value.lstrip("-").isdigit()
                 or (at and not all(a.lstrip("-").isdigit() for a in ints))):
             raise SystemExit(f"--variant {text!r}: {item!r} is not CHOICE[@A/B/..]:VALUE with CHOICE a function "
-                             "of dsv41_mlx.kernels and VALUE (and A, B, ..) ints")
+                             f"of kernels.tuning.Layout ({', '.join(sorted(functions))}) and VALUE (and A, B, ..) ints")
         choices.setdefault(choice, []).append((tuple(int(a) for a in ints) if at else None, int(value)))
     if not name or not choices:
         raise SystemExit(f"--variant {text!r}: expected NAME=CHOICE[@A/B/..]:VALUE[,...]")
@@ -71,7 +75,7 @@ def own_traces(model, store: dict):
     """Inside: the model's fused methods (layers.fused: mx.compile'd, each module's traces kept on
     it, one a shape) use the traces in `store`, and trace afresh where it has none; on the way
     out the traces made or used inside go back into `store` and the model's own are restored.
-    A layout choice (kernels.mma_loads_ahead, ...) is read while a launch is traced: a trace
+    A layout choice (Layout.mma_loads_ahead, ...) is read while a launch is traced: a trace
     made under one variant's choices keeps them, so each variant needs traces of its own (else
     every variant would replay the warm-up's traces, the package's)."""
     from dsv41_mlx.models.layers import fused_traces
@@ -129,9 +133,10 @@ def bench_steps(model_path: str, variants: dict[str, dict[str, list]], tokens: i
 
     @contextlib.contextmanager
     def use(name):
-        from dsv41_mlx import kernels
+        from dsv41_mlx.kernels import tuning
 
-        with kernels_choices({c: variant_choice(rules, getattr(kernels, c)) for c, rules in variants[name].items()}):
+        package = tuning.current()
+        with layout_choices({c: variant_choice(rules, getattr(package, c)) for c, rules in variants[name].items()}):
             if name == "kernels":  # the package's choices: the model's own traces, the warm-up's
                 yield
             else:

@@ -18,7 +18,7 @@ def gemv_case(RB, T, C, QX=0, SW=0, AP=0, SPLIT=0):  # noqa: N803 (the kernel's 
 def experts_case(NH, QX=0, SW=0, ONE=0, U=None, PX=0):  # noqa: N803
     inputs = {"x": "uint16" if PX else "bfloat16", "xs": "float32", "w": "uint32", "scales": "uint8", "ids": "uint32",
               "sizes": "int32", "swiglu": "float32", "weights": "float32"}
-    if U is None:  # kernels.experts_loads_ahead's at a short K
+    if U is None:  # Layout.experts_loads_ahead's at a short K
         U = 1 if ONE else 2
     return FP4_EXPERTS, inputs, {"y": "bfloat16"}, {"NH": NH, "QX": QX, "SW": SW, "ONE": ONE, "U": U, "PX": PX}
 

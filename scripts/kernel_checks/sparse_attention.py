@@ -10,12 +10,12 @@ and the padding zeros; at 8 simdgroups a threadgroup the bits of the backend's c
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
 
-from dsv41_mlx import kernels
-from dsv41_mlx.kernels import padding_zeroed, sparse_attention_rows
+from dsv41_mlx.kernels import padding_zeroed, sparse_attention_rows, tuning
 from scripts.benchmarks.harness import release_ropes
 
 from . import harness
@@ -48,15 +48,13 @@ def attention_rows(args: tuple, rows: slice) -> tuple:
 
 @contextlib.contextmanager
 def attention_warps(impl: str, warps: int):
-    """Inside: the attention kernel runs `warps` simdgroups a threadgroup on impl, and
-    kernels.ATTENTION_HEADS_PER_GROUP heads, at every row count (no one-row layout)."""
-    saved, one_row = kernels.ATTENTION_WARPS, kernels.ATTENTION_ONE_ROW
-    kernels.ATTENTION_WARPS = {**saved, impl: warps}
-    kernels.ATTENTION_ONE_ROW = {k: v for k, v in one_row.items() if k != impl}
-    try:
+    """Inside: the attention kernel runs `warps` simdgroups a threadgroup on impl, and the
+    layout's attention_heads heads, at every row count (no one-row layout)."""
+    layout = tuning.current()
+    one_row = {k: v for k, v in layout.attention_one_row.items() if k != impl}
+    with tuning.using(replace(layout, attention_warps={**layout.attention_warps, impl: warps},
+                              attention_one_row=one_row)):
         yield
-    finally:
-        kernels.ATTENTION_WARPS, kernels.ATTENTION_ONE_ROW = saved, one_row
 
 
 def check_sparse_attention(impl: str, seed: int) -> list[str]:
@@ -68,7 +66,7 @@ def check_sparse_attention(impl: str, seed: int) -> list[str]:
     (and a probability may round to the other bf16 neighbour), so: each row-head within 1%
     of its largest value, and on average within 0.1%. These tolerances are set before any
     GPU run of the kernel. A row alone equals the same row among others; q as wq_b gives it,
-    [S, H * D], the bits of [S, H, D]; at 8 simdgroups a threadgroup (kernels.ATTENTION_WARPS),
+    [S, H * D], the bits of [S, H, D]; at 8 simdgroups a threadgroup (Layout.attention_warps),
     the bits of the backend's own count."""
     rng = np.random.default_rng(seed)
     problems = []
@@ -109,7 +107,7 @@ def check_sparse_attention(impl: str, seed: int) -> list[str]:
                 eight = sparse_attention_rows(*args, impl=impl)
             if not np.array_equal(np.array(eight.astype(mx.float32)), got):
                 problems.append(f"sparse_attention picks={picks} rows={rows}: 8 simdgroups a threadgroup differ "
-                                f"from {kernels.ATTENTION_WARPS.get(impl)}")
+                                f"from {tuning.current().attention_warps.get(impl)}")
             if rows in (8, 16):  # a padded forward: its real rows the same bits, the padding zeros
                 for real in (1, rows - 2):
                     padded = np.array(sparse_attention_rows(*args, real, impl=impl).astype(mx.float32))
