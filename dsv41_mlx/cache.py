@@ -52,15 +52,33 @@ class RowBuffer:
         """Write new rows [S, width] after the last; return every row held, them included."""
         S = new.shape[0]
         if self._buffer is None or self._hi + S > self._buffer.shape[0]:
-            held, n = self.rows, len(self)
-            rows = 1 << (n + S + max(self.min_room, n) - 1).bit_length()  # the least power of two that holds them
-            buffer = mx.zeros((rows, new.shape[1]), dtype=new.dtype)
-            if n:
-                buffer[:n] = held
-            self._buffer, self._lo, self._hi = buffer, 0, n
+            self._move(self._size(len(self) + S), new.shape[1], new.dtype)
         self._buffer[self._hi: self._hi + S] = new
         self._hi += S
         return self.rows
+
+    def copy(self, room: bool = True) -> RowBuffer:
+        """The same rows in a buffer of their own, so that appends to either leave the other as
+        it was and still write in place: with room to grow, as a move gives, or (room=False)
+        exactly as large as the rows (a copy that is kept, and only ever copied from)."""
+        other = RowBuffer(self.min_room)
+        if self._buffer is not None:
+            other._buffer, other._lo, other._hi = self._buffer, self._lo, self._hi
+            other._move(other._size(len(self)) if room else len(self), self._buffer.shape[1], self._buffer.dtype)
+        return other
+
+    def _size(self, rows: int) -> int:
+        """The least power of two that holds `rows` rows and room for as many as are held (at
+        least min_room)."""
+        return 1 << (rows + max(self.min_room, len(self)) - 1).bit_length()
+
+    def _move(self, capacity: int, width: int, dtype: mx.Dtype) -> None:
+        """Move the rows held to the start of a new buffer of `capacity` rows."""
+        held, n = self.rows, len(self)
+        buffer = mx.zeros((capacity, width), dtype=dtype)
+        if n:
+            buffer[:n] = held
+        self._buffer, self._lo, self._hi = buffer, 0, n
 
     def drop_front(self, n: int) -> None:
         self._lo += n
@@ -107,6 +125,11 @@ class WindowCache:
         next are the only ones a query that matters sees."""
         self._rows.drop_front(len(self._rows))
         self.end += n
+
+    def copy(self, room: bool = True) -> WindowCache:
+        other = WindowCache(self.window)
+        other.end, other._rows = self.end, self._rows.copy(room)
+        return other
 
     def trim(self, n: int) -> None:
         held = len(self._rows)
@@ -174,6 +197,12 @@ class CompressorCache:
         [kv] = mx.depends([kv], [self._index_keys.append(index_keys)])
         self._kv.append(kv)
 
+    def copy(self, room: bool = True) -> CompressorCache:
+        other = CompressorCache(self.ratio)
+        other.end, other.raw_start = self.end, self.raw_start
+        other._raw, other._kv, other._index_keys = (b.copy(room) for b in (self._raw, self._kv, self._index_keys))
+        return other
+
     def trim(self, n: int) -> None:
         end = self.end - n
         groups = end // self.ratio
@@ -196,6 +225,12 @@ class LayerCache:
         self.window.trim(n)
         if self.compressor is not None:
             self.compressor.trim(n)
+
+    def copy(self, room: bool = True) -> LayerCache:
+        other = LayerCache(self.window.window)
+        other.window = self.window.copy(room)
+        other.compressor = None if self.compressor is None else self.compressor.copy(room)
+        return other
 
 
 class ModelCache:
@@ -221,6 +256,21 @@ class ModelCache:
         for layer in self.layers:
             layer.trim(n)
         del self.tokens[-n:]
+
+    def copy(self, room: bool = True) -> ModelCache:
+        """A copy of everything the cache remembers (every row it holds, the token history, the
+        ends), in buffers of its own: appends and trims of either leave the other as it was.
+        room=False: each buffer exactly as large as its rows (a copy that is kept, and only ever
+        copied from); else with room to grow, as a buffer that moved has. The staged engram
+        rows' buffers belong to a sequence's forwards, and are made again on first use."""
+        other = ModelCache([layer.copy(room) for layer in self.layers])
+        other.tokens = list(self.tokens)
+        return other
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the rows the cache holds (its buffers' room beyond them not counted)."""
+        return sum(a.nbytes for a in self.state())
 
     def snapshot(self) -> list[mx.array]:
         """What decides every future output: the last `window` window rows, the pooled

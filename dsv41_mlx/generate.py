@@ -11,6 +11,7 @@ import contextlib
 import logging
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Container, Iterator
 
@@ -19,6 +20,7 @@ import mlx.core as mx
 from .cache import TRIM_SLACK, ModelCache
 from .chat import EMPTY_PROMPT
 from .models.attention import indexer_scoring_length
+from .runtime.prefix_cache import PrefixCache
 from .runtime.residency import wired
 from .runtime.runner import Runner
 from .sampling import SamplingParams, sample
@@ -40,6 +42,7 @@ class GenerationResponse:
     peak_memory_gb: float
     finish_reason: str | None = None  # "stop" (EOS), "length", or None while running
     draft_stats: DraftStats | None = None  # None when drafting is off
+    cached_tokens: int = 0  # of the prompt's tokens, those resumed from the prompt cache (not prefilled)
 
 
 def prefill(runner: Runner, prompt: list[int], cache: ModelCache, chunk: int = DEFAULT_PREFILL_CHUNK,
@@ -129,10 +132,36 @@ def _warm_up_ingest(runner: Runner) -> None:
         mx.eval(cache.rings)
 
 
+def prefill_cached(runner: Runner, prompt: list[int], prompt_cache: PrefixCache,
+                   chunk: int = DEFAULT_PREFILL_CHUNK,
+                   keep_features: int = 0) -> tuple[ModelCache, mx.array, mx.array | None]:
+    """prefill through a prefix cache: the state of the prompt's longest kept prefix copied
+    (PrefixCache.lookup), only the rest prefilled, stopping to keep the state where
+    prompt_cache.store_points says (the prompt's end; before a last `<think>`). Returns the
+    cache and prefill's (logits, features), the features those of the newest
+    min(keep_features, len(prompt)) positions, the kept prefix's from its entry.
+
+    On the CPU a row computes the same values whichever forward it shares, so the logits,
+    features and state equal a prefill of the whole prompt (tests/test_prefix_cache.py); a GPU
+    kernel may sum a row in another order at another row count, and round it otherwise."""
+    entry = prompt_cache.lookup(prompt)
+    if entry is None:
+        cache, done, logits, features = runner.make_cache(), 0, None, None
+    else:
+        cache, done, logits, features = entry.resume(), len(entry.tokens), entry.logits, entry.features
+    for end in prompt_cache.store_points(prompt, done):
+        logits, new = prefill(runner, prompt[done:end], cache, chunk, keep_features)
+        if keep_features:
+            features = new if features is None else mx.concatenate([features, new])[-keep_features:]
+        prompt_cache.store(cache, features, logits)
+        done = end
+    return cache, logits, features
+
+
 def generate_step(runner: Runner, prompt: list[int], params: SamplingParams, max_tokens: int,
                   prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                   decoder: SpeculativeDecoder | None = None,
-                  stop: Container[int] = ()) -> Iterator[int]:
+                  stop: Container[int] = (), prompt_cache: PrefixCache | None = None) -> Iterator[int]:
     """Yield up to max_tokens new token ids: plain decoding (one target forward per
     token), or speculative rounds through `decoder`. A token in `stop` (stream_generate
     passes the tokenizer's end-of-sequence ids) is yielded last: nothing is computed after it.
@@ -140,19 +169,53 @@ def generate_step(runner: Runner, prompt: list[int], params: SamplingParams, max
     Plain decoding starts the next token's forward before it yields a token, so whatever the
     caller does with it (detokenizing, printing, streaming it) overlaps the device's work.
     The caller must not evaluate the model's arrays (its cache, weights, outputs) while it
-    holds a token: the runner's evaluator thread may still be starting that forward."""
+    holds a token: the runner's evaluator thread may still be starting that forward.
+
+    prompt_cache: resume from the prompt's longest kept prefix and keep states for later
+    prompts (prefill_cached); before the reply's last token is handed out, the state after
+    the reply is kept too (the prompt and the reply but its last token, which no forward has
+    fed), which a next chat turn's prompt continues. The same tokens with it as without."""
     if not prompt:
         raise ValueError(EMPTY_PROMPT)
-    cache = runner.make_cache()
-    keep = decoder.drafter.window if decoder is not None else 0
-    logits, features = prefill(runner, prompt, cache, prefill_chunk, keep)
+    drafter = decoder.drafter if decoder is not None else runner.drafter if prompt_cache is not None else None
+    keep = drafter.window if drafter is not None else 0  # (a kept state's features, for later drafted replies)
+    if prompt_cache is None:
+        cache = runner.make_cache()
+        logits, features = prefill(runner, prompt, cache, prefill_chunk, keep)
+    else:
+        cache, logits, features = prefill_cached(runner, prompt, prompt_cache, prefill_chunk, keep)
     if max_tokens < 1:
         return
+    # the newest features, for the state kept after the reply: the prompt's, then each forward's [1, n, F]
+    kept = deque([features[None]], maxlen=keep) if prompt_cache is not None and keep else None
     if decoder is None:
         mx.eval(logits)  # (prefill's view of its last row, on this thread's stream: not the evaluator's to start)
-        yield from plain_steps(runner, cache, params, max_tokens, stop, logits=logits)
+        steps = plain_steps(runner, cache, params, max_tokens, stop, logits=logits, kept=kept)
     else:
-        yield from drafted_steps(runner, decoder, cache, logits, features, max_tokens, stop)
+        steps = drafted_steps(runner, decoder, cache, logits, features, max_tokens, stop, kept=kept)
+    if prompt_cache is None:
+        yield from steps
+        return
+    try:
+        for n, token in enumerate(steps, start=1):
+            if n == max_tokens or token in stop:  # the reply's last token
+                next(steps, None)  # the steps end there (computing nothing), a begun forward abandoned
+                _keep_reply_end(prompt_cache, cache, len(prompt) + n - 1, kept)
+            yield token
+    finally:
+        steps.close()
+
+
+def _keep_reply_end(prompt_cache: PrefixCache, cache: ModelCache, length: int, kept: deque | None) -> None:
+    """Keep the state of the first `length` positions, where a reply ended: a round may have
+    committed drafts past its stop token, trimmed off first (exactly: a round trims as much)."""
+    extra = cache.offset - length
+    cache.trim(extra)
+    features = None
+    if kept is not None:
+        rows = mx.concatenate(list(kept), axis=1)[0]
+        features = rows[: rows.shape[0] - extra][-kept.maxlen:]
+    prompt_cache.store(cache, features)
 
 
 def plain_steps(runner: Runner, cache: ModelCache, params: SamplingParams, n: int, stop: Container[int] = (),
@@ -207,13 +270,16 @@ def plain_steps(runner: Runner, cache: ModelCache, params: SamplingParams, n: in
 
 
 def drafted_steps(runner: Runner, decoder: SpeculativeDecoder, cache: ModelCache, last_logits: mx.array,
-                  features: mx.array, max_tokens: int, stop: Container[int] = ()) -> Iterator[int]:
+                  features: mx.array, max_tokens: int, stop: Container[int] = (),
+                  kept: deque | list | None = None) -> Iterator[int]:
     """Yield up to max_tokens tokens after a prefilled prompt by speculative rounds, and by
     plain steps where the decoder finds drafting does not pay (SpeculativeDecoder.plain_tokens),
     the drafter's rings caught up on them before the next round. A token in `stop` is the last.
 
     last_logits [V]: the prompt's last row; features [n, 3*dim]: the prompt's newest n rows
-    (n >= min(window, prompt length)), ingested first."""
+    (n >= min(window, prompt length)), ingested first. kept: gets the features [1, n, F] of
+    the positions each round or plain stretch commits (a round's, drafts past a stop token
+    included)."""
     draft_cache = decoder.begin(cache, features)
     anchor = sample(last_logits[None], mx.array([cache.offset]), decoder.params).item()
     yield anchor
@@ -223,17 +289,26 @@ def drafted_steps(runner: Runner, decoder: SpeculativeDecoder, cache: ModelCache
     while produced < max_tokens:
         plain = min(decoder.plain_tokens(), max_tokens - produced)
         if plain:
-            kept, seconds = [], []
-            steps = plain_steps(runner, cache, decoder.params, plain, stop, anchor=anchor, kept=kept, seconds=seconds)
+            stretch, seconds = [], []
+            steps = plain_steps(runner, cache, decoder.params, plain, stop, anchor=anchor, kept=stretch,
+                                seconds=seconds)
         else:
             steps = decoder.round(cache, draft_cache, anchor, max_tokens - produced)
+            if kept is not None:
+                kept.append(decoder.committed_features)
         for token in steps:
             yield token
             produced += 1
             if token in stop:
-                return
+                break
+        if plain and kept is not None:
+            kept.extend(stretch)
+        if token in stop:
+            if plain:
+                steps.close()  # its begun forward abandoned now, before the caller reads the cache
+            return
         if plain:
-            decoder.after_plain(mx.concatenate(kept, axis=1)[0], seconds)
+            decoder.after_plain(mx.concatenate(stretch, axis=1)[0], seconds)
         anchor = token
 
 
@@ -269,7 +344,8 @@ def stream_generate(model, tokenizer, prompt: str | list[int], max_tokens: int =
                     temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
                     prefill_chunk: int = DEFAULT_PREFILL_CHUNK, draft: bool | None = None,
                     verify: str | None = None, confidence: str | None = None,
-                    wire: bool = True, runner: Runner | None = None) -> Iterator[GenerationResponse]:
+                    wire: bool = True, runner: Runner | None = None,
+                    prompt_cache: PrefixCache | None = None) -> Iterator[GenerationResponse]:
     """Generate from a prompt (text, or token ids), yielding text pieces with running stats.
 
     draft/verify/confidence: see `make_decoder` and speculative.py. Replies are
@@ -278,7 +354,10 @@ def stream_generate(model, tokenizer, prompt: str | list[int], max_tokens: int =
     generating (runtime/residency.py; Metal only). runner: the model's Runner to schedule
     the forwards with, where the caller keeps one across generations (the server does);
     default: one made for this generation, with the device's options (runtime/options.py).
-    The same replies either way.
+    The same replies either way. prompt_cache: the model's PrefixCache, kept across
+    generations: the prompt's longest kept prefix is not prefilled again (the responses'
+    cached_tokens), and states are kept for later prompts (generate_step). The same replies
+    with it as without.
     """
     if not isinstance(max_tokens, int) or max_tokens < 0:
         raise ValueError(f"max_tokens must be a non-negative integer, got {max_tokens!r}")
@@ -293,18 +372,21 @@ def stream_generate(model, tokenizer, prompt: str | list[int], max_tokens: int =
         decoder = make_decoder(runner, params, draft, verify, confidence)
         stats = decoder.stats if decoder is not None else None
         with wired(model, decoder.drafter if decoder is not None else None, enabled=wire):
-            yield from _responses(runner, tokenizer, ids, params, max_tokens, prefill_chunk, decoder, stats)
+            yield from _responses(runner, tokenizer, ids, params, max_tokens, prefill_chunk, decoder, stats,
+                                  prompt_cache)
 
 
-def _responses(runner, tokenizer, ids, params, max_tokens, prefill_chunk, decoder, stats):
+def _responses(runner, tokenizer, ids, params, max_tokens, prefill_chunk, decoder, stats, prompt_cache):
     detok = StreamingDetokenizer(tokenizer)
     mx.reset_peak_memory()
+    cached = prompt_cache.cached_length(ids) if prompt_cache is not None else 0  # what generate_step resumes
     tic = time.perf_counter()
     prompt_tps = 0.0
-    steps = generate_step(runner, ids, params, max_tokens, prefill_chunk, decoder, tokenizer.eos_token_ids)
+    steps = generate_step(runner, ids, params, max_tokens, prefill_chunk, decoder, tokenizer.eos_token_ids,
+                          prompt_cache)
     for n, token in enumerate(steps, start=1):
         if n == 1:
-            prompt_tps = len(ids) / (time.perf_counter() - tic)
+            prompt_tps = (len(ids) - cached) / (time.perf_counter() - tic)  # the tokens prefilled
             tic = time.perf_counter()
         done = token in tokenizer.eos_token_ids
         text = "" if done else detok.add_token(token)
@@ -313,7 +395,7 @@ def _responses(runner, tokenizer, ids, params, max_tokens, prefill_chunk, decode
             text += detok.finalize()
         elapsed = time.perf_counter() - tic
         yield GenerationResponse(text, token, len(ids), prompt_tps, n, n / elapsed if elapsed > 0 else 0.0,
-                                 mx.get_peak_memory() / 1e9, finish, stats)
+                                 mx.get_peak_memory() / 1e9, finish, stats, cached)
         if done:
             return
 
@@ -334,7 +416,8 @@ def generate(model, tokenizer, prompt: str | list[int], verbose: bool = False, *
 
 
 def stats_line(r: GenerationResponse) -> str:
-    return (f"prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.1f} tok/s | "
+    cached = f" ({r.cached_tokens} cached)" if r.cached_tokens else ""
+    return (f"prompt: {r.prompt_tokens} tokens{cached}, {r.prompt_tps:.1f} tok/s | "
             f"generation: {r.generation_tokens} tokens, {r.generation_tps:.1f} tok/s | "
             f"peak memory: {r.peak_memory_gb:.3f} GB")
 
@@ -400,6 +483,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="no progress bars or log lines: only the reply and the stats lines")
     parser.add_argument("--no-stats", action="store_true",
                         help="no stats lines (speed, peak memory, drafting) after the reply")
+    parser.add_argument("--pipeline-split", metavar="A:B,C:D,...",
+                        help="under mlx.launch, the layers each process (rank) holds, one range per rank "
+                             "(default: balanced by resident bytes)")
     return parser
 
 
@@ -439,20 +525,38 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             local_model_dir(args.model)  # a local path checked; a repo id left to the loader
         except CheckpointError as e:
             parser.error(f"argument --model: {e}")
+    if args.pipeline_split is not None:
+        from .runtime.pipeline import parse_split
+
+        check("--pipeline-split", parse_split, args.pipeline_split)  # its fit to the model: once that is read
 
 
 def main(argv: list[str] | None = None) -> int:
     from .config import ConfigError
     from .io.checkpoint import CheckpointError
-    from .io.load import load
+    from .io.load import load, load_stage
+    from .runtime.pipeline import Link, PipelineRunner, serve
 
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
+    group = mx.distributed.init()  # launched by mlx.launch: one rank of a pipeline (runtime/pipeline.py)
+    if args.pipeline_split is not None and group.size() == 1:
+        parser.error("argument --pipeline-split: splits the model across the processes mlx.launch starts "
+                     "(mlx.launch -n 2 -- python -m dsv41_mlx.generate ...)")
+    quiet = args.quiet or group.rank() > 0  # the other ranks print nothing but errors
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(message)s")
     try:
-        model, tokenizer = load(args.model, progress=not args.quiet)
-        with Runner(model) as runner:
+        if group.size() > 1:
+            model, tokenizer = load_stage(args.model, group, args.pipeline_split, progress=not quiet)
+            if group.rank() > 0:
+                serve(model, Link(group))  # rank 0's commands, until it is done
+                return 0
+            runner = PipelineRunner(model, Link(group))
+        else:
+            model, tokenizer = load(args.model, progress=not quiet)
+            runner = Runner(model)
+        with runner:
             drafting = args.draft if args.draft is not None else runner.drafter is not None
             if drafting and runner.drafter is not None and runner.drafter.head == "fp8":
                 runner.drafter.build_fp8_head(progress=not args.quiet)

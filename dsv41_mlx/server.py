@@ -41,6 +41,7 @@ from starlette.routing import Route
 
 from .chat import EMPTY_PROMPT, ChatFormatError, ReplyParser, encode_chat
 from .generate import stream_generate, warm_up
+from .runtime.prefix_cache import PrefixCache
 from .runtime.runner import Runner
 from .sampling import SamplingParams
 from .speculative import VERIFY_MODES, ConfidencePolicy, resolve_verify
@@ -381,9 +382,11 @@ class Engine:
     """One worker thread runs the queued jobs in order, one at a time, through one Runner kept for
     the server's life (its evaluator thread and stream are made once, not per request)."""
 
-    def __init__(self, model, tokenizer, name: str, runner: Runner | None = None):
+    def __init__(self, model, tokenizer, name: str, runner: Runner | None = None,
+                 prompt_cache: PrefixCache | None = None):
         self.model, self.tokenizer, self.name = model, tokenizer, name
         self.runner = runner if runner is not None else Runner(model)
+        self.prompt_cache = prompt_cache  # states of earlier prompts and replies a request resumes from
         self.context = model.args.max_position_embeddings or 2**31
         self.jobs: queue.Queue[Job] = queue.Queue()
         self.served = 0
@@ -410,14 +413,15 @@ class Engine:
 
     def _run(self, job: Job) -> None:
         """Emits ("text", piece)... then ("done", finish, usage, drafting stats, the stop string that ended it)."""
-        text, sent, finish, stats, n, matched = "", 0, "length", None, 0, None
+        text, sent, finish, stats, n, matched, cached = "", 0, "length", None, 0, None, 0
         hold = max((len(s) for s in job.stop), default=1) - 1  # a stop string may still be forming
-        for r in stream_generate(self.model, self.tokenizer, job.ids, runner=self.runner, **job.options):
+        for r in stream_generate(self.model, self.tokenizer, job.ids, runner=self.runner,
+                                 prompt_cache=self.prompt_cache, **job.options):
             if job.cancelled.is_set():
                 log.info("client went away: generation stopped after %d tokens", r.generation_tokens)
                 self.abandoned += 1
                 return
-            n, stats = r.generation_tokens, r.draft_stats
+            n, stats, cached = r.generation_tokens, r.draft_stats, r.cached_tokens
             text += r.text
             cut, matched = min(((text.find(s), s) for s in job.stop if s in text), default=(-1, None))
             if cut >= 0:
@@ -431,7 +435,8 @@ class Engine:
                 sent = len(text) - hold
         if len(text) > sent:
             job.emit(("text", text[sent:]))
-        usage = {"prompt_tokens": len(job.ids), "completion_tokens": n, "total_tokens": len(job.ids) + n}
+        usage = {"prompt_tokens": len(job.ids), "completion_tokens": n, "total_tokens": len(job.ids) + n,
+                 "prompt_tokens_details": {"cached_tokens": cached}}
         job.emit(("done", finish, usage, stats.as_dict() if stats is not None else None, matched))
 
     def health(self) -> dict:
@@ -439,7 +444,15 @@ class Engine:
                 "abandoned": self.abandoned,
                 "active_memory_gb": mx.get_active_memory() / 1e9,
                 "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin"
-                                                                                     else 1024) / 1e9}
+                                                                                     else 1024) / 1e9,
+                "prompt_cache": self._prompt_cache_health()}
+
+    def _prompt_cache_health(self) -> dict | None:
+        pc = self.prompt_cache
+        if pc is None:
+            return None
+        return {"entries": len(pc), "bytes": pc.nbytes, "max_bytes": pc.max_bytes, "hits": pc.hits,
+                "misses": pc.misses, "by_entry": pc.entries()}
 
 
 # ---------------------------------------------------------------------- http
@@ -581,7 +594,8 @@ def create_app(engine: Engine) -> Starlette:
                              "content": content, "stop_reason": _stop_reason(finish, calls, matched),
                              "stop_sequence": matched,
                              "usage": {"input_tokens": usage["prompt_tokens"],
-                                       "output_tokens": usage["completion_tokens"]},
+                                       "output_tokens": usage["completion_tokens"],
+                                       "cache_read_input_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
                              "drafting": stats})
 
     async def anthropic_events(job: Job, mid: str):
@@ -674,10 +688,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--quiet", action="store_true", help="no progress bars, warnings only")
+    parser.add_argument("--prompt-cache-gb", type=float, default=4.0,
+                        help="memory for the states of earlier prompts and replies that a request whose tokens "
+                             "begin with them resumes from (least recently used dropped first); 0: off")
     parser.add_argument("--warm-up", action="store_true",
                         help="before serving, run every request shape once (on CUDA each GPU kernel's first use in a "
                              "process costs seconds, which would otherwise fall on the first requests)")
     args = parser.parse_args(argv)
+    if args.prompt_cache_gb < 0:
+        parser.error(f"argument --prompt-cache-gb: must be >= 0, got {args.prompt_cache_gb}")
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
     try:
         model, tokenizer = load(args.model, progress=not args.quiet)
@@ -689,7 +708,8 @@ def main(argv: list[str] | None = None) -> int:
         runner.drafter.build_fp8_head(progress=not args.quiet)
     if args.warm_up:
         log.info("warm-up: every request shape once, %.1f s", warm_up(runner))
-    engine = Engine(model, tokenizer, args.name or args.model or "dsv41-tiny", runner)
+    prompt_cache = PrefixCache.for_chat(int(args.prompt_cache_gb * 1e9), tokenizer) if args.prompt_cache_gb else None
+    engine = Engine(model, tokenizer, args.name or args.model or "dsv41-tiny", runner, prompt_cache)
     uvicorn.run(create_app(engine), host=args.host, port=args.port,
                 log_level="warning" if args.quiet else "info")
     return 0

@@ -135,7 +135,9 @@ class Outlook:
       so far, yields more tokens per second than plain decoding, for the best l >= 1. When it
       does not, the loop decodes `stretch()` tokens plainly (no propose, no verify), then
       probes with one round; each probe that fails doubles the stretch, up to MAX_STRETCH.
-    Which drafts are verified never changes the reply, only its speed."""
+    The drafter keeps its outlook across generations (a server's requests, a runner's
+    replies): one that did not pay starts the next generation with plain steps. Which drafts
+    are verified never changes the reply, only its speed."""
 
     DECAY = 0.8  # per round: about the last five rounds count
     FIRST_STRETCH, MAX_STRETCH = 8, 64
@@ -143,6 +145,7 @@ class Outlook:
 
     def __init__(self, block: int):
         self.reached, self.accepted, self.predicted = [0.0] * block, [0.0] * block, [0.0] * block
+        self.paying: bool | None = None  # the last round's verdict (None: no round yet)
         self.plain_steps: deque[float] = deque(maxlen=self.PLAIN_STEPS_KEPT)  # seconds per plain token
         self.next_stretch = self.FIRST_STRETCH
 
@@ -305,11 +308,21 @@ class SpeculativeDecoder:
         self.costs = verify_costs
         self.stats = DraftStats(drafter.block)
         self.draft_cache: DraftCache | None = None  # set by begin
+        # [1, n, F]: the DSpark features of the positions the last round committed (its anchor
+        # and accepted drafts), for a caller that keeps a sequence's newest features
+        self.committed_features: mx.array | None = None
         self.beyond_verify: deque[float] = deque(maxlen=16)  # recent rounds' seconds beyond their forward
-        self.outlook = Outlook(drafter.block)
         self._plain_next = 0  # plain tokens to decode before the next round
         self.plain_cost = plain_cost  # seconds per plain token; None: measured in the loop (Outlook.plain_s)
         self._probing = True  # the next round verifies one draft, to learn whether drafting pays
+        # what the drafter's rounds have shown, kept with it across generations: one that did not
+        # pay before starts with plain steps, one that paid with rounds
+        if drafter.outlook is None:
+            drafter.outlook = Outlook(drafter.block)
+        self.outlook = drafter.outlook if self.policy.mode == "schedule" else Outlook(drafter.block)
+        if self.outlook.paying is not None:
+            self._probing = not self.outlook.paying
+            self._plain_next = 0 if self.outlook.paying else self.outlook.stretch()
 
     def begin(self, cache: ModelCache, features: mx.array) -> DraftCache:
         """The drafter's rings for a prefilled prompt: its newest n rows' features [n, 3*dim]
@@ -385,6 +398,7 @@ class SpeculativeDecoder:
 
         cache.trim(ell - accepted)
         ahead.commit(accepted + 1)
+        self.committed_features = features[:, :accepted + 1]
         # started, not waited for: the device writes the rings while the host returns the
         # tokens and builds the next round's proposal and verify forward (the next propose
         # waits for them on the drafter's stream; a verify forward does not read them)
@@ -417,13 +431,11 @@ class SpeculativeDecoder:
         any other by plain steps (Outlook.stretch), among them a round that found no draft
         worth verifying (its propose gained nothing)."""
         plain_s = self.plain_cost if self.plain_cost is not None else self.outlook.plain_s(self.costs[0])
-        if verified and self.outlook.pays(self.round_costs(), plain_s):
-            self._probing = False
+        self.outlook.paying = bool(verified) and self.outlook.pays(self.round_costs(), plain_s)
+        self._probing = not self.outlook.paying
+        if self.outlook.paying:
             self.outlook.paid()
-        elif verified and accepted == verified:
-            self._probing = True
-        else:
-            self._probing = True
+        elif not (verified and accepted == verified):
             self._plain_next = self.outlook.stretch()
 
     def accept(self, logits: mx.array, proposal: Proposal, ell: int, first_pos: int,

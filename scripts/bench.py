@@ -16,6 +16,9 @@
                                                 # contexts, mlx-lm beside it; the decode floor at each
     python scripts/bench.py steps --model DIR [--variant u1=experts_loads_ahead:1 ...] [--verify-rows 6]
                                                 # layout choices A/B'd a decode step at a time, one process
+    python scripts/bench.py prefix [--model M] [--prefix-tokens 4096]
+                                                # a chat's second turn resumed from the prefix cache against
+                                                # it prefilled whole: time to first token, the entry's bytes
 
 Each benchmark is a module of scripts/benchmarks/ (its arguments, its measurement, its
 table); scripts/benchmarks/harness.py holds what they share. Speed is measured here and
@@ -32,11 +35,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.benchmarks import context, drafts, e2e, gemms, head, layouts, pieces, profile, propose, steps  # noqa: E402
+from scripts.benchmarks import (context, drafts, e2e, gemms, head, layouts, pieces, prefix, profile,  # noqa: E402
+                                propose, steps)
 from scripts.benchmarks.harness import environment  # noqa: E402
 
 BENCHMARKS = {"head": head, "drafts": drafts, "e2e": e2e, "profile": profile, "pieces": pieces, "gemms": gemms,
-              "layouts": layouts, "steps": steps, "propose": propose, "context": context}
+              "layouts": layouts, "steps": steps, "propose": propose, "context": context, "prefix": prefix}
 
 
 def main() -> int:

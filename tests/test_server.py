@@ -70,13 +70,37 @@ def test_models_and_health(client):
     assert health["status"] == "ok" and health["model"] == "dsv41-tiny"
 
 
+def test_a_second_turn_resumes_from_the_first_and_health_shows_the_cache(engine):
+    """With a prompt cache, turn 2 (turn 1, its reply, a new question) prefills only what is
+    new: usage says how many prompt tokens came from the cache, the reply is the one a cold
+    prefill gives, and /health lists the cache's entries and their sizes."""
+    from dsv41_mlx.runtime.prefix_cache import PrefixCache
+
+    cached = Engine(engine.model, engine.tokenizer, "dsv41-tiny", engine.runner,
+                    PrefixCache.for_chat(1 << 30, engine.tokenizer))
+    with TestClient(create_app(cached)) as c:
+        first = c.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 5}).json()
+        assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        turn2 = CHAT + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                        {"role": "user", "content": "And their keepers?"}]
+        second = c.post("/v1/chat/completions", json={"messages": turn2, "max_tokens": 5}).json()
+        ids = engine.tokenizer.encode(encode_chat(turn2))
+        assert second["usage"]["prompt_tokens"] == len(ids)
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > len(engine.tokenizer.encode(encode_chat(CHAT)))
+        assert second["choices"][0]["message"]["content"] == solo(engine, ids, max_tokens=5)
+        health = c.get("/health").json()["prompt_cache"]
+    assert health["entries"] == len(health["by_entry"]) >= 2 and health["hits"] >= 1
+    assert health["bytes"] == sum(e["bytes"] for e in health["by_entry"]) <= health["max_bytes"]
+
+
 def test_chat_completion_equals_the_solo_reply_and_reports_usage_and_drafting(client, engine):
     r = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 6, "seed": 3, "temperature": 0.9})
     assert r.status_code == 200, r.text
     body = r.json()
     ids = engine.tokenizer.encode(encode_chat(CHAT))
     assert body["choices"][0]["message"]["content"] == solo(engine, ids, max_tokens=6, seed=3, temperature=0.9)
-    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 6, "total_tokens": len(ids) + 6}
+    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 6, "total_tokens": len(ids) + 6,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["drafting"]["rounds"] >= 1 and "acceptance_by_position" in body["drafting"]
 

@@ -14,6 +14,7 @@ release precision: FP8 and FP4 bits are repacked, never dequantised.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -336,6 +337,20 @@ def shard_headers(model_dir: Path) -> dict[Path, dict[str, dict]]:
     return headers
 
 
+def checkpoint_digest(model_dir: Path) -> bytes:
+    """sha256 of what names a checkpoint's contents: config.json and the safetensors index (or a
+    lone model.safetensors's header), for ranks of a pipeline to check they read the same one."""
+    digest = hashlib.sha256((model_dir / "config.json").read_bytes())
+    index = model_dir / INDEX_FILE
+    if index.exists():
+        digest.update(index.read_bytes())
+    else:
+        with open(model_dir / "model.safetensors", "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            digest.update(f.read(n))
+    return digest.digest()
+
+
 def check_tensors(args: ModelArgs, headers: dict[Path, dict[str, dict]]) -> dict[str, Path]:
     """Match the shards against `expected_tensors`; return name -> file for the tensors to load."""
     expected = expected_tensors(args)
@@ -392,14 +407,14 @@ def machine_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _size(n: int) -> str:
+def size_text(n: int) -> str:
     return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
 def check_memory(needed: int, available: int, model_dir: Path) -> None:
     if needed > available:
-        raise CheckpointError(f"{model_dir}: its weights need {_size(needed)} of memory (engram tables are "
-                              f"memory-mapped and not counted) and this machine has {_size(available)}")
+        raise CheckpointError(f"{model_dir}: its weights need {size_text(needed)} of memory (engram tables are "
+                              f"memory-mapped and not counted) and this machine has {size_text(available)}")
 
 
 # ------------------------------------------------------------ into the model
@@ -485,7 +500,9 @@ def load_weights(model, model_dir: Path, where: dict[str, Path], progress: bool 
         if t is not None and mx.issubdtype(t.dtype, mx.floating) and dtype.size > t.dtype.size:
             params[name] = t.astype(dtype)
     model.load_weights(list(params.items()), strict=True)
-    parts = [model.embed, *model.layers, *model.mtp, model.norm, model.head]
+    # (a pipeline rank's model holds some of them: runtime.pipeline.StageModel)
+    parts = [p for p in (model.embed, *model.layers, *model.mtp, model.norm, model.head)
+             if p is not None and p.parameters()]
     for part in tqdm(parts, desc="loading weights", unit="block", disable=not progress):
         mx.eval(part.parameters())  # reads this block's tensors from the shards
 

@@ -109,6 +109,7 @@ class Drafter:
         self.window = args.sliding_window
         self.hc = args.hc_mult
         self.verify_costs: list[float] | None = None  # T_verify(1..block+1) in s, filled by speculative.py
+        self.outlook = None  # whether drafting pays, as rounds have shown (speculative.Outlook), filled there
         self._evaluator: BlockEvaluator | None = None
         self.evaluate_on_thread = mx.default_device() == mx.gpu
 

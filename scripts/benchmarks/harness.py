@@ -328,6 +328,7 @@ class WrappedDrafter:
     def __init__(self, drafter):
         self.inner = drafter
         self.block, self.window, self.verify_costs = drafter.block, drafter.window, drafter.verify_costs
+        self.outlook = None  # a stand-in's drafts are its own: so is what they have shown
 
     def make_cache(self):
         return self.inner.make_cache()
