@@ -394,3 +394,99 @@ def test_the_anthropic_client_raises_its_own_error_types(claude):
     with pytest.raises(anthropic.BadRequestError) as e:
         claude.messages.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": 7}])
     assert "messages[0].content must be a string or a list of content blocks" in e.value.message
+
+
+# ------------------------------------------- two turns: a tool call, its result, the cache
+
+@pytest.fixture(scope="module")
+def cached_live(engine):
+    """A second server on the same model and runner, with a prompt cache."""
+    from dsv41_mlx.runtime.prefix_cache import PrefixCache
+
+    cached = Engine(engine.model, engine.tokenizer, MODEL, engine.runner, PrefixCache.for_chat(1 << 30, engine.tokenizer))
+    with serving(create_app(cached)) as url:
+        yield url, cached
+
+
+@pytest.fixture
+def recorded(monkeypatch, engine):
+    """recorded(prompt, text): the real forwards run, but the tokens drawn are text's then EOS (a
+    test double of the sampler: the model's own text is noise); plain decoding only."""
+    import importlib
+
+    import mlx.core as mx
+
+    generate = importlib.import_module("dsv41_mlx.generate")  # (the package exports a function so named)
+
+    def use(prompt: str, text: str):
+        before = engine.tokenizer.encode(prompt)
+        after = engine.tokenizer.encode(prompt + text + "<｜end▁of▁sentence｜>")
+        assert after[: len(before)] == before
+        tokens = iter(after[len(before):])  # the reply's tokens as they follow the prompt
+        monkeypatch.setattr(generate, "draw_token", lambda runner, logits, position, params:
+                            mx.array([next(tokens)], dtype=mx.int32))
+
+    return use
+
+
+def _reply_text(first: list[dict], assistant: dict, tools: list[dict]) -> str:
+    """What the encoder renders for the assistant's turn after `first`: what the model wrote."""
+    before, after = encode_chat(first, tools=tools), encode_chat(first + [assistant], tools=tools)
+    assert after.startswith(before)
+    return after[len(before):].removesuffix("<｜end▁of▁sentence｜>")
+
+
+ASSISTANT_CALL = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+
+
+def test_openai_two_turns_with_a_tool_call_and_its_result_resume_from_the_cache(cached_live, engine, recorded,
+                                                                                  monkeypatch):
+    """Turn 1: the model (its tokens recorded, its forwards real) calls get_weather; turn 2 sends
+    the call and its result back: its prompt begins with turn 1's prompt and reply, so it
+    resumes from the cached state (usage says how many tokens), and its reply is the one a cold
+    prefill of the same prompt gives."""
+    url, _ = cached_live
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    recorded(encode_chat(ASK, tools=[WEATHER]), _reply_text(ASK, ASSISTANT_CALL, [WEATHER]))
+    first = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=60,
+                                           extra_body={"draft": False})
+    monkeypatch.undo()  # turn 2 samples for real
+    call = first.choices[0].message.tool_calls[0]
+    assert first.choices[0].finish_reason == "tool_calls"
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    turn2 = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21C"}]
+    second = client.chat.completions.create(model=MODEL, messages=turn2, tools=[WEATHER], max_tokens=4,
+                                            extra_body={"draft": False})
+    prompt = encode_chat(turn2, tools=[WEATHER])
+    assert second.usage.prompt_tokens == len(engine.tokenizer.encode(prompt))
+    # turn 1's prompt and its reply but the end-of-sentence token (no forward fed it)
+    assert second.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens + first.usage.completion_tokens - 1
+    assert second.choices[0].message.content == solo(engine, prompt, 4)
+
+
+def test_anthropic_two_turns_with_a_tool_use_and_its_result_resume_from_the_cache(cached_live, engine, recorded,
+                                                                                   monkeypatch):
+    """The same conversation through Anthropic's client: tool_use, then a tool_result block; the
+    second message reports the cached tokens as cache_read_input_tokens."""
+    url, _ = cached_live
+    client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
+    ask = [{"role": "user", "content": "Weather in Lyon?"}]
+    call = {**ASSISTANT_CALL, "tool_calls": [{**ASSISTANT_CALL["tool_calls"][0], "function": {
+        "name": "get_weather", "arguments": '{"city": "Lyon"}'}}]}
+    recorded(encode_chat(ask, tools=[WEATHER]), _reply_text(ask, call, [WEATHER]))
+    first = client.messages.create(model=MODEL, max_tokens=60, messages=ask, tools=[WEATHER_TOOL],
+                                   extra_body={"draft": False})
+    monkeypatch.undo()
+    use = first.content[-1]
+    assert first.stop_reason == "tool_use" and (use.name, use.input) == ("get_weather", {"city": "Lyon"})
+    turn2 = ask + [{"role": "assistant", "content": [{"type": "tool_use", "id": use.id, "name": use.name,
+                                                      "input": use.input}]},
+                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "rain"}]}]
+    second = client.messages.create(model=MODEL, max_tokens=4, messages=turn2, tools=[WEATHER_TOOL],
+                                    extra_body={"draft": False})
+    assert second.usage.cache_read_input_tokens == first.usage.input_tokens + first.usage.output_tokens - 1
+    assert second.usage.input_tokens > second.usage.cache_read_input_tokens
