@@ -292,11 +292,13 @@ def drafted_steps(runner: Runner, decoder: SpeculativeDecoder, cache: ModelCache
             stretch, seconds = [], []
             steps = plain_steps(runner, cache, decoder.params, plain, stop, anchor=anchor, kept=stretch,
                                 seconds=seconds)
+            decoder.stats.stretches += 1
         else:
             steps = decoder.round(cache, draft_cache, anchor, max_tokens - produced)
             if kept is not None:
                 kept.append(decoder.committed_features)
         for token in steps:
+            decoder.stats.plain_steps += bool(plain)  # (counted before the caller may stop reading)
             yield token
             produced += 1
             if token in stop:

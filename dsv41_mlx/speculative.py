@@ -342,8 +342,6 @@ class SpeculativeDecoder:
         token in `seconds`: the rings catch up on them, and the outlook learns their pace."""
         self.drafter.catch_up(self.draft_cache, features)
         self.outlook.plain_steps.extend(seconds)
-        self.stats.plain_steps += len(seconds)
-        self.stats.stretches += 1
 
     def round_costs(self) -> list[float] | None:
         """What a round verifying 1, 2, .. rows costs, for the schedule: the measured verify
