@@ -292,7 +292,6 @@ def drafted_steps(runner: Runner, decoder: SpeculativeDecoder, cache: ModelCache
             stretch, seconds = [], []
             steps = plain_steps(runner, cache, decoder.params, plain, stop, anchor=anchor, kept=stretch,
                                 seconds=seconds)
-            decoder.stats.stretches += 1
         else:
             steps = decoder.round(cache, draft_cache, anchor, max_tokens - produced)
             if kept is not None:

@@ -123,7 +123,7 @@ def sigmoid(x: float) -> float:
 
 
 class Outlook:
-    """Whether drafting pays, from what this generation's rounds have shown (the `schedule`
+    """Whether drafting pays, from what the drafter's rounds have shown (the `schedule`
     policy). It keeps, per draft position k, decayed counts of the rounds that verified draft
     k after drafts 1..k-1 were accepted (`reached`), of those that accepted it, and of the
     confidence the drafter gave it there (`predicted`); the decay lets a drafter that starts
@@ -312,17 +312,13 @@ class SpeculativeDecoder:
         # and accepted drafts), for a caller that keeps a sequence's newest features
         self.committed_features: mx.array | None = None
         self.beyond_verify: deque[float] = deque(maxlen=16)  # recent rounds' seconds beyond their forward
-        self._plain_next = 0  # plain tokens to decode before the next round
         self.plain_cost = plain_cost  # seconds per plain token; None: measured in the loop (Outlook.plain_s)
-        self._probing = True  # the next round verifies one draft, to learn whether drafting pays
         # what the drafter's rounds have shown, kept with it across generations: one that did not
         # pay before starts with plain steps, one that paid with rounds
-        if drafter.outlook is None:
+        if self.policy.mode == "schedule" and drafter.outlook is None:
             drafter.outlook = Outlook(drafter.block)
         self.outlook = drafter.outlook if self.policy.mode == "schedule" else Outlook(drafter.block)
-        if self.outlook.paying is not None:
-            self._probing = not self.outlook.paying
-            self._plain_next = 0 if self.outlook.paying else self.outlook.stretch()
+        self._plain_next = self.outlook.stretch() if self.outlook.paying is False else 0  # plain tokens before a round
 
     def begin(self, cache: ModelCache, features: mx.array) -> DraftCache:
         """The drafter's rings for a prefilled prompt: its newest n rows' features [n, 3*dim]
@@ -333,8 +329,10 @@ class SpeculativeDecoder:
         return draft_cache
 
     def plain_tokens(self) -> int:
-        """How many tokens to decode plainly before the next round (0: a round now)."""
+        """How many tokens to decode plainly before the next round (0: a round now), counted as a
+        stretch in the stats."""
         n, self._plain_next = self._plain_next, 0
+        self.stats.stretches += n > 0
         return n
 
     def after_plain(self, features: mx.array, seconds: list[float]) -> None:
@@ -414,11 +412,11 @@ class SpeculativeDecoder:
     def verify_length(self, confidence: list[float]) -> int:
         """How many of the proposed drafts (confidences [block]) to verify: the policy's count,
         on confidences calibrated by the acceptance seen so far where the policy is the
-        schedule. There a probe (the first round, or the first after plain steps) verifies
-        exactly one: the cheapest round that shows whether drafting pays."""
+        schedule. There, until a round has found that drafting pays, a probe verifies exactly
+        one: the cheapest round that shows whether it does."""
         if self.policy.mode != "schedule":
             return self.policy.verify_length(confidence, self.round_costs())
-        if self._probing:
+        if not self.outlook.paying:
             return 1
         return self.policy.verify_length(self.outlook.calibrated(confidence), self.round_costs())
 
@@ -430,7 +428,6 @@ class SpeculativeDecoder:
         worth verifying (its propose gained nothing)."""
         plain_s = self.plain_cost if self.plain_cost is not None else self.outlook.plain_s(self.costs[0])
         self.outlook.paying = bool(verified) and self.outlook.pays(self.round_costs(), plain_s)
-        self._probing = not self.outlook.paying
         if self.outlook.paying:
             self.outlook.paid()
         elif not (verified and accepted == verified):

@@ -57,6 +57,8 @@ import mlx.core as mx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from scripts.benchmarks.harness import prompt_of  # noqa: E402
+
 
 def short_name(name: str) -> str:
     """A kernel's name without its parameter list or namespaces; our custom kernels by their
@@ -182,11 +184,6 @@ def ncu_kernels(text: str) -> list[tuple[float, float, str]]:
     if header is None:
         raise ValueError("no ncu table here (run ncu with --csv and --metrics gpu__time_duration.sum)")
     return kernels
-
-
-def prompt_of(n: int, vocab: int) -> list[int]:
-    """The made-up prompt the forwards follow: n token ids spread over the vocabulary."""
-    return [((i * 7919) % 50000 + 100) % vocab for i in range(n)]
 
 
 @contextlib.contextmanager

@@ -268,13 +268,20 @@ class Model(nn.Module):
         f.h, f.pre = layer(h, f.pre, f.positions, cache.layers[i], cache.layers, f.shared, rows=f.real_rows,
                            expand=i == len(self.layers) - 1, next_fn=next_fn)
 
-    def keep_last(self, forward: Forward, cache: ModelCache, i: int, rows: int) -> None:
+    def keep_last(self, forward: Forward, cache: ModelCache, i: int, rows: int) -> bool:
         """Before block i (past the last KV source): the forward goes on with its last `rows` rows
         only, and block i's window cache passes over the positions dropped so far. Exact for the
         rows whose outputs later reads need (runtime.runner.prefill_rows says which): a layer past
         the last source keeps no compressed state, only the window of its own keys
-        (reference `Attention._window_kv`), and reads the sources' shared caches per row."""
+        (reference `Attention._window_kv`), and reads the sources' shared caches per row.
+        rows 0: no row reaches block i or any after it; their window caches (those the cache
+        holds) pass over every position of the forward, and False says the forward ends here."""
         f = forward
+        if rows == 0:
+            for layer in cache.layers[i:]:
+                if layer is not None:
+                    layer.window.pass_over(f.pre.shape[0] + f.dropped)
+            return False
         dropped = f.pre.shape[0] - rows
         if dropped > 0:
             f.h, f.pre = stream_value(f.h)[dropped:], f.pre[dropped:]
@@ -284,6 +291,7 @@ class Model(nn.Module):
             f.dropped += dropped
         if f.dropped:
             cache.layers[i].window.pass_over(f.dropped)
+        return True
 
     def finish(self, forward: Forward, last_logits_only: bool = False) -> tuple[mx.array, mx.array]:
         """The last block's stream -> (logits [1, S or 1, V], features [1, S, F])."""

@@ -247,20 +247,15 @@ class StageModel(Model):
         """This rank's blocks of a forward (Runner._forward's loop over its range): False where no
         row of it reaches a layer (prefill_rows), its windows and the rest's passed over."""
         for i in self.held:
-            if keep.get(i) == 0:
-                self.pass_over(cache, i, forward.positions.shape[0] + forward.dropped)
+            if i in keep and not self.keep_last(forward, cache, i, keep[i]):
                 return False
-            if i in keep:
-                self.keep_last(forward, cache, i, keep[i])
             self.block(i, forward, cache, engram_rows.get(i))
         return True
 
-    def pass_over(self, cache: StageCache, first: int, rows: int) -> None:
-        """Layers first.. of this rank let `rows` positions go by (a forward none of whose rows
-        they compute)."""
+    def pass_over(self, cache: StageCache, rows: int) -> None:
+        """This rank's layers let `rows` positions go by (a forward none of whose rows reach them)."""
         for i in self.held:
-            if i >= first:
-                cache.layers[i].window.pass_over(rows)
+            cache.layers[i].window.pass_over(rows)
 
 
 class StageCache(ModelCache):
@@ -525,7 +520,7 @@ def _forward_here(model: StageModel, cache: StageCache, message: Message) -> Mes
     engram_rows = model.take_tokens(cache, tokens, step.real_rows)
     forward = received_forward(step, message.arrays[1:])
     if forward is None:
-        model.pass_over(cache, model.held.start, step.rows)
+        model.pass_over(cache, step.rows)
     elif not model.blocks(forward, cache, step.keep(model.args), engram_rows):
         forward = None
     return forward_message(step, tokens, forward)

@@ -204,12 +204,8 @@ class Runner:
 
         def blocks(first: int, last: int, engram_rows: dict[int, mx.array]) -> bool:
             for i in range(first, last):
-                if keep.get(i) == 0:  # no row of this forward reaches layer i or any after it
-                    for layer in cache.layers[i:]:
-                        layer.window.pass_over(ids.shape[1])
-                    return False
-                if i in keep:
-                    model.keep_last(forward, cache, i, keep[i])
+                if i in keep and not model.keep_last(forward, cache, i, keep[i]):
+                    return False  # no row of this forward reaches layer i or any after it
                 model.block(i, forward, cache, engram_rows.get(i))
                 begin(forward.h, forward.pre)
             return True

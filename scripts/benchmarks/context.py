@@ -10,7 +10,7 @@ import time
 
 import mlx.core as mx
 
-from .harness import copy_bandwidth, decode_bytes, print_heading, reply_hash
+from .harness import copy_bandwidth, decode_bytes, print_heading, prompt_of, reply_hash
 
 CONTEXTS = (1024, 8192, 32768, 131072)
 
@@ -27,11 +27,6 @@ def run(args, env: dict) -> dict:
     res = bench_context(args.model, args.contexts, args.tokens, full=not args.no_full, mlxlm=not args.no_mlxlm)
     print_context(env, res)
     return res
-
-
-def prompt_of(n: int, vocab: int) -> list[int]:
-    """n token ids spread over the vocabulary (no special meaning, no repeats nearby)."""
-    return [(7919 * i + 13) % (vocab - 300) + 100 for i in range(n)]
 
 
 def step_read_bytes(model, context: int) -> float:

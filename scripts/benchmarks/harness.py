@@ -64,6 +64,11 @@ def prompt_texts(n_prompts: int) -> list[str]:
     return prompts["prose"][:n_prompts] + prompts["code"][:n_prompts]
 
 
+def prompt_of(n: int, vocab: int) -> list[int]:
+    """A made-up prompt: n token ids spread over the vocabulary."""
+    return [((i * 7919) % 50000 + 100) % vocab for i in range(n)]
+
+
 def reply_hash(tokens: list) -> str:
     """A reply's token ids (or several replies') as a short hash: equal replies, equal hashes."""
     return hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:12]
