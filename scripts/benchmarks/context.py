@@ -21,10 +21,13 @@ def add_arguments(p) -> None:
     p.add_argument("--tokens", type=int, default=32, help="tokens decoded after each prompt")
     p.add_argument("--no-full", action="store_true", help="skip the prefill without the elision")
     p.add_argument("--no-mlxlm", action="store_true", help="skip mlx-lm")
+    p.add_argument("--mlxlm-up-to", type=int, default=None, metavar="N",
+                   help="run mlx-lm only at contexts of at most N tokens")
 
 
 def run(args, env: dict) -> dict:
-    res = bench_context(args.model, args.contexts, args.tokens, full=not args.no_full, mlxlm=not args.no_mlxlm)
+    res = bench_context(args.model, args.contexts, args.tokens, full=not args.no_full, mlxlm=not args.no_mlxlm,
+                        mlxlm_up_to=args.mlxlm_up_to)
     print_context(env, res)
     return res
 
@@ -51,35 +54,32 @@ def step_read_bytes(model, context: int) -> float:
 
 
 def _generate(runner, prompt: list[int], tokens: int) -> dict:
-    """One plain greedy generation on a fresh cache: the prefill's seconds (through the first
-    token), the decode rate after it, the reply's hash, MLX's peak memory."""
-    from dsv41_mlx.generate import generate_step
+    """One plain greedy generation on a fresh cache, as generate_step runs it: the prefill's
+    seconds (through the first token), the decode rate after it, the reply's hash, MLX's peak
+    memory, and the cache's bytes per position after the prompt (every array it holds)."""
+    from dsv41_mlx.generate import plain_steps, prefill
     from dsv41_mlx.sampling import SamplingParams
 
     mx.synchronize()
     mx.reset_peak_memory()
     tic = time.perf_counter()
-    steps = generate_step(runner, prompt, SamplingParams(), tokens)
+    cache = runner.make_cache()
+    logits, _ = prefill(runner, prompt, cache)
+    mx.eval(logits)
+    cache_bytes = sum(a.nbytes for a in cache.state())
+    steps = plain_steps(runner, cache, SamplingParams(), tokens, logits=logits)
     reply = [next(steps)]
     prefill_s = time.perf_counter() - tic
     tic = time.perf_counter()
     reply += list(steps)
     decode_s = time.perf_counter() - tic
-    return {"prefill_tok_s": len(prompt) / prefill_s, "decode_tok_s": (len(reply) - 1) / decode_s,
-            "hash": reply_hash([reply]), "first_two": reply_hash([reply[:2]]), "peak_GB": mx.get_peak_memory() / 1e9}
-
-
-def cache_bytes_per_token(runner, prompt: list[int]) -> float:
-    """The target cache's bytes over the prompt's tokens after prefilling it (every array held)."""
-    from dsv41_mlx.generate import prefill
-
-    cache = runner.make_cache()
-    prefill(runner, prompt, cache)
-    return sum(a.nbytes for a in cache.state()) / len(prompt)
+    return {"prefill_tok_s": len(prompt) / prefill_s, "decode_tok_s": (len(reply) - 1) / max(decode_s, 1e-9),
+            "hash": reply_hash([reply]), "first_two": reply_hash([reply[:2]]), "peak_GB": mx.get_peak_memory() / 1e9,
+            "cache_bytes_per_token": cache_bytes / len(prompt)}
 
 
 def bench_context(model_path: str, contexts: list[int], tokens: int, full: bool = True, mlxlm: bool = True,
-                  warm: bool = True) -> dict:
+                  warm: bool = True, mlxlm_up_to: int | None = None) -> dict:
     """Each context's rows (see the module's docstring); warm: every request shape run once first
     (generate.warm_up), so that no kernel build or trace lands in a timing."""
     import dsv41_mlx
@@ -107,8 +107,6 @@ def bench_context(model_path: str, contexts: list[int], tokens: int, full: bool 
             for label, elide in (("elided", True), ("full", False)) if full else (("elided", True),):
                 with Runner(model, base.__class__(**{**base.__dict__, "elide_prefill": elide})) as runner:
                     row[label] = _generate(runner, prompt, tokens if elide else 2)
-                    if elide:
-                        row["cache_bytes_per_token"] = cache_bytes_per_token(runner, prompt)
                 print(f"  {n} tokens, {label}: {row[label]}", flush=True)
         except (MemoryError, RuntimeError, ValueError) as e:  # where it stops, said in the table
             row["stopped"] = f"{type(e).__name__}: {e}"[:200]
@@ -123,7 +121,8 @@ def bench_context(model_path: str, contexts: list[int], tokens: int, full: bool 
     gc.collect()
     mx.clear_cache()
     if mlxlm:
-        out["mlxlm"] = bench_mlxlm_contexts(model_path, [r["context"] for r in out["rows"] if "elided" in r], tokens,
+        out["mlxlm"] = bench_mlxlm_contexts(model_path, [r["context"] for r in out["rows"] if "elided" in r
+                                                             and (mlxlm_up_to is None or r["context"] <= mlxlm_up_to)], tokens,
                                             args.vocab_size)
     return out
 
@@ -173,7 +172,7 @@ def print_context(env: dict, res: dict) -> None:
         same = ("yes" if e["first_two"] == f["first_two"] else "**no**") if f else "-"
         print(f"| {n} | {e['prefill_tok_s']:.0f} | {full_p} | {ratio} | {mp} | {mr} | {e['decode_tok_s']:.1f} | "
               f"{e['decode_tok_s'] / first:.2f} | {r['floor_tok_s']:.1f} | {e['decode_tok_s'] / r['floor_tok_s']:.1%} | "
-              f"{md} | {e['peak_GB']:.1f} | {r['cache_bytes_per_token']:.0f} | {e['hash']} | {same} |")
+              f"{md} | {e['peak_GB']:.1f} | {e['cache_bytes_per_token']:.0f} | {e['hash']} | {same} |")
     if "unavailable" in theirs:
         print(f"\nmlx-lm: {theirs['unavailable']}")
     print("\n(the full prefill decodes 2 tokens only: its first two are compared with the elided run's)")
