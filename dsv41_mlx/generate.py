@@ -63,15 +63,16 @@ def prefill(runner: Runner, prompt: list[int], cache: ModelCache, chunk: int = D
     if outside is not None:  # an embedding gather past the table reads no error, only garbage
         raise ValueError(f"token id {outside} is outside the model's vocabulary of {vocab} ids "
                          "(a tokenizer that does not belong to this checkpoint?)")
+    starts = range(0, len(prompt), chunk)
+    ends = [min(start + chunk, len(prompt)) for start in starts]
+    # each chunk's (ids, rows, rows_after). rows_after: the runner may leave out rows no later
+    # read needs; the features then cover the chunk's last rows, always the newest
+    # keep_features positions among them
+    chunks = [(prompt[start:end], min(chunk, -(-(end - start) // PREFILL_ROUND) * PREFILL_ROUND), len(prompt) - end)
+              for start, end in zip(starts, ends)]
     logits, kept = None, []
     first_kept = len(prompt) - keep_features
-    for start in range(0, len(prompt), chunk):
-        ids = prompt[start: start + chunk]
-        end = start + len(ids)
-        rows = min(chunk, -(-len(ids) // PREFILL_ROUND) * PREFILL_ROUND)
-        # (rows_after: the runner may leave out rows no later read needs; the features then cover
-        # the chunk's last rows, always the newest keep_features positions among them)
-        logits, features = runner.padded(ids, cache, rows, last_logits_only=True, rows_after=len(prompt) - end)
+    for end, (logits, features) in zip(ends, runner.prefill_chunks(chunks, cache)):
         if keep_features and end > first_kept:
             kept.append(features[0, max(first_kept - (end - features.shape[1]), 0):])
         mx.eval(*(a for a in (logits, *kept) if a is not None), cache.state())
@@ -484,9 +485,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="no progress bars or log lines: only the reply and the stats lines")
     parser.add_argument("--no-stats", action="store_true",
                         help="no stats lines (speed, peak memory, drafting) after the reply")
-    parser.add_argument("--pipeline-split", metavar="A:B,C:D,...",
-                        help="under mlx.launch, the layers each process (rank) holds, one range per rank "
-                             "(default: balanced by resident bytes)")
+    from .runtime.pipeline import add_split_argument
+
+    add_split_argument(parser)
     return parser
 
 
@@ -526,25 +527,18 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             local_model_dir(args.model)  # a local path checked; a repo id left to the loader
         except CheckpointError as e:
             parser.error(f"argument --model: {e}")
-    if args.pipeline_split is not None:
-        from .runtime.pipeline import parse_split
-
-        check("--pipeline-split", parse_split, args.pipeline_split)  # its fit to the model: once that is read
 
 
 def main(argv: list[str] | None = None) -> int:
     from .config import ConfigError
     from .io.checkpoint import CheckpointError
     from .io.load import load, load_stage
-    from .runtime.pipeline import Link, PipelineRunner, serve
+    from .runtime.pipeline import Link, PipelineRunner, launched_group, serve
 
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
-    group = mx.distributed.init()  # launched by mlx.launch: one rank of a pipeline (runtime/pipeline.py)
-    if args.pipeline_split is not None and group.size() == 1:
-        parser.error("argument --pipeline-split: splits the model across the processes mlx.launch starts "
-                     "(mlx.launch -n 2 -- python -m dsv41_mlx.generate ...)")
+    group = launched_group(parser, args.pipeline_split)  # under mlx.launch: one rank of a pipeline
     quiet = args.quiet or group.rank() > 0  # the other ranks print nothing but errors
     logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(message)s")
     try:

@@ -2,6 +2,7 @@
 
     python -m dsv41_mlx.server                        # the embedded default
     python -m dsv41_mlx.server --model deepseek-ai/DeepSeek-V4.1-Flash --port 8080
+    mlx.launch -n 2 --backend ring -- python -m dsv41_mlx.server  # the layers split over 2 processes
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (both with
 "stream": true for server-sent events), POST /v1/messages (Anthropic's Messages
@@ -27,6 +28,7 @@ import json
 import logging
 import queue
 import resource
+import signal
 import sys
 import threading
 import time
@@ -380,7 +382,8 @@ def parse_messages_request(body, served: str, tokenizer, context: int) -> Job:
 
 class Engine:
     """One worker thread runs the queued jobs in order, one at a time, through one Runner kept for
-    the server's life (its evaluator thread and stream are made once, not per request)."""
+    the server's life (its evaluator thread and stream are made once, not per request). So the
+    requests' forwards all come from that thread, in order, as a PipelineRunner's messages must."""
 
     def __init__(self, model, tokenizer, name: str, runner: Runner | None = None,
                  prompt_cache: PrefixCache | None = None):
@@ -399,6 +402,11 @@ class Engine:
         job.events = asyncio.Queue()
         self.jobs.put(job)
 
+    def drain(self) -> None:
+        """Wait until every job queued is done (one whose client is gone: skipped). The worker stays,
+        idle: a thread that ran generations and ends as the process exits may abort it (MLX's teardown)."""
+        self.jobs.join()
+
     def _work(self) -> None:
         while True:
             job = self.jobs.get()
@@ -410,6 +418,7 @@ class Engine:
                 job.emit(("error", f"generation failed: {e}"))
             finally:
                 self.served += 1
+                self.jobs.task_done()
 
     def _run(self, job: Job) -> None:
         """Emits ("text", piece)... then ("done", finish, usage, drafting stats, the stop string that ended it)."""
@@ -678,9 +687,10 @@ def create_app(engine: Engine) -> Starlette:
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
-    from .io.checkpoint import CheckpointError
-    from .io.load import load
     from .config import ConfigError
+    from .io.checkpoint import CheckpointError
+    from .io.load import load, load_stage
+    from .runtime.pipeline import Link, PipelineRunner, add_split_argument, launched_group, serve
 
     parser = argparse.ArgumentParser(prog="python -m dsv41_mlx.server", description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="checkpoint directory or Hugging Face repo id (default: embedded tiny model)")
@@ -688,30 +698,51 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--quiet", action="store_true", help="no progress bars, warnings only")
-    parser.add_argument("--prompt-cache-gb", type=float, default=4.0,
+    parser.add_argument("--prompt-cache-gb", type=float,
                         help="memory for the states of earlier prompts and replies that a request whose tokens "
-                             "begin with them resumes from (least recently used dropped first); 0: off")
+                             "begin with them resumes from (least recently used dropped first); 0: off "
+                             "(default: 4, and off across the ranks of mlx.launch: a pipeline's caches are not "
+                             "copied)")
     parser.add_argument("--warm-up", action="store_true",
                         help="before serving, run every request shape once (on CUDA each GPU kernel's first use in a "
                              "process costs seconds, which would otherwise fall on the first requests)")
+    add_split_argument(parser)
     args = parser.parse_args(argv)
-    if args.prompt_cache_gb < 0:
+    if args.prompt_cache_gb is not None and args.prompt_cache_gb < 0:
         parser.error(f"argument --prompt-cache-gb: must be >= 0, got {args.prompt_cache_gb}")
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
+    group = launched_group(parser, args.pipeline_split)  # under mlx.launch: one rank of a pipeline
+    if group.size() > 1 and args.prompt_cache_gb:
+        parser.error("argument --prompt-cache-gb: the prompt cache runs in one process (a pipeline's caches are "
+                     "not copied)")
+    quiet = args.quiet or group.rank() > 0  # the other ranks log nothing but warnings
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(message)s")
     try:
-        model, tokenizer = load(args.model, progress=not args.quiet)
+        if group.size() > 1:
+            model, tokenizer = load_stage(args.model, group, args.pipeline_split, progress=not quiet)
+        else:
+            model, tokenizer = load(args.model, progress=not quiet)
     except (CheckpointError, ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    runner = Runner(model)
-    if runner.drafter is not None and runner.drafter.head == "fp8":
-        runner.drafter.build_fp8_head(progress=not args.quiet)
-    if args.warm_up:
-        log.info("warm-up: every request shape once, %.1f s", warm_up(runner))
-    prompt_cache = PrefixCache.for_chat(int(args.prompt_cache_gb * 1e9), tokenizer) if args.prompt_cache_gb else None
-    engine = Engine(model, tokenizer, args.name or args.model or "dsv41-tiny", runner, prompt_cache)
-    uvicorn.run(create_app(engine), host=args.host, port=args.port,
-                log_level="warning" if args.quiet else "info")
+    if group.rank() > 0:
+        # a Ctrl-C reaches every rank; these leave at rank 0's STOP, once it has shut down
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        serve(model, Link(group))
+        return 0
+    runner = PipelineRunner(model, Link(group)) if group.size() > 1 else Runner(model)
+    with runner:  # closing a PipelineRunner stops the other ranks
+        if runner.drafter is not None and runner.drafter.head == "fp8":
+            runner.drafter.build_fp8_head(progress=not quiet)
+        if args.warm_up:
+            log.info("warm-up: every request shape once, %.1f s", warm_up(runner))
+        gb = args.prompt_cache_gb if args.prompt_cache_gb is not None else 4.0 if group.size() == 1 else 0
+        prompt_cache = PrefixCache.for_chat(int(gb * 1e9), tokenizer) if gb else None
+        engine = Engine(model, tokenizer, args.name or args.model or "dsv41-tiny", runner, prompt_cache)
+        try:
+            uvicorn.run(create_app(engine), host=args.host, port=args.port,
+                        log_level="warning" if quiet else "info")
+        finally:  # (on Ctrl-C too) the engine's last forward done before the runner closes
+            engine.drain()
     return 0
 
 

@@ -19,6 +19,9 @@
     python scripts/bench.py prefix [--model M] [--prefix-tokens 4096]
                                                 # a chat's second turn resumed from the prefix cache against
                                                 # it prefilled whole: time to first token, the entry's bytes
+    python scripts/bench.py pipeline [--ranks 2 3] [--model M] [--tokens 32] [--prompt-tokens 256]
+                                                # the layers split over N processes (mlx.launch, this machine)
+                                                # against one: tok/s, each rank's link seconds and bytes
 
 Each benchmark is a module of scripts/benchmarks/ (its arguments, its measurement, its
 table); scripts/benchmarks/harness.py holds what they share. Speed is measured here and
@@ -35,12 +38,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.benchmarks import (context, drafts, e2e, gemms, head, layouts, pieces, prefix, profile,  # noqa: E402
-                                propose, steps)
+from scripts.benchmarks import (context, drafts, e2e, gemms, head, layouts, pieces, pipeline,  # noqa: E402
+                                prefix, profile, propose, steps)
 from scripts.benchmarks.harness import environment  # noqa: E402
 
 BENCHMARKS = {"head": head, "drafts": drafts, "e2e": e2e, "profile": profile, "pieces": pieces, "gemms": gemms,
-              "layouts": layouts, "steps": steps, "propose": propose, "context": context, "prefix": prefix}
+              "layouts": layouts, "steps": steps, "propose": propose, "context": context, "prefix": prefix,
+              "pipeline": pipeline}
 
 
 def main() -> int:

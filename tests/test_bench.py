@@ -246,7 +246,7 @@ def test_bench_runs_the_named_benchmark_and_writes_its_json(monkeypatch, tmp_pat
 
     bench = load_script("bench")
     assert list(bench.BENCHMARKS) == ["head", "drafts", "e2e", "profile", "pieces", "gemms", "layouts", "steps",
-                                      "propose", "context", "prefix"]
+                                      "propose", "context", "prefix", "pipeline"]
     res = {"copy_GBps": 100.0, "fp8_head_GB": 0.5, "build_s": 0.1, "rows": [
         {"rows": 3, "bf16_ms": 2.0, "mxfp8_qmm_ms": 1.5, "kernel_ms": 1.0, "kernel_top64_ms": 1.1, "floor_ms": 0.5}]}
     asked = []

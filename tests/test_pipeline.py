@@ -22,7 +22,7 @@ from dsv41_mlx.generate import generate_step, make_decoder, prefill
 from dsv41_mlx.io.checkpoint import check_tensors, declared_floats, load_weights, resident_bytes, shard_headers
 from dsv41_mlx.io.load import build_model, build_stage, load
 from dsv41_mlx.io.tiny import build_checkpoint, default_checkpoint, tiny_config
-from dsv41_mlx.runtime.pipeline import (PipelineError, balance, check_split, cut_points, parse_split,
+from dsv41_mlx.runtime.pipeline import (FORWARD, TRIM, PipelineError, balance, check_split, cut_points, parse_split,
                                         read_before)
 from dsv41_mlx.runtime.runner import Runner
 from dsv41_mlx.sampling import SamplingParams
@@ -187,20 +187,22 @@ def replies(runner) -> dict:
     return out
 
 
+# argv: the checkpoint (or one per rank, comma-separated), the function of this module whose
+# result on rank 0's PipelineRunner it prints, and the split (else balanced)
 LAUNCHED = """
 import json, sys
 import mlx.core as mx
+import tests.test_pipeline as tests
 from dsv41_mlx.io.load import load_stage
 from dsv41_mlx.runtime.pipeline import Link, PipelineRunner, serve
-from tests.test_pipeline import replies
 group = mx.distributed.init(strict=True)
 dirs = sys.argv[1].split(",")
-model, _ = load_stage(dirs[min(group.rank(), len(dirs) - 1)], group, sys.argv[2] if len(sys.argv) > 2 else None)
+model, _ = load_stage(dirs[min(group.rank(), len(dirs) - 1)], group, sys.argv[3] if len(sys.argv) > 3 else None)
 if group.rank() > 0:
     serve(model, Link(group))
 else:
     with PipelineRunner(model, Link(group)) as runner:
-        print(json.dumps(replies(runner)))
+        print(json.dumps(getattr(tests, sys.argv[2])(runner)))
 """
 
 
@@ -227,7 +229,7 @@ def tapped_across(tmp_path_factory):
 
 def test_two_ranks_reply_exactly_as_one_process(tapped_across):
     model_dir, expected = tapped_across
-    run = launch(2, sys.executable, "-c", LAUNCHED, str(model_dir), "0:4,4:8")
+    run = launch(2, sys.executable, "-c", LAUNCHED, str(model_dir), "replies", "0:4,4:8")
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got == expected
@@ -256,7 +258,7 @@ def test_a_split_that_does_not_fit_is_an_error_on_every_rank(tiny):
 
 
 def test_ranks_with_different_checkpoints_refuse_to_start(tiny, tapped_across):
-    run = launch(2, sys.executable, "-c", LAUNCHED, f"{tiny[0]},{tapped_across[0]}", timeout=60)
+    run = launch(2, sys.executable, "-c", LAUNCHED, f"{tiny[0]},{tapped_across[0]}", "replies", timeout=60)
     assert "rank 1 of the pipeline does not have the same checkpoint (config.json and safetensors index) as rank 0" \
         in run.stderr
 
@@ -278,3 +280,90 @@ def test_a_split_is_checked_before_any_model_loads(monkeypatch, capsys, split, m
     assert e.value.code == 2
     assert message in capsys.readouterr().err
 
+
+# ------------------------------------------------------ prefill across ranks
+
+def prefills(runner) -> dict:
+    """What a pipeline's chunked prefill must reproduce bit for bit: the prompt's logits and
+    features in chunks of 32, 16 (the first ones reaching no head where elided) and 13 (the
+    last padded), elided and whole, each followed by a few greedy tokens (which read every
+    rank's caches); and chunks given to prefill_chunks with padding before the last (whole: an
+    elided chunk's padding is trimmable only at the prompt's end), then a decode."""
+    out, options = {}, runner.options
+    for elide in (True, False):
+        runner.options = dataclasses.replace(options, elide_prefill=elide)
+        for chunk in (32, 16, 13):
+            name = f"chunks of {chunk}" + ("" if elide else ", whole")
+            logits, features = prefill(runner, PROMPT, runner.make_cache(), chunk=chunk, keep_features=16)
+            out[name] = [_digest(logits), _digest(features),
+                         list(generate_step(runner, PROMPT, GREEDY, 3, prefill_chunk=chunk))]
+    runner.options = dataclasses.replace(options, elide_prefill=False)
+    cache = runner.make_cache()
+    chunks = [(PROMPT[:5], 16, 75), (PROMPT[5:37], 32, 43), (PROMPT[37:], 48, 0)]
+    out["padded first"] = [[_digest(a) for a in outputs] for outputs in runner.prefill_chunks(chunks, cache)]
+    out["padded first"].append(_digest(runner.decode([PROMPT[-1]], cache)[0]))
+    runner.options = options
+    return out
+
+
+def prefill_order(runner) -> dict:
+    """Rank 0's work and messages in the order they happen during a prefill in chunks of 32, and
+    in chunks given to prefill_chunks with padding in the first (whole, as in prefills):
+    ["blocks", p] its blocks of the chunk at position p, ["send", p] and ["back", p] that
+    chunk's FORWARD sent and back, ["trim", n] a TRIM of n positions sent."""
+    events, link, blocks = [], runner.link, runner.model.blocks
+
+    class Recording:
+        def send(self, message):
+            if message.op in (FORWARD, TRIM):
+                events.append(["send" if message.op == FORWARD else "trim", message.fields[1]])
+            link.send(message)
+
+        def recv(self):
+            message = link.recv()
+            events.append(["back", message.fields[1]])
+            return message
+
+    def recorded_blocks(forward, cache, keep, engram_rows):
+        events.append(["blocks", forward.positions[0].item()])
+        return blocks(forward, cache, keep, engram_rows)
+
+    out = {}
+    runner.link, runner.model.blocks = Recording(), recorded_blocks
+    prefill(runner, PROMPT, runner.make_cache(), chunk=32)
+    out["chunks of 32"], events[:] = list(events), []
+    options, runner.options = runner.options, dataclasses.replace(runner.options, elide_prefill=False)
+    list(runner.prefill_chunks([(PROMPT[:5], 16, 32), (PROMPT[5:37], 32, 0)], runner.make_cache()))
+    out["padded first"] = events
+    runner.link, runner.model.blocks, runner.options = link, blocks, options
+    return out
+
+
+def on_rank_0(model_dir: Path, split: str, what: str):
+    """What the function `what` of this module returns, run on rank 0 of a pipeline split so."""
+    run = launch(split.count(",") + 1, sys.executable, "-c", LAUNCHED, str(model_dir), what, split)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def prefilled_in_one_process(tapped_across):
+    model, _ = load(tapped_across[0])
+    with Runner(model) as runner:
+        return prefills(runner)
+
+
+@pytest.mark.parametrize("split", ["0:4,4:8", "0:2,2:5,5:8"])
+def test_a_prompt_prefilled_in_chunks_across_ranks_equals_one_process(tapped_across, prefilled_in_one_process,
+                                                                      split):
+    assert on_rank_0(tapped_across[0], split, "prefills") == prefilled_in_one_process
+
+
+def test_rank_0_runs_the_next_chunk_while_the_others_run_the_one_before(tapped_across):
+    order = on_rank_0(tapped_across[0], "0:4,4:8", "prefill_order")
+    # each chunk's blocks on rank 0 before the chunk before is back, and sent only after it is
+    assert order["chunks of 32"] == [["blocks", 0], ["send", 0], ["blocks", 32], ["back", 0], ["send", 32],
+                                     ["blocks", 64], ["back", 32], ["send", 64], ["back", 64]]
+    # a chunk with padding is back, and its padding trimmed, before the next one begins
+    assert order["padded first"] == [["blocks", 0], ["send", 0], ["back", 0], ["trim", 11], ["blocks", 5],
+                                     ["send", 5], ["back", 5]]

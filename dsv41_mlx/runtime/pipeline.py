@@ -11,7 +11,9 @@ speculative round run there unchanged, through a PipelineRunner. The ranks form 
 A forward's stream leaves a rank as the rank's last block left it (a whole stream, an
 Expansion or a Folded, hyper.py), with its pre-mix and the DSpark features tapped so far, so
 every block runs on what it would run on in one process: the same bits. The logits are made
-on rank 0, where the token is sampled; the next command carries it to every rank.
+on rank 0, where the token is sampled; the next command carries it to every rank. A
+prompt's chunks follow one another: rank 0 runs its blocks of the next chunk while the
+other ranks run the one before (PipelineRunner.prefill_chunks).
 
 Commands (rank 0 -> 1 -> ... -> N-1, each rank acting on one before passing it on):
   NEW c       a sequence's cache c begins          DROP c      cache c is gone
@@ -33,7 +35,9 @@ import functools
 import hashlib
 import itertools
 import logging
+import time
 import weakref
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields, replace
 
 import mlx.core as mx
@@ -47,7 +51,7 @@ from ..models.deepseek_v41 import Forward, Model
 from ..models.hyper import Expansion, Folded, HyperConnection
 from ..models.layers import positions_of
 from .options import Options, default_options
-from .runner import Runner, prefill_rows
+from .runner import Runner, padded_ids, prefill_rows, without_padding
 
 log = logging.getLogger("dsv41_mlx")
 
@@ -304,15 +308,33 @@ class Message:
     arrays: list[mx.array]
 
 
+@dataclass
+class LinkCounts:
+    """What a Link has moved and the seconds it spent (bench.py pipeline reads them)."""
+    sent: int = 0  # messages
+    sent_bytes: int = 0  # their headers and arrays
+    ready_s: float = 0.0  # evaluating the arrays of a message before sending it (the work that made them)
+    send_s: float = 0.0  # sending it
+    received: int = 0
+    received_bytes: int = 0
+    wait_s: float = 0.0  # until a message's header came: waiting for the rank before
+    recv_s: float = 0.0  # its arrays after the header: moving bytes (they were ready before it was sent)
+
+    def copy(self) -> LinkCounts:
+        return replace(self)
+
+
 class Link:
     """This rank's place in the ring: it sends to the next rank, (rank + 1) % size, and
     receives from the one before (the only peers mlx.launch's ring backend connects).
-    Distributed ops run on the CPU stream (the GPU backends have none)."""
+    Distributed ops run on the CPU stream (the GPU backends have none). `counts` adds up
+    the messages, bytes and seconds of each way."""
 
     def __init__(self, group: mx.distributed.Group):
         self.group = group
         self.rank, self.size = group.rank(), group.size()
         self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        self.counts = LinkCounts()
 
     def send(self, message: Message) -> None:
         header = np.zeros(HEADER, dtype=np.int32)
@@ -324,11 +346,22 @@ class Link:
             meta = at + 1 + k * (2 + MAX_DIMS)
             header[meta], header[meta + 1] = DTYPES.index(a.dtype), a.ndim
             header[meta + 2: meta + 2 + a.ndim] = a.shape
+        tic = time.perf_counter()
+        mx.eval(message.arrays)  # all of it computed before the header goes: the receiver then waits for bytes only
+        ready = time.perf_counter()
         for a in [mx.array(header), *message.arrays]:  # one at a time: each arrives in the order sent
             mx.eval(mx.distributed.send(a, self.next, group=self.group, stream=mx.cpu))
+        counts = self.counts
+        counts.sent += 1
+        counts.sent_bytes += header.nbytes + sum(a.nbytes for a in message.arrays)
+        counts.ready_s += ready - tic
+        counts.send_s += time.perf_counter() - ready
 
     def recv(self) -> Message:
-        header = self._recv((HEADER,), mx.int32).tolist()
+        tic = time.perf_counter()
+        head = self._recv((HEADER,), mx.int32)
+        came = time.perf_counter()
+        header = head.tolist()
         op, n_fields = header[0], header[1]
         at = 2 + MAX_FIELDS
         arrays = []
@@ -336,6 +369,11 @@ class Link:
             meta = at + 1 + k * (2 + MAX_DIMS)
             dtype, ndim = DTYPES[header[meta]], header[meta + 1]
             arrays.append(self._recv(tuple(header[meta + 2: meta + 2 + ndim]), dtype))
+        counts = self.counts
+        counts.received += 1
+        counts.received_bytes += head.nbytes + sum(a.nbytes for a in arrays)
+        counts.wait_s += came - tic
+        counts.recv_s += time.perf_counter() - came
         return Message(op, header[2: 2 + n_fields], arrays)
 
     def _recv(self, shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
@@ -414,8 +452,10 @@ class PipelineRunner(Runner):
     (every other rank runs its own, following the same commands: serve) and comes back for
     the norm and head here. The model's drafter, with the DSpark stages, runs here too, so
     generate_step and the speculative round use it as they use a Runner; a trim of any of its
-    caches is sent to every rank. Forwards run one after another, none begun ahead
-    (decode_ahead's plain fallback). `close` (or the context manager) stops the other ranks."""
+    caches is sent to every rank. A prompt's chunks follow one another round the ring, this
+    rank running its blocks of the next while the others run the one before (prefill_chunks);
+    decode and verify forwards run one at a time, none begun ahead (decode_ahead's plain
+    fallback). `close` (or the context manager) stops the other ranks."""
 
     def __init__(self, model: StageModel, link: Link, options: Options | None = None):
         options = options if options is not None else default_options(model.args)
@@ -453,23 +493,70 @@ class PipelineRunner(Runner):
     def __call__(self, ids: mx.array, cache: StageCache | None = None, last_logits_only: bool = False,
                  real_rows: int | None = None, rows_after: int | None = None) -> tuple[mx.array, mx.array]:
         """Runner's forward, across the ranks."""
-        model = self.model
         cache = cache if cache is not None else self.make_cache()
+        self._send_drops()
+        self.link.send(self._begin(ids, cache, real_rows, rows_after))
+        return self._returned(cache, last_logits_only)
+
+    def prefill_chunks(self, chunks: Iterable[tuple[list[int], int, int]],
+                       cache: StageCache) -> Iterator[tuple[mx.array | None, mx.array | None]]:
+        """Runner's, the chunks following one another round the ring: while the other ranks run
+        chunk k, this rank runs its blocks of chunk k + 1 (they read only its own layers'
+        caches, which chunk k's blocks here have written; the stream coming back feeds only the
+        head), and sends it once chunk k is back (a send may block until it is received: no
+        second forward goes to a rank that may be waiting to send the first back). A chunk
+        with padding comes back, and the padding is trimmed, before the next one begins (its
+        positions follow the real rows). The same graphs, the same bits as Runner's."""
+        pad = None  # the padding rows of the chunk round the ring; None while none is
+        done = None  # the chunk before's outputs, yielded once the next one is sent
+        try:
+            for chunk in itertools.chain(chunks, [None]):
+                message = None
+                if chunk is not None and pad == 0:
+                    message = self._chunk_message(chunk, cache)
+                    mx.eval(message.arrays, cache.state())  # this rank's part, while the others run the chunk before
+                if pad is not None:
+                    pad, trimmed = None, pad  # (none round the ring any more, even where taking it back fails)
+                    done = without_padding(*self._returned(cache, True), cache, trimmed, True)
+                if chunk is not None:
+                    if message is None:
+                        message = self._chunk_message(chunk, cache)
+                    self._send_drops()
+                    self.link.send(message)
+                    pad = chunk[1] - len(chunk[0])
+                if done is not None:
+                    yield done
+                    done = None
+        finally:
+            if pad is not None:  # stopped with a chunk round the ring: the next message back must be the next forward's
+                self.link.recv()
+
+    def _chunk_message(self, chunk: tuple[list[int], int, int], cache: StageCache) -> Message:
+        ids, rows, rows_after = chunk
+        return self._begin(padded_ids(ids, rows), cache, len(ids), rows_after)
+
+    def _begin(self, ids: mx.array, cache: StageCache, real_rows: int | None, rows_after: int | None) -> Message:
+        """This rank's part of a forward of ids [1, S] (the embedding and its blocks) -> the
+        FORWARD message that takes it on round the ring."""
+        model = self.model
         tokens = np.asarray(ids)[0].tolist()
         step = Step(cache.id, cache.offset, len(tokens), real_rows, rows_after if self.options.elide_prefill else None,
                     self.options.decode_rows is not None)
-        self._send_drops()
         forward = model.start(ids, cache, real_rows, step.row_invariant)
         engram_rows = model.take_tokens(cache, tokens, real_rows)
         reached = model.blocks(forward, cache, step.keep(self.args), engram_rows)
-        self.link.send(forward_message(step, tokens, forward if reached else None))
+        return forward_message(step, tokens, forward if reached else None)
+
+    def _returned(self, cache: StageCache, last_logits_only: bool) -> tuple[mx.array | None, mx.array | None]:
+        """The forward sent round the ring, back from the last rank -> Model.finish's (logits,
+        features), or (None, None) where no row of it is left."""
         reply = self.link.recv()
         if reply.op != FORWARD or reply.fields[0] != cache.id:
             raise PipelineError(f"rank 0 expected cache {cache.id}'s forward back, got op {reply.op} {reply.fields}")
         forward = received_forward(Step.of(reply.fields), reply.arrays[1:])
         if forward is None:
             return None, None
-        return model.finish(forward, last_logits_only)
+        return self.model.finish(forward, last_logits_only)
 
     def decode_ahead(self, token: mx.array, cache: StageCache, on_forward_stream: bool = False) -> Deferred:
         return Deferred(self, cache)
@@ -524,3 +611,29 @@ def _forward_here(model: StageModel, cache: StageCache, message: Message) -> Mes
     elif not model.blocks(forward, cache, step.keep(model.args), engram_rows):
         forward = None
     return forward_message(step, tokens, forward)
+
+
+# ------------------------------------------------------- the command lines
+
+def add_split_argument(parser) -> None:
+    """--pipeline-split, on the (argparse) parser of a command line that runs as ranks of mlx.launch."""
+    parser.add_argument("--pipeline-split", metavar="A:B,C:D,...",
+                        help="under mlx.launch, the layers each process (rank) holds, one range per rank "
+                             "(default: balanced by resident bytes)")
+
+
+def launched_group(parser, split: str | None) -> mx.distributed.Group:
+    """The processes mlx.launch started (mx.distributed.init: a group of one where it did not), with
+    `split` (--pipeline-split) checked before any model loads: one that is no list of ranges, or
+    one for a single process, exits (2) through the parser's error. Its fit to the model is
+    checked once that is read (io.load.load_stage)."""
+    if split is not None:
+        try:
+            parse_split(split)
+        except PipelineError as e:
+            parser.error(f"argument --pipeline-split: {e}")
+    group = mx.distributed.init()
+    if split is not None and group.size() == 1:
+        parser.error("argument --pipeline-split: splits the model across the processes mlx.launch starts "
+                     f"(mlx.launch -n 2 -- {parser.prog} ...)")
+    return group

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Iterable, Iterator
 
 import mlx.core as mx
 import numpy as np
@@ -84,14 +85,20 @@ class Runner:
         """A forward of ids padded to `rows` rows (the last token repeated), the padding
         trimmed off the cache again (rows - len(ids) <= cache.TRIM_SLACK): logits [1, n, V]
         (or the last real row's [1, 1, V]) and features [1, n, F] of the n real rows."""
-        n = len(ids)
-        padded = mx.array([ids + [ids[-1]] * (rows - n)], dtype=mx.int32)
-        logits, features = self(padded, cache, last_logits_only, real_rows=n, rows_after=rows_after)
-        cache.trim(rows - n)
-        if features is None:  # an elided prefill chunk that reached no head
-            return None, None
-        kept = features.shape[1] - (rows - n)  # (an elided prefill's features cover its last rows)
-        return (logits if last_logits_only else logits[:, :kept]), features[:, :kept]
+        logits, features = self(padded_ids(ids, rows), cache, last_logits_only, real_rows=len(ids),
+                                rows_after=rows_after)
+        return without_padding(logits, features, cache, rows - len(ids), last_logits_only)
+
+    def prefill_chunks(self, chunks: Iterable[tuple[list[int], int, int]],
+                       cache: ModelCache) -> Iterator[tuple[mx.array | None, mx.array | None]]:
+        """A prompt's chunks, each (ids, rows, rows_after), run into the cache in order: yields
+        padded(ids, cache, rows, last_logits_only=True, rows_after=rows_after) of each in turn
+        (where Options.elide_prefill, only the last chunk may have padding: prefill_rows keeps
+        its rows for the trim only at the prompt's end). The caller evaluates what it keeps of
+        a chunk before it asks for the next (generate.prefill); a runner may begin the next
+        chunk before this one is back (PipelineRunner)."""
+        for ids, rows, rows_after in chunks:
+            yield self.padded(ids, cache, rows, last_logits_only=True, rows_after=rows_after)
 
     def decode_ahead(self, token: mx.array, cache: ModelCache, on_forward_stream: bool = False) -> DecodeAhead:
         """decode([t], cache) begun while the token t (int [1], as sampling.sample makes it) is
@@ -331,6 +338,22 @@ def prefill_rows(args: ModelArgs, rows: int, pad: int, rows_after: int) -> dict[
         need = w + (last - i) * (w - 1) + pad - rows_after
         out[i] = min(rows, max(0, -(-need // PREFILL_ROWS_STEP) * PREFILL_ROWS_STEP))
     return out
+
+
+def padded_ids(ids: list[int], rows: int) -> mx.array:
+    """ids padded to `rows` rows, the last token repeated: int32 [1, rows]."""
+    return mx.array([ids + [ids[-1]] * (rows - len(ids))], dtype=mx.int32)
+
+
+def without_padding(logits: mx.array | None, features: mx.array | None, cache: ModelCache, pad: int,
+                    last_logits_only: bool) -> tuple[mx.array | None, mx.array | None]:
+    """A padded forward's (logits, features) with its last `pad` rows, the padding, trimmed off
+    the cache and cut off the outputs (Runner.padded)."""
+    cache.trim(pad)
+    if features is None:  # an elided prefill chunk that reached no head
+        return None, None
+    kept = features.shape[1] - pad  # (an elided prefill's features cover its last rows)
+    return (logits if last_logits_only else logits[:, :kept]), features[:, :kept]
 
 
 def _result(forward, tokens: list[int] | None = None) -> tuple[mx.array, mx.array]:
