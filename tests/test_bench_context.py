@@ -26,3 +26,23 @@ def test_context_rows_compare_the_elided_prefill_with_the_full_one(fixture_dir, 
     assert "past the model's context of 64 tokens" in past["skipped"]
     context.print_context({"date": "d", "device": "cpu", "backend": "mlx", "mlx": "0", "commit": "c"}, res)
     assert "| 100 | past the model's context of 64 tokens |" in capsys.readouterr().out
+
+
+def test_a_run_out_of_memory_is_said_in_its_column(fixture_dir, capsys, monkeypatch):
+    """The full prefill failing at a context (as a card's memory may) keeps the elided run's
+    row and says why in the full run's column."""
+    monkeypatch.setattr(context, "copy_bandwidth", lambda: 100e9)
+    generate = context._generate
+
+    def failing_without_elision(runner, prompt, tokens):
+        if not runner.options.elide_prefill:
+            raise RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
+        return generate(runner, prompt, tokens)
+
+    monkeypatch.setattr(context, "_generate", failing_without_elision)
+    res = context.bench_context(str(fixture_dir), [40], tokens=3, mlxlm=False, warm=False)
+    (row,) = res["rows"]
+    assert row["elided"]["decode_tok_s"] > 0 and "full" not in row and row["floor_tok_s"] > 0
+    context.print_context({"date": "d", "device": "cpu", "backend": "mlx", "mlx": "0", "commit": "c"}, res)
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("| 40 |"))
+    assert line.split(" | ")[2] == "RuntimeError: cudaMallocAsync(&data, size, stream) failed: out of memory"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import time
+from dataclasses import replace
 
 import mlx.core as mx
 
@@ -103,20 +104,22 @@ def bench_context(model_path: str, contexts: list[int], tokens: int, full: bool 
             row["skipped"] = f"past the model's context of {args.max_position_embeddings} tokens"
             continue
         prompt = prompt_of(n, args.vocab_size)
-        try:
-            for label, elide in (("elided", True), ("full", False)) if full else (("elided", True),):
-                with Runner(model, base.__class__(**{**base.__dict__, "elide_prefill": elide})) as runner:
+        for label, elide in (("elided", True), ("full", False)) if full else (("elided", True),):
+            try:
+                with Runner(model, replace(base, elide_prefill=elide)) as runner:
                     row[label] = _generate(runner, prompt, tokens if elide else 2)
                 print(f"  {n} tokens, {label}: {row[label]}", flush=True)
-        except (MemoryError, RuntimeError, ValueError) as e:  # where it stops, said in the table
-            row["stopped"] = f"{type(e).__name__}: {e}"[:200]
-            print(f"  {n} tokens: stopped: {row['stopped']}", flush=True)
-            mx.clear_cache()
-            continue
-        step_bytes = weights + step_read_bytes(model, n)
-        row["step_GB"] = step_bytes / 1e9
-        row["floor_tok_s"] = out["copy_GB_s"] * 1e9 / step_bytes
-        mx.clear_cache()
+            except (MemoryError, RuntimeError, ValueError) as e:  # where it stops, said in the table
+                row[f"{label}_stopped"] = f"{type(e).__name__}: {e}"[:200]
+                print(f"  {n} tokens, {label}: stopped: {row[f'{label}_stopped']}", flush=True)
+                break
+            finally:
+                gc.collect()
+                mx.clear_cache()  # the run's freed buffers given back: the next run's sizes differ
+        if "elided" in row:
+            step_bytes = weights + step_read_bytes(model, n)
+            row["step_GB"] = step_bytes / 1e9
+            row["floor_tok_s"] = out["copy_GB_s"] * 1e9 / step_bytes
     del model
     gc.collect()
     mx.clear_cache()
@@ -160,11 +163,11 @@ def print_context(env: dict, res: dict) -> None:
     for r in res["rows"]:
         n = r["context"]
         if "elided" not in r:
-            print(f"| {n} | {r.get('skipped') or r.get('stopped')} |" + " |" * 14)
+            print(f"| {n} | {r.get('skipped') or r.get('elided_stopped')} |" + " |" * 14)
             continue
         e, f, m = r["elided"], r.get("full"), theirs.get(n, {})
         first = first or e["decode_tok_s"]
-        full_p = f"{f['prefill_tok_s']:.0f}" if f else "-"
+        full_p = f"{f['prefill_tok_s']:.0f}" if f else r.get("full_stopped", "-")
         ratio = f"{e['prefill_tok_s'] / f['prefill_tok_s']:.2f}" if f else "-"
         mp = f"{m['prefill_tok_s']:.0f}" if "prefill_tok_s" in m else m.get("stopped", "-")
         mr = f"{e['prefill_tok_s'] / m['prefill_tok_s']:.2f}" if "prefill_tok_s" in m else "-"
