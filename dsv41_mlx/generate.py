@@ -221,13 +221,13 @@ def _keep_reply_end(prompt_cache: PrefixCache, cache: ModelCache, length: int, k
 
 def plain_steps(runner: Runner, cache: ModelCache, params: SamplingParams, n: int, stop: Container[int] = (),
                 logits: mx.array | None = None, anchor: int | None = None,
-                kept: list[mx.array] | None = None, seconds: list[float] | None = None) -> Iterator[int]:
+                kept: list[mx.array] | None = None) -> Iterator[int]:
     """Yield up to n tokens by plain decoding, one target forward per token, from the last
     forward's `logits` [.., V] or from `anchor` (a token already yielded, at position
     cache.offset, not yet in the cache: its forward comes first). The last token yielded is
-    not forwarded: the next step's forward, or the next round's anchor. kept, seconds: lists
-    that get each forward's features [1, 1, F] and each token's seconds in here (not at the
-    caller's)
+    not forwarded: the next step's forward, or the next round's anchor. kept: a list that
+    gets each forward's features [1, 1, F]. Each token's seconds in here (not at the
+    caller's) go to runner.plain_pace
 
     Each step begins the next forward before reading its token back (Runner.decode_ahead):
     the device runs the forward's first block straight after sampling the token, and on a
@@ -258,8 +258,7 @@ def plain_steps(runner: Runner, cache: ModelCache, params: SamplingParams, n: in
                 ahead = None
                 if kept is not None:
                     kept.append(features)
-            if seconds is not None:
-                seconds.append(time.perf_counter() - tic)
+            runner.plain_pace.append(time.perf_counter() - tic)
             yield token
             tic = time.perf_counter()
             if token in stop:
@@ -290,9 +289,8 @@ def drafted_steps(runner: Runner, decoder: SpeculativeDecoder, cache: ModelCache
     while produced < max_tokens:
         plain = min(decoder.plain_tokens(), max_tokens - produced)
         if plain:
-            stretch, seconds = [], []
-            steps = plain_steps(runner, cache, decoder.params, plain, stop, anchor=anchor, kept=stretch,
-                                seconds=seconds)
+            stretch = []
+            steps = plain_steps(runner, cache, decoder.params, plain, stop, anchor=anchor, kept=stretch)
         else:
             steps = decoder.round(cache, draft_cache, anchor, max_tokens - produced)
             if kept is not None:
@@ -310,7 +308,7 @@ def drafted_steps(runner: Runner, decoder: SpeculativeDecoder, cache: ModelCache
                 steps.close()  # its begun forward abandoned now, before the caller reads the cache
             return
         if plain:
-            decoder.after_plain(mx.concatenate(stretch, axis=1)[0], seconds)
+            decoder.after_plain(mx.concatenate(stretch, axis=1)[0])
         anchor = token
 
 

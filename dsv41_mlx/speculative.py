@@ -141,12 +141,10 @@ class Outlook:
 
     DECAY = 0.8  # per round: about the last five rounds count
     FIRST_STRETCH, MAX_STRETCH = 8, 64
-    PLAIN_STEPS_KEPT = 16
 
     def __init__(self, block: int):
         self.reached, self.accepted, self.predicted = [0.0] * block, [0.0] * block, [0.0] * block
         self.paying: bool | None = None  # the last round's verdict (None: no round yet)
-        self.plain_steps: deque[float] = deque(maxlen=self.PLAIN_STEPS_KEPT)  # seconds per plain token
         self.next_stretch = self.FIRST_STRETCH
 
     def observe(self, confidence: list[float], verified: int, accepted: int) -> None:
@@ -175,11 +173,6 @@ class Outlook:
             expected += survive
             best = max(best, expected / round_costs[ell])
         return best > 1.0 / plain_s
-
-    def plain_s(self, forward_s: float) -> float:
-        """Seconds per plain token: the median of the last plain steps, else forward_s (a
-        one-row forward's)."""
-        return statistics.median(self.plain_steps) if self.plain_steps else forward_s
 
     def stretch(self) -> int:
         """The plain tokens before the next probe (each call doubles the next, up to MAX_STRETCH)."""
@@ -312,7 +305,7 @@ class SpeculativeDecoder:
         # and accepted drafts), for a caller that keeps a sequence's newest features
         self.committed_features: mx.array | None = None
         self.beyond_verify: deque[float] = deque(maxlen=16)  # recent rounds' seconds beyond their forward
-        self.plain_cost = plain_cost  # seconds per plain token; None: measured in the loop (Outlook.plain_s)
+        self.plain_cost = plain_cost  # seconds per plain token; None: the runner's plain steps' pace
         # what the drafter's rounds have shown, kept with it across generations: one that did not
         # pay before starts with plain steps, one that paid with rounds
         if self.policy.mode == "schedule" and drafter.outlook is None:
@@ -335,11 +328,17 @@ class SpeculativeDecoder:
         self.stats.stretches += n > 0
         return n
 
-    def after_plain(self, features: mx.array, seconds: list[float]) -> None:
-        """Plain steps decoded the positions draft_cache.end .. (features [n, 3*dim]), each
-        token in `seconds`: the rings catch up on them, and the outlook learns their pace."""
+    def after_plain(self, features: mx.array) -> None:
+        """Plain steps decoded the positions draft_cache.end .. (features [n, 3*dim]): the rings
+        catch up on them."""
         self.drafter.catch_up(self.draft_cache, features)
-        self.outlook.plain_steps.extend(seconds)
+
+    def plain_pace(self) -> float:
+        """Seconds per plain token: the median of the runner's last plain steps (any
+        generation's: a round is weighed against the plain loop as it runs, overlap and all),
+        else a one-row verify forward's."""
+        pace = self.runner.plain_pace
+        return statistics.median(pace) if pace else self.costs[0]
 
     def round_costs(self) -> list[float] | None:
         """What a round verifying 1, 2, .. rows costs, for the schedule: the measured verify
@@ -426,7 +425,7 @@ class SpeculativeDecoder:
         is followed by another probe (a drafter that starts matching is taken up at once), and
         any other by plain steps (Outlook.stretch), among them a round that found no draft
         worth verifying (its propose gained nothing)."""
-        plain_s = self.plain_cost if self.plain_cost is not None else self.outlook.plain_s(self.costs[0])
+        plain_s = self.plain_cost if self.plain_cost is not None else self.plain_pace()
         self.outlook.paying = bool(verified) and self.outlook.pays(self.round_costs(), plain_s)
         if self.outlook.paying:
             self.outlook.paid()

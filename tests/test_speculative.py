@@ -8,6 +8,7 @@ proposes the target's own continuation exercises the accepting paths.
 
 from __future__ import annotations
 
+import statistics
 import types
 
 import mlx.core as mx
@@ -408,6 +409,24 @@ def test_schedule_never_stretches_for_a_drafter_that_is_always_right(fixture_mod
     decoder = _scheduled(runner, TurnsRight(runner.drafter, prompt + plain + [0] * 8, turn=0))
     assert _reply(runner, prompt, GREEDY, decoder, max_tokens=40) == plain
     assert decoder.stats.stretches == 0 and decoder.stats.accepted > decoder.stats.rounds
+
+
+def test_the_schedule_weighs_a_round_against_the_runners_plain_steps(fixture_model):
+    """A round is weighed against the plain loop as the runner last ran it (any generation's
+    plain steps), a one-row verify forward until there is one; the verdict follows the pace:
+    one draft accepted in four (the first round's guess) pays against 3 s a plain token, not
+    against 0.5 s."""
+    with Runner(fixture_model) as fresh:
+        decoder = SpeculativeDecoder(fresh, fresh.drafter, GREEDY, confidence="schedule", verify_costs=VERIFY_COSTS)
+        assert decoder.plain_pace() == VERIFY_COSTS[0]
+        _reply(fresh, PROMPTS[1], GREEDY, max_tokens=20)
+        assert len(fresh.plain_pace) == 16 and decoder.plain_pace() == statistics.median(fresh.plain_pace)
+        for pace, pays in ((3.0, True), (0.5, False)):
+            fresh.plain_pace.extend([pace] * 16)
+            decoder.outlook = Outlook(fresh.drafter.block)
+            decoder.outlook.observe([0.9] * fresh.drafter.block, verified=1, accepted=0)
+            decoder.decide(verified=1, accepted=0)
+            assert decoder.outlook.paying is pays
 
 
 def test_verify_all_and_threshold_never_decode_plainly(fixture_model, runner):

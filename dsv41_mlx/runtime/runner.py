@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections import deque
 from collections.abc import Iterable, Iterator
 
 import mlx.core as mx
@@ -24,6 +25,9 @@ from .drafter import Drafter
 from .evaluator import BlockEvaluator
 from .options import Options, default_options
 from .staged import StagedRows
+
+
+PLAIN_PACE_KEPT = 16
 
 
 class Runner:
@@ -42,6 +46,9 @@ class Runner:
         self._owns_drafter = drafter is None and bool(model.mtp)
         self.drafter = drafter if drafter is not None else Drafter(model) if model.mtp else None
         self._evaluator = BlockEvaluator() if self.options.evaluate_on_thread else None
+        # seconds per token of the latest plain steps (generate.plain_steps), which the drafting
+        # schedule weighs a round against
+        self.plain_pace: deque[float] = deque(maxlen=PLAIN_PACE_KEPT)
 
     def close(self) -> None:
         if self._evaluator is not None:
