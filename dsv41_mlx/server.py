@@ -698,22 +698,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--quiet", action="store_true", help="no progress bars, warnings only")
-    parser.add_argument("--prompt-cache-gb", type=float,
+    parser.add_argument("--prompt-cache-gb", type=float, default=4.0,
                         help="memory for the states of earlier prompts and replies that a request whose tokens "
-                             "begin with them resumes from (least recently used dropped first); 0: off "
-                             "(default: 4, and off across the ranks of mlx.launch: a pipeline's caches are not "
-                             "copied)")
+                             "begin with them resumes from (least recently used dropped first); 0: off. Across "
+                             "the ranks of mlx.launch it counts rank 0's part; each rank keeps its own layers' part")
     parser.add_argument("--warm-up", action="store_true",
                         help="before serving, run every request shape once (on CUDA each GPU kernel's first use in a "
                              "process costs seconds, which would otherwise fall on the first requests)")
     add_split_argument(parser)
     args = parser.parse_args(argv)
-    if args.prompt_cache_gb is not None and args.prompt_cache_gb < 0:
+    if args.prompt_cache_gb < 0:
         parser.error(f"argument --prompt-cache-gb: must be >= 0, got {args.prompt_cache_gb}")
     group = launched_group(parser, args.pipeline_split)  # under mlx.launch: one rank of a pipeline
-    if group.size() > 1 and args.prompt_cache_gb:
-        parser.error("argument --prompt-cache-gb: the prompt cache runs in one process (a pipeline's caches are "
-                     "not copied)")
     quiet = args.quiet or group.rank() > 0  # the other ranks log nothing but warnings
     logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(message)s")
     try:
@@ -735,7 +731,7 @@ def main(argv: list[str] | None = None) -> int:
             runner.drafter.build_fp8_head(progress=not quiet)
         if args.warm_up:
             log.info("warm-up: every request shape once, %.1f s", warm_up(runner))
-        gb = args.prompt_cache_gb if args.prompt_cache_gb is not None else 4.0 if group.size() == 1 else 0
+        gb = args.prompt_cache_gb
         prompt_cache = PrefixCache.for_chat(int(gb * 1e9), tokenizer) if gb else None
         engine = Engine(model, tokenizer, args.name or args.model or "dsv41-tiny", runner, prompt_cache)
         try:

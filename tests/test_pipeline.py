@@ -367,3 +367,35 @@ def test_rank_0_runs_the_next_chunk_while_the_others_run_the_one_before(tapped_a
     # a chunk with padding is back, and its padding trimmed, before the next one begins
     assert order["padded first"] == [["blocks", 0], ["send", 0], ["back", 0], ["trim", 11], ["blocks", 5],
                                      ["send", 5], ["back", 5]]
+
+
+# ------------------------------------------------------ a prefix cache across ranks
+
+def cached_turns(runner) -> dict:
+    """A prefix cache on a pipeline: a first turn stored, a second turn (the first, its reply and
+    more) resumed from it, greedy and drafted, its logits after resuming, and an entry evicted
+    (its copies dropped on every rank) and the turn run again cold: what one process gives."""
+    from dsv41_mlx.generate import prefill_cached
+    from dsv41_mlx.runtime.prefix_cache import PrefixCache
+
+    cache = PrefixCache(1 << 30)
+    out = {"first": list(generate_step(runner, PROMPT, GREEDY, N, prompt_cache=cache))}
+    second = PROMPT + out["first"] + [11, 12, 13]
+    out["second"] = list(generate_step(runner, second, GREEDY, N, prompt_cache=cache))
+    drafted = make_decoder(runner, SAMPLED, True, confidence="off")
+    out["second, drafted"] = list(generate_step(runner, second, SAMPLED, N, decoder=drafted, prompt_cache=cache))
+    _, logits, _ = prefill_cached(runner, second + [14], cache)
+    out["resumed logits"] = _digest(logits)
+    out["hits"] = cache.hits
+    small = PrefixCache(cache.nbytes // len(cache) + 1)  # room for about one entry: the older ones evicted
+    for prompt in (PROMPT, second, PROMPT):
+        out.setdefault("evicting", []).append(list(generate_step(runner, prompt, GREEDY, 3, prompt_cache=small)))
+    return out
+
+
+def test_a_prefix_cache_across_ranks_resumes_as_one_process(tapped_across):
+    model, _ = load(tapped_across[0])
+    with Runner(model) as runner:
+        expected = cached_turns(runner)
+    assert expected["hits"] >= 3
+    assert on_rank_0(tapped_across[0], "0:4,4:8", "cached_turns") == expected

@@ -1,6 +1,7 @@
 """The server under `mlx.launch --backend ring` (loopback): rank 0 serves HTTP through a
-PipelineRunner while the other rank follows it; its replies are one process's, and a Ctrl-C
-stops every rank."""
+PipelineRunner while the other rank follows it; its replies are one process's (a second turn
+resumed from the prompt cache, which each rank keeps its part of), and a Ctrl-C stops every
+rank."""
 
 from __future__ import annotations
 
@@ -31,11 +32,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def replies(client: openai.OpenAI) -> list[str]:
-    """A chat reply, and the same request streamed, through the official client."""
+def replies(client: openai.OpenAI) -> tuple[list[str], int]:
+    """A chat reply, the same request streamed, and a second turn after the reply, through the
+    official client; and how many of the second turn's prompt tokens came from a prompt cache."""
     whole = client.chat.completions.create(model="dsv41-tiny", messages=CHAT, max_tokens=12)
     stream = client.chat.completions.create(model="dsv41-tiny", messages=CHAT, max_tokens=12, stream=True)
-    return [whole.choices[0].message.content, "".join(c.choices[0].delta.content or "" for c in stream if c.choices)]
+    first = whole.choices[0].message.content
+    turn = CHAT + [{"role": "assistant", "content": first}, {"role": "user", "content": "And their keepers?"}]
+    second = client.chat.completions.create(model="dsv41-tiny", messages=turn, max_tokens=8)
+    details = second.usage.prompt_tokens_details
+    texts = [first, "".join(c.choices[0].delta.content or "" for c in stream if c.choices),
+             second.choices[0].message.content]
+    return texts, details.cached_tokens if details is not None and details.cached_tokens else 0
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +83,9 @@ def test_two_ranks_serve_one_process_replies_and_a_ctrl_c_stops_every_rank(one_p
         url = f"http://127.0.0.1:{port}"
         wait_until_serving(url, launcher)
         with openai.OpenAI(base_url=f"{url}/v1", api_key="-") as client:
-            assert replies(client) == one_process
+            texts, cached = replies(client)
+            assert texts == one_process[0]
+            assert cached > 0  # the second turn resumed from the first's state, cached across the ranks
         os.killpg(launcher.pid, signal.SIGINT)  # a Ctrl-C in the launcher's terminal: every process gets it
         launcher.wait(timeout=60)
         deadline = time.monotonic() + 10

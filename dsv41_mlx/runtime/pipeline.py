@@ -18,6 +18,7 @@ other ranks run the one before (PipelineRunner.prefill_chunks).
 Commands (rank 0 -> 1 -> ... -> N-1, each rank acting on one before passing it on):
   NEW c       a sequence's cache c begins          DROP c      cache c is gone
   TRIM c n    forget cache c's newest n positions  STOP        leave the loop
+  COPY c d r  cache d begins as a copy of cache c (r: with room to grow; a prefix cache's)
   FORWARD c   a forward's tokens, and the stream from the rank before; the last rank sends
               the stream on to rank 0 (the only message that returns)
 Each message is a fixed header of int32 (the op, its fields, each array's dtype and shape),
@@ -240,11 +241,11 @@ class StageModel(Model):
         layer, _, inside = rest.partition(".")
         return int(layer) in self.held or (int(layer) == self.boundary and inside.startswith("hc_attn"))
 
-    def make_cache(self, cache_id: int = 0, tell=None) -> StageCache:
-        """Model.make_cache's caches of the layers this rank holds (StageCache's id and tell)."""
+    def make_cache(self, cache_id: int = 0, owner: PipelineRunner | None = None) -> StageCache:
+        """Model.make_cache's caches of the layers this rank holds (StageCache's id and owner)."""
         args = self.args
         return StageCache([LayerCache(args.sliding_window, args.compress_ratios[i] if layer.attn.is_kv_source else 0)
-                           if i in self.held else None for i, layer in enumerate(self.layers)], cache_id, tell)
+                           if i in self.held else None for i, layer in enumerate(self.layers)], cache_id, owner)
 
     def blocks(self, forward: Forward, cache: StageCache, keep: dict[int, int],
                engram_rows: dict[int, mx.array]) -> bool:
@@ -265,12 +266,12 @@ class StageModel(Model):
 class StageCache(ModelCache):
     """One sequence's state on one rank: the caches of the layers it holds (None for the
     others'), and the whole token history, which every rank keeps alike (the engram reads
-    it). On rank 0 every trim is told to the other ranks (`tell(id, n)`)."""
+    it). On rank 0 its owner, the PipelineRunner, has every rank trim or copy its part too."""
 
-    def __init__(self, layers: list[LayerCache | None], cache_id: int = 0, tell=None):
+    def __init__(self, layers: list[LayerCache | None], cache_id: int = 0, owner: PipelineRunner | None = None):
         super().__init__(layers)
         self.id = cache_id  # what the commands name it by
-        self._tell = tell
+        self._owner = owner
 
     def _held(self) -> ModelCache:
         """A ModelCache of the layers held, sharing this one's token history."""
@@ -280,8 +281,8 @@ class StageCache(ModelCache):
 
     def trim(self, n: int) -> None:
         self._held().trim(n)
-        if self._tell is not None and n:
-            self._tell(self.id, n)
+        if self._owner is not None and n:
+            self._owner.tell_trim(self.id, n)
 
     def state(self) -> list[mx.array]:
         return self._held().state()
@@ -289,13 +290,23 @@ class StageCache(ModelCache):
     def snapshot(self) -> list[mx.array]:
         return self._held().snapshot()
 
-    def copy(self, room: bool = True) -> ModelCache:
-        raise PipelineError("a pipeline's caches are not copied (a prefix cache runs in one process)")
+    def copy(self, room: bool = True) -> StageCache:
+        """ModelCache.copy on every rank (a prefix cache's entries and resumes): each rank copies
+        its part under a new id."""
+        if self._owner is not None:
+            return self._owner.copy_cache(self, room)
+        return self.copy_here(self.id, room)
+
+    def copy_here(self, cache_id: int, room: bool, owner: PipelineRunner | None = None) -> StageCache:
+        """This rank's part of a copy, named cache_id: the layers held, and the token history."""
+        other = StageCache([layer.copy(room) if layer is not None else None for layer in self.layers], cache_id, owner)
+        other.tokens = list(self.tokens)
+        return other
 
 
 # -------------------------------------------------------------- messages
 
-NEW, DROP, TRIM, STOP, FORWARD = range(1, 6)
+NEW, DROP, TRIM, STOP, FORWARD, COPY = range(1, 7)
 MAX_FIELDS, MAX_ARRAYS, MAX_DIMS = 12, 10, 4
 HEADER = 2 + MAX_FIELDS + 1 + MAX_ARRAYS * (2 + MAX_DIMS)
 DTYPES = [mx.bool_, mx.uint8, mx.int32, mx.uint32, mx.int64, mx.float16, mx.bfloat16, mx.float32]
@@ -481,11 +492,18 @@ class PipelineRunner(Runner):
         while self._dropped:
             self.link.send(Message(DROP, [self._dropped.pop()], []))
 
-    def _tell_trim(self, cache_id: int, n: int) -> None:
+    def tell_trim(self, cache_id: int, n: int) -> None:
         self._command(TRIM, cache_id, n)
 
+    def copy_cache(self, cache: StageCache, room: bool) -> StageCache:
+        """StageCache.copy: this rank's part copied here, every other rank's there (COPY)."""
+        copy = cache.copy_here(next(self._ids), room, self)
+        self._command(COPY, cache.id, copy.id, int(room))
+        weakref.finalize(copy, self._dropped.append, copy.id)
+        return copy
+
     def make_cache(self) -> StageCache:
-        cache = self.model.make_cache(next(self._ids), self._tell_trim)
+        cache = self.model.make_cache(next(self._ids), self)
         self._command(NEW, cache.id)
         weakref.finalize(cache, self._dropped.append, cache.id)
         return cache
@@ -591,6 +609,10 @@ def serve(model: StageModel, link: Link) -> None:
             caches.pop(message.fields[0], None)
         elif message.op == TRIM:
             caches[message.fields[0]].trim(message.fields[1])
+        elif message.op == COPY:
+            source, copy, room = message.fields
+            caches[copy] = caches[source].copy_here(copy, bool(room))
+            mx.eval(caches[copy].state())  # its own buffers now, as rank 0's prefix cache evaluates its part
         elif message.op == STOP:
             return
         else:
