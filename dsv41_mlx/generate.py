@@ -88,9 +88,13 @@ def warm_up(runner: Runner, chunk: int = DEFAULT_PREFILL_CHUNK) -> float:
     stages) drafted, which also measures the verify costs the schedule policy uses (a target
     forward of every verify size), and the drafter's ingest of every size (the GEMV kernels
     are built per bound on their rows); and a decode or verify forward of every size past
-    the context where the indexers start scoring. Returns the seconds it took."""
+    the context where the indexers start scoring. Returns the seconds it took.
+
+    What its made-up prompts showed of the drafter (whether drafting pays) and the plain steps'
+    pace (kernel builds included) are forgotten again: the schedule learns them from requests."""
     tic = time.perf_counter()
     drafter = runner.drafter
+    outlook = drafter.outlook if drafter is not None else None
     vocab = runner.args.vocab_size
     for rows in sorted(set(range(PREFILL_ROUND, chunk + 1, PREFILL_ROUND)) | {chunk}):
         for length in (rows, chunk + rows):
@@ -101,6 +105,8 @@ def warm_up(runner: Runner, chunk: int = DEFAULT_PREFILL_CHUNK) -> float:
             list(generate_step(runner, prompt[:PREFILL_ROUND], params, 3, chunk, make_decoder(runner, params, draft)))
     if drafter is not None:
         _warm_up_ingest(runner)
+        drafter.outlook = outlook
+    runner.plain_pace.clear()
     _warm_up_scoring(runner, chunk)
     # Start MLX's buffer cache afresh: on an H200 (MLX 0.32.4, CUDA) the allocator stopped
     # reusing buffers after these forwards until it was cleared (docs/results.md)

@@ -103,7 +103,7 @@ def test_warm_up_runs_every_chunk_shape_then_plain_and_drafted_tokens(default_mo
     few tokens greedy and sampled, plain and drafted (measuring the verify costs), ingests
     every size a round can commit into a scratch draft cache, runs a decode or verify forward
     of every size past the context where the indexers start scoring, and clears MLX's buffer
-    cache."""
+    cache; and leaves the drafting schedule nothing of what its made-up prompts showed."""
     from dsv41_mlx.models.attention import indexer_scoring_length
 
     import importlib
@@ -139,6 +139,7 @@ def test_warm_up_runs_every_chunk_shape_then_plain_and_drafted_tokens(default_mo
     monkeypatch.setattr(generate, "generate_step", generation)
     monkeypatch.setattr(runner.drafter, "ingest", record_ingest)
     runner.drafter.verify_costs = None
+    runner.drafter.outlook = None
     assert generate.warm_up(runner, chunk=40) > 0
     assert generate.PREFILL_ROUND == 16
     assert {(r, o) for r in (16, 32, 40) for o in (False, True)} <= seen  # 16, 32: the rounds; 40: the chunk
@@ -148,6 +149,8 @@ def test_warm_up_runs_every_chunk_shape_then_plain_and_drafted_tokens(default_mo
     assert set(range(1, runner.drafter.block + 2)) <= set(ingested)
     assert {(n, True) for n in range(1, runner.drafter.block + 2)} <= set(decoded)  # where the indexers score
     assert mx.get_cache_memory() == 0  # the buffer cache started afresh
+    # its made-up prompts leave the schedule no verdict on the drafter, nor a plain pace
+    assert runner.drafter.outlook is None and not runner.plain_pace
 
 
 def test_cli_prints_text_and_one_stats_line(cli_env):
