@@ -115,13 +115,62 @@ def count(model_path: str | None, rows: int, prompt: int = 300) -> dict:
             "names_per_kind": {kind: dict(c) for kind, c in names.items()}}
 
 
+def count_propose(model_path: str | None, prompt: int = 300) -> dict:
+    """The launches of one propose pass (runtime/drafter.py) on the GPU path, per DSpark stage,
+    the head, and the Markov steps with the confidence head, after the drafter's rings took a
+    prompt's features; and of one ingest of a round's rows."""
+    model, _ = dsv41_mlx.load(model_path)
+    with Runner(model) as runner:  # on the machine's own path
+        drafter = runner.drafter
+        cache = model.make_cache()
+        _, features = prefill(runner, [100 + (7 * i) % 900 for i in range(prompt)], cache,
+                              keep_features=drafter.window)
+        rings = drafter.make_cache()
+        rings.end = cache.offset - features.shape[0]
+        drafter.ingest(rings, features)
+        mx.eval(rings.rings)
+        drafter.evaluate_on_thread = False  # built whole on this thread: its graph read below
+        calls = collections.Counter()
+        stages, begun = [], []
+        with gpu_path_with_stub_kernels(calls):
+            drafter.fp8_head  # built on the GPU path before the pass, not inside it
+            run = drafter._propose
+
+            def record(cache_, anchor, pick, side, begin=None):
+                return run(cache_, anchor, pick, side, lambda *arrays: begun.append(arrays))
+
+            drafter._propose = record
+            proposal = drafter.propose(rings, 7)
+            drafter._propose = run
+            seen = 0
+            for arrays in begun:  # each stage's output, then the head's: the launches new at each
+                total = census(*arrays)[0]
+                stages.append(total - seen)
+                seen = total
+            whole = census(proposal.drafts, proposal.logits, proposal.confidence)[0]
+            ingest = census(drafter.ingest_ahead(rings, features[-(drafter.block + 1):], start=False)._rows)[0]
+    n = len(drafter.stages)
+    return {"stages": stages[:n], "head": stages[n] if len(stages) > n else 0, "markov_and_confidence": whole - seen,
+            "total": whole, "ingest": ingest, "kernel_calls": dict(calls)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the embedded tiny one)")
     parser.add_argument("--rows", type=int, default=8, help="rows a decode step is padded to (GPU: 8)")
     parser.add_argument("--prompt", type=int, default=300,
                         help="tokens prefilled before the step (few: the indexers pick every position unscored)")
+    parser.add_argument("--propose", action="store_true", help="count the drafter's propose pass instead")
     args = parser.parse_args()
+    if args.propose:
+        res = count_propose(args.model, args.prompt)
+        heads = [f"stage {k}" for k in range(len(res["stages"]))]
+        heads += ["head", "Markov steps and confidence", "propose pass", "ingest of a round"]
+        print("| " + " | ".join(heads) + " |\n|" + "---|" * len(heads))
+        print(f"| {' | '.join(map(str, res['stages']))} | {res['head']} | {res['markov_and_confidence']} | "
+              f"{res['total']} | {res['ingest']} |")
+        print(f"\nkernel calls: {res['kernel_calls']}")
+        return 0
     res = count(args.model, args.rows, args.prompt)
     print("| layer kind | layers | launches per layer | views per layer |")
     print("|---|---|---|---|")
