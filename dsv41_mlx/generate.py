@@ -536,8 +536,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
 def main(argv: list[str] | None = None) -> int:
     from .config import ConfigError
     from .io.checkpoint import CheckpointError
-    from .io.load import load, load_stage
-    from .runtime.pipeline import Link, PipelineRunner, launched_group, serve
+    from .io.load import load_launched
+    from .runtime.pipeline import Link, launched_group, launched_runner, serve
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -546,16 +546,11 @@ def main(argv: list[str] | None = None) -> int:
     quiet = args.quiet or group.rank() > 0  # the other ranks print nothing but errors
     logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(message)s")
     try:
-        if group.size() > 1:
-            model, tokenizer = load_stage(args.model, group, args.pipeline_split, progress=not quiet)
-            if group.rank() > 0:
-                serve(model, Link(group))  # rank 0's commands, until it is done
-                return 0
-            runner = PipelineRunner(model, Link(group))
-        else:
-            model, tokenizer = load(args.model, progress=not quiet)
-            runner = Runner(model)
-        with runner:
+        model, tokenizer = load_launched(args.model, group, args.pipeline_split, progress=not quiet)
+        if group.rank() > 0:
+            serve(model, Link(group))  # rank 0's commands, until it is done
+            return 0
+        with launched_runner(model, group) as runner:
             drafting = args.draft if args.draft is not None else runner.drafter is not None
             if drafting and runner.drafter is not None and runner.drafter.head == "fp8":
                 runner.drafter.build_fp8_head(progress=not args.quiet)

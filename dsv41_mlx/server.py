@@ -689,8 +689,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from .config import ConfigError
     from .io.checkpoint import CheckpointError
-    from .io.load import load, load_stage
-    from .runtime.pipeline import Link, PipelineRunner, add_split_argument, launched_group, serve
+    from .io.load import load_launched
+    from .runtime.pipeline import Link, add_split_argument, launched_group, launched_runner, serve
 
     parser = argparse.ArgumentParser(prog="python -m dsv41_mlx.server", description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="checkpoint directory or Hugging Face repo id (default: embedded tiny model)")
@@ -713,10 +713,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet = args.quiet or group.rank() > 0  # the other ranks log nothing but warnings
     logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(message)s")
     try:
-        if group.size() > 1:
-            model, tokenizer = load_stage(args.model, group, args.pipeline_split, progress=not quiet)
-        else:
-            model, tokenizer = load(args.model, progress=not quiet)
+        model, tokenizer = load_launched(args.model, group, args.pipeline_split, progress=not quiet)
     except (CheckpointError, ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -725,8 +722,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         serve(model, Link(group))
         return 0
-    runner = PipelineRunner(model, Link(group)) if group.size() > 1 else Runner(model)
-    with runner:  # closing a PipelineRunner stops the other ranks
+    with launched_runner(model, group) as runner:  # closing a PipelineRunner stops the other ranks
         if runner.drafter is not None and runner.drafter.head == "fp8":
             runner.drafter.build_fp8_head(progress=not quiet)
         if args.warm_up:

@@ -6,7 +6,6 @@ import dataclasses
 import hashlib
 import json
 import random
-import socket
 import subprocess
 import sys
 from itertools import combinations
@@ -27,9 +26,9 @@ from dsv41_mlx.runtime.pipeline import (FORWARD, TRIM, PipelineError, balance, c
 from dsv41_mlx.runtime.runner import Runner
 from dsv41_mlx.sampling import SamplingParams
 from dsv41_mlx.speculative import SpeculativeDecoder
+from scripts.benchmarks.harness import mlx_launch
 
 ROOT = Path(__file__).resolve().parent.parent
-LAUNCHER = Path(sys.executable).parent / "mlx.launch"
 GENERATE = [sys.executable, "-m", "dsv41_mlx.generate"]
 
 
@@ -208,11 +207,7 @@ else:
 
 def launch(ranks: int, *command: str, timeout: int = 120) -> subprocess.CompletedProcess:
     """`mlx.launch -n ranks --backend ring -- command` on this machine, from the repository root."""
-    with socket.socket() as s:  # a free port for the ring (rank r listens on port + r)
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return subprocess.run([str(LAUNCHER), "-n", str(ranks), "--backend", "ring", "-p", str(port), "--", *command],
-                          capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+    return subprocess.run(mlx_launch(ranks, list(command)), capture_output=True, text=True, cwd=ROOT, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,9 @@ from starlette.testclient import TestClient
 
 import dsv41_mlx
 from dsv41_mlx.server import Engine, create_app
+from scripts.benchmarks.harness import mlx_launch
 
 ROOT = Path(__file__).resolve().parent.parent
-LAUNCHER = Path(sys.executable).parent / "mlx.launch"
 CHAT = [{"role": "user", "content": "Tell me about lighthouses."}]
 
 
@@ -76,8 +76,7 @@ def test_two_ranks_serve_one_process_replies_and_a_ctrl_c_stops_every_rank(one_p
     port = free_port()
     err = (tmp_path / "stderr").open("w+")
     launcher = subprocess.Popen(
-        [str(LAUNCHER), "-n", "2", "--backend", "ring", "-p", str(free_port()), "--",
-         sys.executable, "-m", "dsv41_mlx.server", "--port", str(port), "--quiet"],
+        mlx_launch(2, [sys.executable, "-m", "dsv41_mlx.server", "--port", str(port), "--quiet"]),
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"

@@ -86,6 +86,14 @@ def balanced_split(args: ModelArgs, headers: dict, where: dict[str, Path], decla
                    ranks, cut_points(args))
 
 
+def load_launched(path_or_repo: str | os.PathLike | None, group: mx.distributed.Group, split: str | None = None,
+                  progress: bool = False) -> tuple[Model, object]:
+    """load, or where mlx.launch started several ranks (group), load_stage: this rank's part."""
+    if group.size() > 1:
+        return load_stage(path_or_repo, group, split, progress)
+    return load(path_or_repo, progress)
+
+
 def load_stage(path_or_repo: str | os.PathLike | None, group: mx.distributed.Group, split: str | None = None,
                progress: bool = False) -> tuple[StageModel, object]:
     """(this rank's StageModel, tokenizer) of a pipeline over `group`: the checkpoint's layers

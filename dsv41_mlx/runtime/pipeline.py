@@ -644,6 +644,12 @@ def add_split_argument(parser) -> None:
                              "(default: balanced by resident bytes)")
 
 
+def launched_runner(model: Model, group: mx.distributed.Group) -> Runner:
+    """Rank 0's runner of the model load_launched gave: a PipelineRunner where several ranks
+    hold its layers, else a Runner."""
+    return PipelineRunner(model, Link(group)) if group.size() > 1 else Runner(model)
+
+
 def launched_group(parser, split: str | None) -> mx.distributed.Group:
     """The processes mlx.launch started (mx.distributed.init: a group of one where it did not), with
     `split` (--pipeline-split) checked before any model loads: one that is no list of ranges, or

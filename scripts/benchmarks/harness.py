@@ -31,6 +31,19 @@ from mlx.utils import tree_flatten
 from dsv41_mlx.kernels import backend, device_backend, tuning
 
 ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def mlx_launch(ranks: int, command: list[str]) -> list[str]:
+    """The command line that runs `command` as `ranks` local processes under `mlx.launch`'s ring
+    backend (over loopback), on a free port (rank r listens on port + r)."""
+    import socket
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launcher = Path(sys.executable).parent / "mlx.launch"
+    return [str(launcher), "-n", str(ranks), "--backend", "ring", "-p", str(port), "--", *command]
 COPY_TRIES = 3  # copy_bandwidth's measurements, the best kept
 
 

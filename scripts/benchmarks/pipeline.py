@@ -20,22 +20,20 @@ ranks after it and rank 0 were still on the message before) and ends once it has
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import fields, replace
-from pathlib import Path
 
 import mlx.core as mx
 
 from dsv41_mlx.generate import generate_step, make_decoder
-from dsv41_mlx.io.load import load, load_stage
+from dsv41_mlx.io.load import load_launched
 from dsv41_mlx.runtime.pipeline import FORWARD, STREAM_FORMS, Link, LinkCounts, PipelineRunner, Step, serve
 from dsv41_mlx.runtime.runner import Runner
 from dsv41_mlx.sampling import SamplingParams
 
-from .harness import ROOT, print_heading, prompt_of, reply_hash
+from .harness import ROOT, mlx_launch, print_heading, prompt_of, reply_hash
 
 RUNS = ("plain", "drafted")
 MARKS = ("start", "first", "end")  # of a run: before its prefill, at its first token, after its last
@@ -75,11 +73,7 @@ def bench_pipeline(model: str | None, ranks: list[int], tokens: int, prompt_toke
 def _launched(ranks: int, command: list[str], timeout: float) -> dict:
     """rank 0's figures of `command` run in one process, or over `ranks` under mlx.launch."""
     if ranks > 1:
-        with socket.socket() as s:  # a free port for the ring (rank r listens on port + r)
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        launcher = Path(sys.executable).parent / "mlx.launch"
-        command = [str(launcher), "-n", str(ranks), "--backend", "ring", "-p", str(port), "--", *command]
+        command = mlx_launch(ranks, command)
     tic = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=timeout)
     lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
@@ -96,11 +90,10 @@ def measure(model_path: str | None, tokens: int, prompt_tokens: int) -> dict | N
     Rank 0 runs each generation once untimed (every shape traced), then timed, marking its
     Link's counts at each run's MARKS; it returns the figures (the other ranks None)."""
     group = mx.distributed.init()
+    model, _ = load_launched(model_path, group)
     if group.size() == 1:
-        model, _ = load(model_path)
         runner, link = Runner(model), None
     else:
-        model, _ = load_stage(model_path, group)
         link = NotingLink(group)
         if group.rank() > 0:
             serve(model, link)  # until rank 0's STOP
