@@ -334,9 +334,11 @@ class SpeculativeDecoder:
         self.drafter.catch_up(self.draft_cache, features)
 
     def plain_pace(self) -> float:
-        """Seconds per plain token: the median of the runner's last plain steps (any
-        generation's: a round is weighed against the plain loop as it runs, overlap and all),
-        else a one-row verify forward's."""
+        """Seconds per plain token: plain_cost where given, else the median of the runner's last
+        plain steps (any generation's: a round is weighed against the plain loop as it runs,
+        overlap and all), else a one-row verify forward's."""
+        if self.plain_cost is not None:
+            return self.plain_cost
         pace = self.runner.plain_pace
         return statistics.median(pace) if pace else self.costs[0]
 
@@ -425,8 +427,7 @@ class SpeculativeDecoder:
         is followed by another probe (a drafter that starts matching is taken up at once), and
         any other by plain steps (Outlook.stretch), among them a round that found no draft
         worth verifying (its propose gained nothing)."""
-        plain_s = self.plain_cost if self.plain_cost is not None else self.plain_pace()
-        self.outlook.paying = bool(verified) and self.outlook.pays(self.round_costs(), plain_s)
+        self.outlook.paying = bool(verified) and self.outlook.pays(self.round_costs(), self.plain_pace())
         if self.outlook.paying:
             self.outlook.paid()
         elif not (verified and accepted == verified):
