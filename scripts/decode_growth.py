@@ -42,8 +42,8 @@ from dsv41_mlx.models.layers import key_ids  # noqa: E402
 from dsv41_mlx.quant import fp8_input  # noqa: E402
 from dsv41_mlx.runtime.options import default_options  # noqa: E402
 from dsv41_mlx.runtime.runner import Runner  # noqa: E402
-from scripts.benchmarks.harness import graph_dot, prompt_of  # noqa: E402
-from scripts.make_flash_shaped import flash_config  # noqa: E402
+from scripts.benchmarks.harness import graph_ops, prompt_of  # noqa: E402
+from scripts.make_flash_shaped import flash_config, fp8_codes  # noqa: E402
 
 BF16 = mx.bfloat16
 
@@ -57,13 +57,6 @@ def timed(fn, reps: int) -> float:
         mx.eval(fn())
         times.append(time.perf_counter() - tic)
     return 1e3 * statistics.median(times)
-
-
-def op_count(*outputs) -> int:
-    """How many operations the lazy graph behind outputs holds."""
-    import re
-
-    return len(re.findall(r'\{ \d+ \[label ="', graph_dot(*outputs)))
 
 
 # -- whole decode steps ------------------------------------------------------------------------
@@ -88,7 +81,7 @@ def whole_steps(model_dir: str, contexts: list[int], steps: int) -> list[dict]:
                 times.append(time.perf_counter() - tic)
             # one forward built, not run, then rolled back: its graph's size
             logits, _ = runner.decode([token], cache)
-            ops = op_count(logits, *cache.state())
+            ops = sum(graph_ops(logits, *cache.state()).values())
             mx.eval(logits)
             rows.append({"context": n, "prefill_s": prefill_s, "step_ms": 1e3 * statistics.median(times[1:]),
                          "ops": ops})
@@ -113,10 +106,8 @@ def randomised(module, seed: int):
     rng = np.random.default_rng(seed)
     new = []
     for name, p in tree_flatten(module.parameters()):
-        if p.dtype == mx.uint32:  # FP8 E4M3 codes, 4 a word: exponents 5..8, random sign and mantissa
-            b = rng.integers(0x28, 0x48, size=(*p.shape[:-1], p.shape[-1] * 4), dtype=np.uint8)
-            b |= rng.integers(0, 2, size=b.shape, dtype=np.uint8) << 7
-            new.append((name, mx.array(b.view(np.uint32))))
+        if p.dtype == mx.uint32:  # FP8 E4M3 codes, 4 a word
+            new.append((name, mx.array(fp8_codes((*p.shape[:-1], p.shape[-1] * 4), rng).view(np.uint32))))
         elif p.dtype == mx.uint8:  # E8M0 scales
             fan_in = p.shape[-1] * 32
             new.append((name, mx.full(p.shape, int(127 - np.ceil(np.log2(np.sqrt(fan_in)))), dtype=mx.uint8)))
