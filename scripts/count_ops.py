@@ -134,21 +134,15 @@ def count_propose(model_path: str | None, prompt: int = 300) -> dict:
         stages, begun = [], []
         with gpu_path_with_stub_kernels(calls):
             drafter.fp8_head  # built on the GPU path before the pass, not inside it
-            run = drafter._propose
-
-            def record(cache_, anchor, pick, side, begin=None):
-                return run(cache_, anchor, pick, side, lambda *arrays: begun.append(arrays))
-
-            drafter._propose = record
-            proposal = drafter.propose(rings, 7)
-            drafter._propose = run
+            proposal = drafter.propose(rings, 7, built=lambda *arrays: begun.append(arrays))
             seen = 0
             for arrays in begun:  # each stage's output, then the head's: the launches new at each
                 total = census(*arrays)[0]
                 stages.append(total - seen)
                 seen = total
             whole = census(proposal.drafts, proposal.logits, proposal.confidence)[0]
-            ingest = census(drafter.ingest_ahead(rings, features[-(drafter.block + 1):], start=False)._rows)[0]
+            committed = features[-(drafter.block + 1):]  # a round's rows: its anchor and every draft
+            ingest = census(drafter.ring_rows(committed, mx.arange(rings.end, rings.end + committed.shape[0])))[0]
     n = len(drafter.stages)
     return {"stages": stages[:n], "head": stages[n] if len(stages) > n else 0, "markov_and_confidence": whole - seen,
             "total": whole, "ingest": ingest, "kernel_calls": dict(calls)}

@@ -220,11 +220,14 @@ class Drafter:
             mx.async_eval(rows)
         return IngestAhead(self, cache, rows, n)
 
-    def propose(self, cache: DraftCache, anchor: int | mx.array, pick: Picker = argmax_picker) -> Proposal:
+    def propose(self, cache: DraftCache, anchor: int | mx.array, pick: Picker = argmax_picker,
+                built: Callable[..., None] | None = None) -> Proposal:
         """Draft `block` tokens after the anchor, which sits at position cache.end.
 
         Builds one lazy graph on the drafter's stream(s), evaluated by the caller; with
         evaluate_on_thread, started stage by stage on the evaluator's thread as it is built.
+        built(*arrays): called with each stage's outputs, then the head's, as they are built
+        (scripts/count_ops.py counts each part's launches so).
         """
         evaluator = self._evaluator
         side = self.side_stream if evaluator is None else None
@@ -232,13 +235,18 @@ class Drafter:
             stage.attn.side_stream = side
         if evaluator is None:
             with mx.stream(self.stream):
-                return self._propose(cache, anchor, pick, side)
+                return self._propose(cache, anchor, pick, side, built)
         if self.head == "fp8":
             self.fp8_head  # built (and evaluated) on this thread before the evaluator's runs
         mx.async_eval(cache.rings, *([anchor] if isinstance(anchor, mx.array) else []))  # this thread's work, started here
+        def begin(*arrays: mx.array) -> None:
+            evaluator.submit(*arrays)
+            if built is not None:
+                built(*arrays)
+
         try:
             with mx.stream(evaluator.stream):
-                return self._propose(cache, anchor, pick, None, evaluator.submit)
+                return self._propose(cache, anchor, pick, None, begin)
         finally:
             evaluator.drain()
 
