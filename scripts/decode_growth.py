@@ -10,7 +10,8 @@ Two tables:
 - Per layer role at the release's attention sizes (64 heads x 512, index 32 x 128, top-512,
   candidate blocks 2048 x 8): one Attention module per role, random weights, its caches filled
   to each context with random rows; one forward of the runtime's decode rows timed per layer
-  (the layers run in the model's order, sharing one SharedAttention as a forward does), and
+  (the layers run in the model's order, sharing one SharedAttention as a forward does, each
+  repetition on copies of the filled caches), and
   the indexer's pieces apart: the scoring GEMM and its weighting, the top-k, the cache's
   append of one group.
 """
@@ -140,20 +141,32 @@ def filled_caches(args: ModelArgs, context: int, rng) -> list[LayerCache]:
                 c.compressor.append_raw(mx.array(rng.standard_normal((16, 2 * args.head_dim)).astype(np.float32)))
             c.compressor.end = groups * ratio
         caches.append(c)
-    mx.eval([a for c in caches for a in ([c.window.keys] + ([c.compressor.kv, c.compressor.index_keys]
-                                                              if c.compressor else []))])
+    mx.eval([cache_arrays(c) for c in caches])
     return caches
 
 
-def attention_rows(contexts: list[int], rows: int, reps: int) -> list[dict]:
+def cache_arrays(c: LayerCache) -> list[mx.array]:
+    """Every array a layer's cache holds: its window's rows, and a KV source's raw rows, pooled
+    kv and index keys."""
+    arrays = [c.window.keys]
+    if c.compressor is not None:
+        arrays += [c.compressor.raw, c.compressor.kv, c.compressor.index_keys]
+    return [a for a in arrays if a is not None]
+
+
+def attention_rows(contexts: list[int], rows: int, reps: int, row_invariant: bool | None = None) -> list[dict]:
     """Per context: each role's layer forward (ms), run in the model's order with one
-    SharedAttention (caches trimmed back after), and the indexer's pieces at its sizes."""
+    SharedAttention, and the indexer's pieces at its sizes. A forward of `rows` rows holds one
+    real row, the rest padding; row_invariant: each row gathers its own window, as in the
+    runtime's padded decode forwards (SharedAttention's; None: whether the runtime pads them
+    here, Options.decode_rows)."""
     args = release_args()
     layers = {i: randomised(Attention(args, i), i) for i in ROLES}
     rng = np.random.default_rng(0)
     x = mx.array(rng.standard_normal((rows, args.hidden_size)).astype(np.float32)).astype(BF16)
     xq = fp8_input(x)
-    row_invariant = default_options(args).decode_rows is not None
+    if row_invariant is None:
+        row_invariant = default_options(args).decode_rows is not None
     out = []
     for n in contexts:
         caches = filled_caches(args, n, rng)
@@ -161,15 +174,20 @@ def attention_rows(contexts: list[int], rows: int, reps: int) -> list[dict]:
         positions = mx.array(positions_np, dtype=mx.int32)
         per_layer = collections.defaultdict(list)
         for _ in range(reps + 1):
+            # each repetition on copies of the caches the layers write (a layer writes only its
+            # own; the others are read as they are): every forward starts from the filled state,
+            # whatever its row count (a trim undoes at most cache.TRIM_SLACK rows, and only of
+            # the caches a forward wrote)
+            run = list(caches)
+            for i in layers:
+                run[i] = caches[i].copy()
+            mx.eval([cache_arrays(run[i]) for i in layers])
             shared = SharedAttention(1, positions_np, row_invariant)
             for i, layer in layers.items():
                 tic = time.perf_counter()
-                c = caches[i]
-                mx.eval(layer(x, positions, c, caches, shared, xq=xq), c.window.keys,
-                        *([c.compressor.kv, c.compressor.index_keys] if c.compressor else []))
+                mx.eval(layer(x, positions, run[i], run, shared, xq=xq), cache_arrays(run[i]))
                 per_layer[i].append(time.perf_counter() - tic)
-            for c in caches:
-                c.trim(rows)
+            del run
         row = {"context": n}
         for i in layers:
             row[f"layer {i}"] = 1e3 * statistics.median(per_layer[i][1:])
