@@ -215,6 +215,24 @@ def test_replies_are_the_same_with_the_prompt_cache_in_the_row_invariant_mode(pa
                                                                                         draft)
 
 
+def test_replies_are_the_same_with_the_prompt_cache_on_the_gpus_schedule(fixture_model, runner):
+    """The GPU's whole schedule on the CPU: rows padded to 8, each block started from the
+    evaluator's thread, the next forward built ahead. A resumed cache is evaluated before a
+    forward hands it to that thread (which runs only its own stream's work)."""
+    from dsv41_mlx.runtime.options import Options
+    from dsv41_mlx.runtime.runner import Runner
+
+    options = Options(decode_rows=8, overlap_build=True, evaluate_on_thread=True, build_ahead=True)
+    prompt = _prompt(26, salt=9)
+    with Runner(fixture_model, options) as scheduled:
+        for draft in (False, True):
+            prompt_cache = PrefixCache(BIG)
+            first = _reply(scheduled, prompt, COUPLED, draft, prompt_cache)
+            second = prompt + first + [77, 78]
+            assert _reply(scheduled, second, COUPLED, draft, prompt_cache) == _reply(runner, second, COUPLED, draft)
+            assert prompt_cache.hits == 1
+
+
 # ------------------------------------------------------------------ the cache itself
 
 

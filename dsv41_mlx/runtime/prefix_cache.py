@@ -43,8 +43,12 @@ class PrefixEntry:
     nbytes: int  # of the arrays above
 
     def resume(self) -> ModelCache:
-        """A cache to decode on from this state: a copy, with room to grow."""
-        return self.cache.copy()
+        """A cache to decode on from this state: a copy, with room to grow, evaluated here (a
+        forward may be evaluated from the runner's evaluator thread, which can run only the
+        work of its own stream, not a copy built on the caller's: runtime/evaluator.py)."""
+        cache = self.cache.copy()
+        mx.eval(cache.state())
+        return cache
 
 
 def entry_nbytes(cache: ModelCache, features: mx.array | None, logits: mx.array | None) -> int:
