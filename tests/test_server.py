@@ -93,6 +93,35 @@ def test_a_second_turn_resumes_from_the_first_and_health_shows_the_cache(engine)
     assert health["bytes"] == sum(e["bytes"] for e in health["by_entry"]) <= health["max_bytes"]
 
 
+def test_on_the_gpus_schedule_a_cached_second_turn_streams_the_solo_reply(engine):
+    """The server as it runs on a GPU (its Runner's forwards padded to 8 rows, started from the
+    evaluator's thread, built ahead), on the CPU: a chat's second turn, streamed, drafted and
+    not, resumes from the first turn's cached state and streams what a cold prefill replies."""
+    from dsv41_mlx.runtime.options import Options
+    from dsv41_mlx.runtime.prefix_cache import PrefixCache
+    from dsv41_mlx.runtime.runner import Runner
+
+    schedule = Options(decode_rows=8, overlap_build=True, evaluate_on_thread=True, build_ahead=True)
+    for draft in (True, False):
+        with Runner(engine.model, schedule) as runner:
+            served = Engine(engine.model, engine.tokenizer, "dsv41-tiny", runner,
+                            PrefixCache.for_chat(1 << 30, engine.tokenizer))
+            with TestClient(create_app(served)) as c:
+                request = {"max_tokens": 5, "seed": 4, "temperature": 0.8, "draft": draft}
+                first = c.post("/v1/chat/completions", json={**request, "messages": CHAT}).json()
+                turn2 = CHAT + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                                {"role": "user", "content": "And their keepers?"}]
+                stream = {**request, "messages": turn2, "stream": True, "stream_options": {"include_usage": True}}
+                with c.stream("POST", "/v1/chat/completions", json=stream) as r:
+                    events = [json.loads(line[len("data: "):]) for line in r.iter_lines()
+                              if line.startswith("data: ") and line != "data: [DONE]"]
+            served.drain()
+        ids = engine.tokenizer.encode(encode_chat(turn2))
+        assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+        assert text == solo(engine, ids, max_tokens=5, seed=4, temperature=0.8)
+
+
 def test_chat_completion_equals_the_solo_reply_and_reports_usage_and_drafting(client, engine):
     r = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 6, "seed": 3, "temperature": 0.9})
     assert r.status_code == 200, r.text
