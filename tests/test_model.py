@@ -1076,6 +1076,49 @@ def test_indexer_skips_its_scores_while_it_picks_every_position(fixture_model, g
     _assert_same_state(cache, scored_cache)
 
 
+def test_an_indexer_scores_long_chunks_in_slices_of_rows_with_the_same_picks(fixture_model, golden, monkeypatch):
+    """Where a forward's scores [rows, heads, keys] would pass SCORE_BYTES, an indexer scores its
+    rows in slices (the last one shorter): a prompt prefilled in chunks scored 5 rows at a time,
+    candidate masks and all, gives the same logits, features and cache as scored whole, and so do
+    the decode steps after it."""
+    from dsv41_mlx.generate import prefill
+    from dsv41_mlx.models import attention
+
+    ids = _ids(golden)
+    asked = []
+    score_rows = attention.score_rows
+
+    def results(slice_rows):
+        def counted(rows, heads, keys):
+            asked.append(rows)
+            return slice_rows(rows, heads, keys)
+
+        monkeypatch.setattr(attention, "score_rows", counted)
+        with Runner(fixture_model) as runner:
+            cache = runner.make_cache()
+            logits, features = prefill(runner, ids[:-4], cache, chunk=24, keep_features=8)
+            steps = [runner.decode([t], cache) for t in ids[-4:]]
+        return [logits, features] + [a for step in steps for a in step], cache
+
+    whole, whole_cache = results(score_rows)
+    assert asked and all(score_rows(rows, 64, 1 << 10) == rows for rows in asked)  # nothing sliced by default
+    asked.clear()
+    sliced, sliced_cache = results(lambda rows, heads, keys: min(rows, 5))
+    assert max(asked) > 5 and any(rows % 5 for rows in asked if rows > 5)  # sliced, a last slice shorter
+    assert all(mx.array_equal(a, b).item() for a, b in zip(whole, sliced))
+    _assert_same_state(whole_cache, sliced_cache)
+
+
+def test_score_rows_keeps_a_slices_scores_within_score_bytes():
+    from dsv41_mlx.models.attention import SCORE_BYTES, score_rows
+
+    assert score_rows(8, 32, 131072) == 8  # a decode forward at 128K: whole
+    assert score_rows(256, 32, 8192) == 256  # a prefill chunk at 8K: whole
+    step = score_rows(256, 32, 32768)
+    assert step < 256 and 4 * 32 * 32768 * step <= SCORE_BYTES < 4 * 32 * 32768 * (step + 1)
+    assert score_rows(256, 32, 1 << 40) == 1  # at least one row
+
+
 def test_shared_attention_derives_windows_and_visible_groups_from_host_positions():
     """SharedAttention.window and .visible from positions_of (a view of key_ids'), read back: each row's
     window slots (the buffer rows of its positions, clipped to the rows held), which are

@@ -140,6 +140,19 @@ def negated_candidate_scores(summed: mx.array, key_ids: mx.array, visible: mx.ar
     return mx.where(candidates, negated_scores(summed, key_ids, visible), mx.inf)
 
 
+# The most bytes one array of an indexer's scoring may hold ([rows, heads, keys] fp32, its
+# largest). MLX keeps every array an evaluation reads until the device has run it, and runs up
+# to ten evaluations ahead, so a long prompt's chunk, scored whole, piles up its scores: rows
+# are scored in slices within this bound instead (each row's picks are its own: the same ids).
+SCORE_BYTES = 256 << 20
+
+
+def score_rows(rows: int, heads: int, keys: int) -> int:
+    """How many rows one slice of an indexer's scoring takes: all of them where their scores
+    fit SCORE_BYTES, else as many as do (at least one)."""
+    return max(1, min(rows, SCORE_BYTES // (4 * heads * max(keys, 1))))
+
+
 def indexer_scoring_length(args: ModelArgs) -> int:
     """Tokens of context past which every index layer has more compressed groups than its
     index_topk picks, so that each decode step scores them (Indexer.picks_everything: before
@@ -208,17 +221,37 @@ class Indexer(nn.Module):
             return shared.every_pick(n, self._pick_ids, visible)
         S = x.shape[0]
         q = self.wq_b.quantized(qr, shared.real_rows).reshape(S, self.n_heads, self.head_dim)
-        q = fp4_fake_quant(rope(q, positions), 32, "e8m0")
+        q = fp4_fake_quant(rope(q, positions), 32, "e8m0").astype(BF16)
         w = head_weights(self.weights_proj(x), self.weight_scale)  # [S, Hi] bf16
-        dots = q.astype(BF16) @ index_keys.astype(BF16).T  # [S, Hi, T] bf16
+        keys = index_keys.astype(BF16)
+        candidates = shared.candidates if self.uses_candidates else None
+        step = score_rows(S, self.n_heads, n)
+        if step == S:
+            picks = [self._picks(q, w, keys, visible, candidates, masks)]
+        else:
+            picks = [self._picks(q[a:a + step], w[a:a + step], keys, visible[a:a + step],
+                                 None if candidates is None else candidates[a:a + step], masks)
+                     for a in range(0, S, step)]
+        if masks:
+            shared.candidates = picks[0][2] if len(picks) == 1 else mx.concatenate([p[2] for p in picks])
+        if len(picks) == 1:
+            return picks[0][:2]
+        return mx.concatenate([p[0] for p in picks]), mx.concatenate([p[1] for p in picks])
+
+    def _picks(self, q: mx.array, w: mx.array, keys: mx.array, visible: mx.array,
+               candidates: mx.array | None, masks: bool) -> tuple[mx.array, mx.array, mx.array | None]:
+        """__call__'s top-k for some rows: q [S, Hi, D] and w [S, Hi] (bf16), keys [T, D] (bf16),
+        visible [S], the candidate mask's rows [S, T] (None: unrestricted); masks: make this
+        layer's candidate mask too. -> (ids, valid, the candidate mask's rows or None)."""
+        S, n = q.shape[0], keys.shape[0]
+        dots = q @ keys.T  # [S, Hi, T] bf16
         summed = weighted_relu(dots, w).sum(axis=1)  # [S, T]
         # the scores negated (+inf: masked), so that the top-k is argpartition's k smallest
-        if self.uses_candidates and shared.candidates is not None:
-            negated = negated_candidate_scores(summed, key_ids(n), visible, shared.candidates)
+        if candidates is not None:
+            negated = negated_candidate_scores(summed, key_ids(n), visible, candidates)
         else:
             negated = negated_scores(summed, key_ids(n), visible)
-        if masks:
-            shared.candidates = self._candidate_mask(negated, visible)
+        made = self._candidate_mask(negated, visible) if masks else None
         if n < self.topk:
             # Fewer compressed positions than picks: pad with masked columns, so that every
             # forward picks `topk` (the same shapes each step: no retrace of the compiled
@@ -226,7 +259,7 @@ class Indexer(nn.Module):
             negated = mx.concatenate([negated, mx.full((S, self.topk - n), mx.inf)], axis=1)
         ids = mx.sort(mx.argpartition(negated, kth=self.topk - 1, axis=-1)[:, : self.topk], axis=-1)
         valid = mx.take_along_axis(negated, ids, axis=-1) < mx.inf
-        return mx.minimum(ids, n - 1), valid  # a padding pick reads the last position, masked
+        return mx.minimum(ids, n - 1), valid, made  # a padding pick reads the last position, masked
 
     def picks_everything(self, n: int, masks: bool, shared: SharedAttention) -> bool:
         """Whether the top-k of n compressed positions is all of them, whatever their scores:
