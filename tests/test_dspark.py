@@ -80,6 +80,28 @@ def test_main_x_matches_reference(fixture_model, golden, intermediates):
         assert np.array_equal(main_x, ref), f"decode step {t}"
 
 
+def test_fp8_head_drafts_follow_the_markov_chain_over_their_candidates(golden, drafter, monkeypatch):
+    """With the FP8 head, draft k is the best of its 64 candidates under the head's logits plus
+    the Markov bias of the draft before it (the anchor for the first): MarkovHead.bias at those
+    candidates, every position's row exactly."""
+    from dsv41_mlx.runtime import drafter as drafter_module
+
+    heads = []
+    top64 = drafter_module.fp8_rows_top64
+    monkeypatch.setattr(drafter_module, "fp8_rows_top64", lambda *a: heads.append(top64(*a)) or heads[-1])
+    cache = drafter.make_cache()
+    drafter.ingest(cache, mx.array(golden["prefill.main_hidden"][0]))
+    anchor = int(golden["decode.output_ids"][0, 0])
+    proposal = drafter.propose(cache, anchor)
+    (base, candidates), = heads
+    markov = drafter.stages[-1].markov_head
+    prev = [anchor] + proposal.drafts.tolist()[:-1]
+    for k in range(drafter.block):
+        bias = markov.bias(markov.embed(mx.array([prev[k]])), candidates[k][None])[0]
+        assert mx.array_equal(proposal.logits[k], base[k] + bias).item(), k
+        assert proposal.drafts[k].item() == candidates[k][mx.argmax(proposal.logits[k])].item(), k
+
+
 def test_ring_slot_holds_position_modulo_window(fixture_model, golden, drafter):
     """Ingesting in pieces or at once gives the same rings: slot p % window holds position p."""
     drafter = drafter

@@ -37,8 +37,15 @@ class MarkovHead(nn.Module):
         """Embeddings e [B, rank] -> logit bias [B, vocab] (or [B, n] at candidates [B, n]) in fp32."""
         if candidates is None:
             return e.astype(F32) @ self.head.weight.astype(F32).T
-        w = self.head.weight[candidates].astype(F32)  # [B, n, rank]
-        return (w @ e.astype(F32)[:, :, None])[..., 0]
+        return self.bias_at(e, self.head_rows(candidates))
+
+    def head_rows(self, candidates: mx.array) -> mx.array:
+        """The head's rows of the candidates [B, n] in fp32: [B, n, rank]."""
+        return self.head.weight[candidates].astype(F32)
+
+    def bias_at(self, e: mx.array, rows: mx.array) -> mx.array:
+        """bias(e, candidates) from their head_rows [B, n, rank]: [B, n] fp32."""
+        return (rows @ e.astype(F32)[:, :, None])[..., 0]
 
 
 class ConfidenceHead(nn.Module):

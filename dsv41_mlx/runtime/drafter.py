@@ -274,15 +274,18 @@ class Drafter:
             base, candidates = self.model.head(last.norm(hidden)), None  # [B, vocab] fp32
         if begin is not None:  # the head too, before the Markov steps are built
             begin(base, *([] if candidates is None else [candidates]))
+        # the candidates' Markov head rows, every position's in one gather; and each position's
+        # rows by slices, not integer indices (each of which would be a gather of its own)
+        head_rows = None if candidates is None else markov.head_rows(candidates)  # [B, 64, rank]
         prev = anchor
         drafts, logits, embeds = [], [], []
         for k in range(B):
-            cand = None if candidates is None else candidates[k]
+            cand = None if candidates is None else candidates[k:k + 1]  # [1, 64]
             e = first_embed if k == 0 else markov.embed(prev)
             bias = first_bias if k == 0 and first_bias is not None else \
-                markov.bias(e, None if cand is None else cand[None])
-            row = base[k] + bias[0]
-            prev = pick(row, k, cand).reshape(1)
+                markov.bias(e) if cand is None else markov.bias_at(e, head_rows[k:k + 1])
+            row = (base[k:k + 1] + bias).reshape(-1)
+            prev = pick(row, k, None if cand is None else cand.reshape(-1)).reshape(1)
             drafts.append(prev)
             logits.append(row)
             embeds.append(e)
