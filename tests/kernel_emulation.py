@@ -34,11 +34,11 @@ from tests.compiler import cxx
 
 EMULATION = Path(__file__).parent / "emulation"
 C_TYPES = {"metal": {"bfloat16": "bfloat16_t", "float32": "float", "uint32": "uint", "uint16": "uint16_t",
-                     "uint8": "uint8_t", "int32": "int"},
+                     "uint8": "uint8_t", "int32": "int", "bool": "bool"},
            "cuda": {"bfloat16": "__nv_bfloat16", "float32": "float", "uint32": "unsigned int", "uint16": "uint16_t",
-                    "uint8": "uint8_t", "int32": "int"}}
+                    "uint8": "uint8_t", "int32": "int", "bool": "bool"}}
 NP_TYPES = {"bfloat16": np.uint16, "float32": np.float32, "uint32": np.uint32, "uint16": np.uint16, "uint8": np.uint8,
-            "int32": np.int32}
+            "int32": np.int32, "bool": np.bool_}
 FLAGS = ("-std=c++20", "-O1", "-w", "-I", str(EMULATION))
 MAIN = r"""struct Buffer { void* data; long bytes; };
 Buffer read_file(const char* path) {

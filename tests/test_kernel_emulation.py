@@ -5,7 +5,7 @@ slot, quantised in the kernel or before, with and without its SwiGLU epilogue; t
 fp8_gemv with its epilogues and its pair form (two stacked matrices written apart), and
 fp8_mma (its matrix-unit form for large matrices); the drafter head's fp8_rows (the matrix
 unit, then a bitonic sort); the model's head_logits; rms_norm_pair against two rms_norm
-launches; act_quant and ring_write bit for bit.
+launches; act_quant and ring_write bit for bit; sparse_attention with and without picks.
 There is neither a Mac nor a GPU here: beside the type-check and the NVRTC compile, this is
 the check that each twin computes its spec (the CUDA twins' emulated fragment layout is the
 one that gave the spec's numbers on an H200)."""
@@ -665,3 +665,51 @@ def test_the_gemm_wrappers_give_the_same_bits_under_another_launch_layout(langua
     for a, b, spec in zip(*got, want):
         assert mx.array_equal(a, b).item()
         _assert_within_rounding(np.array(a.view(mx.uint16)).reshape(-1), spec)
+
+
+@pytest.mark.parametrize("language", ["metal", "cuda"])
+@pytest.mark.parametrize("picks", [6, 0])
+def test_sparse_attention_runs_its_spec_on_the_host(language, picks, tmp_path):
+    """sparse_attention (a decode or verify forward's attention, each row over its own window and
+    picks) on the host against its spec: q rotated, attention.sparse_attention over each row's
+    gathered keys, the output rotated back (scripts/kernel_checks/sparse_attention.py). Masked
+    window slots and picks, a row that sees no window key, a row that sees no key at all (zeros)
+    and a padding row (zeros); within the tolerances check_kernels.py holds the GPU to."""
+    from dsv41_mlx.models.layers import Rope
+    from scripts.kernel_checks.sparse_attention import sparse_attention_spec
+
+    rng = np.random.default_rng(11 + picks)
+    S, H, G, D, W, R, T, RD, real = 4, 4, 2, 64, 8, 12, 20, 16, 3  # the last row: padding
+    q, ring, kv = (mx.array(rng.normal(0, 1, shape).astype(np.float32)).astype(mx.bfloat16)
+                   for shape in ((S, H, D), (R, D), (T, D)))
+    sink = mx.array(rng.normal(0, 1, H).astype(np.float32))
+    index = rng.integers(0, R, (S, W)).astype(np.int32)
+    wmask = rng.random((S, W)) < 0.8
+    ids = rng.integers(0, T, (S, picks)).astype(np.uint32)
+    pmask = rng.random((S, picks)) < 0.7
+    wmask[1] = False  # sees picks only (or, without picks, nothing)
+    wmask[2], pmask[2] = False, False  # sees no key at all
+    rope = Rope(RD, 10000.0).tables(mx.array(rng.integers(0, 1000, S).astype(np.int32)), D)
+    scale = D ** -0.5
+    placeholder = {"kv": ("bfloat16", np.zeros(1, np.uint16)), "ids": ("uint32", np.zeros(1, np.uint32)),
+                   "pmask": ("bool", np.zeros(1, np.bool_))}
+    got = run(kernels.SPARSE_ATTENTION, language, {
+        "q": ("bfloat16", _bf16_bits(q)), "ring": ("bfloat16", _bf16_bits(ring)), "index": ("int32", index),
+        "wmask": ("bool", wmask), **({"kv": ("bfloat16", _bf16_bits(kv)), "ids": ("uint32", ids),
+                                      "pmask": ("bool", pmask)} if picks else placeholder),
+        "sink": ("float32", np.array(sink)), "rope_cos": ("float32", np.array(rope[0])),
+        "rope_sin": ("float32", np.array(rope[1])), "params": ("float32", np.array([scale], np.float32)),
+        "rows": ("int32", np.array([real], np.int32))},
+        {"out": ("bfloat16", S * H * D)}, {"D": D, "H": H, "G": G, "W": W, "K": picks, "RD": RD, "WARPS": 8},
+        S * (H // G), tmp_path)["out"]
+    want = sparse_attention_spec(q, ring, mx.array(index), mx.array(wmask), kv if picks else None,
+                                 mx.array(ids) if picks else None, mx.array(pmask) if picks else None,
+                                 sink, scale, rope, RD, real)
+    got, want = _floats(got).reshape(S, H, D), np.array(want.astype(mx.float32))
+    zeros = ~(wmask.any(axis=1) | pmask.any(axis=1)) | (np.arange(S) >= real)  # no key seen, or padding
+    assert zeros.tolist() == [False, not picks, True, True]
+    assert not got[zeros].any() and not want[zeros].any()
+    assert all(np.abs(want[r]).max() > 0 for r in np.flatnonzero(~zeros))
+    scale_rh = np.abs(want).max(axis=-1, keepdims=True) + 1e-30
+    assert (np.abs(got - want) / scale_rh).max() <= 1e-2
+    assert np.abs(got - want).mean() / np.abs(want).mean() <= 1e-3
