@@ -296,7 +296,8 @@ print(json.dumps({"times": next(iter(res["layers"].values())), "calls": calls}))
 def test_count_ops_counts_a_propose_pass_by_stage():
     """scripts/count_ops.py --propose: a propose pass built as a GPU runs it, its launches split
     by DSpark stage, the FP8 head (one fp8_rows_top64) and the Markov steps with the confidence
-    head, which add up to the pass's; each stage's MoE through the router kernels."""
+    head, which add up to the pass's; each stage's MoE through the router kernels and its
+    attention through the attention kernel."""
     res = _in_own_process("""
 import json
 from scripts import count_ops
@@ -304,7 +305,7 @@ from dsv41_mlx.io.tiny import default_checkpoint
 print(json.dumps(count_ops.count_propose(str(default_checkpoint()), prompt=40)))
 """)
     stages, calls = res["stages"], res["kernel_calls"]
-    assert len(stages) == calls["moe_gate_topk"] == 3 and all(n > 0 for n in stages)
+    assert len(stages) == calls["moe_gate_topk"] == calls["sparse_attention"] == 3 and all(n > 0 for n in stages)
     assert calls["fp8_rows_top64"] == 1 and res["head"] > 0 and res["markov_and_confidence"] > 0
     assert sum(stages) + res["head"] + res["markov_and_confidence"] == res["total"]
     assert 0 < res["ingest"] < res["total"]

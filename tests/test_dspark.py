@@ -102,6 +102,36 @@ def test_fp8_head_drafts_follow_the_markov_chain_over_their_candidates(golden, d
         assert proposal.drafts[k].item() == candidates[k][mx.argmax(proposal.logits[k])].item(), k
 
 
+def test_stage_attention_through_the_kernel_proposes_what_the_cpu_path_does(fixture_model, golden, drafter,
+                                                                          monkeypatch):
+    """On a GPU a stage's attention runs the target's attention kernel, each row's window every key
+    (the ring's and the block's), q unrotated and the output rotated back inside it. With that
+    kernel replaced by its spec (scripts/check_kernels.py), a proposal is the CPU path's: drafts,
+    logits and confidences, the same bits."""
+    from dsv41_mlx.models.dspark import every_key
+    from scripts.kernel_checks.sparse_attention import sparse_attention_spec as spec
+    from tests.test_model import _gpu_dispatch_with_specs
+
+    cache = drafter.make_cache()
+    drafter.ingest(cache, mx.array(golden["prefill.main_hidden"][0]))
+    anchor = int(golden["decode.output_ids"][0, 0])
+    want = drafter.propose(cache, anchor)
+    mx.eval(want.drafts, want.logits, want.confidence)
+    windows = []
+
+    def attention(*args, impl=None):
+        windows.append(args[2].shape)  # each row's window (traced: its shape, its rows below)
+        return spec(*args)
+
+    _gpu_dispatch_with_specs(monkeypatch, fixture_model, attention)
+    got = drafter.propose(cache, anchor)
+    keys = drafter.window + drafter.block
+    assert windows == [(drafter.block, keys)] * len(drafter.stages)
+    assert every_key(drafter.block, keys).tolist() == [list(range(keys))] * drafter.block  # the ring's, the block's
+    for a, b in ((got.drafts, want.drafts), (got.logits, want.logits), (got.confidence, want.confidence)):
+        assert mx.array_equal(a, b).item()
+
+
 def test_ring_slot_holds_position_modulo_window(fixture_model, golden, drafter):
     """Ingesting in pieces or at once gives the same rings: slot p % window holds position p."""
     drafter = drafter

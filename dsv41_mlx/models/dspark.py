@@ -10,10 +10,13 @@ How they ingest and propose: runtime/drafter.py.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
+from .. import kernels
 from ..config import ModelArgs
 from ..kernels import StreamOnto
 from ..quant import Fp8Linear, fp8_input
@@ -76,11 +79,24 @@ class DSparkAttention(Attention):
         xq = fp8_input(x) if xq is None else xq  # once, for both paths
         with _on(self.side_stream):  # the key path needs only xq: it runs beside the query path
             block_keys = self.latent_kv(xq, rope)
-        q, _ = self.queries(xq, rope)
         keys = mx.concatenate([ring, block_keys])
         mask = mx.broadcast_to(mx.concatenate([ring_valid, mx.ones((S,), dtype=mx.bool_)])[None], (S, keys.shape[0]))
+        # on a GPU, the target's attention kernel (one launch, the rotations in it), each row's
+        # window every key: it takes q unrotated and rotates its output back
+        kernel = kernels.attention_fits((S, self.n_heads, self.head_dim), BF16, keys.shape[0], 0)
+        q, _ = self.queries(xq, rope, kernel)
+        if kernel:
+            return self.attention_and_output(q, keys, every_key(S, keys.shape[0]), mask, None, None, None,
+                                             self.attn_sink, rope, None, onto)
         o = sparse_attention(q, keys, mask, None, None, self.attn_sink, self.scale)
         return self.output(o, rope, False, None, onto)
+
+
+@functools.lru_cache(maxsize=None)
+def every_key(rows: int, keys: int) -> mx.array:
+    """The attention kernel's window index where every row sees every key: 0 .. keys - 1 in
+    each of `rows` rows [rows, keys] int32, made once (from numpy: no launch, no stream)."""
+    return mx.array(np.tile(np.arange(keys, dtype=np.int32), (rows, 1)))
 
 
 class DSparkStage(Block):
