@@ -5,6 +5,7 @@ the inverse RoPE (the release's 64 rotated features, YaRN on compressed layers):
 each row-head within 1% of its largest value, 0.1% on average; a row alone equals
 the row among others; with fewer real rows than rows, the real rows the same bits
 and the padding zeros; at 8 simdgroups a threadgroup the bits of the backend's count.
+And a DSpark stage's use: 5 rows, each over every key of its ring and block (133).
 """
 
 from __future__ import annotations
@@ -114,4 +115,22 @@ def check_sparse_attention(impl: str, seed: int) -> list[str]:
                     if not (np.array_equal(padded[:real], got[:real]) and not padded[real:].any()):
                         problems.append(f"sparse_attention picks={picks} rows={rows}: with {real} real rows, "
                                         f"not the same real rows and zeros after them")
+    # a DSpark stage's (models/dspark.py): its 5 rows, each row's window every key of its ring (some
+    # slots not yet written) and of the block, no picks
+    from dsv41_mlx.models.dspark import every_key
+
+    rows, keys = 5, W + 5
+    q = mx.array(rng.normal(0, 1, (rows, H, D)).astype(np.float32)).astype(mx.bfloat16)
+    stage_keys = mx.array(rng.normal(0, 1, (keys, D)).astype(np.float32)).astype(mx.bfloat16)
+    visible = np.broadcast_to(rng.random(keys) < 0.8, (rows, keys))
+    rope = ropes[0].tables(mx.array(rng.integers(0, 1 << 20, rows).astype(np.int32)), D)
+    args = (q, stage_keys, every_key(rows, keys), mx.array(visible), None, None, None, sink, D ** -0.5, rope,
+            ropes[0].dims)
+    got = np.array(sparse_attention_rows(*args, impl=impl).astype(mx.float32))
+    want = np.array(sparse_attention_spec(*args).astype(mx.float32))
+    worst = (np.abs(got - want) / (np.abs(want).max(axis=-1, keepdims=True) + 1e-30)).max()
+    mean = np.abs(got - want).mean() / (np.abs(want).mean() + 1e-30)
+    if not (worst <= 1e-2 and mean <= 1e-3):
+        problems.append(f"sparse_attention, a DSpark stage's {rows} rows over {keys} keys: off by {worst:.3g} of a "
+                        f"row's largest value, {mean:.3g} on average")
     return problems
