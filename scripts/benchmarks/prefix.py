@@ -7,6 +7,8 @@ from __future__ import annotations
 import statistics
 import time
 
+import mlx.core as mx
+
 from .harness import print_heading, prompt_texts
 
 PREFIX_TOKENS = 4096
@@ -87,22 +89,41 @@ def bench_prefix(model_path: str | None, prefix_tokens: int, reply_tokens: int, 
             return fresh
 
         turn(second, None), turn(second, resumable())  # every shape traced before the timed runs
-        cold, resumed, replies, cached = [], [], set(), set()
+        cold, resumed, cold_replies, resumed_replies, cached = [], [], set(), set(), set()
         for _ in range(repeats):
             seconds, tokens, _ = turn(second, None)
             cold.append(seconds)
-            replies.add(tuple(tokens))
+            cold_replies.add(tuple(tokens))
             seconds, tokens, head = turn(second, resumable())
             resumed.append(seconds)
-            replies.add(tuple(tokens))
+            resumed_replies.add(tuple(tokens))
             cached.add(head.cached_tokens)
+        whole, kept_again = PrefixCache.for_chat(budget, tokenizer), resumable()
+        _, cold_reply, _ = turn(second, whole)
+        _, resumed_reply, _ = turn(second, kept_again)
+        logits = [c.lookup(second).logits for c in (whole, kept_again)]
     cold_s, resumed_s = statistics.median(cold), statistics.median(resumed)
     return {"context": context, "asked_prefix_tokens": prefix_tokens, "limited": len(first) < prefix_tokens,
             "first_prompt_tokens": len(first), "second_prompt_tokens": len(second),
             "cached_tokens": sorted(cached), "first_turn_ttft_s": first_s,
             "cold_ttft_s": cold_s, "resumed_ttft_s": resumed_s, "speedup": cold_s / resumed_s,
-            "entry_bytes": entry.nbytes if entry is not None else 0, "replies_equal": len(replies) == 1,
-            "repeats": repeats}
+            "entry_bytes": entry.nbytes if entry is not None else 0,
+            "replies_equal": len(cold_replies | resumed_replies) == 1,
+            "cold_replies_agree": len(cold_replies) == 1, "resumed_replies_agree": len(resumed_replies) == 1,
+            **compare_replies(cold_reply, resumed_reply, *logits), "repeats": repeats}
+
+
+def compare_replies(cold: list[int], resumed: list[int], cold_logits: mx.array, resumed_logits: mx.array) -> dict:
+    """Where a reply resumed from the cache first differs from the reply prefilled whole (None: it
+    does not), and how far apart the second prompt's last logits are, each way made, beside how
+    far apart the whole prefill's two best logits are (a difference in the logits larger than that
+    gap can change the first token)."""
+    split = next((i for i, (a, b) in enumerate(zip(cold, resumed)) if a != b),
+                 None if len(cold) == len(resumed) else min(len(cold), len(resumed)))
+    best_two = mx.topk(cold_logits, 2)
+    return {"first_difference": split,
+            "logits_max_difference": mx.abs(cold_logits - resumed_logits).max().item(),
+            "top_two_gap": (best_two.max() - best_two.min()).item()}
 
 
 def print_prefix(env: dict, res: dict, model: str) -> None:
@@ -117,5 +138,13 @@ def print_prefix(env: dict, res: dict, model: str) -> None:
     print(f"| {res['second_prompt_tokens']} tokens | {cached} tokens | {res['cold_ttft_s'] * 1e3:.1f} ms | "
           f"{res['resumed_ttft_s'] * 1e3:.1f} ms | {res['speedup']:.1f}x | {res['entry_bytes'] / 1e6:.2f} MB | "
           f"{'yes' if res['replies_equal'] else 'NO'} |")
+    if not res["replies_equal"]:
+        agree = {True: "agree", False: "DIFFER"}
+        split = res["first_difference"]
+        print(f"\nthe replies prefilled whole {agree[res['cold_replies_agree']]} with each other, the resumed ones "
+              f"{agree[res['resumed_replies_agree']]}; a resumed reply "
+              + ("equals the whole one" if split is None else f"first differs from the whole one at token {split}")
+              + f"; the second prompt's last logits, prefilled whole against resumed, differ by up to "
+              f"{res['logits_max_difference']:.4g} (the whole prefill's two best are {res['top_two_gap']:.4g} apart)")
     print(f"\nmedian of {res['repeats']} runs each; the first turn ({res['first_prompt_tokens']} tokens, cold, "
           f"its states kept) took {res['first_turn_ttft_s'] * 1e3:.1f} ms to its first token\n")
