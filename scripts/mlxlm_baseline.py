@@ -1,6 +1,9 @@
-"""mlx-lm's own DeepSeek-V4.1 port as the baseline of `scripts/bench.py e2e`.
+"""mlx-lm's own DeepSeek-V4.1 port as the baseline of `scripts/bench.py e2e` and `context`.
 
     python scripts/mlxlm_baseline.py CHECKPOINT [--prompts 2] [--prompt-tokens 256] [--tokens 64]
+    python scripts/mlxlm_baseline.py CHECKPOINT --prompt-ids PROMPT.json [--tokens 64] [--json RUN.json]
+
+(the second form is how `bench.py context` runs it, a process per context).
 
 Builds mlx-lm 0.32.x's `mlx_lm.models.deepseek_v41` (no engram, no DSpark)
 from one of our release-format checkpoints with mlx-lm's own loader, and times
@@ -51,7 +54,7 @@ import importlib
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
 
@@ -60,6 +63,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 SUPPORTED_SERIES = "0.32."
+UNAVAILABLE_STATUS = 3  # main's exit status when mlx-lm is missing or of another version
 PREFILL_STEP = 2048  # mlx-lm generate_step's default prefill_step_size
 WARMUP_TOKENS = 4
 
@@ -165,17 +169,25 @@ def main() -> int:
     parser.add_argument("checkpoint", type=Path)
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--prompt-tokens", type=int, default=256, help="random token ids per prompt")
+    parser.add_argument("--prompt-ids", type=Path, metavar="FILE",
+                        help="one prompt, a JSON list of token ids, in place of the random ones")
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per prompt")
+    parser.add_argument("--json", type=Path, metavar="FILE", help="write the run (BaselineRun's fields) here")
     args = parser.parse_args()
-    config = json.loads((args.checkpoint / "config.json").read_text())
-    vocab = config.get("text_config", config)["vocab_size"]
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, vocab, size=args.prompt_tokens).tolist() for _ in range(args.prompts)]
+    if args.prompt_ids:
+        prompts = [json.loads(args.prompt_ids.read_text())]
+    else:
+        config = json.loads((args.checkpoint / "config.json").read_text())
+        vocab = config.get("text_config", config)["vocab_size"]
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(3, vocab, size=args.prompt_tokens).tolist() for _ in range(args.prompts)]
     try:
         run = bench_mlxlm(args.checkpoint, prompts, args.tokens)
     except MlxLmUnavailable as e:
         print(e)
-        return 1
+        return UNAVAILABLE_STATUS
+    if args.json:
+        args.json.write_text(json.dumps(asdict(run)))
     print(f"mlx-lm {metadata.version('mlx-lm')} on {args.checkpoint} (engram removed): load {run.load_s:.1f} s, "
           f"prefill {run.prefill_tok_s:.1f} tok/s, decode {run.decode_tok_s:.2f} tok/s, weights "
           f"{run.weights_gb:.2f} GB, peak {run.peak_memory_gb:.2f} GB")

@@ -1,7 +1,10 @@
-"""scripts/mlxlm_baseline.py: mlx-lm's own port loads our checkpoints, engram removed, and is the same model."""
+"""scripts/mlxlm_baseline.py: mlx-lm's own port loads our checkpoints, engram removed, and is the same model;
+`bench.py context` runs it a process per context."""
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -11,11 +14,14 @@ from mlx.utils import tree_flatten
 
 import dsv41_mlx
 from dsv41_mlx.io.tiny import build_checkpoint, tiny_config
+from scripts.benchmarks import context
+from scripts.benchmarks.harness import prompt_of, reply_hash
 
 from .scripts import load_script
 
 
 baseline = load_script("mlxlm_baseline")
+VOCAB = tiny_config()["text_config"]["vocab_size"]
 
 
 def _without_engram() -> dict:
@@ -72,3 +78,60 @@ def test_a_missing_mlxlm_is_one_line_to_print(monkeypatch):
     monkeypatch.setattr(baseline.metadata, "version", not_installed)
     with pytest.raises(baseline.MlxLmUnavailable, match="^mlx-lm: not installed"):
         baseline.require_mlxlm()
+
+
+def _failing_at(n: int, code: str):
+    """context.mlxlm_command, but `python -c code` for the context of n tokens."""
+    command = context.mlxlm_command
+
+    def failing(model_path, prompt_file, tokens, json_file):
+        if len(json.loads(prompt_file.read_text())) == n:
+            return [sys.executable, "-c", code]
+        return command(model_path, prompt_file, tokens, json_file)
+
+    return failing
+
+
+def test_each_context_runs_in_a_process_of_its_own_and_replies_as_in_this_one(engram_checkpoint):
+    res = context.bench_mlxlm_contexts(str(engram_checkpoint), [12], 3, VOCAB)
+    here = baseline.bench_mlxlm(engram_checkpoint, prompt_of(12, VOCAB), 3)
+    assert res[12]["prefill_tok_s"] > 0 and res[12]["decode_tok_s"] > 0 and res[12]["peak_GB"] > 0
+    assert res[12]["hash"] == reply_hash(here.replies)  # the same prompt, the same 3 greedy tokens
+
+
+@pytest.mark.parametrize("code, stopped", [
+    ("import sys; sys.exit('RuntimeError: an illegal memory access was encountered')",
+     "exit status 1: RuntimeError: an illegal memory access was encountered"),
+    ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "killed by signal 9 (Killed): no output"),
+    ("print('loaded')", "exit status 0, no result written: loaded"),
+])
+def test_a_context_whose_process_fails_is_stopped_and_the_next_one_runs(engram_checkpoint, monkeypatch, code,
+                                                                        stopped):
+    monkeypatch.setattr(context, "mlxlm_command", _failing_at(12, code))
+    res = context.bench_mlxlm_contexts(str(engram_checkpoint), [12, 30], 3, VOCAB)
+    assert res[12] == {"stopped": stopped}
+    assert res[30]["decode_tok_s"] > 0
+
+
+def test_a_context_whose_process_hangs_is_stopped_at_the_timeout(engram_checkpoint, monkeypatch):
+    monkeypatch.setattr(context, "mlxlm_command", _failing_at(12, "import time; time.sleep(60)"))
+    res = context.bench_mlxlm_contexts(str(engram_checkpoint), [12], 3, VOCAB, timeout=0.5)
+    assert res == {12: {"stopped": "no result after 0.5 s (killed)"}}
+
+
+def test_mlxlm_of_another_version_in_the_process_leaves_the_column_unavailable(engram_checkpoint, monkeypatch):
+    """The child is the real script, run with importlib.metadata saying mlx-lm 0.31.0; the
+    later context is not tried."""
+    command = context.mlxlm_command
+    old_mlxlm = ("import runpy, sys; from importlib import metadata; metadata.version = lambda name: '0.31.0'; "
+                 "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+    tried = []
+
+    def with_old_mlxlm(*args):
+        tried.append(args)
+        return [sys.executable, "-c", old_mlxlm, *command(*args)[1:]]
+
+    monkeypatch.setattr(context, "mlxlm_command", with_old_mlxlm)
+    res = context.bench_mlxlm_contexts(str(engram_checkpoint), [12, 30], 3, VOCAB)
+    assert res == {"unavailable": "mlx-lm: version 0.31.0 is installed; the baseline needs 0.32.x"}
+    assert len(tried) == 1

@@ -1,19 +1,30 @@
 """`bench.py context`: prefill and plain greedy decode at long contexts on a checkpoint
 (scripts/make_flash_shaped.py), with and without the prefill elision past the last KV source,
-mlx-lm beside it where it runs; the bytes a decode step must read at each context and the
-fraction of that floor reached; peak memory and the cache's bytes per token."""
+mlx-lm beside it where it runs (a process of its own per context); the bytes a decode step must
+read at each context and the fraction of that floor reached; peak memory and the cache's bytes
+per token."""
 
 from __future__ import annotations
 
 import gc
+import json
+import signal
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import mlx.core as mx
+
+from scripts.mlxlm_baseline import UNAVAILABLE_STATUS
 
 from .harness import copy_bandwidth, decode_bytes, print_heading, prompt_of, reply_hash
 
 CONTEXTS = (1024, 8192, 32768, 131072)
+MLXLM_TIMEOUT_S = 1800  # one context's mlx-lm process, load included
+BASELINE = Path(__file__).resolve().parent.parent / "mlxlm_baseline.py"
 
 
 def add_arguments(p) -> None:
@@ -24,11 +35,13 @@ def add_arguments(p) -> None:
     p.add_argument("--no-mlxlm", action="store_true", help="skip mlx-lm")
     p.add_argument("--mlxlm-up-to", type=int, default=None, metavar="N",
                    help="run mlx-lm only at contexts of at most N tokens")
+    p.add_argument("--mlxlm-timeout", type=float, default=MLXLM_TIMEOUT_S, metavar="S",
+                   help="seconds one context's mlx-lm process may take before it is stopped")
 
 
 def run(args, env: dict) -> dict:
     res = bench_context(args.model, args.contexts, args.tokens, full=not args.no_full, mlxlm=not args.no_mlxlm,
-                        mlxlm_up_to=args.mlxlm_up_to)
+                        mlxlm_up_to=args.mlxlm_up_to, mlxlm_timeout=args.mlxlm_timeout)
     print_context(env, res)
     return res
 
@@ -80,7 +93,7 @@ def _generate(runner, prompt: list[int], tokens: int) -> dict:
 
 
 def bench_context(model_path: str, contexts: list[int], tokens: int, full: bool = True, mlxlm: bool = True,
-                  warm: bool = True, mlxlm_up_to: int | None = None) -> dict:
+                  warm: bool = True, mlxlm_up_to: int | None = None, mlxlm_timeout: float = MLXLM_TIMEOUT_S) -> dict:
     """Each context's rows (see the module's docstring); warm: every request shape run once first
     (generate.warm_up), so that no kernel build or trace lands in a timing."""
     import dsv41_mlx
@@ -126,27 +139,60 @@ def bench_context(model_path: str, contexts: list[int], tokens: int, full: bool 
     if mlxlm:
         out["mlxlm"] = bench_mlxlm_contexts(model_path, [r["context"] for r in out["rows"] if "elided" in r
                                                              and (mlxlm_up_to is None or r["context"] <= mlxlm_up_to)], tokens,
-                                            args.vocab_size)
+                                            args.vocab_size, mlxlm_timeout)
     return out
 
 
-def bench_mlxlm_contexts(model_path: str, contexts: list[int], tokens: int, vocab: int) -> dict:
-    """mlx-lm's prefill and decode rates at each context, or why it did not run there."""
-    from scripts.mlxlm_baseline import MlxLmUnavailable, bench_mlxlm
+def bench_mlxlm_contexts(model_path: str, contexts: list[int], tokens: int, vocab: int,
+                         timeout: float = MLXLM_TIMEOUT_S) -> dict:
+    """mlx-lm's prefill and decode rates, peak memory and reply hash at each context, or why it
+    did not run there ({"stopped": ...}); {"unavailable": ...} for all of them without mlx-lm 0.32.x.
 
+    Each context runs scripts/mlxlm_baseline.py in a fresh process: mlx-lm shares no memory, cache
+    or device state with our engine or with the previous context, and a fault there (a CUDA one
+    leaves the whole process's device unusable) costs that context's entry only."""
+    from dsv41_mlx.io.checkpoint import resolve_model_dir
+    from dsv41_mlx.io.tiny import default_checkpoint
+
+    model_dir = default_checkpoint() if model_path is None else resolve_model_dir(model_path)  # a hub id, too
     res = {}
     for n in contexts:
-        try:
-            base = bench_mlxlm(model_path, prompt_of(n, vocab), tokens)
-            res[n] = {"prefill_tok_s": base.prefill_tok_s, "decode_tok_s": base.decode_tok_s,
-                      "peak_GB": base.peak_memory_gb}
-        except MlxLmUnavailable as e:
-            return {"unavailable": str(e)}
-        except (MemoryError, RuntimeError, ValueError) as e:
-            res[n] = {"stopped": f"{type(e).__name__}: {e}"[:200]}
-        mx.clear_cache()
+        res[n] = _mlxlm_in_child(model_dir, prompt_of(n, vocab), tokens, timeout)
+        if "unavailable" in res[n]:
+            return res[n]
         print(f"  mlx-lm, {n} tokens: {res[n]}", flush=True)
     return res
+
+
+def mlxlm_command(model_path: str, prompt_file: Path, tokens: int, json_file: Path) -> list[str]:
+    """The command line of one mlx-lm run: the prompt's ids read from prompt_file, the run's
+    numbers written to json_file."""
+    return [sys.executable, str(BASELINE), str(model_path), "--prompt-ids", str(prompt_file),
+            "--tokens", str(tokens), "--json", str(json_file)]
+
+
+def _mlxlm_in_child(model_path: str, prompt: list[int], tokens: int, timeout: float) -> dict:
+    """One context's bench_context["mlxlm"] entry, measured in a child process."""
+    with tempfile.TemporaryDirectory() as tmp:
+        prompt_file, json_file = Path(tmp, "prompt.json"), Path(tmp, "run.json")
+        prompt_file.write_text(json.dumps(prompt))
+        try:
+            done = subprocess.run(mlxlm_command(model_path, prompt_file, tokens, json_file),
+                                  capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"stopped": f"no result after {timeout:g} s (killed)"}
+        if done.returncode == 0 and json_file.exists():
+            run = json.loads(json_file.read_text())
+            return {"prefill_tok_s": run["prefill_tok_s"], "decode_tok_s": run["decode_tok_s"],
+                    "peak_GB": run["peak_memory_gb"], "hash": reply_hash(run["replies"])}
+    if done.returncode == UNAVAILABLE_STATUS:  # mlx-lm's one-line reason, printed last
+        return {"unavailable": (done.stdout.strip() or "mlx-lm: unavailable").splitlines()[-1]}
+    said = (done.stderr.strip() or done.stdout.strip() or "no output").splitlines()[-1].strip()
+    if done.returncode < 0:
+        status = f"killed by signal {-done.returncode} ({signal.strsignal(-done.returncode)})"
+    else:
+        status = f"exit status {done.returncode}" + (", no result written" if done.returncode == 0 else "")
+    return {"stopped": f"{status}: {said}"[:200]}
 
 
 def print_context(env: dict, res: dict) -> None:
