@@ -298,7 +298,7 @@ def drafted_steps(runner: Runner, decoder: SpeculativeDecoder, cache: ModelCache
             stretch = []
             steps = plain_steps(runner, cache, decoder.params, plain, stop, anchor=anchor, kept=stretch)
         else:
-            steps = decoder.round(cache, draft_cache, anchor, max_tokens - produced)
+            steps = decoder.round(cache, draft_cache, anchor, max_tokens - produced, stop)
             if kept is not None:
                 kept.append(decoder.committed_features)
         for token in steps:

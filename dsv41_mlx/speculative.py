@@ -27,6 +27,7 @@ import math
 import statistics
 import time
 from collections import deque
+from collections.abc import Container
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -237,6 +238,7 @@ class DraftStats:
     verify_s: float = 0.0
     ingest_s: float = 0.0  # the host's, writing the accepted rows and starting it (their ring rows: in verify_s)
     plain_steps: int = 0  # tokens decoded plainly because drafting did not pay (schedule)
+    proposed_ahead: int = 0  # rounds whose proposal the round before started (SpeculativeDecoder.round)
     stretches: int = 0  # runs of such tokens, each followed by a probing round
 
     def __post_init__(self):
@@ -270,7 +272,7 @@ class DraftStats:
                 "acceptance_by_position": self.acceptance_by_position,
                 "propose_ms_per_round": self.propose_s * ms, "verify_ms_per_round": self.verify_s * ms,
                 "ingest_ms_per_round": self.ingest_s * ms, "plain_steps": self.plain_steps,
-                "plain_stretches": self.stretches}
+                "plain_stretches": self.stretches, "proposed_ahead": self.proposed_ahead}
 
     def summary(self) -> str:
         d = self.as_dict()
@@ -284,6 +286,16 @@ class DraftStats:
 
 
 # ----------------------------------------------------------------------- round
+
+@dataclass
+class Ahead:
+    """A round's proposal, started by the round before (SpeculativeDecoder.round)."""
+
+    anchor: int
+    position: int  # the anchor's
+    proposal: Proposal
+    build_s: float  # the host's seconds building it, in the round before
+
 
 class SpeculativeDecoder:
     """Runs rounds for one sequence: the target cache, the drafter's rings, the mode."""
@@ -312,11 +324,13 @@ class SpeculativeDecoder:
             drafter.outlook = Outlook(drafter.block)
         self.outlook = drafter.outlook if self.policy.mode == "schedule" else Outlook(drafter.block)
         self._plain_next = self.outlook.stretch() if self.outlook.paying is False else 0  # plain tokens before a round
+        self._ahead: Ahead | None = None  # the next round's proposal, started by the round before
 
     def begin(self, cache: ModelCache, features: mx.array) -> DraftCache:
         """The drafter's rings for a prefilled prompt: its newest n rows' features [n, 3*dim]
         (n >= min(window, prompt length)) ingested."""
         draft_cache = self.draft_cache = self.drafter.make_cache()
+        self._ahead = None
         draft_cache.end = cache.offset - features.shape[0]
         self.drafter.ingest(draft_cache, features)
         return draft_cache
@@ -370,17 +384,25 @@ class SpeculativeDecoder:
 
         return pick
 
-    def round(self, cache: ModelCache, draft_cache, anchor: int, budget: int) -> list[int]:
+    def round(self, cache: ModelCache, draft_cache, anchor: int, budget: int, stop: Container[int] = ()) -> list[int]:
         """One round from `anchor` (at position cache.offset): returns the new committed
         tokens after the anchor (accepted drafts, then the bonus token). Verifies at most
-        budget-1 drafts, so the round returns at most `budget` tokens."""
+        budget-1 drafts, so the round returns at most `budget` tokens.
+
+        Where another round follows (the tokens end neither the budget nor in a `stop` token,
+        and the policy goes on drafting), the round starts that round's proposal before it
+        returns: the device drafts from the new anchor while the caller handles the tokens."""
         anchor_pos = cache.offset
         tic = start = time.perf_counter()
-        picker = self.pick(anchor_pos + 1)
-        proposal = self.drafter.propose(draft_cache, anchor, picker)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and (ahead.anchor, ahead.position) == (anchor, anchor_pos):
+            proposal, start = ahead.proposal, tic - ahead.build_s  # the round's cost counts its build
+            self.stats.proposed_ahead += 1
+        else:
+            proposal = self.drafter.propose(draft_cache, anchor, self.pick(anchor_pos + 1))
         mx.eval(proposal.drafts, proposal.logits, proposal.confidence)
         toc = time.perf_counter()
-        self.stats.propose_s += toc - tic
+        self.stats.propose_s += toc - start
 
         confidence = [sigmoid(c) for c in proposal.confidence.tolist()]  # on the host: no launch, no wait
         ell = min(self.verify_length(confidence), budget - 1)
@@ -408,7 +430,18 @@ class SpeculativeDecoder:
         if self.policy.mode == "schedule":
             self.outlook.observe(confidence, ell, accepted)
             self.decide(ell, accepted)
-        return drafts[:accepted].tolist() + [next_token]
+        tokens = drafts[:accepted].tolist() + [next_token]
+        if len(tokens) < budget and not any(t in stop for t in tokens) and not self._plain_next:
+            self._propose_ahead(draft_cache, next_token, cache.offset)
+        return tokens
+
+    def _propose_ahead(self, draft_cache: DraftCache, anchor: int, position: int) -> None:
+        """Start the proposal of the round from `anchor` at `position` (the next round's, on rings
+        whose writes are started): its graph built now and its evaluation begun."""
+        tic = time.perf_counter()
+        proposal = self.drafter.propose(draft_cache, anchor, self.pick(position + 1))
+        mx.async_eval(proposal.drafts, proposal.logits, proposal.confidence)
+        self._ahead = Ahead(anchor, position, proposal, time.perf_counter() - tic)
 
     def verify_length(self, confidence: list[float]) -> int:
         """How many of the proposed drafts (confidences [block]) to verify: the policy's count,

@@ -151,6 +151,68 @@ def test_a_round_starts_its_ingest_on_the_drafter_stream_without_waiting(fixture
     assert any(a is rings for a in started) and not any(a is rings for a in waited)
 
 
+class Counted(WrappedDrafter):
+    """A drafter that proposes its inner one's drafts and notes, at each proposal, how many
+    tokens the generation had handed out by then (`handed`, counted by the test's loop)."""
+
+    def __init__(self, drafter, handed: list[int]):
+        super().__init__(drafter)
+        self.handed, self.asked = handed, []
+
+    def propose(self, cache, anchor, pick):
+        self.asked.append((self.handed[0], cache.end, anchor))
+        return self.inner.propose(cache, anchor, pick)
+
+
+def _counted_reply(runner, drafter, prompt, params, max_tokens, stop=(), confidence="off", **kwargs):
+    handed = [0]
+    counted = Counted(drafter, handed)
+    decoder = SpeculativeDecoder(runner, counted, params, confidence=confidence, **kwargs)
+    reply = []
+    for token in generate_step(runner, prompt, params, max_tokens, decoder=decoder, stop=stop):
+        reply.append(token)
+        handed[0] += 1
+    return reply, decoder.stats, counted.asked
+
+
+@pytest.mark.parametrize("which", ["greedy", "coupled"])
+def test_a_round_starts_the_next_rounds_proposal_before_it_hands_out_its_tokens(fixture_model, runner,
+                                                                                   plain_replies, which):
+    """Each round after the first drafts from a proposal the round before started, before that
+    round's tokens reached the caller, from the anchor and ring position the round starts at;
+    the last round (at the token budget) starts none, and the reply is the undrafted one."""
+    params = GREEDY if which == "greedy" else COUPLED[2]
+    prompt, reply = PROMPTS[2], plain_replies[0 if which == "greedy" else 1][2][:40]
+    oracle = OracleDrafter(runner.drafter, prompt + reply, wrong_every=4)
+    got, stats, asked = _counted_reply(runner, oracle, prompt, params, len(reply))
+    assert got == reply
+    assert stats.rounds >= 5 and len(asked) == stats.rounds and stats.proposed_ahead == stats.rounds - 1
+    handed, ends, anchors = zip(*asked)
+    assert [reply[end - len(prompt)] for end in ends] == list(anchors)  # each from the token at its position
+    assert handed[0] == 1 and ends[0] == len(prompt)  # the first round's, once its anchor is out
+    # each later one asked for while the round before still held its tokens: only up to its anchor handed out
+    assert list(handed[1:]) == [end - len(prompt) + 1 for end in ends[:-1]]
+    assert all(a < b for a, b in zip(ends, ends[1:]))
+
+
+def test_no_proposal_is_started_after_a_stop_token_or_before_a_plain_stretch(fixture_model, runner,
+                                                                             plain_replies):
+    """A round that hands out a stop token, and one the schedule follows with plain steps,
+    start no proposal: every proposal made is a round's."""
+    prompt, reply = PROMPTS[1], plain_replies[0][1]
+    stop_at = 17
+    oracle = OracleDrafter(runner.drafter, prompt + reply)
+    got, stats, asked = _counted_reply(runner, oracle, prompt, GREEDY, MAX_TOKENS, stop={reply[stop_at]})
+    assert got == reply[:reply.index(reply[stop_at]) + 1]
+    assert len(asked) == stats.rounds and stats.proposed_ahead == stats.rounds - 1
+
+    wrong = TurnsRight(runner.drafter, prompt + reply + [0] * 8, turn=10**9)
+    got, stats, asked = _counted_reply(runner, wrong, prompt, GREEDY, 60, confidence="schedule",
+                                       verify_costs=VERIFY_COSTS, plain_cost=1.0)
+    assert got == reply[:60]
+    assert stats.rounds == 3 and stats.stretches == 3 and len(asked) == 3 and stats.proposed_ahead == 0
+
+
 # ------------------------------------------------------------------- exact trim
 
 @pytest.mark.parametrize("accepted", range(6))
