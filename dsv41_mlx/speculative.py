@@ -238,8 +238,8 @@ class DraftStats:
     verify_s: float = 0.0
     ingest_s: float = 0.0  # the host's, writing the accepted rows and starting it (their ring rows: in verify_s)
     plain_steps: int = 0  # tokens decoded plainly because drafting did not pay (schedule)
-    proposed_ahead: int = 0  # rounds whose proposal the round before started (SpeculativeDecoder.round)
     stretches: int = 0  # runs of such tokens, each followed by a probing round
+    proposed_ahead: int = 0  # rounds whose proposal the round before started (SpeculativeDecoder.round)
 
     def __post_init__(self):
         self.reached = self.reached or [0] * self.block
