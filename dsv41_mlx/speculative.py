@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from .cache import DraftCache, ModelCache
-from .runtime.drafter import Drafter, Proposal, argmax_picker
+from .runtime.drafter import Drafter, NoisyArgmax, Proposal, argmax_picker
 from .runtime.runner import Runner
 from .sampling import (ACCEPT, DRAFT, RESAMPLE, TARGET, SamplingParams, accept_or_resample, filtered_log_probs,
                        gumbel_noise, sample, uniform_noise)
@@ -382,6 +382,9 @@ class SpeculativeDecoder:
                 return mx.argmax(logq + g).astype(mx.int32)
             return candidates[mx.argmax(logq + g[candidates])].astype(mx.int32)  # the same noise, per token id
 
+        if not params.top_k and params.top_p >= 1.0:  # logq is logits / T less a constant: the one-launch rule
+            pick.rule = NoisyArgmax(params.temperature,
+                                    lambda n: gumbel_noise(params.seed, mx.arange(position, position + n), vocab, stream))
         return pick
 
     def round(self, cache: ModelCache, draft_cache, anchor: int, budget: int, stop: Container[int] = ()) -> list[int]:

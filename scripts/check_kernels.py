@@ -22,7 +22,8 @@ from scripts.kernel_checks import (drafter, epilogues, fake_quant, fp4_experts, 
 from dsv41_mlx.kernels import backend  # noqa: E402
 
 # (name, check, seed), in the order they run; check(impl, seed=seed) -> problems
-CHECKS = [("ring_write", drafter.check_ring_write, 3), ("act_quant", fake_quant.check_act_quant, 9),
+CHECKS = [("ring_write", drafter.check_ring_write, 3), ("markov_drafts", drafter.check_markov_drafts, 71),
+          ("act_quant", fake_quant.check_act_quant, 9),
           ("fp4_quant", fake_quant.check_fp4_quant, 29), ("fp8_gemv", fp8_gemv.check_fp8_gemv, 31),
           ("fp8_gemv_pair", fp8_gemv.check_fp8_gemv_pair, 59), ("fp4_experts", fp4_experts.check_fp4_experts, 37),
           ("gemv_epilogues", epilogues.check_gemv_epilogues, 47), ("head_logits", head_logits.check_head_logits, 53),

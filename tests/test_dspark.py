@@ -102,6 +102,36 @@ def test_fp8_head_drafts_follow_the_markov_chain_over_their_candidates(golden, d
         assert proposal.drafts[k].item() == candidates[k][mx.argmax(proposal.logits[k])].item(), k
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_the_markov_pass_in_one_launch_drafts_what_the_step_by_step_pass_does(golden, drafter, temperature):
+    """With the FP8 head and a pick rule markov_drafts runs (the greedy picker's; a coupled
+    picker's without top-k or top-p: logits / T plus the position's Gumbel noise), a proposal is
+    the step-by-step Markov pass's (the same picker without its rule): drafts, logits and
+    confidences. A picker that filters (top-p) has no such rule."""
+    import types
+
+    from dsv41_mlx.runtime.drafter import argmax_picker
+    from dsv41_mlx.sampling import SamplingParams
+    from dsv41_mlx.speculative import SpeculativeDecoder
+
+    cache = drafter.make_cache()
+    drafter.ingest(cache, mx.array(golden["prefill.main_hidden"][0]))
+    anchor = int(golden["decode.output_ids"][0, 0])
+
+    def picker(**params):
+        decoder = types.SimpleNamespace(params=SamplingParams(**params), verify="coupled" if params else "greedy",
+                                        runner=types.SimpleNamespace(args=drafter.model.args))
+        return SpeculativeDecoder.pick(decoder, cache.end + 1)
+
+    pick = picker(temperature=temperature, seed=5) if temperature else picker()
+    assert pick is argmax_picker or pick.rule.temperature == temperature
+    one = drafter.propose(cache, anchor, pick)
+    steps = drafter.propose(cache, anchor, lambda *args: pick(*args))  # no rule: one step at a time
+    for a, b in ((one.drafts, steps.drafts), (one.logits, steps.logits), (one.confidence, steps.confidence)):
+        assert mx.array_equal(a, b).item()
+    assert not hasattr(picker(temperature=0.8, top_p=0.9), "rule")
+
+
 def test_stage_attention_through_the_kernel_proposes_what_the_cpu_path_does(fixture_model, golden, drafter,
                                                                           monkeypatch):
     """On a GPU a stage's attention runs the target's attention kernel, each row's window every key

@@ -711,3 +711,32 @@ def test_sparse_attention_runs_its_spec_on_the_host(language, picks, tmp_path):
     assert not got[zeros].any() and not want[zeros].any()
     assert all(np.abs(want[r]).max() > 0 for r in np.flatnonzero(~zeros))
     assert off_by(got, want) is None
+
+
+@pytest.mark.parametrize("language", ["metal", "cuda"])
+@pytest.mark.parametrize("noisy", [False, True], ids=["greedy", "temperature and noise"])
+def test_markov_drafts_picks_its_specs_drafts_on_the_host(language, noisy, tmp_path):
+    """The Markov pass over a block (5 positions, 64 candidates each, rank 16): each position's
+    draft and the embeddings exactly the spec's, the candidates' logits within float32 rounding
+    (the R products summed in another order); with a temperature and noise, the picks move
+    where they say."""
+    B, C, V, R, anchor, temperature = 5, 64, 600, 16, 77, 0.7
+    rng = np.random.default_rng(11 + noisy)
+    base = mx.array(rng.standard_normal((B, C)).astype(np.float32) * 3)
+    candidates = mx.array(np.stack([rng.choice(V, C, replace=False) for _ in range(B)]).astype(np.int32))
+    head, embed = (mx.array(rng.standard_normal((V, R)).astype(np.float32)).astype(mx.bfloat16) for _ in range(2))
+    noise = mx.array(rng.gumbel(size=(B, C)).astype(np.float32)) if noisy else None
+    want = kernels.markov_drafts_reference(base, candidates, head, embed, anchor, temperature if noisy else 1.0, noise)
+    got = run(kernels.MARKOV_DRAFTS, language, {
+        "base": ("float32", np.array(base)), "cand": ("int32", np.array(candidates)),
+        "head": ("uint16", _bf16_bits(head)), "embed": ("uint16", _bf16_bits(embed)),
+        "anchor": ("int32", np.array([anchor])), "temp": ("float32", np.array([temperature if noisy else 1.0])),
+        "noise": ("float32", np.array(noise) if noisy else np.zeros(1))},
+        {"drafts": ("int32", B), "logits": ("float32", B * C), "embeds": ("uint16", B * R)},
+        {"B": B, "C": C, "R": R, "NOISE": int(noisy)}, 1, tmp_path)
+    assert got["drafts"].tolist() == want[0].tolist()
+    assert np.allclose(got["logits"], np.array(want[1]).reshape(-1), rtol=1e-5, atol=1e-5)
+    assert np.array_equal(got["embeds"], _bf16_bits(want[2]))
+    assert np.array_equal(got["embeds"][:R], _bf16_bits(embed[anchor]))  # e_0: the anchor's
+    greedy = [int(np.array(candidates)[k, np.argmax(np.array(want[1])[k])]) for k in range(B)]
+    assert (got["drafts"].tolist() != greedy) == noisy  # the noise moved a pick (at these seeds)

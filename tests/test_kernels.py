@@ -19,7 +19,7 @@ import pytest
 
 from dsv41_mlx import kernels
 from dsv41_mlx.cache import DraftCache
-from dsv41_mlx.kernels import (ACT_QUANT, FP4_QUANT, FP8_ROWS, HC_INPUT, HC_MIX, HEAD_LOGITS, ROWS_GATE,
+from dsv41_mlx.kernels import (ACT_QUANT, FP4_QUANT, FP8_ROWS, HC_INPUT, HC_MIX, HEAD_LOGITS, MARKOV_DRAFTS, ROWS_GATE,
                                HC_POST_MIX, HC_SPLIT, MOE_GATE_SCORES, MOE_GATE_TOPK, RING_WRITE, RMS_NORM, RMS_NORM_PAIR,
                                SPARSE_ATTENTION, TOP_K,
                                fp8_rows_top64, moe_gate, moe_gate_reference, ring_write, ring_write_reference, tuning)
@@ -150,6 +150,9 @@ CASES = {
                  {"top_vals": "float32", "top_ids": "int32"}, {"R": 5, "K": 5120, "N": 129280, "TILES": 505}),
     "ring_write": (RING_WRITE, {"rings": "uint16", "rows": "uint16", "span": "int32"}, {"out": "uint16"},
                    {"S": 3, "W": 128, "D": 512}),
+    "markov_drafts": (MARKOV_DRAFTS, {"base": "float32", "cand": "int32", "head": "uint16", "embed": "uint16",
+                                      "anchor": "int32", "temp": "float32", "noise": "float32"},
+                      {"drafts": "int32", "logits": "float32", "embeds": "uint16"}, {"B": 5, "C": 64, "R": 16, "NOISE": 1}),
     "hc_split": (HC_SPLIT, {"mixes": "float32", "scale": "float32", "base": "float32", "eps": "float32",
                             "rows": "int32"}, {"pre": "float32", "post": "float32", "comb": "float32"},
                  {"HC": 4, "ITERS": 20}),

@@ -14,7 +14,7 @@ written their rows), is the one kernel with a CUDA text only.
 The bodies share `fp8_common.h` (integer bit tricks valid in both languages).
 
 One module per kernel family, each with its wrappers, their `*_fits` and their KernelSpecs:
-drafter (fp8_rows_top64, ring_write), fake_quant (act_quant_fp8, fp4_quant), hyper
+drafter (fp8_rows_top64, markov_drafts, ring_write), fake_quant (act_quant_fp8, fp4_quant), hyper
 (hc_split, hc_input), gate (moe_gate), attention (sparse_attention_rows), norm (rms_norm
 and its pair forms), gemv (fp8_gemv, fp8_gemv_pair, fp8_into_stream), experts
 (fp4_experts), head (head_logits), rows_gate. Below them: build (sources, backend, the
@@ -26,7 +26,7 @@ from . import specs, tuning
 from .attention import SPARSE_ATTENTION, attention_fits, sparse_attention_rows
 from .build import (DECODE_MAX_ROWS, KernelSpec, backend, compile_kernel, compiled, computed_rows, device_backend,
                     dispatching, included_texts, kernel_dir, kernel_text, kernel_text_cache, kernels_switched_off)
-from .drafter import FP8_ROWS, RING_WRITE, TILE, fp8_rows_tiles, fp8_rows_top64, ring_write
+from .drafter import FP8_ROWS, MARKOV_DRAFTS, RING_WRITE, TILE, fp8_rows_tiles, fp8_rows_top64, markov_drafts, ring_write
 from .experts import FP4_EXPERTS, MMA_X_PREP, fp4_experts, fp4_experts_fits, fp4_experts_template, mma_x_prepared
 from .fake_quant import ACT_QUANT, FP4_QUANT, act_quant_fp8, fp4_quant, fp4_quant_fits
 from .gate import MOE_GATE_SCORES, MOE_GATE_TOPK, moe_gate
@@ -40,14 +40,14 @@ from .norm import RMS_NORM, RMS_NORM_PAIR, rms_norm, rms_norm_fits, rms_norm_hal
 from .rows_gate import ROWS_GATE, rows_gate, rows_gate_fits
 from .specs import (TOP_K, Fp8Matrix, SwiGLU, fp4_experts_reference, fp8_gemv_reference, fp8_rows_reference,
                     head_logits_reference, hc_split_reference, moe_gate_reference, padding_zeroed, parts_added,
-                    ring_write_reference, rms_norm_reference, swiglu, swiglu_pairs, top_k_best)
+                    markov_drafts_reference, ring_write_reference, rms_norm_reference, swiglu, swiglu_pairs, top_k_best)
 
 __all__ = [
     "specs", "tuning",
     "SPARSE_ATTENTION", "attention_fits", "sparse_attention_rows",
     "DECODE_MAX_ROWS", "KernelSpec", "backend", "compile_kernel", "compiled", "computed_rows", "device_backend",
     "dispatching", "included_texts", "kernel_dir", "kernel_text", "kernel_text_cache", "kernels_switched_off",
-    "FP8_ROWS", "RING_WRITE", "TILE", "fp8_rows_tiles", "fp8_rows_top64", "ring_write",
+    "FP8_ROWS", "MARKOV_DRAFTS", "RING_WRITE", "TILE", "fp8_rows_tiles", "fp8_rows_top64", "markov_drafts", "ring_write",
     "FP4_EXPERTS", "MMA_X_PREP", "fp4_experts", "fp4_experts_fits", "fp4_experts_template", "mma_x_prepared",
     "ACT_QUANT", "FP4_QUANT", "act_quant_fp8", "fp4_quant", "fp4_quant_fits",
     "MOE_GATE_SCORES", "MOE_GATE_TOPK", "moe_gate",
@@ -62,5 +62,5 @@ __all__ = [
     "ROWS_GATE", "rows_gate", "rows_gate_fits",
     "TOP_K", "Fp8Matrix", "SwiGLU", "fp4_experts_reference", "fp8_gemv_reference", "fp8_rows_reference",
     "head_logits_reference", "hc_split_reference", "moe_gate_reference", "padding_zeroed", "parts_added",
-    "ring_write_reference", "rms_norm_reference", "swiglu", "swiglu_pairs", "top_k_best",
+    "markov_drafts_reference", "ring_write_reference", "rms_norm_reference", "swiglu", "swiglu_pairs", "top_k_best",
 ]

@@ -1,12 +1,13 @@
-"""The drafter's two kernels: its FP8 head's best candidates (fp8_rows_top64, the matrix
-unit then a bitonic sort) and the write of its rings (ring_write)."""
+"""The drafter's kernels: its FP8 head's best candidates (fp8_rows_top64, the matrix unit then
+a bitonic sort), the Markov pass that picks a block's drafts among them (markov_drafts) and the
+write of its rings (ring_write)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 
 from .build import KernelSpec, backend, compiled
-from .specs import TOP_K, Fp8Matrix, fp8_rows_reference, ring_write_reference, top_k_best
+from .specs import TOP_K, Fp8Matrix, fp8_rows_reference, markov_drafts_reference, ring_write_reference, top_k_best
 
 TILE = 256  # outputs per threadgroup in fp8_rows (fixed in the kernel text)
 MAX_ROWS = 16
@@ -17,6 +18,9 @@ FP8_ROWS = KernelSpec("fp8_rows_top64", ("x", "w", "scales"), ("top_vals", "top_
 # constants: each template combination is a separate build (seconds on CUDA).
 RING_WRITE = KernelSpec("ring_write", ("rings", "rows", "span"), ("out",), "ring_write.metal", "ring_write.cu",
                         header_files=())
+MARKOV_DRAFTS = KernelSpec("markov_drafts", ("base", "cand", "head", "embed", "anchor", "temp", "noise"),
+                           ("drafts", "logits", "embeds"), "markov_drafts.metal", "markov_drafts.cu", header_files=())
+MARKOV_MAX = 256  # candidates: the threads of its one threadgroup
 
 
 def fp8_rows_tiles(x: mx.array, w: Fp8Matrix, language: str,
@@ -72,3 +76,33 @@ def ring_write(rings: mx.array, rows: mx.array, first: int, impl: str | None = N
                     grid=(-(-total // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
                     output_shapes=[rings.shape], output_dtypes=[mx.uint16])
     return out.view(rings.dtype)
+
+
+def markov_drafts(base: mx.array, candidates: mx.array, head: mx.array, embed: mx.array, anchor: int | mx.array,
+                  temperature: float = 1.0, noise: mx.array | None = None,
+                  impl: str | None = None) -> tuple[mx.array, mx.array, mx.array]:
+    """The drafter's Markov pass over a block in one launch: base [B, C] fp32 (the head's logits
+    of each position's candidates [B, C]), the Markov head and embedding tables head, embed
+    [V, R] bf16, the anchor token, and what a pick maximises (logits / temperature + noise
+    [B, C]) -> (drafts [B] int32, logits [B, C] fp32, embeddings [B, R] bf16). The spec is
+    markov_drafts_reference: the same picks wherever the best two scores are further apart
+    than the float32 sums of the bias, in another order, can move them."""
+    B, C = base.shape
+    V, R = head.shape
+    if candidates.shape != (B, C) or embed.shape != (V, R) or (noise is not None and noise.shape != (B, C)):
+        raise ValueError(f"markov_drafts: base {base.shape}, candidates {candidates.shape}, head {head.shape}, "
+                         f"embed {embed.shape} and noise {None if noise is None else noise.shape} do not fit")
+    if head.dtype != mx.bfloat16 or embed.dtype != mx.bfloat16 or C > MARKOV_MAX:
+        raise ValueError(f"markov_drafts takes bf16 tables and at most {MARKOV_MAX} candidates, got {head.dtype}, "
+                         f"{embed.dtype} and {C}")
+    impl = impl or backend()
+    if impl == "mlx":
+        return markov_drafts_reference(base, candidates, head, embed, anchor, temperature, noise)
+    (drafts, logits, embeds) = compiled(MARKOV_DRAFTS, impl)(
+        inputs=[base.astype(mx.float32), candidates.astype(mx.int32), head.view(mx.uint16), embed.view(mx.uint16),
+                mx.array(anchor, dtype=mx.int32).reshape(1), mx.array([temperature], dtype=mx.float32),
+                noise if noise is not None else mx.zeros((1,), dtype=mx.float32)],
+        template=[("B", B), ("C", C), ("R", R), ("NOISE", int(noise is not None))],
+        grid=(MARKOV_MAX, 1, 1), threadgroup=(MARKOV_MAX, 1, 1),
+        output_shapes=[(B,), (B, C), (B, R)], output_dtypes=[mx.int32, mx.float32, mx.uint16])
+    return drafts, logits, embeds.view(mx.bfloat16)

@@ -121,6 +121,32 @@ def top_k_best(values: mx.array, ids: mx.array) -> tuple[mx.array, mx.array]:
                                                                         order, axis=-1)
 
 
+# ---------------------------------------------------------------- markov_drafts
+
+def markov_drafts_reference(base: mx.array, candidates: mx.array, head: mx.array, embed: mx.array,
+                            anchor: int | mx.array, temperature: float = 1.0,
+                            noise: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
+    """Pure-MLX spec of the drafter's Markov pass over a block (models/dspark.py's MarkovHead):
+    from e_0 = embed[anchor], position k's candidate logits are base[k] [C] plus the Markov bias
+    head[candidates[k]] . e_k (fp32), its draft the candidate with the largest logits /
+    temperature + noise[k] (temperature 1 and no noise: the best logit), and e_{k+1} =
+    embed[draft]. head, embed [V, R] bf16. -> (drafts [B] int32, logits [B, C] fp32, the
+    embeddings e_k [B, R] bf16)."""
+    prev = mx.array(anchor, dtype=mx.int32).reshape(1)
+    rows = head[candidates].astype(mx.float32)  # [B, C, R]: every position's candidates' rows
+    drafts, logits, embeds = [], [], []
+    for k in range(base.shape[0]):
+        e = embed[prev]  # [1, R]
+        row = (base[k:k + 1] + (rows[k:k + 1] @ e.astype(mx.float32)[:, :, None])[..., 0]).reshape(-1)
+        score = row if temperature == 1.0 and noise is None else \
+            row / temperature + (0.0 if noise is None else noise[k])
+        prev = candidates[k][mx.argmax(score, axis=-1)].astype(mx.int32).reshape(1)
+        drafts.append(prev)
+        logits.append(row)
+        embeds.append(e)
+    return mx.concatenate(drafts), mx.stack(logits), mx.concatenate(embeds)
+
+
 # ------------------------------------------------------------------ ring_write
 
 def ring_write_reference(rings: mx.array, rows: mx.array, first: int) -> mx.array:

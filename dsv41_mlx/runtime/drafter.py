@@ -6,7 +6,8 @@ and propose a block of drafts from an anchor (reference `forward_spec`).
 * `propose`: from the anchor a at position P+1 (the token the target just produced, not yet
   in its cache), the block `[a, noise x (block-1)]` at positions P+1..P+block runs through
   the stages (models/dspark.py); the target's head gives base logits U; the Markov stage
-  then picks drafts one by one, `logits_k = U_k + W2 e_k` with `e_k = W1[x_{k-1}]`, x_0 = a.
+  then picks drafts one by one, `logits_k = U_k + W2 e_k` with `e_k = W1[x_{k-1}]`, x_0 = a
+  (with the FP8 head, for the samplers' pick rules, in one launch: kernels.markov_drafts).
 
 The propose pass is built on streams of its own, and on a GPU started stage by stage from a
 thread of its own, beside the target's forwards.
@@ -25,7 +26,7 @@ import mlx.core as mx
 from tqdm import tqdm
 
 from ..cache import DraftCache
-from ..kernels import fp8_rows_top64
+from ..kernels import fp8_rows_top64, markov_drafts
 from ..models.dspark import DSparkStage
 from ..models.hyper import hc_expand, hc_pre
 from ..quant import Fp8Matrix, fp8_input, quantize_fp8_tiles_mx
@@ -70,9 +71,23 @@ class Proposal:
 Picker = Callable[[mx.array, int, "mx.array | None"], mx.array]
 
 
+@dataclass(frozen=True)
+class NoisyArgmax:
+    """A picker's rule where the Markov pass can run in one launch (kernels.markov_drafts): draft
+    k is the candidate with the largest logits / temperature + noise(k), noise(n) giving the
+    first n positions' noise over the vocabulary [n, V] (None: no noise). A Picker that follows
+    it says so in its `rule` attribute."""
+
+    temperature: float = 1.0
+    noise: Callable[[int], mx.array] | None = None
+
+
 def argmax_picker(logits: mx.array, k: int, candidates: mx.array | None = None) -> mx.array:
     best = mx.argmax(logits, axis=-1)
     return (best if candidates is None else candidates[best]).astype(mx.int32)
+
+
+argmax_picker.rule = NoisyArgmax()
 
 
 HEADS = ("fp8", "bf16")
@@ -264,9 +279,12 @@ class Drafter:
                 begin(h, pre)
         last = self.stages[-1]
         markov = last.markov_head
-        with _on(side):  # e_1 = W1[anchor] (and over the whole vocabulary its bias) needs no head
-            first_embed = markov.embed(anchor)
-            first_bias = markov.bias(first_embed) if self.head == "bf16" else None
+        rule = getattr(pick, "rule", None)
+        in_one_launch = self.head == "fp8" and rule is not None  # the Markov pass: kernels.markov_drafts
+        if not in_one_launch:
+            with _on(side):  # e_1 = W1[anchor] (and over the whole vocabulary its bias) needs no head
+                first_embed = markov.embed(anchor)
+                first_bias = markov.bias(first_embed) if self.head == "bf16" else None
         hidden = hc_pre(h, pre)  # [B, dim] bf16, pre-norm (the confidence head reads this)
         if self.head == "fp8":
             base, candidates = fp8_rows_top64(last.norm(hidden), self.fp8_head)  # [B, 64] each
@@ -274,6 +292,11 @@ class Drafter:
             base, candidates = self.model.head(last.norm(hidden)), None  # [B, vocab] fp32
         if begin is not None:  # the head too, before the Markov steps are built
             begin(base, *([] if candidates is None else [candidates]))
+        if in_one_launch:
+            noise = None if rule.noise is None else mx.take_along_axis(rule.noise(B), candidates, axis=-1)
+            drafts, logits, embeds = markov_drafts(base, candidates, markov.head.weight, markov.embed.weight,
+                                                    anchor, rule.temperature, noise)
+            return Proposal(drafts, logits, last.confidence_head(hidden, embeds), candidates)
         # the candidates' Markov head rows, every position's in one gather; and each position's
         # rows by slices, not integer indices (each of which would be a gather of its own)
         head_rows = None if candidates is None else markov.head_rows(candidates)  # [B, 64, rank]

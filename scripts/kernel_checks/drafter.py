@@ -7,6 +7,10 @@ that tile's 64 best by the spec's float32 logits (a swap is allowed only
 between values closer than the tolerance), with values matching the spec's.
 
 ring_write: random rings and rows, writes that wrap, byte equality.
+
+markov_drafts: a block of 5 positions over 64 candidates at the release's vocabulary and Markov
+rank, greedy and with a temperature and noise: the drafts and embeddings the spec's exactly,
+the logits within float32 rounding.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from dsv41_mlx.kernels import TILE, TOP_K, fp8_rows_tiles, fp8_rows_top64, ring_write, ring_write_reference
+from dsv41_mlx.kernels import (TILE, TOP_K, fp8_rows_tiles, fp8_rows_top64, markov_drafts, markov_drafts_reference,
+                               ring_write, ring_write_reference)
 from dsv41_mlx.quant import quantize_fp8_tiles_mx
 
 from .harness import POISON
@@ -69,4 +74,26 @@ def check_ring_write(impl: str, seed: int) -> list[str]:
         ref = ring_write_reference(rings, rows, first)
         if not mx.array_equal(got, ref).item():
             problems.append(f"ring_write {stages}x{window}x{dim} m={m} first={first} differs")
+    return problems
+
+
+def check_markov_drafts(impl: str, seed: int) -> list[str]:
+    mx.random.seed(seed)
+    B, C, V, R = 5, 64, 129280, 16
+    problems = []
+    head, embed = (mx.random.normal((V, R)).astype(mx.bfloat16) for _ in range(2))
+    for temperature, noisy in ((1.0, False), (0.7, True)):
+        base = mx.random.normal((B, C)) * 3
+        candidates = mx.random.randint(0, V, (B, C)).astype(mx.int32)
+        noise = mx.random.gumbel((B, C)) if noisy else None
+        got = markov_drafts(base, candidates, head, embed, 1234, temperature, noise, impl)
+        want = markov_drafts_reference(base, candidates, head, embed, 1234, temperature, noise)
+        if got[0].tolist() != want[0].tolist():
+            problems.append(f"markov_drafts (temperature {temperature}): drafts {got[0].tolist()}, "
+                            f"the spec's {want[0].tolist()}")
+        if not mx.allclose(got[1], want[1], rtol=1e-5, atol=1e-5).item():
+            problems.append(f"markov_drafts (temperature {temperature}): logits off by "
+                            f"{mx.abs(got[1] - want[1]).max().item():.3g}")
+        if not mx.array_equal(got[2], want[2]).item():
+            problems.append(f"markov_drafts (temperature {temperature}): embeddings differ")
     return problems
