@@ -101,7 +101,7 @@ def markov_drafts(base: mx.array, candidates: mx.array, head: mx.array, embed: m
     (drafts, logits, embeds) = compiled(MARKOV_DRAFTS, impl)(
         inputs=[base.astype(mx.float32), candidates.astype(mx.int32), head.view(mx.uint16), embed.view(mx.uint16),
                 mx.array(anchor, dtype=mx.int32).reshape(1), mx.array([temperature], dtype=mx.float32),
-                noise if noise is not None else mx.zeros((1,), dtype=mx.float32)],
+                noise if noise is not None else mx.array([0.0], dtype=mx.float32)],  # (unread: a constant, no launch)
         template=[("B", B), ("C", C), ("R", R), ("NOISE", int(noise is not None))],
         grid=(MARKOV_MAX, 1, 1), threadgroup=(MARKOV_MAX, 1, 1),
         output_shapes=[(B,), (B, C), (B, R)], output_dtypes=[mx.int32, mx.float32, mx.uint16])
