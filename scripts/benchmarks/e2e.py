@@ -12,6 +12,7 @@ import mlx.core as mx
 
 from .harness import (COPY_TRIES, OracleDrafter, copy_bandwidth, decode_bytes, host_probe_ms, print_heading,
                       prompt_texts, reply_hash)
+from .propose import propose_floor_bytes
 
 PAIRED_LATER = "measured after this table, printed below it"
 ORACLE_TARGET = 1.8  # drafted decode at the oracle rate against plain decode: the speed-up aimed at
@@ -280,6 +281,10 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float, 
             # where drafting does not pay), its verify costs measured once for the runner
             ("drafted greedy", greedy, lambda p, seq: SpeculativeDecoder(runner, runner.drafter, p, confidence="schedule")),
             ("drafted coupled", coupled, lambda p, seq: SpeculativeDecoder(runner, runner.drafter, p, confidence="schedule")),
+            # the same drafter in a round at every step, every draft verified: its propose pass's
+            # time in the loop, round after round (the schedule soon stops proposing for it)
+            ("drafted greedy, every draft verified", greedy,
+             lambda p, seq: SpeculativeDecoder(runner, runner.drafter, p, confidence="off")),
             (f"oracle {oracle_rate:.2f} greedy", greedy, oracle_decoder),
             # the same drafts, each round verifying the number of them the schedule policy picks from
             # the drafter's confidence and the verify costs measured above
@@ -337,6 +342,8 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float, 
         for run in runs.values():
             del run["replies"]
         out["runs"] = runs
+        if runner.drafter is not None and runner.drafter.head == "fp8":  # what a proposal must read, at this run's bandwidth
+            out["propose_floor_ms"] = propose_floor_bytes(runner.drafter)["total"] / (out["copy_GBps"] * 1e9) * 1e3
 
         # the oracle against plain greedy interleaved prompt by prompt: the runs above are minutes
         # apart, and each met the host's speed of its own moment; every draft verified, then the
@@ -442,6 +449,11 @@ def print_e2e(env: dict, res: dict, model: str) -> None:
         print(f"| {label} | {r['tok_s']:.2f} | {r['tok_s'] / plain:.2f} | {frac:.1%} | {drafted} | {rounds} | "
               + " | ".join(ms) + f" | {r['host_probe_ms']:.2f} | {r['hash']} |")
     print()
+    every = res["runs"].get("drafted greedy, every draft verified")
+    if every is not None and "propose_floor_ms" in res:
+        print(f"the checkpoint's drafter's propose pass in the loop (every draft verified, a round at every step): "
+              f"{every['propose_ms']:.2f} ms a round, {every['propose_ms'] / res['propose_floor_ms']:.1f}x its byte "
+              f"floor of {res['propose_floor_ms']:.3f} ms (`bench.py propose`'s bytes at this run's copy bandwidth)\n")
     if "long_context" in res:
         long = res["long_context"]
         print(f"plain greedy after a {long['prompt_tokens']}-token prompt (the prompts above one after another; "
