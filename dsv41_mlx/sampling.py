@@ -34,6 +34,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def filters(self) -> bool:
+        """Whether top-k or top-p may drop tokens (else the log probabilities are logits / T less a constant)."""
+        return bool(self.top_k) or self.top_p < 1.0
+
 
 # Independent random streams per (seed, position). TARGET is the one plain decoding
 # samples with (and the coupled drafter reuses on purpose); the others serve the
@@ -72,7 +77,7 @@ def filtered_log_probs(logits: mx.array, params: SamplingParams) -> mx.array:
         keep_sorted = before < params.top_p
         keep = mx.put_along_axis(mx.zeros(logp.shape, dtype=mx.bool_), order, keep_sorted, axis=-1)
         logp = mx.where(keep, logp, -mx.inf)
-    if params.top_k or params.top_p < 1.0:
+    if params.filters:
         logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)  # renormalise over the kept tokens
     return logp
 

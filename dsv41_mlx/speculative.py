@@ -382,7 +382,7 @@ class SpeculativeDecoder:
                 return mx.argmax(logq + g).astype(mx.int32)
             return candidates[mx.argmax(logq + g[candidates])].astype(mx.int32)  # the same noise, per token id
 
-        if not params.top_k and params.top_p >= 1.0:  # logq is logits / T less a constant: the one-launch rule
+        if not params.filters:  # logq is logits / T less a constant: the one-launch rule
             pick.rule = NoisyArgmax(params.temperature,
                                     lambda n: gumbel_noise(params.seed, mx.arange(position, position + n), vocab, stream))
         return pick
