@@ -94,14 +94,14 @@ def bench_prefix(model_path: str | None, prefix_tokens: int, reply_tokens: int, 
             seconds, tokens, _ = turn(second, None)
             cold.append(seconds)
             cold_replies.add(tuple(tokens))
-            seconds, tokens, head = turn(second, resumable())
+            resumed_cache = resumable()  # (it keeps the second prompt's state, logits and all)
+            seconds, resumed_reply, head = turn(second, resumed_cache)
             resumed.append(seconds)
-            resumed_replies.add(tuple(tokens))
+            resumed_replies.add(tuple(resumed_reply))
             cached.add(head.cached_tokens)
-        whole, kept_again = PrefixCache.for_chat(budget, tokenizer), resumable()
+        whole = PrefixCache.for_chat(budget, tokenizer)  # the whole prefill once more, its state kept
         _, cold_reply, _ = turn(second, whole)
-        _, resumed_reply, _ = turn(second, kept_again)
-        logits = [c.lookup(second).logits for c in (whole, kept_again)]
+        logits = [c.lookup(second).logits for c in (whole, resumed_cache)]
     cold_s, resumed_s = statistics.median(cold), statistics.median(resumed)
     return {"context": context, "asked_prefix_tokens": prefix_tokens, "limited": len(first) < prefix_tokens,
             "first_prompt_tokens": len(first), "second_prompt_tokens": len(second),
