@@ -227,6 +227,25 @@ def test_oracle_drafts_are_right_at_its_rate(fixture_model, drafter):
     assert mx.allclose(confidence, mx.full(confidence.shape, 0.56)).item()
 
 
+def test_oracle_decoders_carry_what_the_rounds_showed_from_reply_to_reply(fixture_model, runner):
+    """The e2e benchmark's oracle decoders (one OracleDrafter a reply) share one Outlook per
+    verify policy, as the checkpoint's drafter keeps its own across generations: the second
+    reply's schedule starts from the first reply's rounds, not from a probe of one draft."""
+    from dsv41_mlx.generate import generate_step
+    from dsv41_mlx.sampling import SamplingParams
+
+    make = harness.OracleDecoders(runner, 0.56)
+    prompt = [5, 6, 7, 8]
+    reply = list(generate_step(runner, prompt, SamplingParams(), 24))
+    first = make(SamplingParams(), prompt + reply, confidence="schedule", verify_costs=[1.0] * 6)
+    assert list(generate_step(runner, prompt, SamplingParams(), 24, decoder=first)) == reply
+    assert first.stats.rounds > 0 and first.outlook.paying is not None
+    second = make(SamplingParams(), prompt + reply, confidence="schedule", verify_costs=[1.0] * 6)
+    assert second.outlook is first.outlook and second.drafter is not first.drafter
+    assert make(SamplingParams(), prompt + reply).outlook is not first.outlook  # another policy: its own
+    assert harness.OracleDrafter(runner.drafter, prompt + reply, 0.56).outlook is None  # a lone stand-in: none
+
+
 def test_oracle_without_a_rate_misses_every_kth_position(fixture_model, drafter):
     """Without a rate the oracle's draft is wrong exactly at the positions a multiple of
     wrong_every (the right token + 1), its confidence that share right, and its logits all on

@@ -10,8 +10,8 @@ import time
 
 import mlx.core as mx
 
-from .harness import (COPY_TRIES, OracleDrafter, copy_bandwidth, decode_bytes, host_probe_ms, print_heading,
-                      prompt_texts, reply_hash)
+from .harness import (COPY_TRIES, OracleDecoders, OracleDrafter, copy_bandwidth, decode_bytes, host_probe_ms,
+                      print_heading, prompt_texts, reply_hash)
 from .propose import propose_floor_bytes
 
 PAIRED_LATER = "measured after this table, printed below it"
@@ -270,9 +270,7 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float, 
         runs = {}
         greedy, coupled = SamplingParams(), SamplingParams(temperature=0.8, seed=7)
 
-        def oracle_decoder(p, seq, confidence="off", verify_costs=None):  # drafts right at oracle_rate on seq
-            return SpeculativeDecoder(runner, OracleDrafter(runner.drafter, seq, oracle_rate, seed=len(seq)), p,
-                                      confidence=confidence, verify_costs=verify_costs)
+        oracle_decoder = OracleDecoders(runner, oracle_rate)  # drafts right at oracle_rate on each reply
 
         for label, params, make in [
             ("plain greedy", greedy, None),

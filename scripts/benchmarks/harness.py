@@ -399,3 +399,25 @@ class OracleDrafter(WrappedDrafter):
         drafts = mx.array(drafts, dtype=mx.int32)
         return Proposal(drafts, mx.zeros((self.block, 1)), mx.full((self.block,), confidence),
                         candidates=drafts[:, None])
+
+
+class OracleDecoders:
+    """Speculative decoders drafted by OracleDrafters at one rate, one per reply (each oracle
+    knows its own reply), which share one Outlook per verify policy: what the oracle's rounds
+    have shown carries from one reply to the next, as a real drafter keeps its outlook across
+    generations (SpeculativeDecoder). Without it each reply's schedule would start from
+    nothing, a probe of one draft first, where the checkpoint's drafter starts from what it
+    has seen."""
+
+    def __init__(self, runner, rate: float):
+        self.runner, self.rate = runner, rate
+        self.outlooks = {}  # verify policy -> the Outlook its decoders share
+
+    def __call__(self, params, sequence: list[int], confidence: str = "off", verify_costs=None):
+        from dsv41_mlx.speculative import SpeculativeDecoder
+
+        oracle = OracleDrafter(self.runner.drafter, sequence, self.rate, seed=len(sequence))
+        oracle.outlook = self.outlooks.get(confidence)
+        decoder = SpeculativeDecoder(self.runner, oracle, params, confidence=confidence, verify_costs=verify_costs)
+        self.outlooks[confidence] = oracle.outlook
+        return decoder
