@@ -28,6 +28,31 @@ def test_context_rows_compare_the_elided_prefill_with_the_full_one(fixture_dir, 
     assert "| 100 | past the model's context of 64 tokens |" in capsys.readouterr().out
 
 
+def test_long_contexts_are_warmed_up_untimed_past_the_kernels_long_prompts_add(fixture_dir, fixture_model,
+                                                                                 monkeypatch):
+    """Before the timed rows, a prompt past the candidate source's blocks and one block of MLX's
+    sort (long_warm_length; the release's: 16,448 tokens), or the longest context asked for,
+    runs untimed each way a row prefills, so that no row's prefill holds MLX's kernel builds
+    for the long shapes; none where every context is as short as the shortest."""
+    import importlib
+
+    generate = importlib.import_module("dsv41_mlx.generate")  # (the package's `generate` is the function)
+    args = fixture_model.args  # candidates: 2 blocks of 4 at ratio 1; index sources at ratios 2 and 1
+    assert context.long_warm_length(args) == max(2 * 4 + 64, 4096 * 2 + 64)
+    monkeypatch.setattr(context, "copy_bandwidth", lambda: 100e9)
+    monkeypatch.setattr(generate, "warm_up", lambda runner: 0.0)
+    calls, run = [], context._generate
+    monkeypatch.setattr(context, "_generate", lambda runner, prompt, tokens: (
+        calls.append((len(prompt), tokens, runner.options.elide_prefill)), run(runner, prompt, tokens))[1])
+    res = context.bench_context(str(fixture_dir), [16, 40], tokens=3, mlxlm=False)
+    assert calls[:2] == [(40, 2, True), (40, 2, False)]  # the warm-ups, then the rows
+    assert calls[2:] == [(16, 3, True), (16, 2, False), (40, 3, True), (40, 2, False)]
+    assert res["long_warm_up"]["tokens"] == 40
+    calls.clear()
+    res = context.bench_context(str(fixture_dir), [40], tokens=3, mlxlm=False, full=False)
+    assert calls == [(40, 3, True)] and "long_warm_up" not in res
+
+
 def test_a_run_out_of_memory_is_said_in_its_column(fixture_dir, capsys, monkeypatch):
     """The full prefill failing at a context (as a card's memory may) keeps the elided run's
     row and says why in the full run's column."""

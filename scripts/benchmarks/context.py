@@ -92,6 +92,24 @@ def _generate(runner, prompt: list[int], tokens: int) -> dict:
             "cache_bytes_per_token": cache_bytes / len(prompt)}
 
 
+def long_warm_length(args) -> int:
+    """A prompt length past which a prefill and a decode step use no kernel that this length
+    does not: past the indexers' free picks (indexer_scoring_length), past the candidate
+    source's blocks (the two-level top-k masks from there), its index keys past one block of
+    MLX's sort (several then). generate.warm_up runs the first only: at long contexts MLX
+    would otherwise build the rest inside the first timed prefill that reaches them."""
+    from dsv41_mlx.models.attention import indexer_scoring_length
+
+    layer = args.candidate_source_layer_id
+    ratio = args.compress_ratios[layer] if 0 <= layer < len(args.compress_ratios) else 1
+    candidates = args.candidate_topk_blocks * args.candidate_block_size * max(ratio, 1)
+    widest = max([args.compress_ratios[i] for i in args.index_source_layer_ids] or [1])
+    return max(indexer_scoring_length(args), candidates + 64, SORT_BLOCK * widest + 64)
+
+
+SORT_BLOCK = 4096  # keys one block of MLX's CUDA sort takes; more are sorted in several passes
+
+
 def bench_context(model_path: str, contexts: list[int], tokens: int, full: bool = True, mlxlm: bool = True,
                   warm: bool = True, mlxlm_up_to: int | None = None, mlxlm_timeout: float = MLXLM_TIMEOUT_S) -> dict:
     """Each context's rows (see the module's docstring); warm: every request shape run once first
@@ -110,6 +128,17 @@ def bench_context(model_path: str, contexts: list[int], tokens: int, full: bool 
     if warm:
         with Runner(model) as runner:
             warm_up(runner)
+        # the long prompts' kernels too, untimed, each way a row prefills: a context as long as
+        # long_warm_length (or the longest asked for, if shorter), then two tokens
+        long = min(long_warm_length(args), max(contexts))
+        if long > min(contexts):
+            tic = time.perf_counter()
+            for elide in (True, False) if full else (True,):
+                with Runner(model, replace(base, elide_prefill=elide)) as runner:
+                    _generate(runner, prompt_of(long, args.vocab_size), 2)
+            mx.clear_cache()
+            out["long_warm_up"] = {"tokens": long, "s": time.perf_counter() - tic}
+            print(f"  warm-up at {long} tokens: {out['long_warm_up']['s']:.1f} s", flush=True)
     for n in contexts:
         row = {"context": n}
         out["rows"].append(row)
