@@ -95,9 +95,10 @@ def _generate(runner, prompt: list[int], tokens: int) -> dict:
 def long_warm_length(args) -> int:
     """A prompt length past which a prefill and a decode step use no kernel that this length
     does not: past the indexers' free picks (indexer_scoring_length), past the candidate
-    source's blocks (the two-level top-k masks from there), its index keys past one block of
-    MLX's sort (several then). generate.warm_up runs the first only: at long contexts MLX
-    would otherwise build the rest inside the first timed prefill that reaches them."""
+    source's blocks (the later index layers mask their scores from there), and with more
+    index keys than one block of MLX's sort takes (several passes then). generate.warm_up
+    goes past the first only: MLX would build the rest inside the first timed prefill that
+    reaches them."""
     from dsv41_mlx.models.attention import indexer_scoring_length
 
     layer = args.candidate_source_layer_id
