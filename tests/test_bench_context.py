@@ -44,13 +44,23 @@ def test_long_contexts_are_warmed_up_untimed_past_the_kernels_long_prompts_add(f
     calls, run = [], context._generate
     monkeypatch.setattr(context, "_generate", lambda runner, prompt, tokens: (
         calls.append((len(prompt), tokens, runner.options.elide_prefill)), run(runner, prompt, tokens))[1])
-    res = context.bench_context(str(fixture_dir), [16, 40], tokens=3, mlxlm=False)
-    assert calls[:2] == [(40, 2, True), (40, 2, False)]  # the warm-ups, then the rows
+    res = context.bench_context(str(fixture_dir), [16, 40, 100], tokens=3, mlxlm=False)  # 100: past the model's 64
+    assert calls[:2] == [(40, 2, True), (40, 2, False)]  # the warm-ups at the longest that runs, then the rows
     assert calls[2:] == [(16, 3, True), (16, 2, False), (40, 3, True), (40, 2, False)]
-    assert res["long_warm_up"]["tokens"] == 40
+    assert res["long_warm_up"]["tokens"] == 40 and "skipped" in res["rows"][2]
     calls.clear()
     res = context.bench_context(str(fixture_dir), [40], tokens=3, mlxlm=False, full=False)
     assert calls == [(40, 3, True)] and "long_warm_up" not in res
+
+    def failing_without_elision(runner, prompt, tokens):  # as a card short of memory may
+        if not runner.options.elide_prefill:
+            raise RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
+        return run(runner, prompt, tokens)
+
+    monkeypatch.setattr(context, "_generate", failing_without_elision)
+    res = context.bench_context(str(fixture_dir), [16, 40], tokens=3, mlxlm=False)
+    assert "out of memory" in res["long_warm_up"]["full_stopped"]  # said, and the rows still run
+    assert [("elided" in r, "full_stopped" in r) for r in res["rows"]] == [(True, True), (True, True)]
 
 
 def test_a_run_out_of_memory_is_said_in_its_column(fixture_dir, capsys, monkeypatch):

@@ -126,28 +126,38 @@ def bench_context(model_path: str, contexts: list[int], tokens: int, full: bool 
     weights, _ = decode_bytes(model, 1)
     out = {"copy_GB_s": copy_bandwidth() / 1e9, "weights_GB": weights / 1e9, "tokens": tokens, "rows": []}
     base = default_options(args)
+    ways = (("elided", True), ("full", False)) if full else (("elided", True),)  # how each row prefills
+    limit = args.max_position_embeddings
+    runs = [n for n in contexts if not (limit and n + tokens > limit)]
     if warm:
         with Runner(model) as runner:
             warm_up(runner)
         # the long prompts' kernels too, untimed, each way a row prefills: a context as long as
-        # long_warm_length (or the longest asked for, if shorter), then two tokens
-        long = min(long_warm_length(args), max(contexts))
-        if long > min(contexts):
+        # long_warm_length (or the longest that runs, if shorter), then two tokens
+        long = min(long_warm_length(args), max(runs, default=0))
+        if runs and long > min(runs):
             tic = time.perf_counter()
-            for elide in (True, False) if full else (True,):
-                with Runner(model, replace(base, elide_prefill=elide)) as runner:
-                    _generate(runner, prompt_of(long, args.vocab_size), 2)
-            mx.clear_cache()
-            out["long_warm_up"] = {"tokens": long, "s": time.perf_counter() - tic}
-            print(f"  warm-up at {long} tokens: {out['long_warm_up']['s']:.1f} s", flush=True)
+            out["long_warm_up"] = {"tokens": long}
+            for label, elide in ways:
+                try:
+                    with Runner(model, replace(base, elide_prefill=elide)) as runner:
+                        _generate(runner, prompt_of(long, args.vocab_size), 2)
+                except (MemoryError, RuntimeError, ValueError) as e:  # said; the rows say their own
+                    out["long_warm_up"][f"{label}_stopped"] = f"{type(e).__name__}: {e}"[:200]
+                    break
+                finally:
+                    gc.collect()
+                    mx.clear_cache()
+            out["long_warm_up"]["s"] = time.perf_counter() - tic
+            print(f"  warm-up at {long} tokens: {out['long_warm_up']}", flush=True)
     for n in contexts:
         row = {"context": n}
         out["rows"].append(row)
-        if args.max_position_embeddings and n + tokens > args.max_position_embeddings:
-            row["skipped"] = f"past the model's context of {args.max_position_embeddings} tokens"
+        if n not in runs:
+            row["skipped"] = f"past the model's context of {limit} tokens"
             continue
         prompt = prompt_of(n, args.vocab_size)
-        for label, elide in (("elided", True), ("full", False)) if full else (("elided", True),):
+        for label, elide in ways:
             try:
                 with Runner(model, replace(base, elide_prefill=elide)) as runner:
                     row[label] = _generate(runner, prompt, tokens if elide else 2)
