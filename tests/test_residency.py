@@ -83,3 +83,31 @@ def test_backends_without_wiring_say_so_once(fixture_model, caplog, monkeypatch,
             with wired(fixture_model, drafter) as p:
                 assert p is None
     assert sum("nothing to wire" in r.message for r in caplog.records) == 1
+
+
+@pytest.fixture
+def cache_limit():
+    """MLX's buffer-cache limit put back as it was after the test (a process-wide setting)."""
+    before = mx.set_cache_limit(residency.MLX_CPU_CACHE_LIMIT)
+    yield
+    mx.set_cache_limit(before)
+
+
+def test_cpu_runner_keeps_a_steps_freed_buffers(fixture_model, cache_limit):
+    from dsv41_mlx.runtime.runner import Runner
+
+    with Runner(fixture_model, drafter=None):
+        pass
+    expected = mx.get_memory_limit() // residency.CPU_CACHE_SHARE
+    assert mx.set_cache_limit(residency.MLX_CPU_CACHE_LIMIT) == expected  # raised from MLX's default
+    mx.set_cache_limit(1 << 20)  # the user's own
+    with Runner(fixture_model, drafter=None):
+        pass
+    assert mx.set_cache_limit(1 << 20) == 1 << 20  # kept
+    assert residency.cpu_buffer_cache(mx.gpu) is None  # other devices keep their allocator's own
+
+
+def test_cpu_buffer_cache_leaves_a_larger_limit(cache_limit):
+    mx.set_cache_limit(mx.get_memory_limit())
+    assert residency.cpu_buffer_cache(mx.cpu) is None
+    assert mx.set_cache_limit(residency.MLX_CPU_CACHE_LIMIT) == mx.get_memory_limit()

@@ -1,4 +1,5 @@
-"""Keep the drafter resident: a wired-memory limit around generation.
+"""Keep the drafter resident: a wired-memory limit around generation. And on the CPU, keep a
+decode step's freed buffers for the next step (cpu_buffer_cache).
 
 On Apple silicon, memory the GPU uses can be paged out between rounds unless
 it is wired. The drafter's weights, its FP8 head, its rings and the propose
@@ -20,6 +21,8 @@ from mlx.utils import tree_flatten
 
 log = logging.getLogger(__name__)
 GB = 1e9
+MLX_CPU_CACHE_LIMIT = 32 << 20  # the freed buffers MLX's CPU allocator keeps for reuse, unless told otherwise
+CPU_CACHE_SHARE = 10  # cpu_buffer_cache: a tenth of MLX's memory limit
 _said_no_wiring = False
 
 
@@ -97,3 +100,24 @@ def wired(model, drafter=None, enabled: bool = True):
         yield p
     finally:
         mx.set_wired_limit(previous)
+
+
+def cpu_buffer_cache(device: mx.Device | None = None) -> int | None:
+    """On the CPU, let MLX keep up to a tenth of its memory limit in freed buffers for reuse,
+    where the limit is still MLX's default (32 MB; a limit the user set is kept). Returns the
+    limit set, or None where nothing changed.
+
+    MLX's Metal allocator keeps up to its memory limit; its CPU allocator only 32 MB. A decode
+    step of even the embedded default frees more than that, so each step handed its larger
+    buffers back to the system and the next faulted fresh pages in: plain decoding of the
+    embedded default on a 2-core EPYC ran at 18 tok/s, 29 tok/s with room for a step's
+    buffers (about 100 MB held; the bound only caps what a change of shapes can leave)."""
+    device = device if device is not None else mx.default_device()
+    if device != mx.cpu:
+        return None
+    limit = mx.get_memory_limit() // CPU_CACHE_SHARE
+    previous = mx.set_cache_limit(limit)
+    if previous != MLX_CPU_CACHE_LIMIT or limit <= previous:
+        mx.set_cache_limit(previous)
+        return None
+    return limit

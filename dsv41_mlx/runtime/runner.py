@@ -24,6 +24,7 @@ from ..models.deepseek_v41 import Model
 from .drafter import Drafter
 from .evaluator import BlockEvaluator
 from .options import Options, default_options
+from .residency import cpu_buffer_cache
 from .staged import StagedRows
 
 
@@ -43,6 +44,7 @@ class Runner:
         self.model = model
         self.args = model.args
         self.options = options if options is not None else default_options(model.args)
+        cpu_buffer_cache()  # on the CPU: a step's freed buffers kept for the next
         self._owns_drafter = drafter is None and bool(model.mtp)
         self.drafter = drafter if drafter is not None else Drafter(model) if model.mtp else None
         self._evaluator = BlockEvaluator() if self.options.evaluate_on_thread else None
