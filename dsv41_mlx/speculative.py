@@ -135,18 +135,23 @@ class Outlook:
     * `pays(round_costs, plain_s)`: whether a round verifying l drafts, at the acceptance seen
       so far, yields more tokens per second than plain decoding, for the best l >= 1. When it
       does not, the loop decodes `stretch()` tokens plainly (no propose, no verify), then
-      probes with one round; each probe that fails doubles the stretch, up to MAX_STRETCH.
+      probes with one round; each probe that fails doubles the stretch, up to MAX_STRETCH,
+      and makes it at least as long as keeps such a probe's cost beyond a plain step within
+      PROBE_SHARE of the stretch's time (where proposing costs several plain steps, as on a
+      CPU, probing then costs drafting that never pays at most that share).
     The drafter keeps its outlook across generations (a server's requests, a runner's
     replies): one that did not pay starts the next generation with plain steps. Which drafts
     are verified never changes the reply, only its speed."""
 
     DECAY = 0.8  # per round: about the last five rounds count
     FIRST_STRETCH, MAX_STRETCH = 8, 64
+    PROBE_SHARE = 0.03  # at most this share of a stretch's time goes to the failed probe after it
 
     def __init__(self, block: int):
         self.reached, self.accepted, self.predicted = [0.0] * block, [0.0] * block, [0.0] * block
         self.paying: bool | None = None  # the last round's verdict (None: no round yet)
         self.next_stretch = self.FIRST_STRETCH
+        self.least_stretch = 0  # what the last failed probe's cost asks of a stretch (probe_stretch)
 
     def observe(self, confidence: list[float], verified: int, accepted: int) -> None:
         """A round that verified `verified` drafts of confidences `confidence` and accepted the
@@ -176,13 +181,21 @@ class Outlook:
         return best > 1.0 / plain_s
 
     def stretch(self) -> int:
-        """The plain tokens before the next probe (each call doubles the next, up to MAX_STRETCH)."""
+        """The plain tokens before the next probe: the doubling schedule's (each call doubles the
+        next, up to MAX_STRETCH), or least_stretch where that is more."""
         n, self.next_stretch = self.next_stretch, min(2 * self.next_stretch, self.MAX_STRETCH)
-        return n
+        return max(n, self.least_stretch)
+
+    def probe_stretch(self, round_s: float, tokens: int, plain_s: float) -> None:
+        """A round that did not pay took round_s seconds for `tokens` tokens, where plain steps take
+        plain_s each: the stretches after it are long enough that such a probe costs beyond
+        plain decoding at most PROBE_SHARE of a stretch's time."""
+        extra = round_s - tokens * plain_s
+        self.least_stretch = math.ceil(extra / (self.PROBE_SHARE * plain_s)) if extra > 0 else 0
 
     def paid(self) -> None:
         """Drafting paid again: the next stretch starts short."""
-        self.next_stretch = self.FIRST_STRETCH
+        self.next_stretch, self.least_stretch = self.FIRST_STRETCH, 0
 
 
 def verify_cost_tokens(rows: int, vocab: int) -> list[int]:
@@ -432,7 +445,7 @@ class SpeculativeDecoder:
             self.beyond_verify.append(max(0.0, done - start - self.costs[ell]))
         if self.policy.mode == "schedule":
             self.outlook.observe(confidence, ell, accepted)
-            self.decide(ell, accepted)
+            self.decide(ell, accepted, done - start)
         tokens = drafts[:accepted].tolist() + [next_token]
         if len(tokens) < budget and not any(t in stop for t in tokens) and not self._plain_next:
             self._propose_ahead(draft_cache, next_token, cache.offset)
@@ -457,16 +470,20 @@ class SpeculativeDecoder:
             return 1
         return self.policy.verify_length(self.outlook.calibrated(confidence), self.round_costs())
 
-    def decide(self, verified: int, accepted: int) -> None:
-        """After a round that verified `verified` drafts and accepted `accepted`: rounds go on
-        where drafting pays (Outlook.pays); else a round that accepted every draft it verified
-        is followed by another probe (a drafter that starts matching is taken up at once), and
-        any other by plain steps (Outlook.stretch), among them a round that found no draft
-        worth verifying (its propose gained nothing)."""
-        self.outlook.paying = bool(verified) and self.outlook.pays(self.round_costs(), self.plain_pace())
+    def decide(self, verified: int, accepted: int, round_s: float | None = None) -> None:
+        """After a round that verified `verified` drafts and accepted `accepted` (in round_s
+        seconds, where measured): rounds go on where drafting pays (Outlook.pays); else a round
+        that accepted every draft it verified is followed by another probe (a drafter that
+        starts matching is taken up at once), and any other by plain steps (Outlook.stretch),
+        among them a round that found no draft worth verifying (its propose gained nothing):
+        as many as keep such a round's cost within Outlook.PROBE_SHARE of theirs."""
+        plain_s = self.plain_pace()
+        self.outlook.paying = bool(verified) and self.outlook.pays(self.round_costs(), plain_s)
         if self.outlook.paying:
             self.outlook.paid()
         elif not (verified and accepted == verified):
+            if round_s is not None:
+                self.outlook.probe_stretch(round_s, accepted + 1, plain_s)
             self._plain_next = self.outlook.stretch()
 
     def accept(self, logits: mx.array, proposal: Proposal, ell: int, first_pos: int,

@@ -8,6 +8,7 @@ proposes the target's own continuation exercises the accepting paths.
 
 from __future__ import annotations
 
+import math
 import statistics
 import types
 
@@ -390,8 +391,8 @@ def test_schedule_rounds_record_their_time_beyond_the_forward(fixture_model, run
     """Each round of a scheduled decoder adds its time beyond its verify forward's measured
     cost; a decoder without costs records nothing."""
     decoder = SpeculativeDecoder(runner, runner.drafter, GREEDY, confidence="schedule",
-                                 verify_costs=[1e-6] * (runner.drafter.block + 1))
-    _reply(runner, PROMPTS[0], GREEDY, decoder, max_tokens=12)
+                                 verify_costs=[1e-6] * (runner.drafter.block + 1), plain_cost=1.0)
+    _reply(runner, PROMPTS[0], GREEDY, decoder, max_tokens=12)  # (a plain token's 1 s: probes cost nothing)
     assert decoder.stats.rounds >= 2 and len(decoder.beyond_verify) == min(decoder.stats.rounds, 16)
     assert all(s > 0 for s in decoder.beyond_verify)
     unscheduled = SpeculativeDecoder(runner, runner.drafter, GREEDY, confidence="off")
@@ -520,6 +521,39 @@ def test_outlook_weighs_seen_acceptance_against_a_plain_step():
     assert [outlook.stretch() for _ in range(5)] == [8, 16, 32, 64, 64]
     outlook.paid()
     assert outlook.stretch() == 8
+
+
+def test_a_costly_probe_is_followed_by_a_stretch_that_bounds_its_share():
+    """A failed probe that took 0.5 s for one token where a plain step takes 0.1 s (0.4 s beyond
+    plain, as proposing on a CPU costs several plain steps): the stretches after it take at
+    least 0.4 / (PROBE_SHARE * 0.1) tokens, so probing costs drafting that never pays at most
+    that share; the doubling schedule's longer stretches stand, and a round that paid
+    forgets the bound."""
+    outlook = Outlook(block=3)
+    outlook.probe_stretch(round_s=0.5, tokens=1, plain_s=0.1)
+    least = math.ceil(0.4 / (Outlook.PROBE_SHARE * 0.1))
+    assert least > Outlook.MAX_STRETCH
+    assert [outlook.stretch() for _ in range(3)] == [least] * 3
+    outlook.probe_stretch(round_s=0.15, tokens=1, plain_s=0.1)  # a cheap probe: the schedule's own
+    assert outlook.stretch() == max(64, math.ceil(0.05 / (Outlook.PROBE_SHARE * 0.1)))
+    outlook.probe_stretch(round_s=0.5, tokens=1, plain_s=0.1)
+    outlook.paid()
+    assert outlook.stretch() == Outlook.FIRST_STRETCH
+    outlook.probe_stretch(round_s=0.18, tokens=2, plain_s=0.1)  # no slower than plain: no bound
+    assert outlook.least_stretch == 0
+
+
+def test_the_decoder_bounds_the_stretch_by_its_probes_cost(fixture_model, runner):
+    """decide() hands the round's measured seconds to the outlook: a probe that took 2 s
+    where plain steps take 0.1 s stretches for at least 1.9 / (PROBE_SHARE * 0.1) tokens; one
+    that took no longer than a plain step keeps the doubling schedule's 8."""
+    for round_s, expected in ((2.0, math.ceil(1.9 / (Outlook.PROBE_SHARE * 0.1))), (0.1, Outlook.FIRST_STRETCH)):
+        decoder = SpeculativeDecoder(runner, runner.drafter, GREEDY, confidence="schedule",
+                                     verify_costs=VERIFY_COSTS, plain_cost=0.1)
+        decoder.outlook = Outlook(runner.drafter.block)
+        decoder.outlook.observe([0.9] * runner.drafter.block, verified=1, accepted=0)
+        decoder.decide(verified=1, accepted=0, round_s=round_s)
+        assert decoder.outlook.paying is False and decoder.plain_tokens() == expected
 
 
 def test_verify_costs_are_measured_in_rounds_over_every_row_count():
