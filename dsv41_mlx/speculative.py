@@ -445,7 +445,7 @@ class SpeculativeDecoder:
             self.beyond_verify.append(max(0.0, done - start - self.costs[ell]))
         if self.policy.mode == "schedule":
             self.outlook.observe(confidence, ell, accepted)
-            self.decide(ell, accepted, done - start)
+            self.decide(ell, accepted)
         tokens = drafts[:accepted].tolist() + [next_token]
         if len(tokens) < budget and not any(t in stop for t in tokens) and not self._plain_next:
             self._propose_ahead(draft_cache, next_token, cache.offset)
@@ -470,20 +470,20 @@ class SpeculativeDecoder:
             return 1
         return self.policy.verify_length(self.outlook.calibrated(confidence), self.round_costs())
 
-    def decide(self, verified: int, accepted: int, round_s: float | None = None) -> None:
-        """After a round that verified `verified` drafts and accepted `accepted` (in round_s
-        seconds, where measured): rounds go on where drafting pays (Outlook.pays); else a round
-        that accepted every draft it verified is followed by another probe (a drafter that
-        starts matching is taken up at once), and any other by plain steps (Outlook.stretch),
-        among them a round that found no draft worth verifying (its propose gained nothing):
-        as many as keep such a round's cost within Outlook.PROBE_SHARE of theirs."""
-        plain_s = self.plain_pace()
-        self.outlook.paying = bool(verified) and self.outlook.pays(self.round_costs(), plain_s)
+    def decide(self, verified: int, accepted: int) -> None:
+        """After a round that verified `verified` drafts and accepted `accepted`: rounds go on
+        where drafting pays (Outlook.pays); else a round that accepted every draft it verified
+        is followed by another probe (a drafter that starts matching is taken up at once), and
+        any other by plain steps (Outlook.stretch), among them a round that found no draft
+        worth verifying (its propose gained nothing): as many as keep what such a round
+        costs (round_costs: robust to one that traced a new shape) within
+        Outlook.PROBE_SHARE of theirs."""
+        costs, plain_s = self.round_costs(), self.plain_pace()
+        self.outlook.paying = bool(verified) and self.outlook.pays(costs, plain_s)
         if self.outlook.paying:
             self.outlook.paid()
         elif not (verified and accepted == verified):
-            if round_s is not None:
-                self.outlook.probe_stretch(round_s, accepted + 1, plain_s)
+            self.outlook.probe_stretch(costs[verified], accepted + 1, plain_s)
             self._plain_next = self.outlook.stretch()
 
     def accept(self, logits: mx.array, proposal: Proposal, ell: int, first_pos: int,

@@ -427,8 +427,10 @@ def _scheduled(runner, drafter, params=GREEDY):
 @pytest.mark.parametrize("params", [GREEDY, COUPLED[0]], ids=["greedy", "coupled"])
 def test_schedule_decodes_plainly_where_a_drafter_is_always_wrong(fixture_model, runner, params):
     """A drafter that is sure of every draft and never right: the first round probes with one
-    draft, then plain stretches of 8, 16 and 32 tokens, each followed by a one-draft probe
-    (3 rounds, 3 drafts verified for 60 tokens); the reply is the undrafted one."""
+    draft, then plain stretches, each followed by a one-draft probe (3 rounds, 3 drafts
+    verified for 60 tokens): of 17, 17 and 22 tokens (a probe costs half a plain step beyond
+    one at these costs, so a stretch takes at least 17; the doubling schedule's 32 last,
+    cut at the budget); the reply is the undrafted one."""
     prompt = PROMPTS[1]
     plain = _reply(runner, prompt, params, max_tokens=60)
     decoder = _scheduled(runner, TurnsRight(runner.drafter, prompt + plain + [0] * 8, turn=10**9), params)
@@ -439,9 +441,9 @@ def test_schedule_decodes_plainly_where_a_drafter_is_always_wrong(fixture_model,
 
 
 def test_a_drafter_that_did_not_pay_starts_the_next_generation_with_plain_steps(fixture_model, runner):
-    """The outlook stays with the drafter: after a reply where it never paid (stretches of 8, 16
-    and 32), the next reply decodes plainly from its first token on (a stretch of 64), and is
-    still the undrafted reply."""
+    """The outlook stays with the drafter: after a reply where it never paid (stretches of 17,
+    17 and 22), the next reply decodes plainly from its first token on (a stretch of 64), and
+    is still the undrafted reply."""
     prompt = PROMPTS[1]
     plain = _reply(runner, prompt, GREEDY, max_tokens=60)
     wrong = TurnsRight(runner.drafter, prompt + plain + [0] * 8, turn=10**9)
@@ -461,8 +463,9 @@ def test_schedule_takes_up_a_drafter_that_starts_matching(fixture_model, runner)
     decoder = _scheduled(runner, TurnsRight(runner.drafter, prompt + plain + [0] * 8, turn))
     assert _reply(runner, prompt, GREEDY, decoder, max_tokens=100) == plain
     st = decoder.stats
-    # the probes 2 and 11 tokens in miss (stretches of 8 and 16 follow), the one 28 tokens in is right
-    assert st.stretches == 2 and st.plain_steps == 8 + 16
+    # the probes 2 and 20 tokens in miss, the one 38 tokens in is right; each miss is followed by
+    # 17 plain tokens (a probe costs half a plain step beyond one here: 0.5 / (17 * 1.0) < PROBE_SHARE)
+    assert st.stretches == 2 and st.plain_steps == 17 + 17
     assert st.accepted >= 30 and st.accepted_at[1] > 0  # rounds past the first probe verify more than one
 
 
@@ -544,15 +547,21 @@ def test_a_costly_probe_is_followed_by_a_stretch_that_bounds_its_share():
 
 
 def test_the_decoder_bounds_the_stretch_by_its_probes_cost(fixture_model, runner):
-    """decide() hands the round's measured seconds to the outlook: a probe that took 2 s
-    where plain steps take 0.1 s stretches for at least 1.9 / (PROBE_SHARE * 0.1) tokens; one
-    that took no longer than a plain step keeps the doubling schedule's 8."""
-    for round_s, expected in ((2.0, math.ceil(1.9 / (Outlook.PROBE_SHARE * 0.1))), (0.1, Outlook.FIRST_STRETCH)):
+    """decide() weighs what such a round costs (round_costs: a one-draft verify forward's
+    0.115 s plus the median of what rounds took beyond their forwards) against a plain step's
+    0.1 s: 2 s beyond stretches for at least 2.015 / (PROBE_SHARE * 0.1) tokens; with nothing
+    beyond (0.015 s over plain) the doubling schedule's 8 stand."""
+    block = runner.drafter.block
+    costs = [0.1, 0.115] + [0.1 * n for n in range(2, block + 1)]
+    for beyond, expected in (([2.0, 2.0, 50.0], math.ceil(2.015 / (Outlook.PROBE_SHARE * 0.1))),
+                             ([], Outlook.FIRST_STRETCH)):
         decoder = SpeculativeDecoder(runner, runner.drafter, GREEDY, confidence="schedule",
-                                     verify_costs=VERIFY_COSTS, plain_cost=0.1)
-        decoder.outlook = Outlook(runner.drafter.block)
-        decoder.outlook.observe([0.9] * runner.drafter.block, verified=1, accepted=0)
-        decoder.decide(verified=1, accepted=0, round_s=round_s)
+                                     verify_costs=costs, plain_cost=0.1)
+        decoder.beyond_verify.extend(beyond)  # (50 s: a round that traced a new shape, not counted)
+        decoder.outlook = Outlook(block)
+        for _ in range(5):
+            decoder.outlook.observe([0.9] * block, verified=1, accepted=0)
+        decoder.decide(verified=1, accepted=0)
         assert decoder.outlook.paying is False and decoder.plain_tokens() == expected
 
 
