@@ -92,6 +92,9 @@ def _generate(runner, prompt: list[int], tokens: int) -> dict:
             "cache_bytes_per_token": cache_bytes / len(prompt)}
 
 
+SORT_BLOCK = 4096  # keys one block of MLX's CUDA sort takes; more are sorted in several passes
+
+
 def long_warm_length(args) -> int:
     """A prompt length past which a prefill and a decode step use no kernel that this length
     does not: past the indexers' free picks (indexer_scoring_length), past the candidate
@@ -108,7 +111,25 @@ def long_warm_length(args) -> int:
     return max(indexer_scoring_length(args), candidates + 64, SORT_BLOCK * widest + 64)
 
 
-SORT_BLOCK = 4096  # keys one block of MLX's CUDA sort takes; more are sorted in several passes
+def _each_way(model, base, ways, prompt: list[int], tokens: int, into: dict, say: str) -> None:
+    """Generate after `prompt` each way a row prefills (ways: (label, elide_prefill)), a fresh
+    runner each: into[label] gets the figures (`tokens` decoded elided, 2 in full), or
+    into[f"{label}_stopped"] why it stopped (out of memory, say), and the ways after it are not
+    run. Each is printed under `say`."""
+    from dsv41_mlx.runtime.runner import Runner
+
+    for label, elide in ways:
+        try:
+            with Runner(model, replace(base, elide_prefill=elide)) as runner:
+                into[label] = _generate(runner, prompt, tokens if elide else 2)
+            print(f"  {say}, {label}: {into[label]}", flush=True)
+        except (MemoryError, RuntimeError, ValueError) as e:  # where it stops, said in the table
+            into[f"{label}_stopped"] = f"{type(e).__name__}: {e}"[:200]
+            print(f"  {say}, {label}: stopped: {into[f'{label}_stopped']}", flush=True)
+            break
+        finally:
+            gc.collect()
+            mx.clear_cache()  # the run's freed buffers given back: the next run's sizes differ
 
 
 def bench_context(model_path: str, contexts: list[int], tokens: int, full: bool = True, mlxlm: bool = True,
@@ -138,37 +159,16 @@ def bench_context(model_path: str, contexts: list[int], tokens: int, full: bool 
         if runs and long > min(runs):
             tic = time.perf_counter()
             out["long_warm_up"] = {"tokens": long}
-            for label, elide in ways:
-                try:
-                    with Runner(model, replace(base, elide_prefill=elide)) as runner:
-                        _generate(runner, prompt_of(long, args.vocab_size), 2)
-                except (MemoryError, RuntimeError, ValueError) as e:  # said; the rows say their own
-                    out["long_warm_up"][f"{label}_stopped"] = f"{type(e).__name__}: {e}"[:200]
-                    break
-                finally:
-                    gc.collect()
-                    mx.clear_cache()
+            _each_way(model, base, ways, prompt_of(long, args.vocab_size), 2, out["long_warm_up"],
+                      f"warm-up at {long} tokens")
             out["long_warm_up"]["s"] = time.perf_counter() - tic
-            print(f"  warm-up at {long} tokens: {out['long_warm_up']}", flush=True)
     for n in contexts:
         row = {"context": n}
         out["rows"].append(row)
         if n not in runs:
             row["skipped"] = f"past the model's context of {limit} tokens"
             continue
-        prompt = prompt_of(n, args.vocab_size)
-        for label, elide in ways:
-            try:
-                with Runner(model, replace(base, elide_prefill=elide)) as runner:
-                    row[label] = _generate(runner, prompt, tokens if elide else 2)
-                print(f"  {n} tokens, {label}: {row[label]}", flush=True)
-            except (MemoryError, RuntimeError, ValueError) as e:  # where it stops, said in the table
-                row[f"{label}_stopped"] = f"{type(e).__name__}: {e}"[:200]
-                print(f"  {n} tokens, {label}: stopped: {row[f'{label}_stopped']}", flush=True)
-                break
-            finally:
-                gc.collect()
-                mx.clear_cache()  # the run's freed buffers given back: the next run's sizes differ
+        _each_way(model, base, ways, prompt_of(n, args.vocab_size), tokens, row, f"{n} tokens")
         if "elided" in row:
             step_bytes = weights + step_read_bytes(model, n)
             row["step_GB"] = step_bytes / 1e9
