@@ -146,9 +146,13 @@ class Outlook:
     DECAY = 0.8  # per round: about the last five rounds count
     FIRST_STRETCH, MAX_STRETCH = 8, 64
     PROBE_SHARE = 0.03  # at most this share of a stretch's time goes to the failed probe after it
+    ROUNDS_TIMED = 16  # the latest rounds whose seconds are kept (SpeculativeDecoder.round_costs)
 
     def __init__(self, block: int):
         self.reached, self.accepted, self.predicted = [0.0] * block, [0.0] * block, [0.0] * block
+        # the latest rounds as (drafts verified, seconds the round took), for the drafter's
+        # round costs (SpeculativeDecoder.round_costs)
+        self.timed_rounds: deque[tuple[int, float]] = deque(maxlen=self.ROUNDS_TIMED)
         self.paying: bool | None = None  # the last round's verdict (None: no round yet)
         self.next_stretch = self.FIRST_STRETCH
         self.least_stretch = 0  # what the last failed probe's cost asks of a stretch (probe_stretch)
@@ -319,6 +323,9 @@ class SpeculativeDecoder:
         self.runner, self.drafter, self.params = runner, drafter, params
         self.verify = resolve_verify(verify, params)
         self.policy = ConfidencePolicy.parse(confidence)
+        # costs given are taken as stated; measured ones are of one moment, which the rounds'
+        # own times correct (round_costs)
+        self.costs_measured = verify_costs is None
         if self.policy.mode == "schedule" and verify_costs is None:
             if drafter.verify_costs is None:  # measured once per loaded model
                 drafter.verify_costs = measure_verify_costs(runner, drafter.block + 1)
@@ -329,7 +336,6 @@ class SpeculativeDecoder:
         # [1, n, F]: the DSpark features of the positions the last round committed (its anchor
         # and accepted drafts), for a caller that keeps a sequence's newest features
         self.committed_features: mx.array | None = None
-        self.beyond_verify: deque[float] = deque(maxlen=16)  # recent rounds' seconds beyond their forward
         self.plain_cost = plain_cost  # seconds per plain token; None: the runner's plain steps' pace
         # what the drafter's rounds have shown, kept with it across generations: one that did not
         # pay before starts with plain steps, one that paid with rounds
@@ -338,6 +344,12 @@ class SpeculativeDecoder:
         self.outlook = drafter.outlook if self.policy.mode == "schedule" else Outlook(drafter.block)
         self._plain_next = self.outlook.stretch() if self.outlook.paying is False else 0  # plain tokens before a round
         self._ahead: Ahead | None = None  # the next round's proposal, started by the round before
+
+    @property
+    def timed_rounds(self) -> deque[tuple[int, float]]:
+        """The latest rounds' (drafts verified, seconds): the outlook's, kept with the drafter
+        across generations, as its verify costs are."""
+        return self.outlook.timed_rounds
 
     def begin(self, cache: ModelCache, features: mx.array) -> DraftCache:
         """The drafter's rings for a prefilled prompt: its newest n rows' features [n, 3*dim]
@@ -371,14 +383,26 @@ class SpeculativeDecoder:
 
     def round_costs(self) -> list[float] | None:
         """What a round verifying 1, 2, .. rows costs, for the schedule: the measured verify
-        forwards (self.costs, on a short scratch cache) plus the median of what this
-        decoder's last 16 rounds took beyond them (propose, read-backs, ingest, a longer
-        cache; the median, because a round that traces a new shape takes far longer).
-        Without that part the schedule verifies too few drafts."""
+        forwards (self.costs, on a short scratch cache) plus the median of what the drafter's
+        latest rounds took beyond them (propose, read-backs, ingest, a longer cache; the
+        median, because a round that traces a new shape takes far longer). Without that part
+        the schedule verifies too few drafts.
+
+        Where the forwards were measured here (once per drafter) and the rounds now take less
+        than them, the machine ran slower when they were measured (a lent GPU's host ran a
+        forward in half the time minutes later): the forwards are scaled by the median of the
+        rounds' seconds over their forward's, so that a round is weighed at the pace plain
+        steps are timed at now, not as dear as it was then. Costs the caller gave are taken
+        as stated."""
         if self.costs is None:
             return None
-        extra = statistics.median(self.beyond_verify) if self.beyond_verify else 0.0
-        return [c + extra for c in self.costs]
+        if not self.timed_rounds:
+            return list(self.costs)
+        extra = statistics.median(s - self.costs[v] for v, s in self.timed_rounds)
+        if extra >= 0 or not self.costs_measured:
+            return [c + max(extra, 0.0) for c in self.costs]
+        scale = statistics.median(s / self.costs[v] for v, s in self.timed_rounds)
+        return [c * scale for c in self.costs]
 
     def pick(self, position: int):
         """The drafter's picker for a block whose first draft sits at `position`."""
@@ -442,7 +466,7 @@ class SpeculativeDecoder:
         self.stats.ingest_s += done - tic
         self.stats.add_round(ell, accepted)
         if self.costs is not None:
-            self.beyond_verify.append(max(0.0, done - start - self.costs[ell]))
+            self.timed_rounds.append((ell, done - start))
         if self.policy.mode == "schedule":
             self.outlook.observe(confidence, ell, accepted)
             self.decide(ell, accepted)

@@ -246,6 +246,21 @@ def test_oracle_decoders_carry_what_the_rounds_showed_from_reply_to_reply(fixtur
     assert harness.OracleDrafter(runner.drafter, prompt + reply, 0.56).outlook is None  # a lone stand-in: none
 
 
+def test_oracle_decoders_measure_the_verify_costs_once_as_the_drafters(fixture_model, runner):
+    """Scheduled oracle decoders without costs given take the drafter's measured ones (measured
+    once, on the first, and kept with the drafter, as a plain SpeculativeDecoder would): the
+    schedule then weighs them against the rounds' own times, as for the checkpoint's drafter."""
+    from dsv41_mlx.sampling import SamplingParams
+
+    make = harness.OracleDecoders(runner, 0.56)
+    assert runner.drafter.verify_costs is None
+    first = make(SamplingParams(), [5, 6, 7, 8, 9], confidence="schedule")
+    costs = runner.drafter.verify_costs
+    assert len(costs) == runner.drafter.block + 1 and first.costs is costs and first.costs_measured
+    second = make(SamplingParams(), [5, 6, 7, 8, 9], confidence="schedule")
+    assert second.costs is costs and runner.drafter.verify_costs is costs
+
+
 def test_oracle_without_a_rate_misses_every_kth_position(fixture_model, drafter):
     """Without a rate the oracle's draft is wrong exactly at the positions a multiple of
     wrong_every (the right token + 1), its confidence that share right, and its logits all on

@@ -380,7 +380,8 @@ def test_schedule_counts_a_rounds_work_beyond_its_verify_forward(fixture_model, 
     assert decoder.round_costs() == forwards  # no round yet
     schedule = ConfidencePolicy.parse("schedule")
     assert schedule.verify_length(c, decoder.round_costs()) == 1  # 1.9 / 1.6 > 2.62 / 2.4
-    decoder.beyond_verify.extend([1.5, 2.0, 9.0])  # three rounds' seconds beyond their forwards: the median
+    # three rounds of one draft, 1.5, 2 and 9 s beyond its forward: the median counts
+    decoder.timed_rounds.extend([(1, forwards[1] + beyond) for beyond in (1.5, 2.0, 9.0)])
     assert decoder.round_costs() == pytest.approx([f + 2.0 for f in forwards])
     assert schedule.verify_length(c, decoder.round_costs()) == 2  # 2.62 / 4.4 > 2.98 / 5.2
     off = SpeculativeDecoder(runner, runner.drafter, GREEDY, confidence="off")
@@ -393,11 +394,12 @@ def test_schedule_rounds_record_their_time_beyond_the_forward(fixture_model, run
     decoder = SpeculativeDecoder(runner, runner.drafter, GREEDY, confidence="schedule",
                                  verify_costs=[1e-6] * (runner.drafter.block + 1), plain_cost=1.0)
     _reply(runner, PROMPTS[0], GREEDY, decoder, max_tokens=12)  # (a plain token's 1 s: probes cost nothing)
-    assert decoder.stats.rounds >= 2 and len(decoder.beyond_verify) == min(decoder.stats.rounds, 16)
-    assert all(s > 0 for s in decoder.beyond_verify)
+    assert 2 <= decoder.stats.rounds <= Outlook.ROUNDS_TIMED and len(decoder.timed_rounds) == decoder.stats.rounds
+    assert sum(v for v, _ in decoder.timed_rounds) == decoder.stats.verified
+    assert all(s > 0 for _, s in decoder.timed_rounds)
     unscheduled = SpeculativeDecoder(runner, runner.drafter, GREEDY, confidence="off")
     _reply(runner, PROMPTS[0], GREEDY, unscheduled, max_tokens=12)
-    assert unscheduled.stats.rounds >= 2 and not unscheduled.beyond_verify
+    assert unscheduled.stats.rounds >= 2 and not unscheduled.timed_rounds
 
 
 class TurnsRight(WrappedDrafter):
@@ -475,6 +477,60 @@ def test_schedule_never_stretches_for_a_drafter_that_is_always_right(fixture_mod
     decoder = _scheduled(runner, TurnsRight(runner.drafter, prompt + plain + [0] * 8, turn=0))
     assert _reply(runner, prompt, GREEDY, decoder, max_tokens=40) == plain
     assert decoder.stats.stretches == 0 and decoder.stats.accepted > decoder.stats.rounds
+
+
+def test_round_costs_follow_the_rounds_where_the_forwards_were_measured_slower(fixture_model, runner):
+    """Verify forwards measured while the machine ran twice as slow (2.0 s for a one-draft
+    forward) and rounds that now take 1.4 s: the rounds' time short of the forwards counts
+    too, so the schedule weighs a round at what it takes now. A draft accepted in about
+    three of five rounds then pays against a plain step of 1 s (1.6 tokens in 1.4 s); with
+    the rounds' time counted only where it exceeds the forwards, it would not have."""
+    block = runner.drafter.block
+    slow = [2.0 * (1.0 + n / 2) for n in range(block + 1)]  # VERIFY_COSTS as measured at half speed
+    runner.drafter.verify_costs = slow  # (as measure_verify_costs leaves them)
+    decoder = SpeculativeDecoder(runner, runner.drafter, GREEDY, confidence="schedule", plain_cost=1.0)
+    decoder.timed_rounds.extend([(1, 1.4)] * 5)  # five rounds of one draft, 1.4 s each
+    assert decoder.round_costs()[1] == pytest.approx(1.4)
+    for accepted in (1, 0, 1, 1, 0):
+        decoder.outlook.observe([0.9] * block, verified=1, accepted=accepted)
+    decoder.decide(verified=1, accepted=0)
+    assert decoder.outlook.paying is True and decoder.plain_tokens() == 0
+
+
+def test_the_rounds_time_stays_with_the_drafter_across_generations(fixture_model, runner):
+    """What a reply's rounds took is the drafter's, as its outlook is: the next reply's first
+    round is weighed with it, not as a bare forward."""
+    prompt = PROMPTS[1]
+    plain = _reply(runner, prompt, GREEDY, max_tokens=20)
+    right = TurnsRight(runner.drafter, prompt + plain + [0] * 8, turn=0)
+    right.verify_costs = [1e-6] * (right.block + 1)  # (as measure_verify_costs leaves them)
+    first = SpeculativeDecoder(runner, right, GREEDY, confidence="schedule", plain_cost=1.0)
+    _reply(runner, prompt, GREEDY, first, max_tokens=20)
+    timed = list(first.timed_rounds)
+    assert len(timed) == first.stats.rounds > 0
+    second = SpeculativeDecoder(runner, right, GREEDY, confidence="schedule", plain_cost=1.0)
+    assert list(second.timed_rounds) == timed
+    beyond = statistics.median(s - 1e-6 for _, s in timed)
+    assert second.round_costs() == pytest.approx([1e-6 + beyond] * (right.block + 1))
+
+
+def test_schedule_drafts_where_its_forwards_were_measured_on_a_slower_machine(fixture_model, runner):
+    """Verify forwards measured at ten times what a round takes now (10 s and more, where this
+    machine's rounds take well under a second) and a plain step of 1 s: a drafter that is
+    always right is taken up with rounds of several drafts, as the rounds show, and the reply
+    is the undrafted one. The same costs given by the caller are taken as stated."""
+    prompt = PROMPTS[1]
+    plain = _reply(runner, prompt, GREEDY, max_tokens=40)
+    right = TurnsRight(runner.drafter, prompt + plain + [0] * 8, turn=0)
+    right.verify_costs = [10 * c for c in VERIFY_COSTS]  # (as measure_verify_costs leaves them)
+    decoder = SpeculativeDecoder(runner, right, GREEDY, confidence="schedule", plain_cost=1.0)
+    assert _reply(runner, prompt, GREEDY, decoder, max_tokens=40) == plain
+    assert decoder.stats.stretches == 0 and decoder.stats.accepted_at[1] > 0
+    # the same costs given by the caller are taken as stated: every round a probe of one draft
+    stated = SpeculativeDecoder(runner, TurnsRight(runner.drafter, prompt + plain + [0] * 8, turn=0), GREEDY,
+                                confidence="schedule", verify_costs=[10 * c for c in VERIFY_COSTS], plain_cost=1.0)
+    assert _reply(runner, prompt, GREEDY, stated, max_tokens=40) == plain
+    assert stated.stats.rounds > 10 and stated.stats.reached[1] == 0  # (no round verified a second draft)
 
 
 def test_the_schedule_weighs_a_round_against_the_runners_plain_steps(fixture_model):
@@ -557,8 +613,9 @@ def test_the_decoder_bounds_the_stretch_by_its_probes_cost(fixture_model, runner
                              ([], Outlook.FIRST_STRETCH)):
         decoder = SpeculativeDecoder(runner, runner.drafter, GREEDY, confidence="schedule",
                                      verify_costs=costs, plain_cost=0.1)
-        decoder.beyond_verify.extend(beyond)  # (50 s: a round that traced a new shape, not counted)
         decoder.outlook = Outlook(block)
+        # (50 s: a round that traced a new shape, not counted)
+        decoder.timed_rounds.extend([(1, costs[1] + b) for b in beyond])
         for _ in range(5):
             decoder.outlook.observe([0.9] * block, verified=1, accepted=0)
         decoder.decide(verified=1, accepted=0)

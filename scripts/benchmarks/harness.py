@@ -414,9 +414,12 @@ class OracleDecoders:
         self.outlooks = {}  # verify policy -> the Outlook its decoders share
 
     def __call__(self, params, sequence: list[int], confidence: str = "off", verify_costs=None):
-        from dsv41_mlx.speculative import SpeculativeDecoder
+        from dsv41_mlx.speculative import SpeculativeDecoder, measure_verify_costs
 
-        oracle = OracleDrafter(self.runner.drafter, sequence, self.rate, seed=len(sequence))
+        drafter = self.runner.drafter
+        if confidence == "schedule" and verify_costs is None and drafter.verify_costs is None:
+            drafter.verify_costs = measure_verify_costs(self.runner, drafter.block + 1)  # once, as the drafter's own
+        oracle = OracleDrafter(drafter, sequence, self.rate, seed=len(sequence))
         oracle.outlook = self.outlooks.get(confidence)
         decoder = SpeculativeDecoder(self.runner, oracle, params, confidence=confidence, verify_costs=verify_costs)
         self.outlooks[confidence] = oracle.outlook
