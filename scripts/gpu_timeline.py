@@ -46,7 +46,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import importlib
+import dataclasses
 import json
 import re
 import sys
@@ -187,6 +187,17 @@ def ncu_kernels(text: str) -> list[tuple[float, float, str]]:
     return kernels
 
 
+def profiled_runner(model):
+    """A Runner with the device's options, but for the rows gate (kernels.rows_gate): under the
+    profiler a gated forward never saw the host's release (an H100 waited out both the gate's
+    few seconds and minutes of it), so each forward here starts once its engram rows are
+    written, as on a Mac."""
+    from dsv41_mlx.runtime.options import default_options
+    from dsv41_mlx.runtime.runner import Runner
+
+    return Runner(model, dataclasses.replace(default_options(model.args), gate_rows=False))
+
+
 @contextlib.contextmanager
 def load_warm(model_path: str, rows: int, prompt_tokens: int, prefill_only: bool = False,
               propose_only: bool = False):
@@ -203,10 +214,9 @@ def load_warm(model_path: str, rows: int, prompt_tokens: int, prefill_only: bool
     forward (its engram rows first) to the next forward's block 0. More rows: a verify-sized
     forward (Runner.decode) whose token is read back before the next is built."""
     import dsv41_mlx
-    from dsv41_mlx.runtime.runner import Runner
 
     model, _ = dsv41_mlx.load(model_path)
-    with Runner(model) as runner:
+    with profiled_runner(model) as runner:
         if prefill_only:
             yield _prefill_step(runner, prompt_tokens)
         elif propose_only:
@@ -301,14 +311,13 @@ def load_oracle(model_path: str, prompt_tokens: int, tokens: int, rate: float = 
     each run checks the reply is the same and returns its decoder (its stats)."""
     import dsv41_mlx
     from dsv41_mlx.generate import generate_step
-    from dsv41_mlx.runtime.runner import Runner
     from dsv41_mlx.sampling import SamplingParams
     from dsv41_mlx.speculative import SpeculativeDecoder
     from scripts.benchmarks.harness import OracleDrafter
 
     model, _ = dsv41_mlx.load(model_path)
     prompt, greedy = prompt_of(prompt_tokens, model.args.vocab_size), SamplingParams()
-    with Runner(model) as runner:
+    with profiled_runner(model) as runner:
         drafter = drafter_of(runner, model_path, "there are no rounds to time")
         reply = list(generate_step(runner, prompt, greedy, tokens))
 
@@ -346,11 +355,6 @@ def record(model_path: str, rows: int, steps: int, prompt_tokens: int = 261, pre
     with load_warm(model_path, rows, prompt_tokens, prefill_only, propose_only) as step:
         kernels, _, wall = profiled(lambda: [step() for _ in range(steps)])
     return kernels, wall / steps
-
-
-# The rows gate's spins (kernels.rows_gate) while profiled: starting the profiler stalls the
-# host for seconds, longer than the engine's gate waits for the rows of a forward started ahead
-PROFILED_GATE_SPINS = 1 << 30
 
 
 def profiled(run):
@@ -422,7 +426,6 @@ def print_table(res: dict, top: int) -> None:
 
 
 def main() -> int:
-    importlib.import_module("dsv41_mlx.kernels.rows_gate").GATE_SPINS = PROFILED_GATE_SPINS  # before any forward
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="checkpoint directory (scripts/make_flash_shaped.py)")
     parser.add_argument("--rows", type=int, default=1, help="tokens per forward (1: a decode step; up to 6: verify)")

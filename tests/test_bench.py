@@ -44,7 +44,13 @@ def test_e2e_drafted_replies_equal_undrafted_and_mlxlm_runs_beside(monkeypatch, 
     monkeypatch.setattr(e2e, "copy_bandwidth", lambda: order.append("bandwidth") or 2e11)
     _short_prompts(monkeypatch, e2e)
     reported = []  # what is handed over before the paired measurement, the slowest and last part
+    sequences, make_oracle = [], harness.OracleDecoders.__call__  # what each oracle knows
+    monkeypatch.setattr(harness.OracleDecoders, "__call__",
+                        lambda self, params, sequence, **kw: sequences.append(tuple(sequence))
+                        or make_oracle(self, params, sequence, **kw))
     res = e2e.bench_e2e(str(default_checkpoint()), n_prompts=1, tokens=3, oracle_rate=0.56, report=reported.append)
+    # every oracle, each row's warm-up's too, knows the reply it drafts for: two prompts, two sequences
+    assert len(sequences) > 4 and len(set(sequences)) == 2
     assert order == ["warm-up", "bandwidth"] and res["copy_GBps"] == 200
     assert res["floor_ms"] == pytest.approx(res["bytes_per_token_GB"] / 200 * 1e3)
     assert len(reported) == 1 and reported[0]["runs"] == res["runs"]

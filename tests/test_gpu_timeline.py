@@ -267,3 +267,15 @@ def test_rounds_report_takes_medians_beside_the_hosts_round(timeline):
     assert figures["host_ms_per_round"] == pytest.approx(26)
     assert "26.00 ms a round on the host" in text and "| 100 | 3000 | gather |" in text  # rounds 2, 3: the middle is 3
     assert timeline.rounds_report([], stats, 261) is None
+
+
+def test_profiled_forwards_run_without_the_rows_gate(timeline, fixture_model, monkeypatch):
+    """Under the profiler a gated forward never saw the host's release: the timeline's runner takes
+    the device's options but for the gate."""
+    from dsv41_mlx.runtime import options
+
+    gpu_like = options.Options(decode_rows=8, build_ahead=True, evaluate_on_thread=True, gate_rows=True)
+    monkeypatch.setattr(options, "default_options", lambda args, device=None: gpu_like)
+    with timeline.profiled_runner(fixture_model) as runner:
+        assert runner.options == options.Options(decode_rows=8, build_ahead=True, evaluate_on_thread=True,
+                                                 gate_rows=False)

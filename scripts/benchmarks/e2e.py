@@ -292,12 +292,19 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float, 
         ]:
             elapsed, produced, replies, stats, oracle, step_s = 0.0, 0, [], [], [0, 0], []
             probes = [host_probe_ms()]
+            known = runs.get("plain greedy", {}).get("replies", [None] * len(ids_list))
+
+            def decoder_for(i):
+                """The row's decoder for prompt i (None: plain), the oracle's knowing its reply (the
+                plain greedy run's; the warm-up's too: an oracle past what it knows drafts only
+                wrong tokens, and its schedule's outlook carries to the timed replies)."""
+                return make(params, ids_list[i] + (known[i] or [])) if make else None
+
             warm = time.perf_counter()  # a short untimed run first: kernel builds and compile traces
-            list(generate_step(runner, ids_list[0], params, 4, decoder=make(params, ids_list[0]) if make else None))
+            list(generate_step(runner, ids_list[0], params, 4, decoder=decoder_for(0)))
             print(f"  {label}: warm-up {time.perf_counter() - warm:.1f} s", flush=True)
             for i, ids in enumerate(ids_list):
-                reference = runs.get("plain greedy", {}).get("replies", [None] * len(ids_list))[i]
-                decoder = make(params, ids + (reference or [])) if make else None
+                decoder = decoder_for(i)
                 steps = generate_step(runner, ids, params, tokens, decoder=decoder)
                 first = next(steps)  # prefill and the first token stay out of the decode rate
                 rest, stamps = [], [time.perf_counter()]
