@@ -1,6 +1,7 @@
 """Where a decode step's GPU time goes, kernel by kernel (CUDA only).
 
     python scripts/gpu_timeline.py --model DIR [--rows 1] [--steps 6] [--json FILE] [--sequence FILE]
+    python scripts/gpu_timeline.py --model DIR --prompt-tokens 1024 32768   # what the longer context adds
     python scripts/gpu_timeline.py --model DIR --prefill [--prompt-tokens 261] [--steps 3]
     python scripts/gpu_timeline.py --model DIR --propose [--steps 6]
     python scripts/gpu_timeline.py --model DIR --oracle [--tokens 48]
@@ -199,34 +200,46 @@ def profiled_runner(model):
 
 
 @contextlib.contextmanager
-def load_warm(model_path: str, rows: int, prompt_tokens: int, prefill_only: bool = False,
-              propose_only: bool = False):
-    """Inside: a function that runs one more forward of `rows` tokens on the model, after a
-    prompt of prompt_tokens tokens and 4 untimed forwards (kernels built and loaded, compiled
-    pieces traced), its forwards run by a Runner with the device's options.
-    prefill_only: the function prefills that prompt into an empty cache instead (rows unused),
-    after two untimed prefills. propose_only: the prompt's features ingested into the
-    drafter's rings, the function runs one greedy propose pass from the prompt's next token
-    and evaluates its drafts, logits and confidences, as SpeculativeDecoder.round does (rows
-    unused; four untimed first).
-    One row: a step as generate.generate_step takes it (greedy): the next forward begun before
-    the token is read back (Runner.decode_ahead), so a step's kernels run from the rest of one
-    forward (its engram rows first) to the next forward's block 0. More rows: a verify-sized
-    forward (Runner.decode) whose token is read back before the next is built."""
+def loaded(model_path: str):
+    """Inside: the model's Runner (profiled_runner), the model loaded once."""
     import dsv41_mlx
 
     model, _ = dsv41_mlx.load(model_path)
     with profiled_runner(model) as runner:
-        if prefill_only:
-            yield _prefill_step(runner, prompt_tokens)
-        elif propose_only:
-            yield _propose_step(runner, model_path, prompt_tokens)
-        else:
-            yield _decode_step(runner, rows, prompt_tokens)
+        yield runner
+
+
+def warm_step(runner, model_path: str, rows: int, prompt_tokens: int, prefill_only: bool = False,
+              propose_only: bool = False):
+    """A function that runs one more forward of `rows` tokens on the runner's model, after a
+    prompt of prompt_tokens tokens and 4 untimed forwards (kernels built and loaded, compiled
+    pieces traced). prefill_only: the function prefills that prompt into an empty cache
+    instead (rows unused), after two untimed prefills. propose_only: the prompt's features
+    ingested into the drafter's rings, the function runs one greedy propose pass from the
+    prompt's next token and evaluates its drafts, logits and confidences, as
+    SpeculativeDecoder.round does (rows unused; four untimed first).
+    One row: a step as generate.generate_step takes it (greedy): the next forward begun before
+    the token is read back (Runner.decode_ahead), so a step's kernels run from the rest of one
+    forward (its engram rows first) to the next forward's block 0. More rows: a verify-sized
+    forward (Runner.decode) whose token is read back before the next is built."""
+    if prefill_only:
+        return _prefill_step(runner, prompt_tokens)
+    if propose_only:
+        return _propose_step(runner, model_path, prompt_tokens)
+    return _decode_step(runner, rows, prompt_tokens)
+
+
+@contextlib.contextmanager
+def load_warm(model_path: str, rows: int, prompt_tokens: int, prefill_only: bool = False,
+              propose_only: bool = False):
+    """Inside: warm_step's function for the model, loaded with the device's options but for
+    the rows gate (profiled_runner)."""
+    with loaded(model_path) as runner:
+        yield warm_step(runner, model_path, rows, prompt_tokens, prefill_only, propose_only)
 
 
 def _prefill_step(runner, prompt_tokens: int):
-    """load_warm's prefill_only function, after its two untimed runs."""
+    """warm_step's prefill_only function, after its two untimed runs."""
     from dsv41_mlx.generate import prefill
 
     prompt = prompt_of(prompt_tokens, runner.args.vocab_size)
@@ -241,7 +254,7 @@ def _prefill_step(runner, prompt_tokens: int):
 
 
 def _propose_step(runner, model_path: str, prompt_tokens: int):
-    """load_warm's propose_only function, after its four untimed runs."""
+    """warm_step's propose_only function, after its four untimed runs."""
     from dsv41_mlx.generate import prefill
 
     drafter = drafter_of(runner, model_path, "there is no propose pass to time")
@@ -263,7 +276,7 @@ def _propose_step(runner, model_path: str, prompt_tokens: int):
 
 
 def _decode_step(runner, rows: int, prompt_tokens: int):
-    """load_warm's decode function, after its four untimed steps."""
+    """warm_step's decode function, after its four untimed steps."""
     from dsv41_mlx.generate import draw_token, prefill
     from dsv41_mlx.sampling import SamplingParams
 
@@ -347,14 +360,35 @@ def under_ncu(model_path: str, rows: int, prompt_tokens: int, prefill_only: bool
         driver.cuProfilerStop()
 
 
-def record(model_path: str, rows: int, steps: int, prompt_tokens: int = 261, prefill_only: bool = False,
-           propose_only: bool = False) -> tuple[list[tuple[float, float, str]], float]:
-    """The GPU kernels of `steps` decode steps of `rows` tokens after a prompt of prompt_tokens
-    tokens (prefill_only: of `steps` prefills of that prompt; propose_only: of `steps` propose
-    passes after it), and the wall seconds per step under the profiler."""
-    with load_warm(model_path, rows, prompt_tokens, prefill_only, propose_only) as step:
-        kernels, _, wall = profiled(lambda: [step() for _ in range(steps)])
-    return kernels, wall / steps
+def record(model_path: str, rows: int, steps: int, contexts: list[int], prefill_only: bool = False,
+           propose_only: bool = False) -> list[tuple[list[tuple[float, float, str]], float]]:
+    """For each context in turn, the GPU kernels of `steps` decode steps of `rows` tokens after a
+    prompt of that many tokens (prefill_only: of `steps` prefills of that prompt; propose_only:
+    of `steps` propose passes after it), and the wall seconds per step under the profiler. One
+    process for all of them: the model loads and MLX builds its kernels once."""
+    results = []
+    with loaded(model_path) as runner:
+        for prompt_tokens in contexts:
+            step = warm_step(runner, model_path, rows, prompt_tokens, prefill_only, propose_only)
+            kernels, _, wall = profiled(lambda: [step() for _ in range(steps)])
+            results.append((kernels, wall / steps))
+            step = None  # (its cache freed before the next context's prompt)
+    return results
+
+
+def growth(first: dict, last: dict) -> list[dict]:
+    """Two contexts' summaries (summarize) -> every kernel's ms a step in each and how much it
+    grew from the first to the last, the most grown first: what a longer context adds."""
+    a = {row["kernel"]: row for row in first["table"]}
+    b = {row["kernel"]: row for row in last["table"]}
+    rows = []
+    for kernel in a.keys() | b.keys():
+        before, after = a.get(kernel, {}), b.get(kernel, {})
+        rows.append({"kernel": kernel, "calls_first": before.get("calls_per_step", 0.0),
+                     "calls_last": after.get("calls_per_step", 0.0), "first_ms": before.get("ms_per_step", 0.0),
+                     "last_ms": after.get("ms_per_step", 0.0)})
+        rows[-1]["grew_ms"] = rows[-1]["last_ms"] - rows[-1]["first_ms"]
+    return sorted(rows, key=lambda row: (-row["grew_ms"], row["kernel"]))
 
 
 def profiled(run):
@@ -425,14 +459,29 @@ def print_table(res: dict, top: int) -> None:
         print(f"| {name} | {row['calls_per_step']:.1f} | {row['us_per_call']:.1f} | {row['ms_per_step']:.3f} |")
 
 
+def print_growth(first: dict, last: dict, grown: list[dict], top: int) -> None:
+    """What the last context adds to the first (growth): the step's totals, then the `top`
+    kernels that grew most, as markdown."""
+    print(f"from {first['prompt_tokens']} to {last['prompt_tokens']} tokens: wall {first['wall_ms']:.1f} -> "
+          f"{last['wall_ms']:.1f} ms, GPU busy {first['busy_ms']:.1f} -> {last['busy_ms']:.1f} ms, idle gaps over "
+          f"50 us {first['long_gaps_ms']:.1f} -> {last['long_gaps_ms']:.1f} ms, kernels "
+          f"{first['kernels_per_step']:.0f} -> {last['kernels_per_step']:.0f} a step\n")
+    print("| kernel | calls / step | ms / step | grew ms |\n|---|---|---|---|")
+    for row in grown[:top]:
+        name = row["kernel"] if len(row["kernel"]) <= 60 else row["kernel"][:57] + "..."
+        print(f"| {name} | {row['calls_first']:.1f} -> {row['calls_last']:.1f} | {row['first_ms']:.3f} -> "
+              f"{row['last_ms']:.3f} | {row['grew_ms']:+.3f} |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="checkpoint directory (scripts/make_flash_shaped.py)")
     parser.add_argument("--rows", type=int, default=1, help="tokens per forward (1: a decode step; up to 6: verify)")
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--prompt-tokens", type=int, default=261,
+    parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[261],
                         help="context before the steps (indexer_scoring_length or more: every index layer "
-                             "scores; fewer: the indexers pick every position unscored)")
+                             "scores; fewer: the indexers pick every position unscored); several: each in "
+                             "turn in this process, and what the last adds to the first, kernel by kernel")
     parser.add_argument("--prefill", action="store_true",
                         help="time prefills of a --prompt-tokens prompt into an empty cache instead of decode steps")
     parser.add_argument("--propose", action="store_true",
@@ -466,8 +515,10 @@ def main() -> int:
     if not (mx.default_device() == mx.gpu and mx.cuda.is_available()):
         print("gpu_timeline needs MLX on CUDA (on a Mac, Xcode's Metal System Trace shows the same)", file=sys.stderr)
         return 2
+    if (args.under_ncu or args.oracle) and len(args.prompt_tokens) > 1:
+        parser.error("--under-ncu and --oracle take one --prompt-tokens")
     if args.under_ncu:
-        under_ncu(args.model, args.rows, args.prompt_tokens, args.prefill, args.propose)
+        under_ncu(args.model, args.rows, args.prompt_tokens[0], args.prefill, args.propose)
         return 0
     try:
         import torch
@@ -477,26 +528,31 @@ def main() -> int:
         print(f"gpu_timeline needs PyTorch with CUDA for its profiler: {e}", file=sys.stderr)
         return 2
     if args.oracle:
-        return print_rounds(args.model, args.prompt_tokens, args.tokens, args.json)
-    kernels, wall = record(args.model, args.rows, args.steps, args.prompt_tokens, args.prefill, args.propose)
-    res = summarize(kernels, args.steps)
-    what = (f"prefill of {args.prompt_tokens} tokens" if args.prefill
-            else f"propose pass after {args.prompt_tokens} tokens" if args.propose
-            else f"{args.rows}-row forward after {args.prompt_tokens} tokens")
-    print(f"{what}: wall {wall * 1e3:.1f} ms a step under the profiler; GPU span "
-          f"{res['span_ms']:.1f} ms, busy {res['busy_ms']:.1f} ms, kernel time summed {res['kernel_sum_ms']:.1f} ms, "
-          f"idle gaps over 50 us {res['long_gaps_ms']:.1f} ms; {res['kernels_per_step']:.0f} kernels a step\n")
-    print_table(res, args.top)
-    if args.sequence:
-        last = step_kernels(kernels, args.steps, args.steps - 1)
-        Path(args.sequence).write_text("   start      us    idle kernel\n" + "".join(
-            f"{start:8.1f} {us:7.1f} {idle:7.1f} {name}\n" for start, us, idle, name in last))
+        return print_rounds(args.model, args.prompt_tokens[0], args.tokens, args.json)
+    results = []
+    for n, (kernels, wall) in zip(args.prompt_tokens, record(args.model, args.rows, args.steps, args.prompt_tokens,
+                                                             args.prefill, args.propose)):
+        res = {**summarize(kernels, args.steps), "wall_ms": wall * 1e3, "rows": args.rows, "prefill": args.prefill,
+               "propose": args.propose, "prompt_tokens": n}
+        what = (f"prefill of {n} tokens" if args.prefill else f"propose pass after {n} tokens" if args.propose
+                else f"{args.rows}-row forward after {n} tokens")
+        print(f"{what}: wall {wall * 1e3:.1f} ms a step under the profiler; GPU span "
+              f"{res['span_ms']:.1f} ms, busy {res['busy_ms']:.1f} ms, kernel time summed {res['kernel_sum_ms']:.1f} "
+              f"ms, idle gaps over 50 us {res['long_gaps_ms']:.1f} ms; {res['kernels_per_step']:.0f} kernels a step\n")
+        print_table(res, args.top)
+        print()
+        if args.sequence:
+            last = step_kernels(kernels, args.steps, args.steps - 1)
+            Path(args.sequence).write_text("   start      us    idle kernel\n" + "".join(
+                f"{start:8.1f} {us:7.1f} {idle:7.1f} {name}\n" for start, us, idle, name in last))
+        results.append(res)
+    out = results[0] if len(results) == 1 else {"contexts": results}
+    if len(results) > 1:
+        out["growth"] = growth(results[0], results[-1])
+        print_growth(results[0], results[-1], out["growth"], args.top)
     if args.json:
-        Path(args.json).write_text(json.dumps({**res, "wall_ms": wall * 1e3, "rows": args.rows,
-                                               "prefill": args.prefill, "propose": args.propose,
-                                               "prompt_tokens": args.prompt_tokens}, indent=1))
+        Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -279,3 +279,38 @@ def test_profiled_forwards_run_without_the_rows_gate(timeline, fixture_model, mo
     with timeline.profiled_runner(fixture_model) as runner:
         assert runner.options == options.Options(decode_rows=8, build_ahead=True, evaluate_on_thread=True,
                                                  gate_rows=False)
+
+
+def test_several_contexts_run_in_one_process_each_after_its_own_prompt(timeline, fixture_dir, monkeypatch):
+    """record over contexts 12 and 30: the model loads once, and each context's steps run after a
+    prompt of that length (a fresh cache: its first step's forward at that offset)."""
+    import dsv41_mlx
+    from dsv41_mlx.runtime.runner import Runner
+
+    loads, offsets = [], []
+    real_load, real_decode_ahead = dsv41_mlx.load, Runner.decode_ahead
+    monkeypatch.setattr(dsv41_mlx, "load", lambda *a, **k: loads.append(a) or real_load(*a, **k))
+
+    def spy(self, token, cache, on_forward_stream=False):
+        offsets.append(cache.offset)
+        return real_decode_ahead(self, token, cache, on_forward_stream)
+
+    monkeypatch.setattr(Runner, "decode_ahead", spy)
+    monkeypatch.setattr(timeline, "profiled", lambda run: ([(0.0, 1.0, f"k{len(offsets)}")], run(), 0.5))
+    results = timeline.record(str(fixture_dir), 1, 2, [12, 30])
+    assert len(loads) == 1
+    # each context: its first forward, 4 untimed steps, 2 profiled ones
+    assert offsets == list(range(12, 12 + 7)) + list(range(30, 30 + 7))
+    # (the profiler started after each context's 5 untimed forwards; the wall is per step)
+    assert [wall for _, wall in results] == [0.25, 0.25] and [k[0][2] for k, _ in results] == ["k5", "k12"]
+
+
+def test_growth_lists_what_the_longer_context_adds(timeline):
+    """Each kernel's ms a step at both contexts, the most grown first, one only in either counted
+    at 0 in the other."""
+    first = timeline.summarize([(0, 100, "sort"), (100, 300, "gemv"), (300, 350, "copy_v")], 1)
+    last = timeline.summarize([(0, 900, "sort"), (900, 1100, "gemv"), (1100, 1200, "gather")], 1)
+    grown = timeline.growth(first, last)
+    assert [row["kernel"] for row in grown] == ["sort", "gather", "gemv", "copy_v"]
+    assert [round(row["grew_ms"], 3) for row in grown] == [0.8, 0.1, 0.0, -0.05]
+    assert grown[1]["calls_first"] == 0 and grown[1]["calls_last"] == 1
