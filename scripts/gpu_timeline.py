@@ -322,15 +322,13 @@ def load_oracle(model_path: str, prompt_tokens: int, tokens: int, rate: float = 
     gives a function that generates it again drafted by the benchmarks' OracleDrafter (the
     reply's own tokens, each right at `rate`; every draft verified), run twice untimed first:
     each run checks the reply is the same and returns its decoder (its stats)."""
-    import dsv41_mlx
     from dsv41_mlx.generate import generate_step
     from dsv41_mlx.sampling import SamplingParams
     from dsv41_mlx.speculative import SpeculativeDecoder
     from scripts.benchmarks.harness import OracleDrafter
 
-    model, _ = dsv41_mlx.load(model_path)
-    prompt, greedy = prompt_of(prompt_tokens, model.args.vocab_size), SamplingParams()
-    with profiled_runner(model) as runner:
+    with loaded(model_path) as runner:
+        prompt, greedy = prompt_of(prompt_tokens, runner.args.vocab_size), SamplingParams()
         drafter = drafter_of(runner, model_path, "there are no rounds to time")
         reply = list(generate_step(runner, prompt, greedy, tokens))
 
@@ -451,12 +449,16 @@ def rounds_report(rounds: list[dict], stats, prompt_tokens: int) -> tuple[str, d
     return "\n".join(lines), {"medians": med, "idle_ms": idle, "host_ms_per_round": host_ms}
 
 
+def table_name(kernel: str) -> str:
+    """A kernel's name as the tables print it: MLX's fused kernels' long names cut to 60."""
+    return kernel if len(kernel) <= 60 else kernel[:57] + "..."
+
+
 def print_table(res: dict, top: int) -> None:
     """summarize's kernel table, its `top` rows, as markdown."""
     print("| kernel | calls / step | us / call | ms / step |\n|---|---|---|---|")
     for row in res["table"][:top]:
-        name = row["kernel"] if len(row["kernel"]) <= 60 else row["kernel"][:57] + "..."  # MLX's fused kernels
-        print(f"| {name} | {row['calls_per_step']:.1f} | {row['us_per_call']:.1f} | {row['ms_per_step']:.3f} |")
+        print(f"| {table_name(row['kernel'])} | {row['calls_per_step']:.1f} | {row['us_per_call']:.1f} | {row['ms_per_step']:.3f} |")
 
 
 def print_growth(first: dict, last: dict, grown: list[dict], top: int) -> None:
@@ -468,8 +470,7 @@ def print_growth(first: dict, last: dict, grown: list[dict], top: int) -> None:
           f"{first['kernels_per_step']:.0f} -> {last['kernels_per_step']:.0f} a step\n")
     print("| kernel | calls / step | ms / step | grew ms |\n|---|---|---|---|")
     for row in grown[:top]:
-        name = row["kernel"] if len(row["kernel"]) <= 60 else row["kernel"][:57] + "..."
-        print(f"| {name} | {row['calls_first']:.1f} -> {row['calls_last']:.1f} | {row['first_ms']:.3f} -> "
+        print(f"| {table_name(row['kernel'])} | {row['calls_first']:.1f} -> {row['calls_last']:.1f} | {row['first_ms']:.3f} -> "
               f"{row['last_ms']:.3f} | {row['grew_ms']:+.3f} |")
 
 

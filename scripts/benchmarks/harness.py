@@ -345,8 +345,18 @@ class WrappedDrafter:
 
     def __init__(self, drafter):
         self.inner = drafter
-        self.block, self.window, self.verify_costs = drafter.block, drafter.window, drafter.verify_costs
+        self.block, self.window = drafter.block, drafter.window
         self.outlook = None  # a stand-in's drafts are its own: so is what they have shown
+
+    @property
+    def verify_costs(self):
+        """The real drafter's: the target's verify forwards cost the same whoever drafts, so a
+        scheduled decoder measures them once, for the drafter and every stand-in around it."""
+        return self.inner.verify_costs
+
+    @verify_costs.setter
+    def verify_costs(self, costs):
+        self.inner.verify_costs = costs
 
     def make_cache(self):
         return self.inner.make_cache()
@@ -414,12 +424,9 @@ class OracleDecoders:
         self.outlooks = {}  # verify policy -> the Outlook its decoders share
 
     def __call__(self, params, sequence: list[int], confidence: str = "off", verify_costs=None):
-        from dsv41_mlx.speculative import SpeculativeDecoder, measure_verify_costs
+        from dsv41_mlx.speculative import SpeculativeDecoder
 
-        drafter = self.runner.drafter
-        if confidence == "schedule" and verify_costs is None and drafter.verify_costs is None:
-            drafter.verify_costs = measure_verify_costs(self.runner, drafter.block + 1)  # once, as the drafter's own
-        oracle = OracleDrafter(drafter, sequence, self.rate, seed=len(sequence))
+        oracle = OracleDrafter(self.runner.drafter, sequence, self.rate, seed=len(sequence))
         oracle.outlook = self.outlooks.get(confidence)
         decoder = SpeculativeDecoder(self.runner, oracle, params, confidence=confidence, verify_costs=verify_costs)
         self.outlooks[confidence] = oracle.outlook
