@@ -292,30 +292,33 @@ def drafted_steps(runner: Runner, decoder: SpeculativeDecoder, cache: ModelCache
     produced = 1
     if anchor in stop:
         return
-    while produced < max_tokens:
-        plain = min(decoder.plain_tokens(), max_tokens - produced)
-        if plain:
-            stretch = []
-            steps = plain_steps(runner, cache, decoder.params, plain, stop, anchor=anchor, kept=stretch)
-        else:
-            steps = decoder.round(cache, draft_cache, anchor, max_tokens - produced, stop)
-            if kept is not None:
-                kept.append(decoder.committed_features)
-        for token in steps:
-            decoder.stats.plain_steps += bool(plain)  # (counted before the caller may stop reading)
-            yield token
-            produced += 1
-            if token in stop:
-                break
-        if plain and kept is not None:
-            kept.extend(stretch)
-        if token in stop:
+    try:
+        while produced < max_tokens:
+            plain = min(decoder.plain_tokens(), max_tokens - produced)
             if plain:
-                steps.close()  # its begun forward abandoned now, before the caller reads the cache
-            return
-        if plain:
-            decoder.after_plain(mx.concatenate(stretch, axis=1)[0])
-        anchor = token
+                stretch = []
+                steps = plain_steps(runner, cache, decoder.params, plain, stop, anchor=anchor, kept=stretch)
+            else:
+                steps = decoder.round(cache, draft_cache, anchor, max_tokens - produced, stop)
+                if kept is not None:
+                    kept.append(decoder.committed_features)
+            for token in steps:
+                decoder.stats.plain_steps += bool(plain)  # (counted before the caller may stop reading)
+                yield token
+                produced += 1
+                if token in stop:
+                    break
+            if plain and kept is not None:
+                kept.extend(stretch)
+            if token in stop:
+                if plain:
+                    steps.close()  # its begun forward abandoned now, before the caller reads the cache
+                return
+            if plain:
+                decoder.after_plain(mx.concatenate(stretch, axis=1)[0])
+            anchor = token
+    finally:
+        decoder.cancel_ahead()  # a round begun ahead that no caller will take up
 
 
 def draw_token(runner: Runner, logits: mx.array, position: int, params: SamplingParams) -> mx.array:

@@ -34,7 +34,7 @@ import mlx.core as mx
 
 from .cache import DraftCache, ModelCache
 from .runtime.drafter import Drafter, NoisyArgmax, Proposal, argmax_picker
-from .runtime.runner import Runner
+from .runtime.runner import DecodeAhead, Runner
 from .sampling import (ACCEPT, DRAFT, RESAMPLE, TARGET, SamplingParams, accept_or_resample, filtered_log_probs,
                        gumbel_noise, sample, uniform_noise)
 
@@ -257,6 +257,7 @@ class DraftStats:
     plain_steps: int = 0  # tokens decoded plainly because drafting did not pay (schedule)
     stretches: int = 0  # runs of such tokens, each followed by a probing round
     proposed_ahead: int = 0  # rounds whose proposal the round before started (SpeculativeDecoder.round)
+    verified_ahead: int = 0  # rounds whose verify forward the round before built and began, too
 
     def __post_init__(self):
         self.reached = self.reached or [0] * self.block
@@ -289,7 +290,8 @@ class DraftStats:
                 "acceptance_by_position": self.acceptance_by_position,
                 "propose_ms_per_round": self.propose_s * ms, "verify_ms_per_round": self.verify_s * ms,
                 "ingest_ms_per_round": self.ingest_s * ms, "plain_steps": self.plain_steps,
-                "plain_stretches": self.stretches, "proposed_ahead": self.proposed_ahead}
+                "plain_stretches": self.stretches, "proposed_ahead": self.proposed_ahead,
+                "verified_ahead": self.verified_ahead}
 
     def summary(self) -> str:
         d = self.as_dict()
@@ -306,12 +308,28 @@ class DraftStats:
 
 @dataclass
 class Ahead:
-    """A round's proposal, started by the round before (SpeculativeDecoder.round)."""
+    """A round's proposal, started by the round before (SpeculativeDecoder.round), and where the
+    runner builds forwards ahead, its verify forward of `verified` drafts, begun."""
 
     anchor: int
     position: int  # the anchor's
     proposal: Proposal
-    build_s: float  # the host's seconds building it, in the round before
+    build_s: float  # the host's seconds building them, in the round before
+    verify: DecodeAhead | None = None
+    verified: int = 0  # the drafts the verify forward takes
+
+    def cancel(self) -> None:
+        """The verify forward abandoned (the cache as it was before it)."""
+        if self.verify is not None:
+            self.verify.cancel()
+            self.verify = None
+
+
+def verify_ids(anchor: int, drafts: mx.array, ell: int, rows: int) -> mx.array:
+    """A verify forward's tokens as the device makes them: the anchor, then the first ell drafts,
+    padded to `rows` with the last (Runner.padded's padding): int32 [rows]."""
+    real = mx.concatenate([mx.array([anchor], dtype=mx.int32), drafts[:ell].astype(mx.int32)])
+    return mx.concatenate([real, mx.broadcast_to(real[-1:], (rows - ell - 1,))]) if rows > ell + 1 else real
 
 
 class SpeculativeDecoder:
@@ -355,7 +373,7 @@ class SpeculativeDecoder:
         """The drafter's rings for a prefilled prompt: its newest n rows' features [n, 3*dim]
         (n >= min(window, prompt length)) ingested."""
         draft_cache = self.draft_cache = self.drafter.make_cache()
-        self._ahead = None
+        self.cancel_ahead()
         draft_cache.end = cache.offset - features.shape[0]
         self.drafter.ingest(draft_cache, features)
         return draft_cache
@@ -435,19 +453,29 @@ class SpeculativeDecoder:
         anchor_pos = cache.offset
         tic = start = time.perf_counter()
         ahead, self._ahead = self._ahead, None
+        begun = None  # the verify forward the round before began
         if ahead is not None and (ahead.anchor, ahead.position) == (anchor, anchor_pos):
             proposal, start = ahead.proposal, tic - ahead.build_s  # the round's cost counts its build
             self.stats.proposed_ahead += 1
+            if ahead.verify is not None and ahead.verified < budget:
+                begun, ell, ahead.verify = ahead.verify, ahead.verified, None
         else:
             proposal = self.drafter.propose(draft_cache, anchor, self.pick(anchor_pos + 1))
+        if ahead is not None:
+            ahead.cancel()  # (a verify forward not taken up)
         mx.eval(proposal.drafts, proposal.logits, proposal.confidence)
         toc = time.perf_counter()
         self.stats.propose_s += toc - start
 
         confidence = [sigmoid(c) for c in proposal.confidence.tolist()]  # on the host: no launch, no wait
-        ell = min(self.verify_length(confidence), budget - 1)
+        if begun is None:
+            ell = min(self.verify_length(confidence), budget - 1)
         drafts = proposal.drafts[:ell]
-        logits, features = self.runner.decode([anchor] + drafts.tolist(), cache)
+        if begun is not None:  # its engram rows written and the rest started: the drafts are known now
+            logits, features = begun.finish_rows([anchor] + drafts.tolist())
+            self.stats.verified_ahead += 1
+        else:
+            logits, features = self.runner.decode([anchor] + drafts.tolist(), cache)
         # the rows' ring rows built and started while the device still runs the forward (the
         # host waits for it next anyway): once the verdict is read, only their write is left
         ahead = self.drafter.ingest_ahead(draft_cache, features[0])
@@ -472,16 +500,48 @@ class SpeculativeDecoder:
             self.decide(ell, accepted)
         tokens = drafts[:accepted].tolist() + [next_token]
         if len(tokens) < budget and not any(t in stop for t in tokens) and not self._plain_next:
-            self._propose_ahead(draft_cache, next_token, cache.offset)
+            self._propose_ahead(draft_cache, next_token, cache, budget - len(tokens))
         return tokens
 
-    def _propose_ahead(self, draft_cache: DraftCache, anchor: int, position: int) -> None:
-        """Start the proposal of the round from `anchor` at `position` (the next round's, on rings
-        whose writes are started): its graph built now and its evaluation begun."""
+    def _propose_ahead(self, draft_cache: DraftCache, anchor: int, cache: ModelCache, budget: int) -> None:
+        """Start the next round's proposal, from `anchor` at cache.offset (on rings whose writes
+        are started): its graph built now and its evaluation begun. Where the runner builds
+        forwards ahead (Options.build_ahead) and the verify length can be decided now
+        (length_ahead), that round's verify forward too, on the drafts as the device makes them
+        (Runner.verify_ahead): the host builds it while the device proposes, and the round
+        only reads the drafts back and writes their engram rows before the device verifies."""
         tic = time.perf_counter()
+        position = cache.offset
         proposal = self.drafter.propose(draft_cache, anchor, self.pick(position + 1))
         mx.async_eval(proposal.drafts, proposal.logits, proposal.confidence)
-        self._ahead = Ahead(anchor, position, proposal, time.perf_counter() - tic)
+        ahead = self._ahead = Ahead(anchor, position, proposal, 0.0)
+        ell = self.length_ahead() if self.runner.options.build_ahead else None
+        if ell is not None:
+            ell = min(ell, budget - 1)
+            ids = verify_ids(anchor, proposal.drafts, ell, self.runner.options.decode_rows or ell + 1)
+            ahead.verify, ahead.verified = self.runner.verify_ahead(ids, ell + 1, cache), ell
+        ahead.build_s = time.perf_counter() - tic
+
+    def cancel_ahead(self) -> None:
+        """Abandon the next round's proposal and verify forward, begun by the round before (a
+        caller that stops drafting): the cache as it was before the verify forward."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.cancel()
+
+    def length_ahead(self) -> int | None:
+        """How many drafts the next round verifies, where that can be decided before its
+        proposal is read back (so that its verify forward is built ahead): every one under
+        `off`; under `schedule` the length that pays best at the acceptance seen so far
+        (Outlook.acceptance, in place of the round's own calibrated confidences), and one while
+        probing; None under `threshold`, whose length is the round's confidences'."""
+        if self.policy.mode == "threshold":
+            return None
+        if self.policy.mode == "off":
+            return self.drafter.block
+        if not self.outlook.paying:
+            return 1
+        return self.policy.verify_length(self.outlook.acceptance(), self.round_costs())
 
     def verify_length(self, confidence: list[float]) -> int:
         """How many of the proposed drafts (confidences [block]) to verify: the policy's count,

@@ -100,6 +100,83 @@ def test_drafted_reply_equals_undrafted_with_blocks_evaluated_on_a_thread(fixtur
                 assert _reply(runner, PROMPTS[i], params, decoder, max_tokens=24) == expected[:24]
 
 
+BUILT_AHEAD = Options(decode_rows=8, overlap_build=True, evaluate_on_thread=True, build_ahead=True)
+
+
+@pytest.mark.parametrize("confidence", ["off", "schedule"])
+@pytest.mark.parametrize("which", ["greedy", "coupled"])
+def test_a_round_builds_the_next_rounds_verify_forward_ahead(fixture_model, plain_replies, confidence, which):
+    """Where the runner builds forwards ahead (a GPU's options), each round after the first
+    verifies on a forward the round before built and began on the drafts as the device makes
+    them (Runner.verify_ahead): the replies are the undrafted ones, with the real drafter and
+    with an oracle (drafts made on the host)."""
+    i = 2
+    params = GREEDY if which == "greedy" else COUPLED[i]
+    expected = plain_replies[0 if which == "greedy" else 1][i][:32]
+    with Runner(fixture_model, BUILT_AHEAD) as runner:
+        for drafter in (runner.drafter, OracleDrafter(runner.drafter, PROMPTS[i] + expected, wrong_every=4)):
+            decoder = SpeculativeDecoder(runner, drafter, params, confidence=confidence,
+                                         verify_costs=VERIFY_COSTS, plain_cost=10.0)
+            assert _reply(runner, PROMPTS[i], params, decoder, max_tokens=len(expected)) == expected
+            stats = decoder.stats
+            # every round proposed ahead was verified ahead (off and schedule both know the length
+            # then); where no plain stretch came between (the schedule's, where the random drafter
+            # does not pay), every round but the first
+            assert stats.rounds >= 4 and stats.verified_ahead == stats.proposed_ahead >= 2
+            assert stats.stretches or stats.proposed_ahead == stats.rounds - 1
+
+
+def test_a_gated_verify_forward_is_started_before_its_drafts_are_read(fixture_model, plain_replies, monkeypatch):
+    """gate_rows (CUDA's): the verify forward built ahead is handed to the evaluator whole,
+    its engram rows behind a gate (here a stand-in, and an evaluator that only records, so that
+    nothing runs before the rows are written), before its drafts are read back; the round then
+    writes the rows and releases the gate, once per forward, writes before releases. The
+    reply is the undrafted one."""
+    from dsv41_mlx.runtime import staged as staged_module
+
+    from .test_model import _RecordingEvaluator
+
+    events = []
+    monkeypatch.setattr(staged_module, "rows_gate", lambda flag, rows: (mx.zeros((2,), mx.uint32), rows))
+    for name in ("write", "release"):
+        method = getattr(staged_module.StagedRows, name)
+        monkeypatch.setattr(staged_module.StagedRows, name,
+                            lambda self, *a, _m=method, _n=name, **k: (events.append(_n), _m(self, *a, **k))[1])
+    i = 3
+    expected = plain_replies[0][i][:24]
+    runner = Runner(fixture_model, Options(decode_rows=8, overlap_build=True, build_ahead=True, gate_rows=True))
+    runner._evaluator = _RecordingEvaluator([])
+    oracle = OracleDrafter(runner.drafter, PROMPTS[i] + expected, wrong_every=3)
+    decoder = SpeculativeDecoder(runner, oracle, GREEDY, confidence="off")
+    assert _reply(runner, PROMPTS[i], GREEDY, decoder, max_tokens=len(expected)) == expected
+    assert decoder.stats.rounds >= 4 and decoder.stats.verified_ahead == decoder.stats.rounds - 1
+    assert events[:2] == ["write", "release"] and events == ["write", "release"] * (len(events) // 2)
+    assert len(events) // 2 >= decoder.stats.verified_ahead
+
+
+def test_a_verify_forward_begun_ahead_and_abandoned_leaves_the_cache_as_it_was(fixture_model, plain_replies):
+    """A round begins the next round's verify forward; where no round takes it up (the caller
+    stopped), cancel_ahead leaves the target cache as the committed tokens left it, and a
+    round from there is exact."""
+    prompt, reply = PROMPTS[1], plain_replies[0][1]
+    with Runner(fixture_model, BUILT_AHEAD) as runner:
+        oracle = OracleDrafter(runner.drafter, prompt + reply, wrong_every=3)
+        decoder = SpeculativeDecoder(runner, oracle, GREEDY, confidence="off")
+        cache, plain = runner.make_cache(), runner.make_cache()
+        logits, features = prefill(runner, prompt, cache, keep_features=runner.drafter.window)
+        prefill(runner, prompt, plain)
+        rings = decoder.begin(cache, features)
+        anchor = reply[0]
+        tokens = decoder.round(cache, rings, anchor, budget=16)
+        assert tokens == reply[1:1 + len(tokens)] and decoder._ahead.verify is not None
+        decoder.cancel_ahead()
+        runner.decode([anchor] + tokens[:-1], plain)
+        _assert_same_state(plain, cache)
+        more = decoder.round(cache, rings, tokens[-1], budget=16)  # proposed afresh, verified exactly
+        assert more == reply[1 + len(tokens): 1 + len(tokens) + len(more)]
+        decoder.cancel_ahead()
+
+
 @pytest.mark.parametrize("which", ["greedy", "coupled"])
 def test_oracle_drafts_are_mostly_accepted_and_the_reply_is_unchanged(fixture_model, runner, plain_replies, which):
     for i in (1, 4):

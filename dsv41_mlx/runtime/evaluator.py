@@ -103,7 +103,9 @@ class BlockEvaluator:
 
     def drain(self, mark: threading.Event | None = None) -> None:
         """Wait until everything submitted has been started (up to `mark`, where given); raise
-        what the thread raised."""
+        what the thread raised. Closed, the thread started everything before it stopped."""
+        if self._closed and mark is None:
+            return
         (mark or self.mark()).wait()
         if self._error is not None:
             error, self._error = self._error, None

@@ -144,16 +144,46 @@ class Runner:
         if queued:
             self._evaluator.submit(token, feed)  # after the forward before's blocks, on its thread
             token_started = self._evaluator.mark()
-        forward = self._forward_built_ahead(feed, cache, rows)
-        begun = DecodeAhead(forward, cache, rows, len(self.model.layers), self.settle, self.forward_stream)
+        return self._begin_built_ahead(feed, cache, rows, 1, None if queued else (token, feed),
+                                       token_started if queued else None)
+
+    def verify_ahead(self, ids: mx.array, real_rows: int, cache: ModelCache) -> DecodeAhead:
+        """decode(tokens, cache) of a verify forward begun while its tokens are still being
+        computed (Options.build_ahead): ids int32 [rows], rows = Options.decode_rows or
+        real_rows, the anchor and drafts of a proposal as the device makes them, padded as
+        Runner.padded pads (the last real token repeated). The forward is built whole now,
+        every block and the head, its engram rows read from the cache's StagedRows, and
+        started as decode_ahead's is (where gate_rows, all of it, behind the gate), so that
+        the host builds a round's verify forward while the device still proposes its drafts.
+        DecodeAhead.finish_rows(tokens), with the real rows' values read back, writes their
+        engram rows and returns decode's (logits [1, n, V], features [1, n, F]): the same
+        graph, the same bits. The caller must not wait for ids itself (it waits for what ids
+        is made of: the drafts)."""
+        if not self.options.build_ahead:
+            raise ValueError("verify_ahead builds a forward ahead of its tokens: it needs Options.build_ahead")
+        rows = self.options.decode_rows or real_rows
+        if ids.shape != (rows,) or not 0 < real_rows <= rows:
+            raise ValueError(f"verify_ahead takes ids of shape ({rows},) with 1..{rows} real rows; "
+                             f"got {ids.shape} with {real_rows}")
+        return self._begin_built_ahead(ids, cache, rows, real_rows, (ids,), None)
+
+    def _begin_built_ahead(self, ids: mx.array, cache: ModelCache, rows: int, real_rows: int,
+                           own: tuple[mx.array, ...] | None, started) -> DecodeAhead:
+        """_forward_built_ahead's forward of ids (a token [1] on every row, or [rows]) built and
+        its first blocks started: `own`, the arrays the ids are made of that this thread starts
+        (once the forward before is started whole), or None where the evaluator's thread
+        starts them (`started`: its mark after them, which the caller's next wait needs)."""
+        forward = self._forward_built_ahead(ids, cache, rows, real_rows)
+        begun = DecodeAhead(forward, cache, rows, len(self.model.layers), self.settle, self.forward_stream,
+                            real_rows)
         try:
             next(forward)  # every block built, none started
-            if not queued:
-                self.settle()  # the forward before started whole: this thread may start t's work
-                mx.async_eval(token, feed)
+            if own is not None:
+                self.settle()  # the forward before started whole: this thread may start the ids' work
+                mx.async_eval(*own)
             forward.send(None)  # the blocks that need no tokens started (all of them, where gated)
-            if queued:  # the caller then waits for t: the thread must be done with t's work (not with the blocks)
-                self._evaluator.drain(token_started)
+            if started is not None:  # the caller then waits for t: the thread must be done with t's work
+                self._evaluator.drain(started)
         except BaseException:  # (the evaluator drained; the cache, as after any failed forward, not to be reused)
             forward.close()
             raise
@@ -249,14 +279,15 @@ class Runner:
                 evaluator.drain()  # before the caller evaluates anything itself
         return logits, feats
 
-    def _forward_built_ahead(self, token: mx.array, cache: ModelCache, rows: int):
-        """decode_ahead's forward where build_ahead, as a generator: it builds every block and
-        the head from the token [1] still being computed (a forward of `rows` rows, the first
-        real, the token on each), the engram layers reading the cache's StagedRows, and starts
-        nothing (next); then starts the blocks that need no tokens (send(None)); then, sent the
-        tokens, writes their engram rows into the StagedRows, appends them to the cache, starts
-        the rest and returns (logits, features) without draining the evaluator (the caller
-        settles it). Closed or failing, it drains the evaluator on the way out.
+    def _forward_built_ahead(self, ids: mx.array, cache: ModelCache, rows: int, real_rows: int = 1):
+        """decode_ahead's and verify_ahead's forward where build_ahead, as a generator: it
+        builds every block and the head from the ids still being computed (a token [1], on
+        every one of the `rows` rows; or [rows]), the first real_rows real, the engram layers
+        reading the cache's StagedRows, and starts nothing (next); then starts the blocks that
+        need no tokens (send(None)); then, sent the tokens, writes the real rows' engram rows
+        into the StagedRows, appends the tokens to the cache, starts the rest and returns
+        (logits, features) without draining the evaluator (the caller settles it). Closed or
+        failing, it drains the evaluator on the way out.
 
         Gated (gate_rows): the engram rows are read through a gate (StagedRows.values(gated=True)),
         and send(None) starts every block: the device waits at the gate until the host, sent
@@ -268,8 +299,8 @@ class Runner:
         settled = gate_begun = False
         try:
             with building():
-                ids = mx.broadcast_to(token.astype(mx.int32).reshape(1, 1), (1, rows))
-                forward = model.start(ids, cache, 1, self.options.decode_rows is not None)
+                ids = mx.broadcast_to(ids.astype(mx.int32).reshape(1, -1), (1, rows))
+                forward = model.start(ids, cache, real_rows, self.options.decode_rows is not None)
                 staged = self._staged_rows(cache, rows)
                 gated = staged is not None and self.options.gate_rows
                 values = dict(zip(model.engram_layers, staged.values(gated))) if staged is not None else {}
@@ -291,7 +322,7 @@ class Runner:
                 rest = []
             tokens = yield
             if staged is not None:
-                staged.write(model.engram_reads(cache.tokens, tokens[:1]))
+                staged.write(model.engram_reads(cache.tokens, tokens[:real_rows]))
             cache.tokens.extend(tokens)
             if gate_begun:
                 gate_begun = False
@@ -376,15 +407,17 @@ def _result(forward, tokens: list[int] | None = None) -> tuple[mx.array, mx.arra
 
 
 class DecodeAhead:
-    """A one-token decode forward begun before its token is on the host (Runner.decode_ahead):
-    its first blocks built and started, the rest waiting for the token (or built and waiting to
-    be started, where build_ahead). `finish(t)` builds or starts the rest with the token's value
-    t and returns decode's (logits [1, 1, V], features [1, 1, F]); `cancel()` abandons it (a
-    caller that stops before the next token) and leaves the cache as it was before."""
+    """A decode forward begun before its token is on the host (Runner.decode_ahead), or a verify
+    forward before its drafts are (Runner.verify_ahead): its first blocks built and started,
+    the rest waiting for the tokens (or built and waiting to be started, where build_ahead).
+    `finish(t)` (`finish_rows(tokens)`) builds or starts the rest with the tokens' values and
+    returns decode's (logits [1, n, V], features [1, n, F]); `cancel()` abandons it (a caller
+    that stops before the next token) and leaves the cache as it was before."""
 
     def __init__(self, forward, cache: ModelCache, rows: int, blocks_built: int, settle=None,
-                 stream=contextlib.nullcontext):
+                 stream=contextlib.nullcontext, real_rows: int = 1):
         self._forward, self._cache, self._rows, self._built = forward, cache, rows, blocks_built
+        self.real_rows = real_rows
         self._settle = settle  # (where the forward returns without draining the evaluator)
         self._stream = stream  # the stream its outputs' first rows are taken on (the forward's)
 
@@ -394,13 +427,21 @@ class DecodeAhead:
         must come after it). settle=False: return while the evaluator's thread may still be
         starting the forward's blocks, for a caller that builds on the result and then calls
         decode_ahead or Runner.settle before evaluating or waiting for anything."""
+        return self.finish_rows([token], settle)
+
+    def finish_rows(self, tokens: list[int], settle: bool = True) -> tuple[mx.array, mx.array]:
+        """finish, for the values of the forward's real rows (verify_ahead's anchor and drafts)."""
+        if len(tokens) != self.real_rows:
+            raise ValueError(f"this forward was begun for {self.real_rows} tokens, got {len(tokens)}")
         forward, self._forward = self._forward, None  # (nothing left to cancel, even if this fails)
-        logits, features = _result(forward, [token] * self._rows)  # the padding rows repeat it, as Runner.padded's
+        padded = tokens + [tokens[-1]] * (self._rows - len(tokens))  # as Runner.padded pads
+        logits, features = _result(forward, padded)
         if settle and self._settle is not None:
             self._settle()
-        self._cache.trim(self._rows - 1)
+        n = len(tokens)
+        self._cache.trim(self._rows - n)
         with self._stream():
-            return logits[:, :1], features[:, :1]
+            return logits[:, :n], features[:, :n]
 
     def cancel(self) -> None:
         if self._forward is None:  # finished (or failed finishing)
