@@ -333,6 +333,7 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float, 
                 run["verify_ms"] = statistics.mean(s["verify_ms_per_round"] for s in stats)
                 run["rounds"] = sum(s["rounds"] for s in stats)
                 run["plain_steps"] = sum(s["plain_steps"] for s in stats)
+                run["verified_ahead"] = sum(s["verified_ahead"] for s in stats)
             if oracle[1]:
                 run["oracle_right_rate"] = oracle[0] / oracle[1]  # the rate its draws realised
             if step_s:
@@ -441,13 +442,13 @@ def print_e2e(env: dict, res: dict, model: str) -> None:
     print(f"host probe (a fixed pure-Python loop, `host_probe_ms`): {res['host_probe_ms']:.2f} ms after the load; "
           "each run's median of its probes (before it and after each prompt) is in the table: a larger one "
           "means the host's CPU ran slower during that run, and so did every step's host side\n")
-    print("| run | tok/s | x plain greedy | floor fraction | drafts accepted / verified / proposed | rounds / "
-          "plain steps | propose ms | verify ms | ingest ms | host probe ms | reply hash |")
+    print("| run | tok/s | x plain greedy | floor fraction | drafts accepted / verified / proposed | rounds "
+          "(verified ahead) / plain steps | propose ms | verify ms | ingest ms | host probe ms | reply hash |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for label, r in res["runs"].items():
         frac = (1e3 / res["floor_ms"]) and r["tok_s"] * res["floor_ms"] / 1e3
         drafted = f"{r['accepted']} / {r['verified']} / {r['proposed']}" if "proposed" in r else "-"
-        rounds = f"{r['rounds']} / {r['plain_steps']}" if "rounds" in r else "-"
+        rounds = f"{r['rounds']} ({r.get('verified_ahead', 0)}) / {r['plain_steps']}" if "rounds" in r else "-"
         ms = [f"{r[k]:.1f}" if k in r else "-" for k in ("propose_ms", "verify_ms", "ingest_ms")]
         print(f"| {label} | {r['tok_s']:.2f} | {r['tok_s'] / plain:.2f} | {frac:.1%} | {drafted} | {rounds} | "
               + " | ".join(ms) + f" | {r['host_probe_ms']:.2f} | {r['hash']} |")
