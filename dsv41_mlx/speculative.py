@@ -314,9 +314,11 @@ class Ahead:
     anchor: int
     position: int  # the anchor's
     proposal: Proposal
-    build_s: float  # the host's seconds building them, in the round before
+    build_s: float  # the host's seconds building the proposal, in the round before
     verify: DecodeAhead | None = None
     verified: int = 0  # the drafts the verify forward takes
+    blocks: int = 0  # its blocks built (the rest are built once the drafts are read back)
+    verify_build_s: float = 0.0  # the host's seconds building them
 
     def cancel(self) -> None:
         """The verify forward abandoned (the cache as it was before it)."""
@@ -337,7 +339,7 @@ class SpeculativeDecoder:
 
     def __init__(self, runner: Runner, drafter: Drafter, params: SamplingParams, verify: str | None = None,
                  confidence: str | ConfidencePolicy = "off", verify_costs: list[float] | None = None,
-                 plain_cost: float | None = None):
+                 plain_cost: float | None = None, verify_ahead: bool | None = None):
         self.runner, self.drafter, self.params = runner, drafter, params
         self.verify = resolve_verify(verify, params)
         self.policy = ConfidencePolicy.parse(confidence)
@@ -362,6 +364,12 @@ class SpeculativeDecoder:
         self.outlook = drafter.outlook if self.policy.mode == "schedule" else Outlook(drafter.block)
         self._plain_next = self.outlook.stretch() if self.outlook.paying is False else 0  # plain tokens before a round
         self._ahead: Ahead | None = None  # the next round's proposal, started by the round before
+        # whether a round begins the next round's verify forward (None: as the runner's options
+        # say; it needs the runner to build ahead), and the blocks of it built before its drafts
+        # are read back, adjusted to the proposal's time (_fit_blocks_ahead)
+        wanted = runner.options.verify_ahead if verify_ahead is None else verify_ahead
+        self.verify_ahead = wanted and runner.options.build_ahead
+        self.blocks_ahead = max(1, len(runner.model.layers) // 4)
 
     @property
     def timed_rounds(self) -> deque[tuple[int, float]]:
@@ -451,21 +459,27 @@ class SpeculativeDecoder:
         and the policy goes on drafting), the round starts that round's proposal before it
         returns: the device drafts from the new anchor while the caller handles the tokens."""
         anchor_pos = cache.offset
-        tic = start = time.perf_counter()
+        tic = time.perf_counter()
         ahead, self._ahead = self._ahead, None
-        begun = None  # the verify forward the round before began
+        begun, built_s = None, 0.0  # the verify forward the round before began; its seconds on this round
         if ahead is not None and (ahead.anchor, ahead.position) == (anchor, anchor_pos):
-            proposal, start = ahead.proposal, tic - ahead.build_s  # the round's cost counts its build
+            proposal, built_s = ahead.proposal, ahead.build_s
             self.stats.proposed_ahead += 1
+            self.stats.propose_s += ahead.build_s
             if ahead.verify is not None and ahead.verified < budget:
                 begun, ell, ahead.verify = ahead.verify, ahead.verified, None
+                built_s += ahead.verify_build_s
+                self.stats.verify_s += ahead.verify_build_s
         else:
             proposal = self.drafter.propose(draft_cache, anchor, self.pick(anchor_pos + 1))
         if ahead is not None:
             ahead.cancel()  # (a verify forward not taken up)
+        start = tic - built_s  # the round's cost counts what the round before built for it
         mx.eval(proposal.drafts, proposal.logits, proposal.confidence)
         toc = time.perf_counter()
-        self.stats.propose_s += toc - start
+        self.stats.propose_s += toc - tic
+        if begun is not None:
+            self._fit_blocks_ahead(ahead.blocks, ahead.verify_build_s, toc - tic)
 
         confidence = [sigmoid(c) for c in proposal.confidence.tolist()]  # on the host: no launch, no wait
         if begun is None:
@@ -505,22 +519,38 @@ class SpeculativeDecoder:
 
     def _propose_ahead(self, draft_cache: DraftCache, anchor: int, cache: ModelCache, budget: int) -> None:
         """Start the next round's proposal, from `anchor` at cache.offset (on rings whose writes
-        are started): its graph built now and its evaluation begun. Where the runner builds
-        forwards ahead (Options.build_ahead) and the verify length can be decided now
+        are started): its graph built now and its evaluation begun. Where the decoder begins
+        verify forwards ahead (verify_ahead) and the verify length can be decided now
         (length_ahead), that round's verify forward too, on the drafts as the device makes them
-        (Runner.verify_ahead): the host builds it while the device proposes, and the round
-        only reads the drafts back and writes their engram rows before the device verifies."""
+        (Runner.verify_ahead): the host builds its first blocks_ahead blocks while the device
+        proposes, and the round reads the drafts back and writes their engram rows before it
+        builds the rest, the device running the first blocks meanwhile."""
         tic = time.perf_counter()
         position = cache.offset
         proposal = self.drafter.propose(draft_cache, anchor, self.pick(position + 1))
         mx.async_eval(proposal.drafts, proposal.logits, proposal.confidence)
-        ahead = self._ahead = Ahead(anchor, position, proposal, 0.0)
-        ell = self.length_ahead() if self.runner.options.build_ahead else None
+        toc = time.perf_counter()
+        ahead = self._ahead = Ahead(anchor, position, proposal, toc - tic)
+        ell = self.length_ahead() if self.verify_ahead else None
         if ell is not None:
             ell = min(ell, budget - 1)
             ids = verify_ids(anchor, proposal.drafts, ell, self.runner.options.decode_rows or ell + 1)
-            ahead.verify, ahead.verified = self.runner.verify_ahead(ids, ell + 1, cache), ell
-        ahead.build_s = time.perf_counter() - tic
+            ahead.verify = self.runner.verify_ahead(ids, ell + 1, cache, self.blocks_ahead)
+            ahead.verified, ahead.blocks, ahead.verify_build_s = ell, self.blocks_ahead, time.perf_counter() - toc
+
+    def _fit_blocks_ahead(self, blocks: int, build_s: float, waited_s: float) -> None:
+        """After a round whose verify forward had its first `blocks` blocks built ahead in
+        build_s seconds, and whose host then waited waited_s for the drafts: the blocks to
+        build ahead of the next. The device waits for the host's engram rows until the drafts
+        are read back, so the host should build as many blocks as the proposal leaves it time
+        for, not more: where it waited, as many more as would have filled that wait (one
+        short); where it found the drafts ready, one fewer (they may have waited for it)."""
+        per_block = build_s / max(blocks, 1)
+        if waited_s > per_block:
+            blocks += int(waited_s / per_block) - 1
+        else:
+            blocks -= 1
+        self.blocks_ahead = max(1, min(blocks, len(self.runner.model.layers)))
 
     def cancel_ahead(self) -> None:
         """Abandon the next round's proposal and verify forward, begun by the round before (a

@@ -598,6 +598,45 @@ def test_a_gated_forward_is_started_whole_before_its_token_and_released_after_it
         model._evaluator = None
 
 
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("blocks", [1, 2, 5, None])
+def test_a_verify_forward_begun_before_its_drafts_are_read_changes_no_bit(fixture_model, golden, monkeypatch,
+                                                                          blocks, gated):
+    """Runner.verify_ahead on tokens still being computed (an anchor and drafts, padded to 8
+    rows): its first `blocks` blocks built (and, gated, started behind a stand-in gate, with an
+    evaluator that only records, so that nothing runs before the rows are written) before the
+    tokens are read, the rest built by finish_rows. Each forward gives decode's logits,
+    features and cache, for 1 to 6 real rows; a cancelled one leaves the cache as it was."""
+    from dsv41_mlx.runtime import staged as staged_module
+
+    monkeypatch.setattr(staged_module, "rows_gate", lambda flag, rows: (mx.zeros((2,), mx.uint32), rows))
+    ids = _ids(golden)
+    model = Runner(fixture_model, Options(decode_rows=8, overlap_build=True, evaluate_on_thread=not gated,
+                                          build_ahead=True, gate_rows=gated))
+    if gated:
+        model._evaluator = _RecordingEvaluator([])
+    try:
+        plain, ahead = model.make_cache(), model.make_cache()
+        for c in (plain, ahead):
+            logits, _ = model(mx.array([ids[:41]], dtype=mx.int32), c)
+        for n in (1, 6, 3):
+            drafts = (mx.argmax(logits[0, -1:], axis=-1) + mx.arange(8)) % model.args.vocab_size  # not yet computed
+            padded = mx.concatenate([drafts[:n], mx.broadcast_to(drafts[n - 1: n], (8 - n,))]).astype(mx.int32)
+            begun = model.verify_ahead(padded, n, ahead, blocks)
+            tokens = drafts[:n].tolist()
+            logits, features = begun.finish_rows(tokens)
+            want, want_f = model.decode(tokens, plain)
+            assert mx.array_equal(want, logits).item() and mx.array_equal(want_f, features).item()
+            _assert_same_state(plain, ahead)
+        model.verify_ahead(mx.zeros((8,), mx.int32), 4, ahead, blocks).cancel()
+        _assert_same_state(plain, ahead)
+        with pytest.raises(ValueError, match="begun for 4 tokens"):
+            model.verify_ahead(mx.zeros((8,), mx.int32), 4, ahead, blocks).finish_rows([1, 2])
+    finally:
+        model._evaluator = None if gated else model._evaluator
+        model.close()
+
+
 def test_staged_rows_release_reports_a_gate_that_gave_up():
     """StagedRows.release counts the host's releases in flag[0]; where a gate gave up waiting
     (flag[2], the device's count) it raises, after releasing all the same. Without a gate,

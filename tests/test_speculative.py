@@ -100,7 +100,7 @@ def test_drafted_reply_equals_undrafted_with_blocks_evaluated_on_a_thread(fixtur
                 assert _reply(runner, PROMPTS[i], params, decoder, max_tokens=24) == expected[:24]
 
 
-BUILT_AHEAD = Options(decode_rows=8, overlap_build=True, evaluate_on_thread=True, build_ahead=True)
+BUILT_AHEAD = Options(decode_rows=8, overlap_build=True, evaluate_on_thread=True, build_ahead=True, verify_ahead=True)
 
 
 @pytest.mark.parametrize("confidence", ["off", "schedule"])
@@ -124,6 +124,11 @@ def test_a_round_builds_the_next_rounds_verify_forward_ahead(fixture_model, plai
             # does not pay), every round but the first
             assert stats.rounds >= 4 and stats.verified_ahead == stats.proposed_ahead >= 2
             assert stats.stretches or stats.proposed_ahead == stats.rounds - 1
+            # the same runner with the decoder's verify_ahead off: proposals ahead, no verify forward
+            decoder = SpeculativeDecoder(runner, drafter, params, confidence=confidence,
+                                         verify_costs=VERIFY_COSTS, plain_cost=10.0, verify_ahead=False)
+            assert _reply(runner, PROMPTS[i], params, decoder, max_tokens=len(expected)) == expected
+            assert decoder.stats.verified_ahead == 0 and (decoder.stats.stretches or decoder.stats.proposed_ahead >= 2)
 
 
 def test_a_gated_verify_forward_is_started_before_its_drafts_are_read(fixture_model, plain_replies, monkeypatch):
@@ -144,7 +149,8 @@ def test_a_gated_verify_forward_is_started_before_its_drafts_are_read(fixture_mo
                             lambda self, *a, _m=method, _n=name, **k: (events.append(_n), _m(self, *a, **k))[1])
     i = 3
     expected = plain_replies[0][i][:24]
-    runner = Runner(fixture_model, Options(decode_rows=8, overlap_build=True, build_ahead=True, gate_rows=True))
+    runner = Runner(fixture_model, Options(decode_rows=8, overlap_build=True, build_ahead=True, gate_rows=True,
+                                           verify_ahead=True))
     runner._evaluator = _RecordingEvaluator([])
     oracle = OracleDrafter(runner.drafter, PROMPTS[i] + expected, wrong_every=3)
     decoder = SpeculativeDecoder(runner, oracle, GREEDY, confidence="off")
@@ -152,6 +158,19 @@ def test_a_gated_verify_forward_is_started_before_its_drafts_are_read(fixture_mo
     assert decoder.stats.rounds >= 4 and decoder.stats.verified_ahead == decoder.stats.rounds - 1
     assert events[:2] == ["write", "release"] and events == ["write", "release"] * (len(events) // 2)
     assert len(events) // 2 >= decoder.stats.verified_ahead
+
+
+def test_the_blocks_built_ahead_follow_the_hosts_wait_for_the_drafts(fixture_model, runner):
+    """The verify forward's blocks built before the drafts are read (SpeculativeDecoder.
+    blocks_ahead): where the host then waited for the drafts, as many more as would have
+    filled the wait, one short; where it found them ready, one fewer; within 1 .. the layers."""
+    decoder = SpeculativeDecoder(runner, runner.drafter, GREEDY, confidence="off")
+    layers = len(fixture_model.layers)
+    assert decoder.blocks_ahead == max(1, layers // 4)
+    for blocks, build_s, waited_s, then in [(2, 0.002, 0.0031, 4), (4, 0.004, 0.0, 3), (4, 0.004, 0.0009, 3),
+                                           (1, 0.001, 0.0, 1), (6, 0.006, 0.01, layers)]:
+        decoder._fit_blocks_ahead(blocks, build_s, waited_s)
+        assert decoder.blocks_ahead == then, (blocks, build_s, waited_s)
 
 
 def test_a_verify_forward_begun_ahead_and_abandoned_leaves_the_cache_as_it_was(fixture_model, plain_replies):

@@ -34,6 +34,10 @@ class Options:
     # ... and starts all of it before the token is known, the engram rows read behind a gate
     # on the device that the host opens once it has written them (kernels.rows_gate)
     gate_rows: bool = False
+    # a drafted round builds the first blocks of the next round's verify forward while the
+    # device still proposes its drafts (SpeculativeDecoder.blocks_ahead), its engram rows read
+    # as build_ahead's are; needs build_ahead. Off by default: not yet measured to pay
+    verify_ahead: bool = False
     # a prefill computes, at each layer past the last KV source, only the positions whose
     # outputs something later reads (runner.prefill_rows); the same bits where it matters
     elide_prefill: bool = True

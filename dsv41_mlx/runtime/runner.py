@@ -147,35 +147,37 @@ class Runner:
         return self._begin_built_ahead(feed, cache, rows, 1, None if queued else (token, feed),
                                        token_started if queued else None)
 
-    def verify_ahead(self, ids: mx.array, real_rows: int, cache: ModelCache) -> DecodeAhead:
+    def verify_ahead(self, ids: mx.array, real_rows: int, cache: ModelCache, blocks: int | None = None) -> DecodeAhead:
         """decode(tokens, cache) of a verify forward begun while its tokens are still being
         computed (Options.build_ahead): ids int32 [rows], rows = Options.decode_rows or
         real_rows, the anchor and drafts of a proposal as the device makes them, padded as
-        Runner.padded pads (the last real token repeated). The forward is built whole now,
-        every block and the head, its engram rows read from the cache's StagedRows, and
-        started as decode_ahead's is (where gate_rows, all of it, behind the gate), so that
-        the host builds a round's verify forward while the device still proposes its drafts.
-        DecodeAhead.finish_rows(tokens), with the real rows' values read back, writes their
-        engram rows and returns decode's (logits [1, n, V], features [1, n, F]): the same
-        graph, the same bits. The caller must not wait for ids itself (it waits for what ids
-        is made of: the drafts)."""
+        Runner.padded pads (the last real token repeated). Its first `blocks` blocks (None:
+        all, and the head) are built now, their engram rows read from the cache's StagedRows,
+        and started as decode_ahead's are (where gate_rows, behind the gate), so that the host
+        builds them while the device still proposes the drafts. DecodeAhead.finish_rows(tokens),
+        with the real rows' values read back, writes their engram rows, starts what waited for
+        them and builds the rest, each block started as it is built (the device runs the
+        first blocks meanwhile), and returns decode's (logits [1, n, V], features [1, n, F]):
+        the same graph, the same bits. The caller must not wait for ids itself (it waits for
+        what ids is made of: the drafts)."""
         if not self.options.build_ahead:
             raise ValueError("verify_ahead builds a forward ahead of its tokens: it needs Options.build_ahead")
         rows = self.options.decode_rows or real_rows
         if ids.shape != (rows,) or not 0 < real_rows <= rows:
             raise ValueError(f"verify_ahead takes ids of shape ({rows},) with 1..{rows} real rows; "
                              f"got {ids.shape} with {real_rows}")
-        return self._begin_built_ahead(ids, cache, rows, real_rows, (ids,), None)
+        return self._begin_built_ahead(ids, cache, rows, real_rows, (ids,), None, blocks)
 
     def _begin_built_ahead(self, ids: mx.array, cache: ModelCache, rows: int, real_rows: int,
-                           own: tuple[mx.array, ...] | None, started) -> DecodeAhead:
+                           own: tuple[mx.array, ...] | None, started, blocks: int | None = None) -> DecodeAhead:
         """_forward_built_ahead's forward of ids (a token [1] on every row, or [rows]) built and
         its first blocks started: `own`, the arrays the ids are made of that this thread starts
         (once the forward before is started whole), or None where the evaluator's thread
         starts them (`started`: its mark after them, which the caller's next wait needs)."""
-        forward = self._forward_built_ahead(ids, cache, rows, real_rows)
-        begun = DecodeAhead(forward, cache, rows, len(self.model.layers), self.settle, self.forward_stream,
-                            real_rows)
+        forward = self._forward_built_ahead(ids, cache, rows, real_rows, blocks)
+        layers = len(self.model.layers)
+        begun = DecodeAhead(forward, cache, rows, layers if blocks is None else min(blocks, layers), self.settle,
+                            self.forward_stream, real_rows)
         try:
             next(forward)  # every block built, none started
             if own is not None:
@@ -279,15 +281,17 @@ class Runner:
                 evaluator.drain()  # before the caller evaluates anything itself
         return logits, feats
 
-    def _forward_built_ahead(self, ids: mx.array, cache: ModelCache, rows: int, real_rows: int = 1):
+    def _forward_built_ahead(self, ids: mx.array, cache: ModelCache, rows: int, real_rows: int = 1,
+                             blocks: int | None = None):
         """decode_ahead's and verify_ahead's forward where build_ahead, as a generator: it
-        builds every block and the head from the ids still being computed (a token [1], on
-        every one of the `rows` rows; or [rows]), the first real_rows real, the engram layers
-        reading the cache's StagedRows, and starts nothing (next); then starts the blocks that
-        need no tokens (send(None)); then, sent the tokens, writes the real rows' engram rows
-        into the StagedRows, appends the tokens to the cache, starts the rest and returns
-        (logits, features) without draining the evaluator (the caller settles it). Closed or
-        failing, it drains the evaluator on the way out.
+        builds its first `blocks` blocks (None: every block and the head) from the ids still
+        being computed (a token [1], on every one of the `rows` rows; or [rows]), the first
+        real_rows real, the engram layers reading the cache's StagedRows, and starts nothing
+        (next); then starts the blocks that need no tokens (send(None)); then, sent the tokens,
+        writes the real rows' engram rows into the StagedRows, appends the tokens to the
+        cache, starts the rest, builds the blocks not built yet, each started as it is built,
+        and returns (logits, features) without draining the evaluator (the caller settles it).
+        Closed or failing, it drains the evaluator on the way out.
 
         Gated (gate_rows): the engram rows are read through a gate (StagedRows.values(gated=True)),
         and send(None) starts every block: the device waits at the gate until the host, sent
@@ -304,17 +308,18 @@ class Runner:
                 staged = self._staged_rows(cache, rows)
                 gated = staged is not None and self.options.gate_rows
                 values = dict(zip(model.engram_layers, staged.values(gated))) if staged is not None else {}
-                built = []
-                for i in range(len(model.layers)):
+                built, whole = [], blocks is None or blocks >= len(model.layers)
+                for i in range(len(model.layers) if whole else blocks):
                     model.block(i, forward, cache, values.get(i))
                     built.append((forward.h, forward.pre))
-                logits, feats = model.finish(forward)
+                logits, feats = model.finish(forward) if whole else (None, None)
             yield
             ahead = self._blocks_before_tokens
             for arrays in built[:ahead]:
                 begin(*arrays)
             begin(*forward.shared.early)
-            rest = ([tuple(values.values())] if values else []) + built[ahead:] + [(logits, feats)]  # the rows first
+            rest = ([tuple(values.values())] if values else []) + built[ahead:]  # the rows first
+            rest += [(logits, feats)] if whole else []
             if gated:  # queued on the device now, behind the gate, rather than after the rows' write
                 gate_begun = True
                 for arrays in rest:
@@ -329,6 +334,13 @@ class Runner:
                 staged.release()
             for arrays in rest:
                 begin(*arrays)
+            if not whole:  # the blocks not built yet, each started as soon as it is built
+                with building():
+                    for i in range(len(built), len(model.layers)):
+                        model.block(i, forward, cache, values.get(i))
+                        begin(forward.h, forward.pre)
+                    logits, feats = model.finish(forward)
+                begin(logits, feats)
             settled = True
         finally:
             if gate_begun:  # abandoned, or failed, with its gate begun: the device goes on (on the rows before)

@@ -271,6 +271,8 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float, 
         greedy, coupled = SamplingParams(), SamplingParams(temperature=0.8, seed=7)
 
         oracle_decoder = OracleDecoders(runner, oracle_rate)  # drafts right at oracle_rate on each reply
+        flipped = not runner.options.verify_ahead
+        other_ahead = "verify built ahead" if flipped else "verify built after the drafts"
 
         for label, params, make in [
             ("plain greedy", greedy, None),
@@ -283,7 +285,12 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float, 
             # time in the loop, round after round (the schedule soon stops proposing for it)
             ("drafted greedy, every draft verified", greedy,
              lambda p, seq: SpeculativeDecoder(runner, runner.drafter, p, confidence="off")),
+            # the same, each round's verify forward begun as the options do not say (Options.verify_ahead)
+            (f"drafted greedy, every draft verified, {other_ahead}", greedy,
+             lambda p, seq: SpeculativeDecoder(runner, runner.drafter, p, confidence="off", verify_ahead=flipped)),
             (f"oracle {oracle_rate:.2f} greedy", greedy, oracle_decoder),
+            (f"oracle {oracle_rate:.2f} greedy, {other_ahead}", greedy,
+             lambda p, seq: oracle_decoder(p, seq, verify_ahead=flipped)),
             # the same drafts, each round verifying the number of them the schedule policy picks from
             # the drafter's confidence and the verify costs the engine measured (in its warm-up), as
             # generate's default does

@@ -423,11 +423,13 @@ class OracleDecoders:
         self.runner, self.rate = runner, rate
         self.outlooks = {}  # verify policy -> the Outlook its decoders share
 
-    def __call__(self, params, sequence: list[int], confidence: str = "off", verify_costs=None):
+    def __call__(self, params, sequence: list[int], confidence: str = "off", verify_costs=None,
+                 verify_ahead: bool | None = None):
         from dsv41_mlx.speculative import SpeculativeDecoder
 
         oracle = OracleDrafter(self.runner.drafter, sequence, self.rate, seed=len(sequence))
         oracle.outlook = self.outlooks.get(confidence)
-        decoder = SpeculativeDecoder(self.runner, oracle, params, confidence=confidence, verify_costs=verify_costs)
+        decoder = SpeculativeDecoder(self.runner, oracle, params, confidence=confidence, verify_costs=verify_costs,
+                                     verify_ahead=verify_ahead)
         self.outlooks[confidence] = oracle.outlook
         return decoder
