@@ -91,11 +91,21 @@ def summarize(kernels: list[tuple[float, float, str]], steps: int, gap_us: float
     """kernels: (start us, end us, name) of `steps` steps -> per-step totals (ms) and a table."""
     if not kernels:
         return {"steps": steps, "kernels_per_step": 0, "span_ms": 0.0, "busy_ms": 0.0, "kernel_sum_ms": 0.0,
-                "long_gaps_ms": 0.0, "table": []}
+                "long_gaps_ms": 0.0, "table": [], "gaps": []}
     kernels = sorted(kernels)
     span = kernels[-1][1] - kernels[0][0]
     busy = busy_time([(s, e) for s, e, _ in kernels])
-    long_gaps = sum(idle for idle in idle_before(kernels[1:], kernels[0][1]) if idle > gap_us)
+    idle = idle_before(kernels[1:], kernels[0][1])
+    long_gaps = sum(i for i in idle if i > gap_us)
+    # the idle stretches over gap_us by the kernel that ended each: what the GPU waited for
+    # the host to launch (a step's boundary, or an operation the host runs before it launches)
+    waits = collections.defaultdict(lambda: [0, 0.0])
+    for (_, _, name), i in zip(kernels[1:], idle):
+        if i > gap_us:
+            waits[short_name(name)][0] += 1
+            waits[short_name(name)][1] += i
+    gaps = [{"kernel": k, "gaps_per_step": c / steps, "idle_ms_per_step": t / steps / 1e3}
+            for k, (c, t) in sorted(waits.items(), key=lambda kv: -kv[1][1])]
     by_name = collections.defaultdict(lambda: [0, 0.0])
     for start, end, name in kernels:
         entry = by_name[short_name(name)]
@@ -105,7 +115,7 @@ def summarize(kernels: list[tuple[float, float, str]], steps: int, gap_us: float
              for k, (c, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])]
     return {"steps": steps, "kernels_per_step": len(kernels) / steps, "span_ms": span / steps / 1e3,
             "busy_ms": busy / steps / 1e3, "kernel_sum_ms": sum(e - s for s, e, _ in kernels) / steps / 1e3,
-            "long_gaps_ms": long_gaps / steps / 1e3, "table": table}
+            "long_gaps_ms": long_gaps / steps / 1e3, "table": table, "gaps": gaps}
 
 
 def step_kernels(kernels: list[tuple[float, float, str]], steps: int, which: int = 0
@@ -374,17 +384,18 @@ def record(model_path: str, rows: int, steps: int, contexts: list[int], prefill_
     return results
 
 
-def growth(first: dict, last: dict) -> list[dict]:
+def growth(first: dict, last: dict, table: str = "table") -> list[dict]:
     """Two contexts' summaries (summarize) -> every kernel's ms a step in each and how much it
-    grew from the first to the last, the most grown first: what a longer context adds."""
-    a = {row["kernel"]: row for row in first["table"]}
-    b = {row["kernel"]: row for row in last["table"]}
+    grew from the first to the last, the most grown first: what a longer context adds.
+    table "gaps": the idle stretches before each kernel instead of its own time."""
+    calls, ms = ("calls_per_step", "ms_per_step") if table == "table" else ("gaps_per_step", "idle_ms_per_step")
+    a = {row["kernel"]: row for row in first[table]}
+    b = {row["kernel"]: row for row in last[table]}
     rows = []
     for kernel in a.keys() | b.keys():
         before, after = a.get(kernel, {}), b.get(kernel, {})
-        rows.append({"kernel": kernel, "calls_first": before.get("calls_per_step", 0.0),
-                     "calls_last": after.get("calls_per_step", 0.0), "first_ms": before.get("ms_per_step", 0.0),
-                     "last_ms": after.get("ms_per_step", 0.0)})
+        rows.append({"kernel": kernel, "calls_first": before.get(calls, 0.0), "calls_last": after.get(calls, 0.0),
+                     "first_ms": before.get(ms, 0.0), "last_ms": after.get(ms, 0.0)})
         rows[-1]["grew_ms"] = rows[-1]["last_ms"] - rows[-1]["first_ms"]
     return sorted(rows, key=lambda row: (-row["grew_ms"], row["kernel"]))
 
@@ -470,6 +481,12 @@ def print_growth(first: dict, last: dict, grown: list[dict], top: int) -> None:
           f"{first['kernels_per_step']:.0f} -> {last['kernels_per_step']:.0f} a step\n")
     print("| kernel | calls / step | ms / step | grew ms |\n|---|---|---|---|")
     for row in grown[:top]:
+        print(f"| {table_name(row['kernel'])} | {row['calls_first']:.1f} -> {row['calls_last']:.1f} | {row['first_ms']:.3f} -> "
+              f"{row['last_ms']:.3f} | {row['grew_ms']:+.3f} |")
+    print("\nthe idle stretches over 50 us, by the kernel the GPU then waited to start (what the host did "
+          "before launching it), the most grown first:\n")
+    print("| kernel after the wait | waits / step | idle ms / step | grew ms |\n|---|---|---|---|")
+    for row in growth(first, last, "gaps")[:top]:
         print(f"| {table_name(row['kernel'])} | {row['calls_first']:.1f} -> {row['calls_last']:.1f} | {row['first_ms']:.3f} -> "
               f"{row['last_ms']:.3f} | {row['grew_ms']:+.3f} |")
 

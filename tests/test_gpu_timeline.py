@@ -47,6 +47,8 @@ def test_summary_per_step(timeline):
     top = res["table"][0]
     assert (top["kernel"], top["calls_per_step"], top["us_per_call"]) == ("a_1", 2, 10)
     assert res["table"][1]["kernel"] == "b"
+    # the waits over 50 us, by the kernel after them: a_1 after 100 us in each step, a_1 after 870 between
+    assert res["gaps"] == [{"kernel": "a_1", "gaps_per_step": 1.5, "idle_ms_per_step": pytest.approx((100 + 870 / 2) / 1e3)}]
     assert timeline.summarize([], steps=3)["busy_ms"] == 0
 
 
@@ -314,3 +316,8 @@ def test_growth_lists_what_the_longer_context_adds(timeline):
     assert [row["kernel"] for row in grown] == ["sort", "gather", "gemv", "copy_v"]
     assert [round(row["grew_ms"], 3) for row in grown] == [0.8, 0.1, 0.0, -0.05]
     assert grown[1]["calls_first"] == 0 and grown[1]["calls_last"] == 1
+    # the waits before each kernel: gather waited 400 us at the longer context, gemv 100 us at both
+    first = timeline.summarize([(0, 100, "sort"), (200, 300, "gemv")], 1)
+    last = timeline.summarize([(0, 100, "sort"), (200, 300, "gemv"), (700, 800, "gather")], 1)
+    waited = timeline.growth(first, last, "gaps")
+    assert [(row["kernel"], round(row["grew_ms"], 3)) for row in waited] == [("gather", 0.4), ("gemv", 0.0)]
