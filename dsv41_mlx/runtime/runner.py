@@ -179,7 +179,7 @@ class Runner:
         begun = DecodeAhead(forward, cache, rows, layers if blocks is None else min(blocks, layers), self.settle,
                             self.forward_stream, real_rows)
         try:
-            next(forward)  # every block built, none started
+            next(forward)  # its blocks built ahead (all, for a decode), none started
             if own is not None:
                 self.settle()  # the forward before started whole: this thread may start the ids' work
                 mx.async_eval(*own)
