@@ -472,23 +472,23 @@ def print_table(res: dict, top: int) -> None:
         print(f"| {table_name(row['kernel'])} | {row['calls_per_step']:.1f} | {row['us_per_call']:.1f} | {row['ms_per_step']:.3f} |")
 
 
-def print_growth(first: dict, last: dict, grown: list[dict], top: int) -> None:
-    """What the last context adds to the first (growth): the step's totals, then the `top`
-    kernels that grew most, as markdown."""
+def print_growth(first: dict, last: dict, grown: list[dict], waited: list[dict], top: int) -> None:
+    """What the last context adds to the first: the step's totals, then the `top` kernels that
+    grew most (growth), and the `top` idle stretches by the kernel after them that grew most
+    (growth of "gaps"), as markdown."""
     print(f"from {first['prompt_tokens']} to {last['prompt_tokens']} tokens: wall {first['wall_ms']:.1f} -> "
           f"{last['wall_ms']:.1f} ms, GPU busy {first['busy_ms']:.1f} -> {last['busy_ms']:.1f} ms, idle gaps over "
           f"50 us {first['long_gaps_ms']:.1f} -> {last['long_gaps_ms']:.1f} ms, kernels "
           f"{first['kernels_per_step']:.0f} -> {last['kernels_per_step']:.0f} a step\n")
-    print("| kernel | calls / step | ms / step | grew ms |\n|---|---|---|---|")
-    for row in grown[:top]:
-        print(f"| {table_name(row['kernel'])} | {row['calls_first']:.1f} -> {row['calls_last']:.1f} | {row['first_ms']:.3f} -> "
-              f"{row['last_ms']:.3f} | {row['grew_ms']:+.3f} |")
-    print("\nthe idle stretches over 50 us, by the kernel the GPU then waited to start (what the host did "
-          "before launching it), the most grown first:\n")
-    print("| kernel after the wait | waits / step | idle ms / step | grew ms |\n|---|---|---|---|")
-    for row in growth(first, last, "gaps")[:top]:
-        print(f"| {table_name(row['kernel'])} | {row['calls_first']:.1f} -> {row['calls_last']:.1f} | {row['first_ms']:.3f} -> "
-              f"{row['last_ms']:.3f} | {row['grew_ms']:+.3f} |")
+    tables = [("| kernel | calls / step | ms / step | grew ms |", grown),
+              ("\nthe idle stretches over 50 us, by the kernel the GPU then waited to start (what the host did "
+               "before launching it), the most grown first:\n\n"
+               "| kernel after the wait | waits / step | idle ms / step | grew ms |", waited)]
+    for head, rows in tables:
+        print(head + "\n|---|---|---|---|")
+        for row in rows[:top]:
+            print(f"| {table_name(row['kernel'])} | {row['calls_first']:.1f} -> {row['calls_last']:.1f} | "
+                  f"{row['first_ms']:.3f} -> {row['last_ms']:.3f} | {row['grew_ms']:+.3f} |")
 
 
 def main() -> int:
@@ -567,7 +567,8 @@ def main() -> int:
     out = results[0] if len(results) == 1 else {"contexts": results}
     if len(results) > 1:
         out["growth"] = growth(results[0], results[-1])
-        print_growth(results[0], results[-1], out["growth"], args.top)
+        out["gaps_growth"] = growth(results[0], results[-1], "gaps")
+        print_growth(results[0], results[-1], out["growth"], out["gaps_growth"], args.top)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
