@@ -317,8 +317,7 @@ class Ahead:
     build_s: float  # the host's seconds building the proposal, in the round before
     verify: DecodeAhead | None = None
     verified: int = 0  # the drafts the verify forward takes
-    blocks: int = 0  # its blocks built (the rest are built once the drafts are read back)
-    verify_build_s: float = 0.0  # the host's seconds building them
+    verify_build_s: float = 0.0  # the host's seconds building its first blocks (blocks_ahead of them)
 
     def cancel(self) -> None:
         """The verify forward abandoned (the cache as it was before it)."""
@@ -479,7 +478,7 @@ class SpeculativeDecoder:
         toc = time.perf_counter()
         self.stats.propose_s += toc - tic
         if begun is not None:
-            self._fit_blocks_ahead(ahead.blocks, ahead.verify_build_s, toc - tic)
+            self._fit_blocks_ahead(ahead.verify_build_s, toc - tic)
 
         confidence = [sigmoid(c) for c in proposal.confidence.tolist()]  # on the host: no launch, no wait
         if begun is None:
@@ -536,16 +535,17 @@ class SpeculativeDecoder:
             ell = min(ell, budget - 1)
             ids = verify_ids(anchor, proposal.drafts, ell, self.runner.options.decode_rows or ell + 1)
             ahead.verify = self.runner.verify_ahead(ids, ell + 1, cache, self.blocks_ahead)
-            ahead.verified, ahead.blocks, ahead.verify_build_s = ell, self.blocks_ahead, time.perf_counter() - toc
+            ahead.verified, ahead.verify_build_s = ell, time.perf_counter() - toc
 
-    def _fit_blocks_ahead(self, blocks: int, build_s: float, waited_s: float) -> None:
-        """After a round whose verify forward had its first `blocks` blocks built ahead in
+    def _fit_blocks_ahead(self, build_s: float, waited_s: float) -> None:
+        """After a round whose verify forward had its first blocks_ahead blocks built ahead in
         build_s seconds, and whose host then waited waited_s for the drafts: the blocks to
         build ahead of the next. The device waits for the host's engram rows until the drafts
         are read back, so the host should build as many blocks as the proposal leaves it time
         for, not more: where it waited, as many more as would have filled that wait (one
         short); where it found the drafts ready, one fewer (they may have waited for it)."""
-        per_block = build_s / max(blocks, 1)
+        blocks = self.blocks_ahead
+        per_block = build_s / blocks
         if waited_s > per_block:
             blocks += int(waited_s / per_block) - 1
         else:

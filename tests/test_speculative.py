@@ -169,7 +169,8 @@ def test_the_blocks_built_ahead_follow_the_hosts_wait_for_the_drafts(fixture_mod
     assert decoder.blocks_ahead == max(1, layers // 4)
     for blocks, build_s, waited_s, then in [(2, 0.002, 0.0031, 4), (4, 0.004, 0.0, 3), (4, 0.004, 0.0009, 3),
                                            (1, 0.001, 0.0, 1), (6, 0.006, 0.01, layers)]:
-        decoder._fit_blocks_ahead(blocks, build_s, waited_s)
+        decoder.blocks_ahead = blocks
+        decoder._fit_blocks_ahead(build_s, waited_s)
         assert decoder.blocks_ahead == then, (blocks, build_s, waited_s)
 
 
