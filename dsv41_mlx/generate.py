@@ -294,7 +294,7 @@ def drafted_steps(runner: Runner, decoder: SpeculativeDecoder, cache: ModelCache
         return
     try:
         while produced < max_tokens:
-            plain = min(decoder.plain_tokens(), max_tokens - produced)
+            plain = decoder.plain_tokens(max_tokens - produced)
             if plain:
                 stretch = []
                 steps = plain_steps(runner, cache, decoder.params, plain, stop, anchor=anchor, kept=stretch)

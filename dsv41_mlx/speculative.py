@@ -140,8 +140,10 @@ class Outlook:
       PROBE_SHARE of the stretch's time (where proposing costs several plain steps, as on a
       CPU, probing then costs drafting that never pays at most that share).
     The drafter keeps its outlook across generations (a server's requests, a runner's
-    replies): one that did not pay starts the next generation with plain steps. Which drafts
-    are verified never changes the reply, only its speed."""
+    replies), the stretch under way included (`plain_left`): a generation that ends inside a
+    stretch leaves the rest of it to the next, which then probes when it is done, so that
+    replies shorter than a stretch still probe now and then. Which drafts are verified never
+    changes the reply, only its speed."""
 
     DECAY = 0.8  # per round: about the last five rounds count
     FIRST_STRETCH, MAX_STRETCH = 8, 64
@@ -156,6 +158,7 @@ class Outlook:
         self.paying: bool | None = None  # the last round's verdict (None: no round yet)
         self.next_stretch = self.FIRST_STRETCH
         self.least_stretch = 0  # what the last failed probe's cost asks of a stretch (probe_stretch)
+        self.plain_left = 0  # tokens of the stretch under way still to decode plainly before a round
 
     def observe(self, confidence: list[float], verified: int, accepted: int) -> None:
         """A round that verified `verified` drafts of confidences `confidence` and accepted the
@@ -361,7 +364,6 @@ class SpeculativeDecoder:
         if self.policy.mode == "schedule" and drafter.outlook is None:
             drafter.outlook = Outlook(drafter.block)
         self.outlook = drafter.outlook if self.policy.mode == "schedule" else Outlook(drafter.block)
-        self._plain_next = self.outlook.stretch() if self.outlook.paying is False else 0  # plain tokens before a round
         self._ahead: Ahead | None = None  # the next round's proposal, started by the round before
         # whether a round begins the next round's verify forward (None: as the runner's options
         # say; it needs the runner to build ahead), and the blocks of it built before its drafts
@@ -385,12 +387,15 @@ class SpeculativeDecoder:
         self.drafter.ingest(draft_cache, features)
         return draft_cache
 
-    def plain_tokens(self) -> int:
-        """How many tokens to decode plainly before the next round (0: a round now), counted as a
-        stretch in the stats."""
-        n, self._plain_next = self._plain_next, 0
+    def plain_tokens(self, budget: int) -> int:
+        """How many of the next `budget` tokens to decode plainly before the next round (0: a
+        round now): what is left of the outlook's stretch (Outlook.plain_left, the rest kept
+        for the next generation), counted as a stretch in the stats; else the one token a
+        budget of one leaves (a round there could verify no draft: its proposal is wasted)."""
+        n = min(self.outlook.plain_left, budget)
+        self.outlook.plain_left -= n
         self.stats.stretches += n > 0
-        return n
+        return n or int(budget == 1)
 
     def after_plain(self, features: mx.array) -> None:
         """Plain steps decoded the positions draft_cache.end .. (features [n, 3*dim]): the rings
@@ -512,7 +517,7 @@ class SpeculativeDecoder:
             self.outlook.observe(confidence, ell, accepted)
             self.decide(ell, accepted)
         tokens = drafts[:accepted].tolist() + [next_token]
-        if len(tokens) < budget and not any(t in stop for t in tokens) and not self._plain_next:
+        if len(tokens) < budget - 1 and not any(t in stop for t in tokens) and not self.outlook.plain_left:
             self._propose_ahead(draft_cache, next_token, cache, budget - len(tokens))
         return tokens
 
@@ -598,7 +603,7 @@ class SpeculativeDecoder:
             self.outlook.paid()
         elif not (verified and accepted == verified):
             self.outlook.probe_stretch(costs[verified], accepted + 1, plain_s)
-            self._plain_next = self.outlook.stretch()
+            self.outlook.plain_left = self.outlook.stretch()
 
     def accept(self, logits: mx.array, proposal: Proposal, ell: int, first_pos: int,
                features: mx.array) -> tuple[int, int]:

@@ -540,16 +540,41 @@ def test_schedule_decodes_plainly_where_a_drafter_is_always_wrong(fixture_model,
 
 
 def test_a_drafter_that_did_not_pay_starts_the_next_generation_with_plain_steps(fixture_model, runner):
-    """The outlook stays with the drafter: after a reply where it never paid (stretches of 17,
-    17 and 22), the next reply decodes plainly from its first token on (a stretch of 64), and
-    is still the undrafted reply."""
+    """The outlook stays with the drafter, the stretch under way included: after a reply where
+    it never paid (stretches of 17, 17 and 22, the doubling schedule's 32 cut at the budget),
+    the next reply decodes the 10 tokens left of that stretch plainly, probes once (a miss:
+    the next stretch is 64), and decodes plainly to its end, 16 of the 64 left for the reply
+    after; it is still the undrafted reply."""
     prompt = PROMPTS[1]
     plain = _reply(runner, prompt, GREEDY, max_tokens=60)
     wrong = TurnsRight(runner.drafter, prompt + plain + [0] * 8, turn=10**9)
-    _reply(runner, prompt, GREEDY, _scheduled(runner, wrong), max_tokens=60)
+    first = _scheduled(runner, wrong)
+    _reply(runner, prompt, GREEDY, first, max_tokens=60)
+    assert first.stats.plain_steps == 17 + 17 + 22 and wrong.outlook.plain_left == 10
     second = _scheduled(runner, wrong)
     assert _reply(runner, prompt, GREEDY, second, max_tokens=60) == plain
-    assert (second.stats.rounds, second.stats.stretches, second.stats.plain_steps) == (0, 1, 59)
+    assert (second.stats.rounds, second.stats.stretches, second.stats.plain_steps) == (1, 2, 10 + 48)
+    assert wrong.outlook.plain_left == 16
+
+
+def test_replies_shorter_than_a_stretch_still_probe(fixture_model, runner):
+    """A drafter that is wrong until some position of the text and right after, asked for
+    replies of 12 tokens, each shorter than the stretches its misses earn: the stretch carries
+    from reply to reply, so probes keep coming (a generation does not start a fresh stretch
+    of its own), and once the drafter is right the replies are drafted. Every reply is the
+    undrafted one."""
+    prompt = PROMPTS[1]
+    plain = _reply(runner, prompt, GREEDY, max_tokens=12)
+    drafter = TurnsRight(runner.drafter, prompt + plain + [0] * 8, turn=10**9)
+    rounds = []
+    for n in range(12):
+        if n == 6:
+            drafter.turn = 0  # right from here on
+        decoder = _scheduled(runner, drafter)
+        assert _reply(runner, prompt, GREEDY, decoder, max_tokens=12) == plain
+        rounds.append(decoder.stats.rounds)
+    assert sum(rounds[1:6]) > 0  # probes while it is wrong, after the first reply's
+    assert rounds[-1] > 0 and decoder.stats.accepted > decoder.stats.rounds  # taken up once right
 
 
 def test_schedule_takes_up_a_drafter_that_starts_matching(fixture_model, runner):
@@ -591,7 +616,7 @@ def test_round_costs_follow_the_rounds_where_the_forwards_were_measured_slower(f
     for accepted in (1, 0, 1, 1, 0):
         decoder.outlook.observe([0.9] * block, verified=1, accepted=accepted)
     decoder.decide(verified=1, accepted=0)
-    assert decoder.outlook.paying is True and decoder.plain_tokens() == 0
+    assert decoder.outlook.paying is True and decoder.plain_tokens(100) == 0
 
 
 def test_the_rounds_time_stays_with_the_drafter_across_generations(fixture_model, runner):
@@ -648,15 +673,17 @@ def test_the_schedule_weighs_a_round_against_the_runners_plain_steps(fixture_mod
             assert decoder.outlook.paying is pays
 
 
-def test_verify_all_and_threshold_never_decode_plainly(fixture_model, runner):
-    """The policy's plain stretches belong to the schedule: `off` and `threshold` verify as told."""
+def test_verify_all_and_threshold_decode_plainly_only_a_last_token(fixture_model, runner):
+    """The policy's plain stretches belong to the schedule: `off` and `threshold` verify as told,
+    in a round at every step but the last, where a round could verify no draft (a plain
+    step then: the same token without a proposal)."""
     prompt = PROMPTS[1]
     wrong = TurnsRight(runner.drafter, prompt + _reply(runner, prompt, GREEDY, max_tokens=20) + [0] * 8, 10**9)
     for confidence in ("off", "threshold:0.5"):
         decoder = SpeculativeDecoder(runner, wrong, GREEDY, confidence=confidence)
         _reply(runner, prompt, GREEDY, decoder, max_tokens=20)
-        # the anchor, then a round per token: every draft wrong, and never a plain step
-        assert (decoder.stats.rounds, decoder.stats.stretches, decoder.stats.plain_steps) == (19, 0, 0)
+        # the anchor, then a round per token (every draft wrong), then the last token plainly
+        assert (decoder.stats.rounds, decoder.stats.stretches, decoder.stats.plain_steps) == (18, 0, 1)
 
 
 def test_outlook_weighs_seen_acceptance_against_a_plain_step():
@@ -716,7 +743,7 @@ def test_the_decoder_bounds_the_stretch_by_its_probes_cost(fixture_model, runner
         for _ in range(5):
             decoder.outlook.observe([0.9] * block, verified=1, accepted=0)
         decoder.decide(verified=1, accepted=0)
-        assert decoder.outlook.paying is False and decoder.plain_tokens() == expected
+        assert decoder.outlook.paying is False and decoder.plain_tokens(10**6) == expected
 
 
 def test_verify_costs_are_measured_in_rounds_over_every_row_count():
