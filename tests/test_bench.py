@@ -83,6 +83,8 @@ def test_e2e_drafted_replies_equal_undrafted_and_mlxlm_runs_beside(monkeypatch, 
     assert paired_oracle["tok_s"] > 0 and paired_oracle["plain_tok_s"] > 0 and paired_oracle["host_probe_ms"] > 0
     scheduled = res["paired_oracle_schedule"]  # the same, the schedule policy picking each round's verify
     assert scheduled["pairs"] == 4 and scheduled["tok_s"] > 0 and scheduled["plain_tok_s"] > 0
+    drafted = res["paired_drafted"]  # the checkpoint's drafter under the schedule, the same way
+    assert drafted["pairs"] == 4 and drafted["ratio"] == statistics.median(drafted["ratios"])
     long = res["long_context"]
     assert long["tok_s"] > 0 and long["host_probe_ms"] > 0
     for label in ("plain greedy", "plain coupled"):  # a token a step: each prompt's steps timed
@@ -105,6 +107,9 @@ def test_e2e_drafted_replies_equal_undrafted_and_mlxlm_runs_beside(monkeypatch, 
     assert (f"oracle 0.56 greedy, schedule and plain greedy interleaved prompt by prompt (median of 4 pairs' "
             f"ratios; host probe {scheduled['host_probe_ms']:.2f} ms): {scheduled['tok_s']:.2f} against "
             f"{scheduled['plain_tok_s']:.2f} tok/s, **{scheduled['ratio']:.2f}x**") in printed
+    assert (f"drafted greedy (the checkpoint's drafter, schedule) and plain greedy interleaved prompt by prompt "
+            f"(median of 4 pairs' ratios; host probe {drafted['host_probe_ms']:.2f} ms): {drafted['tok_s']:.2f} "
+            f"against {drafted['plain_tok_s']:.2f} tok/s, **{drafted['ratio']:.2f}x**") in printed
     assert f"| host probe ms (median around the run) | {runs['plain greedy']['host_probe_ms']:.2f} | " in printed
     assert f"pairs' ratios; host probe {paired['host_probe_ms']:.2f} ms) | {paired['tok_s']:.2f} | " in printed
     assert (f"pairs' ratios; host probe {paired_prefill['host_probe_ms']:.2f} ms) | {paired_prefill['tok_s']:.1f} | "

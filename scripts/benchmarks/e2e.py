@@ -367,6 +367,11 @@ def bench_e2e(model_path: str, n_prompts: int, tokens: int, oracle_rate: float, 
         out["paired_oracle_schedule"] = paired_speedup(
             runner, ids_list, tokens, lambda i: oracle_decoder(greedy, ids_list[i] + references[i], confidence="schedule"))
         print(f"  paired oracle, schedule: {out['paired_oracle_schedule']}", flush=True)
+        # the checkpoint's drafter as generate drafts by default (schedule): whether drafting
+        # costs anything where the drafter is poorly matched, against plain greedy of the same moment
+        out["paired_drafted"] = paired_speedup(
+            runner, ids_list, tokens, lambda i: SpeculativeDecoder(runner, runner.drafter, greedy, confidence="schedule"))
+        print(f"  paired drafted, schedule: {out['paired_drafted']}", flush=True)
 
         # ours and mlx-lm interleaved prompt by prompt (both loaded): the ratio above compares runs
         # minutes apart, and the host's speed drifts
@@ -472,10 +477,12 @@ def print_e2e(env: dict, res: dict, model: str) -> None:
               f"every compressed position without scoring): {long['tok_s']:.2f} tok/s, "
               f"{long['tok_s'] / plain:.2f}x the short prompts' plain greedy, "
               f"{long['tok_s'] * res['floor_ms'] / 1e3:.1%} of the floor (host probe {long['host_probe_ms']:.2f} ms)\n")
-    for key, policy in (("paired_oracle", ""), ("paired_oracle_schedule", ", schedule")):
+    for key, label in (("paired_oracle", f"oracle {res['oracle_rate']:.2f} greedy"),
+                       ("paired_oracle_schedule", f"oracle {res['oracle_rate']:.2f} greedy, schedule"),
+                       ("paired_drafted", "drafted greedy (the checkpoint's drafter, schedule)")):
         if key in res:
             po = res[key]
-            print(f"oracle {res['oracle_rate']:.2f} greedy{policy} and plain greedy interleaved prompt by prompt "
+            print(f"{label} and plain greedy interleaved prompt by prompt "
                   f"(median of {po['pairs']} pairs' ratios; host probe {po['host_probe_ms']:.2f} ms): "
                   f"{po['tok_s']:.2f} against {po['plain_tok_s']:.2f} tok/s, **{po['ratio']:.2f}x**\n")
     if "oracle_budget" in res:
