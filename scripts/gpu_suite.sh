@@ -2,9 +2,11 @@
 # Check and time everything on a GPU machine, writing each step's output to OUT_DIR.
 #
 #   bash scripts/gpu_suite.sh OUT_DIR [kernels] [lossless] [head] [propose] [gemms] [pieces] [profile]
-#                                     [profile-nokernels] [e2e]
+#                                     [profile-nokernels] [e2e] [timeline-context] [timeline-rounds]
+#                                     [timeline-propose] [timeline-verify]
 #
-# With no step named, runs them all. The steps that need a release-shaped
+# With no step named, runs kernels to e2e but profile-nokernels. The timeline steps need PyTorch
+# beside MLX (scripts/gpu_timeline.py). The steps that need a release-shaped
 # checkpoint (pieces, profile, e2e) write one to $FLASH_DIR (default
 # /tmp/dsv41_flash) first unless it is already there. Environment: COMMIT (the
 # commit the tables name; default: git's), JOBS (shard writers, default 8), TOKENIZER
@@ -76,6 +78,15 @@ for step in $steps; do
       run profile_nokernels env DSV41_MLX_KERNELS=0 python3 "$here/bench.py" profile --model "$flash" --steps 3 \
         --json "$out/profile_nokernels.json" ;;
     e2e) needs_flash; run e2e python3 "$here/bench.py" e2e --model "$flash" --prompts 1 --tokens "${E2E_TOKENS:-48}" --json "$out/e2e.json" ;;
+    # scripts/gpu_timeline.py: a plain decode step after 1K and 32K tokens (what the longer context
+    # adds, kernels and idle stretches), the oracle's rounds, a propose pass, a verify forward of 4 rows
+    timeline-context)
+      needs_flash
+      run timeline_context python3 "$here/gpu_timeline.py" --model "$flash" --prompt-tokens 1024 32768 \
+        --json "$out/timeline_context.json" ;;
+    timeline-rounds) needs_flash; run timeline_rounds python3 "$here/gpu_timeline.py" --model "$flash" --oracle --json "$out/timeline_rounds.json" ;;
+    timeline-propose) needs_flash; run timeline_propose python3 "$here/gpu_timeline.py" --model "$flash" --propose --json "$out/timeline_propose.json" ;;
+    timeline-verify) needs_flash; run timeline_verify python3 "$here/gpu_timeline.py" --model "$flash" --rows 4 --json "$out/timeline_verify.json" ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done
