@@ -36,7 +36,9 @@ class Options:
     gate_rows: bool = False
     # a drafted round builds the first blocks of the next round's verify forward while the
     # device still proposes its drafts (SpeculativeDecoder.blocks_ahead), its engram rows read
-    # as build_ahead's are; needs build_ahead. Off by default: not yet measured to pay
+    # as build_ahead's are; needs build_ahead. Off by default: on an H100 it did not pay
+    # (rounds wait on the verify forward's device time, not on the host; the host found the
+    # drafts ready after one block built ahead)
     verify_ahead: bool = False
     # a prefill computes, at each layer past the last KV source, only the positions whose
     # outputs something later reads (runner.prefill_rows); the same bits where it matters
