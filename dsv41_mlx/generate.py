@@ -292,9 +292,10 @@ def drafted_steps(runner: Runner, decoder: SpeculativeDecoder, cache: ModelCache
     produced = 1
     if anchor in stop:
         return
+    left = 0  # the plain tokens asked for and not yet decoded: the decoder's again if the reply ends first
     try:
         while produced < max_tokens:
-            plain = decoder.plain_tokens(max_tokens - produced)
+            plain = left = decoder.plain_tokens(max_tokens - produced)
             if plain:
                 stretch = []
                 steps = plain_steps(runner, cache, decoder.params, plain, stop, anchor=anchor, kept=stretch)
@@ -304,6 +305,7 @@ def drafted_steps(runner: Runner, decoder: SpeculativeDecoder, cache: ModelCache
                     kept.append(decoder.committed_features)
             for token in steps:
                 decoder.stats.plain_steps += bool(plain)  # (counted before the caller may stop reading)
+                left -= bool(plain)
                 yield token
                 produced += 1
                 if token in stop:
@@ -319,6 +321,7 @@ def drafted_steps(runner: Runner, decoder: SpeculativeDecoder, cache: ModelCache
             anchor = token
     finally:
         decoder.cancel_ahead()  # a round begun ahead that no caller will take up
+        decoder.plain_unused(left)
 
 
 def draw_token(runner: Runner, logits: mx.array, position: int, params: SamplingParams) -> mx.array:

@@ -397,6 +397,11 @@ class SpeculativeDecoder:
         self.stats.stretches += n > 0
         return n or int(budget == 1)
 
+    def plain_unused(self, n: int) -> None:
+        """A reply ended (a stop token, or its caller stopped reading) with n tokens of a plain
+        stretch not decoded: they go back to the stretch under way, the next generation's."""
+        self.outlook.plain_left += n
+
     def after_plain(self, features: mx.array) -> None:
         """Plain steps decoded the positions draft_cache.end .. (features [n, 3*dim]): the rings
         catch up on them."""

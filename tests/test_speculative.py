@@ -557,6 +557,26 @@ def test_a_drafter_that_did_not_pay_starts_the_next_generation_with_plain_steps(
     assert wrong.outlook.plain_left == 16
 
 
+def test_a_reply_that_ends_inside_a_stretch_hands_back_what_it_did_not_decode(fixture_model, runner):
+    """A reply that ends inside a plain stretch, at a stop token or where its caller stops
+    reading, leaves the tokens it did not decode to the stretch under way: the stretch counts
+    plain tokens decoded, not replies begun."""
+    prompt = PROMPTS[1]
+    plain = _reply(runner, prompt, GREEDY, max_tokens=60)
+    wrong = TurnsRight(runner.drafter, prompt + plain + [0] * 8, turn=10**9)
+    _reply(runner, prompt, GREEDY, _scheduled(runner, wrong), max_tokens=60)
+    assert wrong.outlook.plain_left == 10  # (the test above: 22 of a 32-token stretch decoded)
+    stop_at = next(i for i in range(3, 8) if plain[i] not in plain[:i])
+    decoder = _scheduled(runner, wrong)
+    reply = list(generate_step(runner, prompt, GREEDY, 60, decoder=decoder, stop={plain[stop_at]}))
+    assert reply == plain[:stop_at + 1] and decoder.stats.plain_steps == stop_at
+    assert wrong.outlook.plain_left == 10 - stop_at
+    steps = generate_step(runner, prompt, GREEDY, 60, decoder=_scheduled(runner, wrong))
+    assert [next(steps) for _ in range(3)] == plain[:3]  # the anchor, then 2 of the stretch's tokens
+    steps.close()
+    assert wrong.outlook.plain_left == 10 - stop_at - 2
+
+
 def test_replies_shorter_than_a_stretch_still_probe(fixture_model, runner):
     """A drafter that is wrong until some position of the text and right after, asked for
     replies of 12 tokens, each shorter than the stretches its misses earn: the stretch carries
