@@ -3,7 +3,7 @@
 #
 #   bash scripts/gpu_suite.sh OUT_DIR [kernels] [lossless] [head] [propose] [gemms] [pieces] [profile]
 #                                     [profile-nokernels] [e2e] [timeline-context] [timeline-rounds]
-#                                     [timeline-propose] [timeline-verify]
+#                                     [timeline-propose] [timeline-verify] [warm]
 #
 # With no step named, runs kernels to e2e but profile-nokernels. The timeline steps need PyTorch
 # beside MLX (scripts/gpu_timeline.py). The steps that need a release-shaped
@@ -17,6 +17,8 @@
 # spends ~5 minutes on them), and they are cached on disk in MLX_PTX_CACHE_DIR. So that a
 # fresh machine need not build them again, the cache is packed into
 # OUT_DIR/kernel_cache.tgz at the end, and KERNEL_CACHE names such a .tgz to unpack first.
+# The step `warm` only builds them (generate.warm_up on the release-shaped checkpoint), stopped
+# after WARM_LIMIT seconds (default 420) so that a call under a time limit still packs what it built.
 set -euo pipefail
 out=${1:?usage: gpu_suite.sh OUT_DIR [steps...]}
 shift
@@ -87,6 +89,14 @@ for step in $steps; do
     timeline-rounds) needs_flash; run timeline_rounds python3 "$here/gpu_timeline.py" --model "$flash" --oracle --json "$out/timeline_rounds.json" ;;
     timeline-propose) needs_flash; run timeline_propose python3 "$here/gpu_timeline.py" --model "$flash" --propose --json "$out/timeline_propose.json" ;;
     timeline-verify) needs_flash; run timeline_verify python3 "$here/gpu_timeline.py" --model "$flash" --rows 4 --json "$out/timeline_verify.json" ;;
+    warm)
+      needs_flash
+      run warm timeout "${WARM_LIMIT:-420}" python3 -c "import sys; sys.path.insert(0, '$here/..'); import dsv41_mlx
+from dsv41_mlx.generate import warm_up
+from dsv41_mlx.runtime.runner import Runner
+model, _ = dsv41_mlx.load('$flash')
+with Runner(model) as runner:
+    print(f'warm-up {warm_up(runner):.1f} s')" ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done
