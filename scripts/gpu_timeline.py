@@ -87,6 +87,16 @@ def busy_time(intervals: list[tuple[float, float]]) -> float:
     return total + (cur_end - cur_start if cur_end is not None else 0.0)
 
 
+def tally(timed) -> list[tuple[str, int, float]]:
+    """(kernel name, us) pairs -> each short name's count and total us, the largest total first."""
+    totals = collections.defaultdict(lambda: [0, 0.0])
+    for name, us in timed:
+        entry = totals[short_name(name)]
+        entry[0] += 1
+        entry[1] += us
+    return sorted(((k, c, t) for k, (c, t) in totals.items()), key=lambda row: -row[2])
+
+
 def summarize(kernels: list[tuple[float, float, str]], steps: int, gap_us: float = 50.0) -> dict:
     """kernels: (start us, end us, name) of `steps` steps -> per-step totals (ms) and a table."""
     if not kernels:
@@ -97,22 +107,12 @@ def summarize(kernels: list[tuple[float, float, str]], steps: int, gap_us: float
     busy = busy_time([(s, e) for s, e, _ in kernels])
     idle = idle_before(kernels[1:], kernels[0][1])
     long_gaps = sum(i for i in idle if i > gap_us)
-    # the idle stretches over gap_us by the kernel that ended each: what the GPU waited for
+    # the idle stretches over gap_us by the kernel that follows each: what the GPU waited for
     # the host to launch (a step's boundary, or an operation the host runs before it launches)
-    waits = collections.defaultdict(lambda: [0, 0.0])
-    for (_, _, name), i in zip(kernels[1:], idle):
-        if i > gap_us:
-            waits[short_name(name)][0] += 1
-            waits[short_name(name)][1] += i
     gaps = [{"kernel": k, "gaps_per_step": c / steps, "idle_ms_per_step": t / steps / 1e3}
-            for k, (c, t) in sorted(waits.items(), key=lambda kv: -kv[1][1])]
-    by_name = collections.defaultdict(lambda: [0, 0.0])
-    for start, end, name in kernels:
-        entry = by_name[short_name(name)]
-        entry[0] += 1
-        entry[1] += end - start
+            for k, c, t in tally((name, i) for (_, _, name), i in zip(kernels[1:], idle) if i > gap_us)]
     table = [{"kernel": k, "calls_per_step": c / steps, "us_per_call": t / c, "ms_per_step": t / steps / 1e3}
-             for k, (c, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])]
+             for k, c, t in tally((name, end - start) for start, end, name in kernels)]
     return {"steps": steps, "kernels_per_step": len(kernels) / steps, "span_ms": span / steps / 1e3,
             "busy_ms": busy / steps / 1e3, "kernel_sum_ms": sum(e - s for s, e, _ in kernels) / steps / 1e3,
             "long_gaps_ms": long_gaps / steps / 1e3, "table": table, "gaps": gaps}
